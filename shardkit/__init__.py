@@ -1,0 +1,20 @@
+"""shardkit: declare a mesh and per-layer partition specs; get a compiled SPMD train step."""
+
+from .mesh import describe_mesh as describe_mesh
+from .mesh import make_mesh as make_mesh
+from .mesh import parse_mesh_spec as parse_mesh_spec
+from .mesh import use_cpu_devices as use_cpu_devices
+from .plan import Plan as Plan
+from .plan import active_plan as active_plan
+from .plan import constrain as constrain
+from .precision import Precision as Precision
+from .rules import AxisRules as AxisRules
+from .rules import LeafLayout as LeafLayout
+from .rules import PathRules as PathRules
+from .rules import ShardingError as ShardingError
+from .step import NonFiniteError as NonFiniteError
+from .step import TrainState as TrainState
+from .step import TrainStep as TrainStep
+from .step import train_step as train_step
+
+__version__ = "0.1.0"

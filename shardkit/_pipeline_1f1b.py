@@ -1,0 +1,117 @@
+"""The 1F1B schedule's forward-and-backward pass (the custom_vjp forward of ``pipeline``).
+
+One ``lax.scan`` over the rows of ``one_f_one_b_table``; per tick a device runs one of five
+branches with ``lax.switch`` (idle, forward, backward, and the last stage's forward+loss and
+backward-through-loss), then two ppermutes move activations down and cotangents up the pipe.
+A backward recomputes its stage from the saved input (``jax.vjp``), so the only per-microbatch
+state is a ring of ``act_ring`` (<= p) stage inputs: memory does not grow with ``m``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from . import _pipeline_schedules as sched
+
+
+def _acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _zeros_acc(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), tree)
+
+
+def _add(acc, d):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d)
+
+
+def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb, rng, *,
+                      mesh, axis, p, m):
+    """Returns (mean loss, (d params_s, d loss_params, d x_mb)) for a 1F1B pipeline."""
+    from .pipeline import _put, _take, _varying
+
+    tab = sched.one_f_one_b_table(p, m)
+    down = [(s, s + 1) for s in range(p - 1)]
+    up = [(s + 1, s) for s in range(p - 1)]
+
+    def body(params_l, loss_params, x_mb, extras_mb, targets_mb, rng):
+        stage = lax.axis_index(axis)
+        params_l = jax.tree.map(lambda a: a[0, 0], params_l)  # (k, ...): v == 1
+        # Varying before the switch: the transpose of an implicit invariant->varying cast is a
+        # psum, which must not end up inside a branch only some stages take.
+        loss_params, x_mb, extras_mb, targets_mb = _varying(
+            (loss_params, x_mb, extras_mb, targets_mb), axis)
+        zero_h = jnp.zeros_like(x_mb[0])
+        rows = tuple(jnp.asarray(a) for a in (tab.op, tab.mb, tab.act_slot, tab.grad_slot,
+                                              tab.recv_act, tab.recv_grad))
+
+        def stage_out(P_, h, mb):
+            return chunk(P_, h, stage, mb, _take(extras_mb, mb))
+
+        def stage_loss(P_, LP, h, mb):
+            return loss_fn(LP, stage_out(P_, h, mb), _take(targets_mb, mb)).astype(jnp.float32)
+
+        def tick(carry, row):
+            op, mb, a_slot, g_slot, r_act, r_grad = (r[stage] for r in row)
+            recv_h, recv_g, act_ring, grad_ring, acc = carry
+            act_ring = _put(act_ring, recv_h, r_act)
+            grad_ring = _put(grad_ring, recv_g, r_grad)
+            h = jnp.where(stage == 0, _take(x_mb, mb), _take(act_ring, a_slot))
+            g = _take(grad_ring, g_slot)
+
+            def idle(acc):
+                return zero_h, zero_h, acc
+
+            def fwd(acc):
+                return stage_out(params_l, h, mb), zero_h, acc
+
+            def bwd(acc):
+                _, vjp = jax.vjp(lambda P_, h: stage_out(P_, h, mb), params_l, h)
+                d_p, d_h = vjp(g)
+                return zero_h, d_h, _grads(acc, d_p, None, d_h)
+
+            def fwd_last(acc):
+                gp, gl, gx, loss = acc
+                return zero_h, zero_h, (gp, gl, gx, loss + stage_loss(params_l, loss_params, h, mb))
+
+            def bwd_last(acc):
+                _, vjp = jax.vjp(lambda P_, LP, h: stage_loss(P_, LP, h, mb), params_l, loss_params, h)
+                d_p, d_l, d_h = vjp(jnp.float32(1.0 / m))
+                return zero_h, d_h, _grads(acc, d_p, d_l, d_h)
+
+            def _grads(acc, d_p, d_l, d_h):
+                gp, gl, gx, loss = acc
+                gl = gl if d_l is None else _add(gl, d_l)
+                gx = _put(gx, d_h, jnp.where(stage == 0, mb, m))  # only stage 0 owns dx
+                return _add(gp, d_p), gl, gx, loss
+
+            send_h, send_g, acc = lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last], acc)
+            if p > 1:
+                send_h = lax.ppermute(send_h, axis, down)
+                send_g = lax.ppermute(send_g, axis, up)
+            return (send_h, send_g, act_ring, grad_ring, acc), None
+
+        acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
+               jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
+        init = _varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
+                         jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), axis)
+        *_, (gp, gl, gx, loss) = lax.scan(tick, init, rows)[0]
+        # Loss, loss_params grads and dx live on one stage each; psum broadcasts them.
+        loss, gl, gx = lax.psum((loss / m, gl, gx[:m]), axis)
+        gp = jax.tree.map(lambda a: a[None, None], gp)
+        return loss, (gp, gl, gx)
+
+    spec = P(axis)
+    rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
+    loss, (gp, gl, gx) = jax.shard_map(
+        body, mesh=mesh, axis_names={axis},
+        in_specs=(jax.tree.map(lambda _: spec, params_s), rep(loss_params), P(), rep(extras_mb),
+                  rep(targets_mb), None if rng is None else P()),
+        out_specs=(P(), (jax.tree.map(lambda _: spec, params_s), rep(loss_params), P())),
+    )(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)
+    cast = lambda d, a: d.astype(jnp.result_type(a))  # noqa: E731
+    return loss, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))

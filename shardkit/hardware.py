@@ -1,0 +1,126 @@
+"""Accelerator figures: peak dense bf16 flop/s, HBM, link bandwidths; a measured CPU peak.
+
+One table, shared by the recipes' MFU and the cost model. Figures per chip, dense (no
+sparsity), from the vendors' data sheets and the JAX scaling book ("How to Scale Your
+Model"); see FORMULAS.md. Add your own with ``register_hardware``.
+
+On CPU there is no data sheet: ``measure_cpu_peak`` times a large float32 matmul. Simulated
+CPU devices (``sk.use_cpu_devices``) share the host's cores, so each gets an equal share of
+the host's peak and MFU over all of them is achieved/host peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator chip.
+
+    Attributes:
+        name: short name used as the table key (``"h100"``).
+        peak_flops: dense bf16 flop/s per chip.
+        hbm_bytes: device memory per chip.
+        intra_node_bw: bytes/s per chip, one direction, over the fast links (NVLink / ICI).
+        inter_node_bw: bytes/s per chip, one direction, across nodes/slices (InfiniBand / DCN).
+        device_kinds: lower-case substrings of ``jax.Device.device_kind`` that identify it.
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    intra_node_bw: float
+    inter_node_bw: float
+    device_kinds: tuple[str, ...] = ()
+
+
+HARDWARE: dict[str, Hardware] = {}
+
+
+def register_hardware(hw: Hardware, *, overwrite: bool = False) -> Hardware:
+    """Adds ``hw`` to ``HARDWARE`` (keyed by ``hw.name.lower()``).
+
+    Raises:
+        ValueError: the name is taken and ``overwrite`` is false.
+    """
+    key = hw.name.lower()
+    if key in HARDWARE and not overwrite:
+        raise ValueError(f"hardware {hw.name!r} is already registered; pass overwrite=True to replace it")
+    HARDWARE[key] = dataclasses.replace(hw, name=key)
+    return HARDWARE[key]
+
+
+# GPUs: InfiniBand ~400 GB/s per 8-GPU node (8 × 400 Gb/s) → 50 GB/s per GPU.
+for _hw in (
+    Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",)),
+    Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",)),
+    Hardware("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, ("a100",)),
+    # TPUs: ICI per chip = links × one-way per-link bandwidth (scaling book), DCN ~6.25 GB/s
+    # per chip.
+    Hardware("tpu-v4", 275e12, 32 * GB, 6 * 45 * GB, 6.25 * GB, ("tpu v4",)),
+    Hardware("tpu-v5e", 197e12, 16 * GB, 4 * 45 * GB, 6.25 * GB, ("tpu v5 lite", "tpu v5e")),
+    Hardware("tpu-v5p", 459e12, 95 * GB, 6 * 90 * GB, 6.25 * GB, ("tpu v5p", "tpu v5")),
+    Hardware("tpu-v6e", 918e12, 32 * GB, 4 * 90 * GB, 6.25 * GB, ("tpu v6 lite", "tpu v6e")),
+):
+    register_hardware(_hw)
+
+
+def lookup(name_or_device: str | jax.Device) -> Hardware:
+    """The table entry for a name (``"h100"``) or a device (matched by its device_kind).
+
+    Raises:
+        ValueError: nothing matches; the message lists the known names.
+    """
+    if isinstance(name_or_device, str):
+        key = name_or_device.lower()
+        if key in HARDWARE:
+            return HARDWARE[key]
+        kind = key
+    else:
+        kind = str(getattr(name_or_device, "device_kind", "")).lower()
+    # Longest pattern first, so "tpu v5 lite" wins over "tpu v5".
+    candidates = sorted(((pat, hw) for hw in HARDWARE.values() for pat in hw.device_kinds),
+                        key=lambda ph: -len(ph[0]))
+    for pat, hw in candidates:
+        if pat in kind:
+            return hw
+    raise ValueError(
+        f"no hardware entry for {name_or_device!r}; known: {', '.join(sorted(HARDWARE))}. "
+        "Add one with sk.hardware.register_hardware(Hardware(name, peak_flops, hbm_bytes, "
+        "intra_node_bw, inter_node_bw, device_kinds=(...)))")
+
+
+def peak_flops(name_or_device: str | jax.Device) -> float:
+    """Peak flop/s of one device: the table's dense bf16 figure, or for a CPU device its
+    share of the measured host matmul peak (``"cpu"`` gives the whole host's)."""
+    if isinstance(name_or_device, str) and name_or_device.lower() == "cpu":
+        return measure_cpu_peak()
+    if not isinstance(name_or_device, str) and name_or_device.platform == "cpu":
+        n_cpu = max(1, len(jax.devices("cpu")))
+        return measure_cpu_peak() / n_cpu
+    return lookup(name_or_device).peak_flops
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """The host's float32 matmul flop/s: best of ``repeats`` timed ``n×n @ n×n`` products on
+    one CPU device (XLA spreads one large dot over all the host's cores). Cached."""
+    dev = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best

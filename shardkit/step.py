@@ -1,0 +1,385 @@
+"""``@train_step``: a user's loss function → one compiled, sharded, donated SPMD train step.
+
+The step casts parameters and float inputs to the compute dtype, takes gradients in the grads
+dtype (accumulating microbatches in f32 with ``lax.scan``), unscales them under fp16, clips the
+global norm, runs the Optax update on ZeRO's shards and writes everything back in the layout the
+plan gives. Under ``jax.jit`` with explicit in/out shardings, XLA's SPMD partitioner inserts the
+collectives (all-reduce for DP, reduce-scatter for ZeRO-2, all-gather for ZeRO-3, Megatron's
+all-reduces for TP).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import _model
+from .plan import ParamLayout, Plan
+from .precision import LossScale, cast_floats, cast_input, cast_like
+from .rules import ShardingError
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a training run carries from step to step (a pytree; checkpoint it whole).
+
+    Attributes:
+        step: number of steps taken (int32 scalar).
+        params: trainable parameters in the plan's layout and the master dtype.
+        opt_state: the Optax state, moments sharded like their parameters (plus ZeRO).
+        model_state: non-trainable model variables (BatchNorm statistics, NNX RNG state).
+        rng: raw key data of the base PRNG key; each step folds in its step number.
+        skipped: steps whose update was skipped because the loss or gradients were not finite.
+        streak: consecutive skipped steps (reset by a finite step).
+        loss_scale: the dynamic loss scale under fp16, else None.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+    rng: jax.Array
+    skipped: jax.Array
+    streak: jax.Array
+    loss_scale: LossScale | None = None
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive non-finite steps. ``.state`` holds the last good (unchanged) state."""
+
+    def __init__(self, msg: str, state: TrainState):
+        super().__init__(msg)
+        self.state = state
+
+
+def _split_output(out, adapter: _model.Adapter, has_model_state: bool):
+    """The loss function's return value → ``(loss, aux, collection_updates)``."""
+    updates = None
+    if isinstance(out, tuple):
+        if adapter.kind == "linen" and has_model_state and len(out) == 3:
+            loss, aux, updates = out
+        elif len(out) == 2:
+            loss, aux = out
+        else:
+            raise ValueError(
+                f"the loss function returned a tuple of {len(out)}; return loss, (loss, aux), or "
+                "for Linen models with mutable collections (loss, aux, updated_collections)")
+    else:
+        loss, aux = out, None
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise ValueError(f"the loss function must return a scalar loss, got shape {loss.shape}; reduce it (e.g. .mean())")
+    return loss, aux, updates
+
+
+def _mean_over_microbatches(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.mean(axis=0)
+    return x.sum(axis=0)
+
+
+class TrainStep:
+    """The object ``@sk.train_step`` returns: ``init``, ``__call__``, ``lower``, ``explain``."""
+
+    def __init__(self, fn: Callable, plan: Plan, optimizer: optax.GradientTransformation, *,
+                 microbatches: int = 1, clip_norm: float | None = None,
+                 skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True):
+        if not isinstance(plan, Plan):
+            raise ValueError(f"train_step needs an sk.Plan, got {type(plan).__name__}")
+        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+            raise ValueError(f"train_step needs an Optax GradientTransformation, got {optimizer!r}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be positive (or None), got {clip_norm!r}")
+        self.fn, self.plan, self.tx = fn, plan, optimizer
+        self.microbatches, self.clip_norm, self.donate = microbatches, clip_norm, donate
+        self.skip_nonfinite = skip_nonfinite or plan.precision.loss_scaling or max_nonfinite is not None
+        self.max_nonfinite = max_nonfinite
+        self._takes_rng = "rng" in inspect.signature(fn).parameters
+        self._adapter: _model.Adapter | None = None
+        self._layout: ParamLayout | None = None
+        self._logical: dict = {}
+        self._state_shardings = None
+        self._jitted: dict = {}
+        functools.update_wrapper(self, fn)
+
+    # ---- initialisation ---------------------------------------------------------------------
+
+    def init(self, model: Any, *, seed: int = 0) -> TrainState:
+        """Creates the sharded ``TrainState``.
+
+        Args:
+            model: parameters (pytree), an NNX module, Linen variables, or a function building
+                one of those (called with no arguments, or with a PRNG key if it takes one).
+                A function is traced abstractly first and then run under ``jit`` with the
+                plan's output shardings, so a model larger than one device never materialises
+                on one device.
+            seed: seeds the state's PRNG key (passed to the loss as ``rng`` if it takes one).
+
+        Raises:
+            ShardingError: the rules do not cover the model, or specs do not fit the mesh.
+        """
+        prec = self.plan.precision
+        key = jax.random.key(seed)
+        if callable(model) and not isinstance(model, (nnx.Module, dict)) and not hasattr(model, "shape"):
+            build = model
+            n_args = len(inspect.signature(build).parameters)
+            call = (lambda: build(key)) if n_args else build
+            with nnx.use_eager_sharding(False):
+                abstract = nnx.eval_shape(call)
+            u = _model.unpack(abstract)
+            param_sh, state_sh = self._setup(u)
+
+            def materialise():
+                with nnx.use_eager_sharding(False):
+                    v = _model.unpack(call())
+                return cast_floats(v.params, prec.params), v.model_state
+
+            with self.plan.active():
+                params, model_state = jax.jit(materialise, out_shardings=(param_sh, state_sh))()
+        else:
+            u = _model.unpack(model)
+            param_sh, state_sh = self._setup(u)
+            with self.plan.active():
+                params, model_state = jax.jit(lambda p, s: (cast_floats(p, prec.params), s),
+                                              out_shardings=(param_sh, state_sh))(u.params, u.model_state)
+        opt_sh = self._opt_shardings(params)
+        with self.plan.active():
+            opt_state = jax.jit(lambda p: self._cast_opt(self.tx.init(p)), out_shardings=opt_sh)(params)
+        rep = self.plan.sharding(P())
+        put = lambda x: jax.device_put(x, rep)  # noqa: E731
+        state = TrainState(
+            step=put(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
+            model_state=model_state, rng=put(jax.random.key_data(key)),
+            skipped=put(jnp.zeros((), jnp.int32)), streak=put(jnp.zeros((), jnp.int32)),
+            loss_scale=jax.tree.map(put, LossScale.create(prec)) if prec.loss_scaling else None)
+        self._state_shardings = self.state_shardings(state)
+        return state
+
+    def _setup(self, u: _model.Unpacked):
+        self._adapter, self._logical = u.adapter, u.logical
+        self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
+        state_specs = self.plan.state_specs(u.model_state, u.logical)
+        return self._param_shardings(), self.plan.shardings(state_specs)
+
+    def _specs(self, kind: str):
+        lay, zero = self._layout, self.plan.zero
+        base = [l.spec for l in lay.leaves]
+        use_zero = {"params": zero >= 3, "grads": zero >= 2, "update": zero >= 1}[kind]
+        return lay.tree(lay.zero_specs if use_zero else base)
+
+    def _param_shardings(self, kind: str = "params"):
+        return self.plan.shardings(self._specs(kind))
+
+    def _opt_shardings(self, params):
+        abstract = jax.eval_shape(self.tx.init, params)
+        return self.plan.shardings(self.plan.opt_state_specs(abstract, params, self._layout))
+
+    def _cast_opt(self, opt_state):
+        dtype = self.plan.precision.opt_state
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x,
+                            opt_state)
+
+    def state_shardings(self, state: TrainState):
+        """The ``NamedSharding`` of every leaf of ``state`` under this plan (for restores)."""
+        self._require_init()
+        rep = self.plan.sharding(P())
+        return TrainState(
+            step=rep, params=self._param_shardings(), opt_state=self._opt_shardings(state.params),
+            model_state=self.plan.shardings(self.plan.state_specs(state.model_state, self._logical)),
+            rng=rep, skipped=rep, streak=rep,
+            loss_scale=None if state.loss_scale is None else LossScale(rep, rep))
+
+    def model(self, state: TrainState):
+        """What the loss function receives, rebuilt from ``state`` (an NNX module, Linen
+        variables or the parameter tree), in the master dtype."""
+        self._require_init()
+        return self._adapter.assemble(state.params, state.model_state)
+
+    def _require_init(self):
+        if self._adapter is None:
+            raise RuntimeError("call step.init(model_or_init_fn) first: the step learns the model's structure there")
+
+    # ---- the compiled step ------------------------------------------------------------------
+
+    def _place_batch(self, batch):
+        specs = self.plan.batch_specs(batch, self.microbatches)
+        shardings = self.plan.shardings(specs)
+
+        def put(x, s):
+            x = cast_input(x)
+            if isinstance(x, jax.Array):
+                return x if x.sharding == s else jax.device_put(x, s)
+            if jax.process_count() > 1:  # each host holds its slice of the global batch
+                return jax.make_array_from_process_local_data(s, x)
+            return jax.device_put(x, s)
+        return jax.tree.map(put, batch, shardings), shardings
+
+    def _compiled_fn(self, state: TrainState, batch_shardings):
+        key = jax.tree.structure(batch_shardings)
+        if key not in self._jitted:
+            state_sh = self._state_shardings or self.state_shardings(state)
+            self._jitted[key] = jax.jit(
+                self._step, in_shardings=(state_sh, batch_shardings),
+                out_shardings=(state_sh, self.plan.sharding(P())),
+                donate_argnums=(0,) if self.donate else ())
+        return self._jitted[key]
+
+    def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
+        """JAX's ``Lowered`` for this step (``.compile().memory_analysis()``, ``.as_text()``)."""
+        self._require_init()
+        batch, shardings = self._place_batch(batch)
+        with self.plan.active():
+            return self._compiled_fn(state, shardings).lower(state, batch)
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """Runs one step; ``state`` is donated (do not use it afterwards)."""
+        self._require_init()
+        if not isinstance(state, TrainState):
+            raise ValueError(f"expected the TrainState from step.init, got {type(state).__name__}")
+        batch, shardings = self._place_batch(batch)
+        with self.plan.active():
+            new_state, metrics = self._compiled_fn(state, shardings)(state, batch)
+        if self.max_nonfinite is not None and int(new_state.streak) >= self.max_nonfinite:
+            raise NonFiniteError(
+                f"{int(new_state.streak)} consecutive steps had a non-finite loss or gradients "
+                f"(max_nonfinite={self.max_nonfinite}); their updates were skipped. Lower the learning "
+                "rate, enable clip_norm, or check the data. The last good state is in this error's .state",
+                new_state)
+        return new_state, metrics
+
+    def explain(self, state: TrainState, batch):
+        """An ``sk.Report``: per-device memory, executed collectives and flops of the compiled step."""
+        from .explain import explain_step
+
+        return explain_step(self, state, batch)
+
+    def _loss(self, params_g, model_state, batch, key, scale):
+        """Loss (scaled under fp16) and ``(loss, aux, new_model_state)`` for one (micro)batch."""
+        prec, adapter = self.plan.precision, self._adapter
+        model = adapter.assemble(cast_floats(params_g, prec.compute), model_state)
+        batch = cast_floats(batch, prec.compute)
+        out = self.fn(model, batch, rng=key) if self._takes_rng else self.fn(model, batch)
+        has_state = bool(jax.tree.leaves(model_state))
+        loss, aux, updates = _split_output(out, adapter, has_state)
+        if updates is not None:
+            new_state = {**model_state, **updates}
+        else:
+            new_state = adapter.harvest(model, model_state)
+        new_state = cast_like(new_state, model_state) if has_state else model_state
+        loss = loss.astype(jnp.float32)
+        return (loss * scale if scale is not None else loss), (loss, aux, new_state)
+
+    def _step(self, state: TrainState, batch):
+        plan, prec, m = self.plan, self.plan.precision, self.microbatches
+        grad_sh = self._param_shardings("grads")
+        constrain = jax.lax.with_sharding_constraint
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if self._takes_rng else None
+        scale = state.loss_scale.scale if state.loss_scale is not None else None
+        params_g = cast_floats(state.params, prec.grads)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if m == 1:
+            (_, (loss, aux, model_state)), grads = grad_fn(params_g, state.model_state, batch, key, scale)
+            grads = constrain(grads, grad_sh)
+        else:
+            # Microbatch i takes rows i, i+m, i+2m, ...: every device keeps its own rows, so
+            # splitting needs no communication (a contiguous split would move data).
+            mb_sh = plan.sharding(plan.microbatch_spec())
+            split = lambda x: constrain(jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1), mb_sh) if x.ndim else x  # noqa: E731
+            batches = jax.tree.map(split, batch)
+            row_sh = plan.sharding(P(plan.batch_axes)) if plan.batch_axes else plan.sharding(P())
+            acc_dtype = jnp.promote_types(prec.grads, jnp.float32)
+
+            def body(carry, xs):
+                acc, ms = carry
+                mb, i = xs
+                mb = jax.tree.map(lambda x: constrain(x, row_sh) if x.ndim else x, mb)
+                k = jax.random.fold_in(key, i) if key is not None else None
+                (_, (loss, aux, ms)), g = grad_fn(params_g, ms, mb, k, scale)
+                acc = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), acc, constrain(g, grad_sh))
+                return (constrain(acc, grad_sh), ms), (loss, aux)
+
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dtype), state.params)
+            scalars = jax.tree.map(lambda x: x if x.ndim else jnp.broadcast_to(x, (m,)), batches)
+            (grads, model_state), (losses, auxs) = jax.lax.scan(
+                body, (constrain(zeros, grad_sh), state.model_state), (scalars, jnp.arange(m)))
+            grads = jax.tree.map(lambda g: g / m, grads)
+            loss = losses.mean()
+            aux = jax.tree.map(_mean_over_microbatches, auxs)
+        if scale is not None:
+            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+        finite = jnp.isfinite(loss)
+        if self.skip_nonfinite:
+            finite = finite & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        grad_norm = optax.global_norm(grads)
+        if self.clip_norm is not None:
+            factor = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+        upd_sh = self._param_shardings("update")
+        # ZeRO-1/2: each device updates only its shard of the parameters; the all-gather back to
+        # the parameter layout happens once, on the new parameters.
+        grads, params = constrain(grads, upd_sh), constrain(state.params, upd_sh)
+        updates, opt_state = self.tx.update(grads, state.opt_state, params)
+        new_params = cast_like(optax.apply_updates(params, updates), state.params)
+        new_params = constrain(new_params, self._param_shardings("params"))
+        opt_state = cast_like(opt_state, state.opt_state)
+        if self.skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            new_params, opt_state = keep(new_params, state.params), keep(opt_state, state.opt_state)
+            model_state = keep(model_state, state.model_state)
+        bad = (~finite).astype(jnp.int32)
+        new_state = state.replace(
+            step=state.step + 1, params=new_params, opt_state=opt_state, model_state=model_state,
+            skipped=state.skipped + bad, streak=(state.streak + bad) * bad,
+            loss_scale=None if state.loss_scale is None else state.loss_scale.adjust(finite, prec))
+        metrics = {"loss": loss.astype(prec.output), "grad_norm": grad_norm.astype(jnp.float32)}
+        if aux is not None:
+            metrics["aux"] = cast_floats(aux, prec.output)
+        if self.skip_nonfinite:
+            metrics["skipped"] = new_state.skipped
+            metrics["finite"] = finite
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = scale
+        return new_state, metrics
+
+
+def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatches: int = 1,
+               clip_norm: float | None = None, skip_nonfinite: bool = False,
+               max_nonfinite: int | None = None, donate: bool = True) -> Callable[[Callable], TrainStep]:
+    """Decorates ``loss_fn(model, batch[, rng]) -> loss | (loss, aux)`` into a sharded train step.
+
+    Args:
+        plan: the ``sk.Plan`` (mesh, rules, ZeRO stage, precision, batch axes).
+        optimizer: any Optax ``GradientTransformation``.
+        microbatches: gradient accumulation steps per call (``lax.scan``, f32 accumulation); the
+            loss is the mean over microbatches, so it matches one big batch for mean losses.
+        clip_norm: clip the global gradient norm (computed over all shards) to this value.
+        skip_nonfinite: skip (and count in ``state.skipped``) updates whose loss or gradients
+            are not finite. Always on under fp16 loss scaling.
+        max_nonfinite: raise ``sk.NonFiniteError`` after this many skipped steps in a row.
+        donate: donate the input state's buffers to the output (halves peak state memory).
+
+    Returns:
+        A decorator producing a ``TrainStep``: ``init``, ``__call__``, ``lower``, ``explain``.
+
+    The loss receives the model in the compute dtype: the parameter tree, an NNX module (its
+    mutations of non-parameter variables, e.g. BatchNorm statistics, are kept) or Linen
+    variables (with mutable collections, return ``(loss, aux, updated_collections)``). A loss
+    with an ``rng`` parameter gets a fresh key each step (and each microbatch).
+    """
+    def wrap(fn: Callable) -> TrainStep:
+        return TrainStep(fn, plan, optimizer, microbatches=microbatches, clip_norm=clip_norm,
+                         skip_nonfinite=skip_nonfinite, max_nonfinite=max_nonfinite, donate=donate)
+    return wrap
+
+
+__all__ = ["TrainState", "TrainStep", "train_step", "NonFiniteError", "ShardingError"]
