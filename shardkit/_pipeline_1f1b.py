@@ -80,7 +80,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
 
             def bwd_last(acc):
                 _, vjp = jax.vjp(lambda P_, LP, h: stage_loss(P_, LP, h, mb), params_l, loss_params, h)
-                d_p, d_l, d_h = vjp(jnp.float32(1.0 / m))
+                d_p, d_l, d_h = vjp(_varying(jnp.float32(1.0 / m), axis))
                 return zero_h, d_h, _grads(acc, d_p, d_l, d_h)
 
             def _grads(acc, d_p, d_l, d_h):

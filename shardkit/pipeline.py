@@ -221,7 +221,11 @@ def _chunk_runner(stage_fn, k, m, p, has_extras, rng, remat):
 
 
 def _varying(tree, axis):
-    return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
+    """Marks values as varying over ``axis`` (scan carries and switch inputs need it)."""
+    def cast(a):
+        return a if axis in jax.typeof(a).mat.varying else lax.pcast(a, (axis,), to="varying")
+
+    return jax.tree.map(cast, tree)
 
 
 def _take(tree, i):
