@@ -7,6 +7,7 @@ from .mesh import use_cpu_devices as use_cpu_devices
 from .plan import Plan as Plan
 from .plan import active_plan as active_plan
 from .plan import constrain as constrain
+from .pipeline import pipeline as pipeline
 from .precision import Precision as Precision
 from .rules import AxisRules as AxisRules
 from .rules import LeafLayout as LeafLayout
