@@ -1,0 +1,1 @@
+"""Recipes built on shardkit's public API: ``models.transformer`` (GPT-style decoder)."""

@@ -1,0 +1,99 @@
+"""Model shapes for the transformer recipe: one frozen dataclass and a few named sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Shapes of a GPT-style pre-norm decoder (RMSNorm, rotary, GQA, SwiGLU).
+
+    Attributes:
+        vocab: vocabulary size (256 for the byte-level corpus).
+        d_model: width of the residual stream.
+        layers: number of decoder blocks; they are stacked and scanned.
+        heads: query heads.
+        kv_heads: key/value heads (grouped-query attention); ``None`` means ``heads``.
+        head_dim: per-head width; ``None`` means ``d_model // heads``.
+        d_ff: SwiGLU hidden width; ``None`` means 8/3·d_model rounded up to a multiple of 32.
+        seq: context length the model is sized for (rotary tables, flop counts).
+        tie_embeddings: reuse the input embedding as the output projection.
+        rope_theta: rotary base.
+        norm_eps: RMSNorm epsilon.
+        init_std: std of the normal initialiser; residual output projections use
+            ``init_std / sqrt(2·layers)`` (GPT-2).
+        remat: activation checkpointing per layer: ``"none"``, ``"full"`` (recompute
+            everything), ``"dots"`` (save matmul outputs) or ``"dots_no_batch"`` (save only
+            matmuls without batch dims, i.e. weight-stationary ones).
+    """
+
+    vocab: int = 256
+    d_model: int = 64
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    seq: int = 64
+    tie_embeddings: bool = True
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    remat: str = "none"
+
+    def __post_init__(self):
+        for name in ("vocab", "d_model", "layers", "heads", "seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim is None:
+            if self.d_model % self.heads:
+                raise ValueError(
+                    f"Config.d_model={self.d_model} is not divisible by heads={self.heads}; "
+                    "pick heads that divide d_model, or set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.d_model // self.heads)
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", -(-8 * self.d_model // 3 // 32) * 32)
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"Config.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
+                "grouped-query attention shares each kv head among heads/kv_heads query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"Config.head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+
+    def replace(self, **changes) -> "Config":
+        """A copy with ``changes``; derived sizes (head_dim, d_ff, kv_heads) are recomputed
+        unless given."""
+        base = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        derived = {"kv_heads": "heads", "head_dim": ("d_model", "heads"), "d_ff": "d_model"}
+        for field, sources in derived.items():
+            sources = (sources,) if isinstance(sources, str) else sources
+            if field not in changes and any(s in changes for s in sources):
+                base[field] = None
+        base.update(changes)
+        return Config(**base)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.kv_heads
+
+
+# Named sizes. "tiny" trains in seconds on simulated CPU devices; the others are for
+# `explain` / golden snapshots (GPT-3 small, a Llama-3.2-1B-like and a Llama-2-7B-like shape).
+SIZES: dict[str, Config] = {
+    "test": Config(vocab=256, d_model=32, layers=2, heads=4, kv_heads=2, seq=16),
+    "tiny": Config(vocab=256, d_model=128, layers=4, heads=4, seq=128),
+    "125m": Config(vocab=50304, d_model=768, layers=12, heads=12, d_ff=2048, seq=1024),
+    "1b": Config(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048),
+    "7b": Config(vocab=32000, d_model=4096, layers=32, heads=32, d_ff=11008, seq=4096,
+                 tie_embeddings=False),
+}

@@ -1,0 +1,292 @@
+"""A GPT-style decoder in Flax NNX, written to be sharded by names.
+
+Pre-norm blocks (RMSNorm → causal self-attention with rotary positions and optional
+grouped-query heads → RMSNorm → SwiGLU MLP), tied or untied embeddings. The blocks are built
+once with ``nnx.vmap`` into one stacked module (every block weight has a leading ``layers``
+dim) and run with ``lax.scan``, so compile time does not grow with depth; under a ``pipe``
+mesh axis the same stacked weights go to ``sk.pipeline`` instead.
+
+Every parameter names its logical axes (``vocab``, ``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``mlp``, ``layers``) and key activations are constrained with ``sk.constrain``
+(``batch``, ``seq``, ``heads``, ``mlp``, ``vocab``); ``models.transformer.layouts`` maps the
+names to mesh axes. Outside a shardkit plan the constraints are no-ops.
+
+Shape letters: B batch, T sequence, D d_model, H heads, K kv heads, G = H/K, Q head_dim,
+F d_ff, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import shardkit as sk
+
+from .config import Config
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """How to run the layer stack over the ``pipe`` mesh axis with ``sk.pipeline``.
+
+    Attributes:
+        microbatches: microbatches per step (the batch is split along its leading dim).
+        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+        repeats: layer chunks per stage for the circular (interleaved) schedule.
+    """
+
+    microbatches: int = 4
+    schedule: str = "gpipe"
+    repeats: int = 1
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None):
+    init = nnx.initializers.ones if std is None else nnx.initializers.normal(std)
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, F32))
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum accumulating in f32 (fast bf16 on CPU, exact f32 sums everywhere), cast back."""
+    return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(a.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (cfg.d_model,), ("embed",), None)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        return rms_norm(x_BxTxD, self.scale[...], self.eps)
+
+
+def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, result in the input's dtype."""
+    x = x_BxTxD.astype(F32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale_D.astype(F32)[None, None, :]).astype(x_BxTxD.dtype)
+
+
+def rotary(T: int, Q: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin tables of shape (T, Q/2) for positions 0..T-1."""
+    inv_freq = theta ** (-jnp.arange(0, Q, 2, dtype=F32) / Q)
+    angle_TxQ2 = jnp.arange(T, dtype=F32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angle_TxQ2), jnp.sin(angle_TxQ2)
+
+
+def apply_rotary(x_BxTxNxQ: jax.Array, cos_TxQ2: jax.Array, sin_TxQ2: jax.Array) -> jax.Array:
+    """Rotates channel pairs (i, i + Q/2) by position-dependent angles (GPT-NeoX layout)."""
+    x1, x2 = jnp.split(x_BxTxNxQ.astype(F32), 2, axis=-1)
+    cos, sin = cos_TxQ2[None, :, None, :], sin_TxQ2[None, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxQ.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention; heads split Megatron-style (q/k/v by heads, o by rows)."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        D, H, K, Q = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        self.q = _param(rngs, (D, H, Q), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.k = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.v = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.o = _param(rngs, (H, Q, D), ("heads", "head_dim", "embed"), out_std)
+        self.groups = cfg.groups
+
+    def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
+        B, T, _ = x_BxTxD.shape
+        q_BxTxHxQ = _dot("btd,dhq->bthq", x_BxTxD, self.q[...])
+        k_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.k[...])
+        v_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.v[...])
+        q_BxTxHxQ = sk.constrain(q_BxTxHxQ, ("batch", None, "heads", None))
+        k_BxTxKxQ = sk.constrain(k_BxTxKxQ, ("batch", None, "kv_heads", None))
+        v_BxTxKxQ = sk.constrain(v_BxTxKxQ, ("batch", None, "kv_heads", None))
+        q_BxTxHxQ = apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2)
+        k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
+
+        # Grouped-query: head h = kv*G + g reads kv head kv, so a split of H into
+        # contiguous chunks lines up with the same split of K.
+        Kh, Q = k_BxTxKxQ.shape[2], k_BxTxKxQ.shape[3]
+        q_BxTxKxGxQ = q_BxTxHxQ.reshape(B, T, Kh, self.groups, Q) * jnp.asarray(
+            1.0 / math.sqrt(Q), q_BxTxHxQ.dtype)
+        s_BxKxGxTxS = jnp.einsum("btkgq,bskq->bkgts", q_BxTxKxGxQ, k_BxTxKxQ,
+                                 preferred_element_type=F32)
+        causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
+        s_BxKxGxTxS = jnp.where(causal_TxS[None, None, None], s_BxKxGxTxS, jnp.finfo(F32).min)
+        p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxQ.dtype)
+        o_BxTxKxGxQ = _dot("bkgts,bskq->btkgq", p_BxKxGxTxS, v_BxTxKxQ)
+        o_BxTxHxQ = sk.constrain(o_BxTxKxGxQ.reshape(B, T, -1, Q), ("batch", None, "heads", None))
+        return _dot("bthq,hqd->btd", o_BxTxHxQ, self.o[...])
+
+
+class MLP(nnx.Module):
+    """SwiGLU: gate/up split by columns, down by rows, one reduction after (Megatron)."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_ff
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        self.gate = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.down = _param(rngs, (F, D), ("mlp", "embed"), out_std)
+
+    def __call__(self, x_BxTxD):
+        gate_BxTxF = _dot("btd,df->btf", x_BxTxD, self.gate[...])
+        up_BxTxF = _dot("btd,df->btf", x_BxTxD, self.up[...])
+        h_BxTxF = sk.constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", None, "mlp"))
+        return _dot("btf,fd->btd", h_BxTxF, self.down[...])
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer. The residual stream is constrained to
+    ("batch", "seq", None): under sequence parallelism "seq" maps to the tensor axis, so
+    norms and residual adds run on sequence shards."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
+        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), cos_TxQ2, sin_TxQ2)
+        x_BxTxD = sk.constrain(x_BxTxD, ("batch", "seq", None))
+        x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+        return sk.constrain(x_BxTxD, ("batch", "seq", None))
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    policies = {
+        "full": None,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }
+    return jax.checkpoint(fn, policy=policies[policy])
+
+
+class Transformer(nnx.Module):
+    """The decoder: ``model(tokens_BxT) -> logits_BxTxV`` (float32)."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs):
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = stacked_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.init_std)
+
+    def layer_fn(self, T: int):
+        """``(one layer's params, x_BxTxD) -> x_BxTxD`` for a sequence of length T, remat
+        applied; the same function drives ``lax.scan`` and ``sk.pipeline`` stages."""
+        graphdef, _ = nnx.split(self.blocks)
+        cos_TxQ2, sin_TxQ2 = rotary(T, self.cfg.head_dim, self.cfg.rope_theta)
+
+        def layer(params, x_BxTxD):
+            return nnx.merge(graphdef, params)(x_BxTxD, cos_TxQ2, sin_TxQ2)
+
+        return _remat(layer, self.cfg.remat)
+
+    def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
+        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0)
+        return sk.constrain(x_BxTxD, ("batch", "seq", None))
+
+    def head_params(self) -> dict:
+        """What the output head reads: the final norm's scale and the (V, D) output matrix
+        (the embedding when tied); passed as ``loss_params`` to a 1F1B pipeline."""
+        out_VxD = self.embed[...] if self.cfg.tie_embeddings else self.head[...].T
+        return {"norm": self.final_norm.scale[...], "out": out_VxD}
+
+    def logits(self, x_BxTxD: jax.Array) -> jax.Array:
+        return head_logits(self.head_params(), x_BxTxD, self.cfg.norm_eps)
+
+    def __call__(self, tokens_BxT: jax.Array, *, pipeline: PipelineSpec | None = None):
+        return self.logits(self.hidden(tokens_BxT, pipeline=pipeline))
+
+    def hidden(self, tokens_BxT: jax.Array, *, pipeline: PipelineSpec | None = None,
+               loss_fn=None, loss_params=None, targets=None) -> jax.Array:
+        """Embeds and runs the layer stack: ``lax.scan`` over layers, or ``sk.pipeline`` over
+        the ``pipe`` axis (with ``loss_fn``, the pipeline's mean loss instead)."""
+        T = tokens_BxT.shape[1]
+        if T > self.cfg.seq:
+            raise ValueError(f"sequence length {T} exceeds Config.seq={self.cfg.seq}")
+        x_BxTxD = self.embed_tokens(tokens_BxT)
+        layer = self.layer_fn(T)
+        params = nnx.state(self.blocks)
+        if pipeline is None:
+            x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x_BxTxD, params)
+            return x_BxTxD
+        return sk.pipeline(layer, params, x_BxTxD, microbatches=pipeline.microbatches,
+                           schedule=pipeline.schedule, repeats=pipeline.repeats,
+                           loss_fn=loss_fn, loss_params=loss_params, targets=targets)
+
+
+def head_logits(head: dict, x_BxTxD: jax.Array, eps: float) -> jax.Array:
+    """Final RMSNorm, then logits (float32) against the (V, D) output matrix."""
+    x_BxTxD = rms_norm(x_BxTxD, head["norm"], eps)
+    logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, head["out"], preferred_element_type=F32)
+    return sk.constrain(logits_BxTxV, ("batch", None, "vocab"))
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
+
+
+def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = None) -> jax.Array:
+    """Mean next-token cross entropy; ``batch = {"inputs": (B,T), "targets": (B,T)}``.
+
+    Under the 1F1B schedule the loss is computed inside the pipeline (its backward pass is
+    explicit), so the head goes in as ``loss_params``.
+    """
+    if pipeline is not None and pipeline.schedule == "1f1b":
+        eps = model.cfg.norm_eps
+        return model.hidden(
+            batch["inputs"], pipeline=pipeline, loss_params=model.head_params(),
+            loss_fn=lambda head, y, t: cross_entropy(head_logits(head, y, eps), t),
+            targets=batch["targets"])
+    return cross_entropy(model(batch["inputs"], pipeline=pipeline), batch["targets"])
+
+
+def param_count(cfg: Config, *, embedding: bool = True) -> int:
+    """Parameters, from the shapes alone (``embedding=False`` leaves out the input table,
+    but keeps an untied head)."""
+    D, H, K, Q, F, V, L = (cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff,
+                           cfg.vocab, cfg.layers)
+    per_layer = D * H * Q * 2 + D * K * Q * 2 + 3 * D * F + 2 * D
+    head = 0 if cfg.tie_embeddings else D * V
+    return L * per_layer + D + head + (V * D if embedding else 0)
+
+
+def flops_per_token(cfg: Config, seq: int | None = None) -> float:
+    """Training flops per token: 6·N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, app. B).
+
+    N counts every weight that takes part in a matmul: the layers and the output projection
+    (the tied embedding counts once, as the head; the input lookup is a gather, not a
+    matmul). The attention term is the full T×T score/value product, forward and backward,
+    because this model computes the masked half too.
+    """
+    T = cfg.seq if seq is None else seq
+    D, H, K, Q, F = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
+    n_matmul = cfg.layers * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * cfg.vocab
+    return 6.0 * n_matmul + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * T
+
+
+@functools.lru_cache(maxsize=None)
+def abstract_model(cfg: Config) -> Transformer:
+    """The model with ShapeDtypeStruct leaves (no arrays allocated), for specs and snapshots."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
