@@ -19,3 +19,5 @@ from .step import TrainStep as TrainStep
 from .step import train_step as train_step
 
 __version__ = "0.1.0"
+from .explain import Collective as Collective
+from .explain import Report as Report

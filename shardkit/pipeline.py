@@ -46,7 +46,7 @@ from . import _pipeline_schedules as sched
 SCHEDULES = ("gpipe", "circular", "1f1b")
 _REMAT = {"none": None, "full": "full", "dots": jax.checkpoint_policies.dots_saveable,
           "dots_saveable": jax.checkpoint_policies.dots_saveable}
-_BATCH_AXES = ("data", "fsdp")
+_BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
 
 def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array, *,
