@@ -1,0 +1,202 @@
+"""Pipelines equal the un-pipelined layer stack: loss, gradients and outputs, every schedule.
+
+Shapes are tiny (d=8, batch 16) so the file stays within a couple of minutes on 2 cores; the
+full p x m x schedule cross-product runs on pipe-only meshes, the data / tensor layouts on
+one m each.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+from shardkit import _pipeline_schedules as sched
+from shardkit.mesh import make_mesh
+from shardkit.pipeline import pipeline
+
+D, B, OUT = 8, 16, 3
+RTOL = 1e-5
+SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1)]
+
+
+def layer(lp, h_BxD):
+    return jnp.tanh(h_BxD @ lp["w"] + lp["b"][None])
+
+
+def head_loss(hp, y_BxD, t_BxO):
+    return jnp.mean((y_BxD @ hp["w"] - t_BxO) ** 2)
+
+
+def make_problem(n_layers, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    params = {"w": jax.random.normal(k[0], (n_layers, D, D)) / np.sqrt(D),
+              "b": 0.1 * jax.random.normal(k[1], (n_layers, D))}
+    head = {"w": jax.random.normal(k[2], (D, OUT)) / np.sqrt(D)}
+    x = jax.random.normal(k[3], (B, D))
+    t = jax.random.normal(k[4], (B, OUT))
+    return params, head, x, t
+
+
+def sequential(params, x):
+    return jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, params)[0]
+
+
+def sequential_loss(params, head, x, t):
+    return head_loss(head, sequential(params, x), t)
+
+
+def assert_close(got, want, rtol=RTOL):
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = np.asarray(_at(want, path))
+        err = np.max(np.abs(np.asarray(g) - w)) / max(np.max(np.abs(w)), 1e-30)
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key if hasattr(key, "key") else key.idx]
+    return tree
+
+
+def check_against_sequential(mesh, p, m, schedule, v, params_sharding=None):
+    n_layers = 2 * p * v
+    params, head, x, t = make_problem(n_layers)
+    want_loss, want_grads = jax.value_and_grad(sequential_loss, argnums=(0, 1, 2))(params, head, x, t)
+    if params_sharding is not None:
+        params = jax.device_put(params, params_sharding)
+
+    def loss(params, head, x):
+        return pipeline(layer, params, x, microbatches=m, schedule=schedule, repeats=v,
+                        loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh)
+
+    got_loss, got_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, head, x)
+    assert_close(got_loss, want_loss)
+    assert_close(got_grads, want_grads)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("mult", [1, 2, 4])
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_loss_and_grads_match_sequential(devices, p, mult, schedule, v):
+    mesh = make_mesh(f"pipe={p}", devices=devices[:p])
+    check_against_sequential(mesh, p, mult * p, schedule, v)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_with_data_axis(devices, schedule, v):
+    check_against_sequential(make_mesh("data=2,pipe=4", devices=devices), 4, 8, schedule, v)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_with_tensor_parallel_stage(devices, schedule, v):
+    """Stage weights sharded over `tensor` (compiler-managed inside the pipe-manual shard_map)."""
+    mesh = make_mesh("pipe=4,tensor=2", devices=devices)
+    sharding = {"w": NamedSharding(mesh, P("pipe", None, "tensor")), "b": NamedSharding(mesh, P("pipe", "tensor"))}
+    check_against_sequential(mesh, 4, 4, schedule, v, params_sharding=sharding)
+
+
+def test_circular_more_repeats(devices):
+    check_against_sequential(make_mesh("pipe=2", devices=devices[:2]), 2, 2, "circular", 4)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES[:2])
+@pytest.mark.parametrize("mult", [1, 2])
+def test_output_matches_sequential(devices, schedule, v, mult):
+    p = 4
+    mesh = make_mesh(f"pipe={p}", devices=devices[:p])
+    params, _, x, _ = make_problem(2 * p * v)
+    got = jax.jit(lambda params, x: pipeline(layer, params, x, microbatches=mult * p, schedule=schedule,
+                                             repeats=v, mesh=mesh))(params, x)
+    assert_close(got, sequential(params, x))
+
+
+def noisy_layer(lp, h_BxD, *, extras, rng):
+    keep_BxD = jax.random.bernoulli(rng, 0.8, h_BxD.shape)
+    return jnp.where(keep_BxD, layer(lp, h_BxD), 0.0) * extras["mask_B"][:, None]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_extras_and_rng(devices, schedule):
+    """extras are split like x; the key is folded with the global layer, then the microbatch."""
+    p, m = 2, 4
+    mesh = make_mesh(f"pipe={p}", devices=devices[:p])
+    params, head, x, t = make_problem(4)
+    mask = (jnp.arange(B) % 3 != 0).astype(jnp.float32)
+    key = jax.random.key(7)
+
+    def reference(params, head, x):
+        losses = []
+        for i in range(m):  # microbatch i holds rows i, i+m, ...
+            h = x[i::m]
+            for l in range(4):
+                lp = jax.tree.map(lambda a: a[l], params)
+                k = jax.random.fold_in(jax.random.fold_in(key, l), i)
+                h = noisy_layer(lp, h, extras={"mask_B": mask[i::m]}, rng=k)
+            losses.append(head_loss(head, h, t[i::m]))
+        return jnp.mean(jnp.stack(losses))
+
+    def loss(params, head, x):
+        return pipeline(noisy_layer, params, x, microbatches=m, schedule=schedule, loss_fn=head_loss,
+                        loss_params=head, targets=t, extras={"mask_B": mask}, rng=key, mesh=mesh)
+
+    want = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, head, x)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, head, x)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("remat,schedule", [("full", "gpipe"), ("dots", "circular")])
+def test_remat(devices, remat, schedule):
+    mesh = make_mesh("pipe=2", devices=devices[:2])
+    params, head, x, t = make_problem(4)
+    want = jax.value_and_grad(sequential_loss, argnums=(0, 1))(params, head, x, t)
+    got = jax.jit(jax.value_and_grad(
+        lambda params, head: pipeline(layer, params, x, microbatches=2, schedule=schedule, remat=remat,
+                                      loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
+        argnums=(0, 1)))(params, head)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m_mult", [1, 2, 4, 8])
+def test_schedule_tables(p, m_mult):
+    m = m_mult * p
+    for v in (1, 2, 3):
+        tab = sched.forward_table(p, m, v)
+        assert sched.bubble_fraction(tab.item >= 0) == pytest.approx(sched.formula_bubble("circular", p, m, v), abs=1e-12)
+        # Every (stage, chunk, microbatch) runs exactly once.
+        assert np.count_nonzero(tab.item >= 0) == p * v * m
+    tab = sched.one_f_one_b_table(p, m)
+    assert sched.bubble_fraction(tab.op != sched.IDLE) == pytest.approx(sched.formula_bubble("1f1b", p, m), abs=1e-12)
+    assert tab.act_ring <= p  # the memory claim: stage inputs alive do not grow with m
+    for s in range(p):
+        ops = tab.op[:, s][tab.op[:, s] != sched.IDLE]
+        assert len(ops) == 2 * m
+
+
+def test_errors(devices):
+    mesh = make_mesh("data=2,pipe=4", devices=devices)
+    params, head, x, t = make_problem(8)
+    run = lambda **kw: pipeline(layer, **{"stage_params": params, "x": x, "microbatches": 4,  # noqa: E731
+                                          "mesh": mesh, **kw})
+    cases = [
+        (dict(microbatches=2), "microbatches >= 4"),
+        (dict(x=x[:12]), "multiple of 8"),
+        (dict(stage_params=jax.tree.map(lambda a: a[:6], params)), "multiple of 4"),
+        (dict(schedule="circular", repeats=3), "multiple of 12"),
+        (dict(axis="stage"), "not in the mesh"),
+        (dict(schedule="1f1b"), "needs loss_fn"),
+        (dict(schedule="zigzag"), "unknown pipeline schedule"),
+        (dict(remat="some"), "unknown remat"),
+        (dict(repeats=2), "needs schedule='circular'"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            run(**kw)
+    with pytest.raises(ValueError, match="keep the microbatch shape"):
+        pipeline(lambda lp, h: h[:, :4], params, x, microbatches=4, mesh=mesh)
+    with pytest.raises(ValueError, match="no mesh"):
+        pipeline(layer, params, x, microbatches=4)
