@@ -200,3 +200,36 @@ def test_errors(devices):
         pipeline(lambda lp, h: h[:, :4], params, x, microbatches=4, mesh=mesh)
     with pytest.raises(ValueError, match="no mesh"):
         pipeline(layer, params, x, microbatches=4)
+
+
+def _train_losses(mesh_spec, devices, schedule, v, zero, steps=10):
+    mesh = make_mesh(mesh_spec, devices=devices)
+    plan = sk.Plan(mesh, rules=sk.PathRules([(r"layers", ("pipe",)), (r".*", ())]), zero=zero)
+    params, head, x, t = make_problem(8 * v, seed=1)
+
+    @sk.train_step(plan, optax.sgd(0.1))
+    def step(model, batch):
+        return pipeline(layer, model["layers"], batch["x"], microbatches=4, schedule=schedule, repeats=v,
+                        loss_fn=head_loss, loss_params=model["head"], targets=batch["t"])
+
+    state = step.init({"layers": params, "head": head})
+    losses = []
+    for i in range(steps):
+        batch = {"x": jnp.roll(x, i, axis=0), "t": jnp.roll(t, i, axis=0)}
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+@pytest.mark.parametrize("mesh_spec,schedule,v,zero", [
+    ("pipe=4", "1f1b", 1, 0),
+    ("data=2,pipe=4", "circular", 2, 1),
+    ("data=2,pipe=4", "1f1b", 1, 1),
+])
+def test_train_step_matches_one_device(devices, mesh_spec, schedule, v, zero):
+    """10 SGD steps through sk.train_step (mesh found via jax.set_mesh) equal a pipe=1 run."""
+    n = 8 if "data" in mesh_spec else 4
+    got = _train_losses(mesh_spec, devices[:n], schedule, v, zero)
+    want = _train_losses("pipe=1", devices[:1], schedule, v, 0)
+    assert got[-1] < got[0]
+    np.testing.assert_allclose(got, want, rtol=RTOL)
