@@ -18,6 +18,8 @@ from .step import TrainState as TrainState
 from .step import TrainStep as TrainStep
 from .step import train_step as train_step
 
-__version__ = "0.1.0"
 from .explain import Collective as Collective
 from .explain import Report as Report
+from .jit import jit as jit
+
+__version__ = "0.1.0"

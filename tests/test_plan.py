@@ -1,0 +1,165 @@
+"""Rules, resolution, validation and the Plan's specs — literal expected specs, no compiling."""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+
+S = jax.ShapeDtypeStruct
+f32 = jnp.float32
+
+
+def params():
+    return {"attn": {"q": {"kernel": S((16, 32), f32)}, "o": {"kernel": S((32, 16), f32)}},
+            "mlp": {"w1": S((16, 64), f32), "b1": S((64,), f32), "w2": S((64, 16), f32)},
+            "norm": {"scale": S((16,), f32)}}
+
+
+RULES = sk.PathRules([
+    (r"attn/q/kernel", (None, "tensor")),
+    (r"attn/o/kernel", ("tensor", None)),
+    (r"mlp/w1", ("fsdp", "tensor")),
+    (r"mlp/b1", ("tensor",)),
+    (r"mlp/w2", ("tensor", "fsdp")),
+    (r".*", ()),
+])
+
+
+def test_path_rules_first_match_wins_and_report_source():
+    mesh = sk.make_mesh("data=2,fsdp=2,tensor=2")
+    plan = sk.Plan(mesh, rules=RULES)
+    assert plan.param_specs(params()) == {
+        "attn": {"q": {"kernel": P(None, "tensor")}, "o": {"kernel": P("tensor", None)}},
+        "mlp": {"w1": P("fsdp", "tensor"), "b1": P("tensor"), "w2": P("tensor", "fsdp")},
+        "norm": {"scale": P()}}
+    sources = {l.path: l.source for l in plan.leaf_layouts(params())}
+    assert sources["norm/scale"] == "rule 5: .*"
+    assert sources["mlp/w1"] == "rule 2: mlp/w1"
+
+
+@pytest.mark.parametrize("zero,expected_w1,expected_scale", [
+    (0, P("fsdp", "tensor"), P()),
+    (3, P("fsdp", ("data", "tensor")), P(("data", "fsdp"))),  # largest divisible dim
+])
+def test_zero3_adds_the_data_axes_to_params(zero, expected_w1, expected_scale):
+    plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"), rules=RULES, zero=zero)
+    specs = plan.param_specs(params())
+    assert specs["mlp"]["w1"] == expected_w1
+    assert specs["norm"]["scale"] == expected_scale
+
+
+def test_opt_state_follows_params_with_zero_axes():
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r"w", ("data",)), (r".*", ())], zero=1)
+    p = {"w": S((16, 8), f32), "v": S((24, 4), f32), "odd": S((3,), f32)}
+    opt = jax.eval_shape(optax.adam(1e-3).init, p)
+    specs = plan.opt_state_specs(opt, p)
+    adam = specs[0]
+    assert adam.count == P()
+    # 'w' already uses 'data' (no ZeRO axis left); 'v' gets it on its largest dim; 'odd' cannot.
+    assert adam.mu == {"w": P("data"), "v": P("data"), "odd": P()}
+    assert adam.nu == adam.mu
+    notes = {l.path: l.note for l in plan.param_layout(p).leaves}
+    assert "ZeRO cannot shard it" in notes["odd"]
+    # stage 0 keeps the optimizer state like the params
+    assert sk.Plan(plan.mesh, rules=plan.rules, zero=0).opt_state_specs(opt, p)[0].mu["v"] == P()
+
+
+def test_axis_rules_map_flax_logical_names():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), use_bias=False, rngs=rngs)
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
+    plan = sk.Plan(sk.make_mesh("fsdp=4,tensor=2"), axis_rules={"embed": "fsdp", "mlp": "tensor"})
+    assert plan.param_specs(model) == {"up": {"kernel": P("fsdp", "tensor")}, "down": {"kernel": P("tensor", "fsdp")}}
+    # PathRules win over logical names
+    plan2 = sk.Plan(plan.mesh, rules=[(r"down", ())], axis_rules={"embed": "fsdp", "mlp": "tensor"})
+    assert plan2.param_specs(model)["down"]["kernel"] == P()
+    # a missing logical name is an error naming it
+    with pytest.raises(sk.ShardingError, match=r"up/kernel \(16, 64\).*'mlp'.*AxisRules"):
+        sk.Plan(plan.mesh, axis_rules={"embed": "fsdp"}).param_specs(model)
+
+
+def test_linen_logical_partitioning_through_axis_rules():
+    import flax.linen as nn
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(32, kernel_init=k, use_bias=False)(x)
+
+    variables = jax.eval_shape(lambda: Dense().init(jax.random.key(0), jnp.ones((1, 8))))
+    plan = sk.Plan(sk.make_mesh("data=4,tensor=2"), axis_rules={"embed": None, "mlp": "tensor"})
+    assert plan.param_specs(variables) == {"Dense_0": {"kernel": P(None, "tensor")}}
+
+
+def test_all_offenders_reported_at_once():
+    mesh = sk.make_mesh("data=2,tensor=4")
+    rules = [(r"a", ("nope",)), (r"b", ("data", "data")), (r"c", (None, None, "tensor")),
+             (r"d", ("tensor",))]
+    p = {"a": S((8,), f32), "b": S((8, 8), f32), "c": S((8, 8), f32), "d": S((6,), f32),
+         "e": S((4,), f32), "f": S((2, 2), f32)}
+    with pytest.raises(sk.ShardingError) as err:
+        sk.Plan(mesh, rules=rules).param_specs(p)
+    msg = str(err.value)
+    assert "2 parameter(s) have no sharding rule" in msg
+    assert "e (4,)" in msg and "f (2, 2)" in msg and "(r'.*', ())" in msg
+    # fix the unmatched ones; the spec errors are then all listed together
+    with pytest.raises(sk.ShardingError) as err:
+        sk.Plan(mesh, rules=rules + [(r".*", ())]).param_specs(p)
+    msg = str(err.value)
+    assert "4 parameter(s) cannot be sharded" in msg
+    assert "a shape=(8,)" in msg and "unknown mesh axis 'nope'" in msg and "{'data': 2, 'tensor': 4}" in msg
+    assert "b shape=(8, 8)" in msg and "'data' used more than once" in msg
+    assert "c shape=(8, 8)" in msg and "3 entries but the array has rank 2" in msg
+    assert "d shape=(6,)" in msg and "dim 0 of size 6 is not divisible by tensor=4 (= 4)" in msg
+
+
+def test_batch_specs_and_errors():
+    plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"))
+    assert plan.batch_axes == ("data", "fsdp")
+    assert plan.batch_specs({"x": S((8, 3), f32), "n": S((), f32)}) == {"x": P(("data", "fsdp")), "n": P()}
+    with pytest.raises(sk.ShardingError, match=r"batch leaf 'x' shape=\(6, 3\): leading dim 6 is not divisible by 4"):
+        plan.batch_specs({"x": S((6, 3), f32)})
+    with pytest.raises(sk.ShardingError, match=r"not divisible by 16 \(batch axes data=2 x fsdp=2 x 4 microbatches\)"):
+        plan.batch_specs({"x": S((8, 3), f32)}, microbatches=4)
+    assert sk.Plan(plan.mesh, batch_axes=()).batch_specs({"x": S((3,), f32)}) == {"x": P()}
+    with pytest.raises(ValueError, match=r"batch_axes \['rows'\] are not mesh axes"):
+        sk.Plan(plan.mesh, batch_axes=("rows",))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"zero": 4}, r"unknown ZeRO stage 4"),
+    ({"zero": True}, r"unknown ZeRO stage True"),
+    ({"precision": "fp8"}, r"unknown precision 'fp8'; choose one of \['fp32', 'bf16', 'bf16-pure', 'fp16'\]"),
+    ({"rules": [("(", ())]}, r"not a valid regex"),
+    ({"rules": [("a",)]}, r"each entry is a \(regex, spec\) pair"),
+])
+def test_plan_argument_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sk.Plan(sk.make_mesh("data=8"), **kwargs)
+
+
+def test_describe_is_a_table_with_every_leaf():
+    from rich.console import Console
+
+    plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"), rules=RULES, zero=3)
+    console = Console(record=True, width=200)
+    console.print(plan.describe(params()))
+    text = console.export_text()
+    assert "mlp/w1" in text and "(8, 16)" in text  # per-device block of w1 under ZeRO-3 + TP
+
+
+def test_precision_presets():
+    assert sk.Precision.preset("bf16").compute == jnp.bfloat16
+    assert sk.Precision.preset("bf16").params == jnp.float32
+    assert sk.Precision.preset("fp16").loss_scaling
+    assert sk.Precision.preset("bf16-pure").opt_state == jnp.bfloat16
+    assert sk.Precision.resolve("bf16").name == "bf16"
