@@ -22,6 +22,7 @@ from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes,
                     resolve, spec_axes, validate)
 
 _DATA_LIKE = ("replica", "data", "fsdp")
+STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
 
 
@@ -51,7 +52,9 @@ class Plan:
         mesh: the device mesh (``sk.make_mesh``).
         rules: ``PathRules`` or a list of ``(regex, spec)``; consulted first.
         axis_rules: ``AxisRules`` or a dict mapping logical axis names (from Flax metadata and
-            ``sk.constrain``) to mesh axes. Mesh axis names map to themselves by default.
+            ``sk.constrain``) to mesh axes. Mesh axis names map to themselves by default. A
+            standard axis (``STANDARD_AXES``) the mesh lacks is dropped, so one table serves
+            every layout; any other unknown axis is an error.
         zero: 0 (data parallel), 1 (optimizer state sharded over the data axes), 2 (+ gradients
             reduce-scattered), 3 (+ parameters sharded, FSDP).
         precision: a preset name or ``sk.Precision``.
@@ -90,8 +93,16 @@ class Plan:
         object.__setattr__(self, "axis_rules", axis_rules)
         object.__setattr__(self, "precision", Precision.resolve(self.precision))
         object.__setattr__(self, "batch_axes", batch_axes)
+        # One AxisRules table serves many meshes: a standard axis the mesh lacks is dropped
+        # (size 1); any other unknown name is a typo and an error.
         mapping = {a: (a,) for a in names}
-        mapping.update(axis_rules.mapping if axis_rules else {})
+        typos = []
+        for logical, axes in (axis_rules.mapping if axis_rules else {}).items():
+            typos += [f"{logical!r} -> {a!r}" for a in axes if a not in names and a not in STANDARD_AXES]
+            mapping[logical] = tuple(a for a in axes if a in names)
+        if typos:
+            raise ValueError(f"AxisRules map to mesh axes that are neither in the mesh {dict(self.mesh.shape)} "
+                             f"nor standard axis names {STANDARD_AXES}: {', '.join(typos)}")
         object.__setattr__(self, "_axis_table", AxisRules(mapping))
 
     # ---- resolution -------------------------------------------------------------------------

@@ -86,20 +86,26 @@ def _mean_over_microbatches(x):
     return x.sum(axis=0)
 
 
+def _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite) -> None:
+    if not isinstance(plan, Plan):
+        raise ValueError(f"train_step needs an sk.Plan, got {type(plan).__name__}")
+    if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+        raise ValueError(f"train_step needs an Optax GradientTransformation, got {optimizer!r}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be positive (or None), got {clip_norm!r}")
+    if max_nonfinite is not None and (not isinstance(max_nonfinite, int) or max_nonfinite < 1):
+        raise ValueError(f"max_nonfinite must be a positive integer (or None), got {max_nonfinite!r}")
+
+
 class TrainStep:
     """The object ``@sk.train_step`` returns: ``init``, ``__call__``, ``lower``, ``explain``."""
 
     def __init__(self, fn: Callable, plan: Plan, optimizer: optax.GradientTransformation, *,
                  microbatches: int = 1, clip_norm: float | None = None,
                  skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True):
-        if not isinstance(plan, Plan):
-            raise ValueError(f"train_step needs an sk.Plan, got {type(plan).__name__}")
-        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
-            raise ValueError(f"train_step needs an Optax GradientTransformation, got {optimizer!r}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be positive (or None), got {clip_norm!r}")
+        _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
         self.fn, self.plan, self.tx = fn, plan, optimizer
         self.microbatches, self.clip_norm, self.donate = microbatches, clip_norm, donate
         self.skip_nonfinite = skip_nonfinite or plan.precision.loss_scaling or max_nonfinite is not None
@@ -320,7 +326,7 @@ class TrainStep:
         finite = jnp.isfinite(loss)
         if self.skip_nonfinite:
             finite = finite & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if self.clip_norm is not None:
             factor = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
@@ -376,6 +382,8 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
     variables (with mutable collections, return ``(loss, aux, updated_collections)``). A loss
     with an ``rng`` parameter gets a fresh key each step (and each microbatch).
     """
+    _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
+
     def wrap(fn: Callable) -> TrainStep:
         return TrainStep(fn, plan, optimizer, microbatches=microbatches, clip_norm=clip_norm,
                          skip_nonfinite=skip_nonfinite, max_nonfinite=max_nonfinite, donate=donate)

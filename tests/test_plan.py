@@ -163,3 +163,11 @@ def test_precision_presets():
     assert sk.Precision.preset("fp16").loss_scaling
     assert sk.Precision.preset("bf16-pure").opt_state == jnp.bfloat16
     assert sk.Precision.resolve("bf16").name == "bf16"
+
+
+def test_axis_rules_drop_standard_axes_the_mesh_lacks_but_catch_typos():
+    mesh = sk.make_mesh("data=8")
+    plan = sk.Plan(mesh, axis_rules={"batch": ("data", "fsdp"), "mlp": "tensor"})
+    assert plan.logical_spec(("batch", "mlp")) == P("data")
+    with pytest.raises(ValueError, match=r"neither in the mesh .* 'mlp' -> 'tensr'"):
+        sk.Plan(mesh, axis_rules={"mlp": "tensr"})
