@@ -1,0 +1,66 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import shardkit as sk
+from shardkit.explain import collectives_from_hlo
+
+HLO = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}
+
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %g = f32[8] get-tuple-element(%p), index=1
+  %ag = f32[32]{0} all-gather(%g), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %g)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %g = f32[8] get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %w = (s32[], f32[8]) while(%p), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8], b: bf16[4,4]) -> f32[8] {
+  %a = f32[8] parameter(0)
+  %b = bf16[4,4] parameter(1)
+  %rs = (bf16[1,4]{1,0}, f32[2]{0}) reduce-scatter(%b, %a), channel_id=2, dimensions={0}, to_apply=%add
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[8] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collectives_are_counted_through_nested_loops():
+    got = {c.kind: c for c in collectives_from_hlo(HLO)}
+    assert got["all-reduce"].count == 4 and got["all-reduce"].bytes == 4 * 32
+    assert got["all-gather"].count == 12 and got["all-gather"].bytes == 12 * 128  # 4 x 3 trips
+    assert got["reduce-scatter"].count == 1 and got["reduce-scatter"].bytes == 8 + 8
+    assert all(c.static_count == 1 for c in got.values())
+
+
+def test_explain_a_data_parallel_step():
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2))
+    state = step.init({"w": jnp.ones((64, 32))})
+    report = step.explain(state, {"x": np.ones((16, 64), np.float32)})
+    reduced = sum(c.bytes for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter"))
+    assert reduced >= 64 * 32 * 4  # the f32 gradient is reduced across the 8 replicas
+    assert report.memory["params"] == 64 * 32 * 4 and report.memory["batch"] == 2 * 64 * 4
+    assert report.memory["peak"] > 0 and report.flops > 0
+    text = str(report)
+    assert "per-device memory" in text and "all-reduce" in text
+    assert "<table" in report._repr_html_() or "<pre" in report._repr_html_()
