@@ -279,7 +279,11 @@ class Plan:
         """Makes this plan the one ``sk.constrain`` uses, and its mesh the current mesh."""
         token = _ACTIVE.set(self)
         try:
-            with jax.set_mesh(self.mesh):
+            with contextlib.ExitStack() as stack:
+                try:
+                    stack.enter_context(jax.set_mesh(self.mesh))
+                except ValueError:  # already inside a jit trace: the caller set the mesh
+                    pass
                 yield self
         finally:
             _ACTIVE.reset(token)

@@ -116,6 +116,7 @@ class TrainStep:
         self._logical: dict = {}
         self._state_shardings = None
         self._jitted: dict = {}
+        self._batch_shardings: dict = {}
         functools.update_wrapper(self, fn)
 
     # ---- initialisation ---------------------------------------------------------------------
@@ -218,8 +219,12 @@ class TrainStep:
     # ---- the compiled step ------------------------------------------------------------------
 
     def _place_batch(self, batch):
-        specs = self.plan.batch_specs(batch, self.microbatches)
-        shardings = self.plan.shardings(specs)
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (treedef, tuple(tuple(getattr(x, "shape", ())) for x in leaves))
+        shardings = self._batch_shardings.get(key)
+        if shardings is None:  # validated once per batch structure and shape
+            shardings = self.plan.shardings(self.plan.batch_specs(batch, self.microbatches))
+            self._batch_shardings[key] = shardings
 
         def put(x, s):
             x = cast_input(x)
