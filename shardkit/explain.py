@@ -61,8 +61,9 @@ def _shape_bytes(text: str) -> int:
     return int(total)
 
 
-def collectives_from_hlo(hlo: str) -> list[Collective]:
-    """Counts the collectives a post-partitioning HLO module executes, through loops."""
+def _walk(hlo: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Splits HLO text into computations and counts how often each runs per step: an entry
+    computation once, a ``while`` body ``known_trip_count`` times its caller, others as called."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -78,8 +79,9 @@ def collectives_from_hlo(hlo: str) -> list[Collective]:
                 current = None
             else:
                 comps[current].append(line)
+    mult: dict[str, int] = defaultdict(int)
     if entry is None:
-        return []
+        return comps, mult
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
@@ -88,7 +90,6 @@ def collectives_from_hlo(hlo: str) -> list[Collective]:
                 calls[name].append((callee, int(trip.group(1)) if (role == "body" and trip) else 1))
             for group in _BRANCHES.findall(line):
                 calls[name].extend((c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
-    mult: dict[str, int] = defaultdict(int)
 
     def visit(name: str, m: int, depth: int = 0):
         if depth > 64 or name not in comps:
@@ -98,7 +99,12 @@ def collectives_from_hlo(hlo: str) -> list[Collective]:
             visit(callee, m * k, depth + 1)
 
     visit(entry, 1)
-    count, nbytes, static = defaultdict(int), defaultdict(int), defaultdict(int)
+    return comps, mult
+
+
+def _collective_ops(hlo: str):
+    """Yields ``(kind, multiplicity, result_bytes, line)`` for every collective op."""
+    comps, mult = _walk(hlo)
     for name, lines in comps.items():
         m = mult.get(name, 0)
         for line in lines:
@@ -114,10 +120,130 @@ def collectives_from_hlo(hlo: str) -> list[Collective]:
                 # async start ops return (operands..., results..., contexts): count the results
                 shapes = [_shape_bytes(s) for s in _split_tuple(result)]
                 b = max(shapes) if base == "all-gather" else shapes[0] if shapes else 0
-            static[base] += 1
-            count[base] += m
-            nbytes[base] += m * b
+            yield base, m, b, line
+
+
+def collectives_from_hlo(hlo: str) -> list[Collective]:
+    """Counts the collectives a post-partitioning HLO module executes, through loops."""
+    count, nbytes, static = defaultdict(int), defaultdict(int), defaultdict(int)
+    for base, m, b, _ in _collective_ops(hlo):
+        static[base] += 1
+        count[base] += m
+        nbytes[base] += m * b
     return [Collective(k, count[k], nbytes[k], static[k]) for k in COLLECTIVES if static[k]]
+
+
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
+_DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+dot\(\s*(?:(\S+\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)")
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
+_LHS_C = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(t) for t in re.findall(r"\d+", text or "")]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _device_groups(line: str, n_devices: int) -> list[list[int]]:
+    """The device groups a collective runs over, from any of HLO's three spellings."""
+    if (m := _MESH.search(line)) is not None:
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(s) for _, s in names]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(-1) if m.group(2)
+               else np.arange(math.prod(sizes)))
+        grid = ids.reshape(sizes)
+        over = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(4)]
+        rest = [i for i in range(len(sizes)) if i not in over]
+        size = math.prod(sizes[i] for i in over)
+        return grid.transpose(rest + over).reshape(-1, size).tolist()
+    if (m := _IOTA.search(line)) is not None:
+        shape = _ints(m.group(1))
+        return _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape).tolist()
+    if (m := _PAIRS.search(line)) is not None:
+        return [_ints(g) for g in re.findall(r"\{([0-9,\s]*)\}", m.group(1))]
+    if (m := _EXPLICIT.search(line)) is not None:
+        groups = [_ints(g) for g in re.findall(r"\{([0-9,\s]*)\}", m.group(1))]
+        if groups and any(groups):
+            return groups
+    return [list(range(n_devices))]
+
+
+def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes along which the members of a device group differ (ids are mesh positions)."""
+    names, dims = list(mesh_shape), tuple(mesh_shape.values())
+    coords = np.array(np.unravel_index(np.asarray(groups[0]), dims)).T if dims else np.zeros((1, 0))
+    return tuple(n for i, n in enumerate(names) if len(set(coords[:, i].tolist())) > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Executed collectives of one kind over one set of mesh axes.
+
+    Attributes:
+        kind: the collective (``all-reduce``, ``all-gather``, ...).
+        axes: the mesh axes its device groups span (``("data",)``, ``("tensor",)``).
+        group: devices per group.
+        count: executions per step (through loop trip counts).
+        bytes: per-device result bytes summed over executions.
+        operand_bytes: per-device input bytes: the result for all-reduce, permute and
+            all-to-all, result/group for all-gather, result×group for reduce-scatter. For
+            reductions this is the "bytes reduced" figure, the same whether XLA emits a
+            reduce-scatter (GPU) or an all-reduce plus slice (XLA:CPU).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    count: int
+    bytes: int
+    operand_bytes: int
+
+
+def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int]) -> list[Traffic]:
+    """Executed collectives per (kind, mesh axes), through loops (see ``Traffic``)."""
+    n = math.prod(mesh_shape.values()) if mesh_shape else 1
+    acc: dict[tuple, list[int]] = {}
+    for kind, m, b, line in _collective_ops(hlo):
+        groups = _device_groups(line, n)
+        size = max(len(groups[0]), 1) if kind != "collective-permute" else 2
+        axes = _axes_of(groups, mesh_shape) if mesh_shape else ()
+        operand = b // size if kind == "all-gather" else b * size if kind == "reduce-scatter" else b
+        row = acc.setdefault((kind, axes, size), [0, 0, 0])
+        row[0] += m; row[1] += m * b; row[2] += m * operand
+    return [Traffic(k, a, s, c, b, o) for (k, a, s), (c, b, o) in acc.items()]
+
+
+def matmul_flops_from_hlo(hlo: str) -> float:
+    """Flops of every ``dot`` (2 × result elements × contracted size), counted through loop
+    trip counts — XLA's ``cost_analysis`` counts a ``while`` body once."""
+    comps, mult = _walk(hlo)
+    total = 0.0
+    for name, lines in comps.items():
+        m = mult.get(name, 0)
+        if not m:
+            continue
+        shapes = {}
+        for line in lines:
+            if (d := _NAMED.match(line)) is not None:
+                shapes[d.group(1)] = d.group(2)
+        for line in lines:
+            d = _DOT.match(line)
+            if d is None:
+                continue
+            lhs = d.group(2) or shapes.get(d.group(3), "")
+            lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
+            res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
+            c = _LHS_C.search(line)
+            k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
+            total += m * 2.0 * math.prod(res) * k
+    return total
 
 
 def _split_tuple(text: str) -> list[str]:
@@ -173,15 +299,50 @@ class Report:
     collectives: list[Collective]
     flops: float
     estimate: dict[str, float] | None = None
+    traffic: list[Traffic] = dataclasses.field(default_factory=list)
+    matmul_flops: float = 0.0
+    data_axes: tuple[str, ...] = ()
 
     def collective_bytes(self) -> dict[str, int]:
         return {c.kind: c.bytes for c in self.collectives}
 
+    def roles(self) -> dict[str, float]:
+        """Executed collective bytes by what they are for, read off the mesh axes they span:
+        ``grad-reduce`` (all-reduce/reduce-scatter over a data axis; bytes reduced, so XLA:CPU's
+        all-reduce + slice and a GPU reduce-scatter count the same), ``param-gather``
+        (all-gathers over a data axis: ZeRO), ``tensor-reduce`` / ``tensor-gather`` (over other
+        axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes)."""
+        out = dict.fromkeys(("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather",
+                             "pipe-permute", "other"), 0.0)
+        for t in self.traffic:
+            data = bool(set(t.axes) & set(self.data_axes))
+            if t.kind in ("all-reduce", "reduce-scatter"):
+                out["grad-reduce" if data else "tensor-reduce"] += t.operand_bytes
+            elif t.kind == "all-gather":
+                out["param-gather" if data else "tensor-gather"] += t.bytes
+            elif t.kind == "collective-permute":
+                out["pipe-permute"] += t.bytes
+            else:
+                out["other"] += t.bytes
+        return out
+
+    def compiled(self) -> dict[str, float]:
+        """Every compiled figure under the names the estimate uses (``memory/peak``,
+        ``collective/all-reduce``, ``collective/grad-reduce``, ``flops``, ...). ``flops`` is
+        the matmul flops counted through loops (``flops/xla`` is XLA's own figure, which counts
+        a ``while`` body once); all figures are per device per step."""
+        out = {f"memory/{k}": float(v) for k, v in self.memory.items()}
+        out.update({f"collective/{c.kind}": float(c.bytes) for c in self.collectives})
+        if self.traffic:
+            out.update({f"collective/{k}": v for k, v in self.roles().items()})
+        out["flops"] = float(self.matmul_flops or self.flops)
+        out["flops/xla"] = float(self.flops)
+        return out
+
     def comparison(self) -> list[dict]:
-        """Rows ``{"quantity", "estimate", "compiled"}`` for every quantity both sides have."""
-        compiled = {f"memory/{k}": float(v) for k, v in self.memory.items()}
-        compiled.update({f"collective/{c.kind}": float(c.bytes) for c in self.collectives})
-        compiled["flops"] = float(self.flops)
+        """Rows ``{"quantity", "estimate", "compiled"}`` for every quantity both sides have
+        (a collective the program does not execute counts as 0 compiled bytes)."""
+        compiled = self.compiled()
         est = self.estimate or {}
         return [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
                 for q in est if q in compiled or q.startswith("collective/")]
@@ -234,8 +395,12 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None) -> Report:
-    """A ``Report`` for any compiled JAX program (``jax.jit(f).lower(...).compile()``)."""
+def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None,
+                         mesh=None, data_axes: tuple[str, ...] = ()) -> Report:
+    """A ``Report`` for any compiled JAX program (``jax.jit(f).lower(...).compile()``).
+
+    With ``mesh`` the collectives are also attributed to mesh axes (``Report.traffic``).
+    """
     mem = dict(memory or {})
     ma = compiled.memory_analysis()
     if ma is not None:
@@ -247,11 +412,15 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     flops = float((cost or {}).get("flops", 0.0))
-    return Report(title, mem, collectives_from_hlo(compiled.as_text()), flops)
+    hlo = compiled.as_text()
+    traffic = traffic_from_hlo(hlo, dict(mesh.shape)) if mesh is not None else []
+    return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
+                  matmul_flops=matmul_flops_from_hlo(hlo), data_axes=tuple(data_axes))
 
 
 def explain_step(step, state, batch) -> Report:
-    """The report behind ``TrainStep.explain``."""
+    """The report behind ``TrainStep.explain``: compiled figures, and the analytic estimate
+    of ``sk.cost.estimate_for_step`` beside them."""
     compiled = step.lower(state, batch).compile()
     plan = step.plan
     grad_specs = step._specs("grads")
@@ -259,8 +428,17 @@ def explain_step(step, state, batch) -> Report:
         lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.precision.grads, sharding=plan.sharding(s)),
         state.params, grad_specs)
     placed, _ = step._place_batch(batch)
-    memory = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state),
+    # Parameter and optimizer-state bytes as the compiled executable lays out its arguments.
+    (state_sh, batch_sh), _ = compiled.input_shardings
+    as_compiled = lambda tree, sh: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+    memory = {"params": shard_bytes(as_compiled(state.params, state_sh.params)),
+              "opt_state": shard_bytes(as_compiled(state.opt_state, state_sh.opt_state)),
               "model_state": shard_bytes(state.model_state), "grads": shard_bytes(grads),
-              "batch": shard_bytes(placed)}
+              "batch": shard_bytes(as_compiled(placed, batch_sh))}
     title = f"{plan!r}, microbatches={step.microbatches}"
-    return report_from_compiled(compiled, title, memory)
+    report = report_from_compiled(compiled, title, memory, plan.mesh, plan.batch_axes)
+    from . import cost
+
+    report.estimate = cost.estimate_for_step(step, state, batch).as_dict()
+    return report
