@@ -51,9 +51,6 @@ class Adapter:
             return nnx.to_pure_dict(rest)
         return model_state
 
-    def state_paths_prefix(self) -> str:
-        return ""
-
 
 @dataclasses.dataclass(frozen=True)
 class Unpacked:
