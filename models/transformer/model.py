@@ -48,6 +48,27 @@ class PipelineSpec:
     repeats: int = 1
 
 
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``sk.constrain`` that also works inside ``sk.pipeline``'s shard_map.
+
+    Workaround: ``Plan.constrain`` builds a NamedSharding on the concrete mesh, which JAX
+    rejects inside a shard_map that is manual over ``pipe``. There we constrain against the
+    ambient abstract mesh instead, leaving out manual axes.
+    """
+    plan = sk.active_plan()
+    mesh = jax.sharding.get_abstract_mesh()
+    if plan is None or mesh.empty or not mesh.manual_axes:
+        return sk.constrain(x, names)
+    spec = tuple(plan.logical_spec(names))
+    entries = []
+    for d, entry in enumerate(spec + (None,) * (x.ndim - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = tuple(a for a in axes if a not in mesh.manual_axes)
+        size = math.prod(mesh.shape[a] for a in axes)
+        entries.append(None if not axes or x.shape[d] % size else axes)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.P(*entries)))
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None):
     init = nnx.initializers.ones if std is None else nnx.initializers.normal(std)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, F32))
@@ -106,9 +127,9 @@ class Attention(nnx.Module):
         q_BxTxHxQ = _dot("btd,dhq->bthq", x_BxTxD, self.q[...])
         k_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.k[...])
         v_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.v[...])
-        q_BxTxHxQ = sk.constrain(q_BxTxHxQ, ("batch", None, "heads", None))
-        k_BxTxKxQ = sk.constrain(k_BxTxKxQ, ("batch", None, "kv_heads", None))
-        v_BxTxKxQ = sk.constrain(v_BxTxKxQ, ("batch", None, "kv_heads", None))
+        q_BxTxHxQ = constrain(q_BxTxHxQ, ("batch", None, "heads", None))
+        k_BxTxKxQ = constrain(k_BxTxKxQ, ("batch", None, "kv_heads", None))
+        v_BxTxKxQ = constrain(v_BxTxKxQ, ("batch", None, "kv_heads", None))
         q_BxTxHxQ = apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2)
         k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
 
@@ -123,7 +144,7 @@ class Attention(nnx.Module):
         s_BxKxGxTxS = jnp.where(causal_TxS[None, None, None], s_BxKxGxTxS, jnp.finfo(F32).min)
         p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxQ.dtype)
         o_BxTxKxGxQ = _dot("bkgts,bskq->btkgq", p_BxKxGxTxS, v_BxTxKxQ)
-        o_BxTxHxQ = sk.constrain(o_BxTxKxGxQ.reshape(B, T, -1, Q), ("batch", None, "heads", None))
+        o_BxTxHxQ = constrain(o_BxTxKxGxQ.reshape(B, T, -1, Q), ("batch", None, "heads", None))
         return _dot("bthq,hqd->btd", o_BxTxHxQ, self.o[...])
 
 
@@ -140,7 +161,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BxTxD):
         gate_BxTxF = _dot("btd,df->btf", x_BxTxD, self.gate[...])
         up_BxTxF = _dot("btd,df->btf", x_BxTxD, self.up[...])
-        h_BxTxF = sk.constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", None, "mlp"))
+        h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", None, "mlp"))
         return _dot("btf,fd->btd", h_BxTxF, self.down[...])
 
 
@@ -157,9 +178,9 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
         x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), cos_TxQ2, sin_TxQ2)
-        x_BxTxD = sk.constrain(x_BxTxD, ("batch", "seq", None))
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
         x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
-        return sk.constrain(x_BxTxD, ("batch", "seq", None))
+        return constrain(x_BxTxD, ("batch", "seq", None))
 
 
 def _remat(fn, policy: str):
@@ -202,8 +223,12 @@ class Transformer(nnx.Module):
         return _remat(layer, self.cfg.remat)
 
     def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
-        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0)
-        return sk.constrain(x_BxTxD, ("batch", "seq", None))
+        # Gather from a table whose embed dim is whole (FSDP gathers it, as for any weight
+        # it uses); with embed still sharded, XLA's partitioner falls back to replicating
+        # the gather's output.
+        table_VxD = constrain(self.embed[...], ("vocab", None))
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+        return constrain(x_BxTxD, ("batch", "seq", None))
 
     def head_params(self) -> dict:
         """What the output head reads: the final norm's scale and the (V, D) output matrix
@@ -239,7 +264,7 @@ def head_logits(head: dict, x_BxTxD: jax.Array, eps: float) -> jax.Array:
     """Final RMSNorm, then logits (float32) against the (V, D) output matrix."""
     x_BxTxD = rms_norm(x_BxTxD, head["norm"], eps)
     logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, head["out"], preferred_element_type=F32)
-    return sk.constrain(logits_BxTxV, ("batch", None, "vocab"))
+    return constrain(logits_BxTxV, ("batch", None, "vocab"))
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

@@ -1,0 +1,103 @@
+"""Where the transformer's logical axes live: one table, filtered by the mesh at hand.
+
+``RULES`` says, for every logical axis the model names, which mesh axis it goes to when the
+mesh has that axis:
+
+* ``batch`` over the data-like axes (DP, and FSDP's batch split);
+* ``embed`` over ``fsdp``: every weight has an embed dim, so this alone is FSDP (weights,
+  their gradients and Adam moments sharded, gathered layer by layer in the scan);
+* ``heads``/``kv_heads``/``mlp``/``vocab`` over ``tensor``: Megatron TP — q/k/v and the MLP's
+  gate/up split by columns, the attention output and the MLP's down projection by rows, the
+  embedding/head by vocabulary;
+* ``seq`` over ``tensor`` only with sequence parallelism: the residual stream, norms and
+  adds run on sequence shards between the TP regions (Korthikanti et al. 2022);
+* ``layers`` over ``pipe``: the stacked layer weights, run by ``sk.pipeline``.
+
+A layout is then just a mesh (plus ZeRO stage and the sequence-parallel switch); ``LAYOUTS``
+names the ones the tests, snapshots and benchmark use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import shardkit as sk
+
+from .config import Config
+
+DATA_AXES = ("replica", "data", "fsdp")
+
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": DATA_AXES,
+    "seq": (),  # ("tensor",) under sequence parallelism
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "layers": ("pipe",),
+}
+
+
+def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,
+               sequence_parallel: bool = False) -> sk.AxisRules:
+    """``RULES`` restricted to the axes of a mesh.
+
+    Args:
+        mesh_shape: ``mesh.shape`` (axis → size).
+        cfg: the model; when its ``kv_heads`` do not divide the tensor axis, K/V projections
+            are replicated over it (every TP rank keeps all kv heads) instead of failing.
+        sequence_parallel: shard the residual stream's sequence dim over ``tensor``.
+    """
+    table = dict(RULES)
+    if sequence_parallel:
+        table["seq"] = ("tensor",)
+    if cfg is not None and cfg.kv_heads % mesh_shape.get("tensor", 1):
+        table["kv_heads"] = ()
+    out = {name: tuple(a for a in axes if a in mesh_shape) for name, axes in table.items()}
+    return sk.AxisRules({name: axes or None for name, axes in out.items()})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A named layout: a mesh, a ZeRO stage, sequence parallelism, pipeline settings.
+
+    Attributes:
+        mesh: ``sk.make_mesh`` spec.
+        zero: ZeRO stage over the data axes.
+        sequence_parallel: see ``axis_rules``.
+        schedule: pipeline schedule when the mesh has a ``pipe`` axis.
+        repeats: layer chunks per stage (circular schedule).
+    """
+
+    mesh: str
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "gpipe"
+    repeats: int = 1
+
+
+LAYOUTS: dict[str, Layout] = {
+    "dp": Layout("data=8"),
+    "zero1": Layout("data=8", zero=1),
+    "zero3": Layout("data=8", zero=3),
+    "fsdp": Layout("fsdp=8"),
+    "tp": Layout("data=4,tensor=2"),
+    "fsdp_tp": Layout("fsdp=4,tensor=2"),
+    "tp_sp": Layout("data=4,tensor=2", sequence_parallel=True),
+    "pp_gpipe": Layout("data=4,pipe=2", zero=1),
+    "pp_circular": Layout("data=4,pipe=2", zero=1, schedule="circular", repeats=2),
+    "pp_1f1b": Layout("data=4,pipe=2", zero=1, schedule="1f1b"),
+    "tp_pp": Layout("tensor=2,pipe=4"),
+    "dp_pp_tp": Layout("data=2,pipe=2,tensor=2"),
+    "hybrid": Layout("data=2,fsdp=2,tensor=2", sequence_parallel=True),
+}
+
+
+def make_plan(mesh, cfg: Config, *, zero: int = 0, precision: str = "fp32",
+              sequence_parallel: bool = False) -> sk.Plan:
+    """The ``sk.Plan`` for the transformer on ``mesh``."""
+    rules = axis_rules(mesh.shape, cfg, sequence_parallel=sequence_parallel)
+    return sk.Plan(mesh, axis_rules=rules, zero=zero, precision=precision)

@@ -1,0 +1,324 @@
+"""Training entry point: ``python -m models.transformer`` / ``shardkit train transformer``.
+
+With no flags it trains the tiny model on the standard-library byte corpus over 8 simulated
+CPU devices (mesh ``data=2,fsdp=2,tensor=2``, sequence parallel), printing the mesh, every
+parameter's sharding, per-device memory, a progress bar and validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+
+import shardkit as sk
+
+from . import data as data_lib
+from .config import SIZES, Config
+
+SCHEDULES = ("gpipe", "circular", "1f1b")
+PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
+
+# Checkpointing is not wired into this recipe yet. The checkpoint integration sets this to
+# ``save(directory, step, state, data_position) -> None``; ``main`` calls it every
+# ``--checkpoint-every`` steps and after the last one. While it is None, --checkpoint-dir is
+# accepted and nothing is saved (main says so).
+CHECKPOINT_HOOK: Callable | None = None
+
+
+class FlagError(ValueError):
+    """A command-line flag that cannot work; reported as one line naming the flag."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m models.transformer",
+                                description="Train a GPT-style decoder under any shardkit layout.")
+    a = p.add_argument
+    a("--size", default="tiny", help=f"named model size: {', '.join(SIZES)} (default tiny)")
+    a("--mesh", default="data=2,fsdp=2,tensor=2", help="mesh layout, axes among replica, data, "
+      "fsdp, tensor, pipe (default data=2,fsdp=2,tensor=2)")
+    a("--zero", type=int, default=0, help="ZeRO stage 0-3 over the data axes")
+    a("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+      help="shard norms/residuals over seq on the tensor axis (default: on when tensor > 1)")
+    a("--layers", type=int, help="decoder layers (overrides --size)")
+    a("--d-model", type=int, help="model width")
+    a("--heads", type=int, help="attention heads")
+    a("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    a("--seq", type=int, help="sequence length")
+    a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
+    a("--batch", type=int, default=16, help="global batch (sequences per step)")
+    a("--microbatches", type=int, help="pipeline microbatches with a pipe axis (default 2 x "
+      "stages), else gradient-accumulation microbatches (default 1)")
+    a("--pipeline-schedule", default="gpipe", help=f"one of {', '.join(SCHEDULES)}")
+    a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular; default 2)")
+    a("--steps", type=int, default=200)
+    a("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
+    a("--seed", type=int, default=0)
+    a("--data", help="token file (.bin/.u16 uint16, .u32 uint32) or text file; default: the "
+      "Python standard library as bytes")
+    a("--data-format", default="auto", help="auto, text, uint16 or uint32")
+    a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
+    a("--eval-batches", type=int, default=4)
+    a("--metrics-out", help="write JSON lines (step, loss, tokens_per_s, mfu; val_loss) here")
+    a("--checkpoint-dir", help="where checkpoints go (see CHECKPOINT_HOOK)")
+    a("--checkpoint-every", type=int, default=100)
+    a("--cpu-devices", type=int, default=8, help="simulated CPU devices; 0 = use the real "
+      "accelerators")
+    a("--quiet", action="store_true", help="no tables or progress bar")
+    return p
+
+
+def model_config(args) -> Config:
+    if args.size not in SIZES:
+        raise FlagError("--size", f"unknown size {args.size!r}; choose one of {', '.join(SIZES)}")
+    changes = {k: v for k, v in (("layers", args.layers), ("d_model", args.d_model),
+                                 ("heads", args.heads), ("kv_heads", args.kv_heads),
+                                 ("seq", args.seq), ("remat", args.remat)) if v is not None}
+    try:
+        return SIZES[args.size].replace(**changes)
+    except ValueError as e:
+        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq")
+                     if f in str(e)), "size")
+        raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
+
+
+def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
+    """Flag checks that need the mesh; returns (pipeline microbatches, step microbatches)."""
+    if args.zero not in (0, 1, 2, 3):
+        raise FlagError("--zero", f"ZeRO stage {args.zero} is not 0, 1, 2 or 3")
+    if args.precision not in PRECISIONS:
+        raise FlagError("--precision", f"unknown precision {args.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if args.pipeline_schedule not in SCHEDULES:
+        raise FlagError("--pipeline-schedule", f"unknown schedule {args.pipeline_schedule!r}; "
+                        f"choose one of {', '.join(SCHEDULES)}")
+    if args.steps < 1:
+        raise FlagError("--steps", "must be at least 1")
+    if not args.lr > 0:
+        raise FlagError("--lr", f"must be positive, got {args.lr}")
+    tensor, stages = mesh_shape.get("tensor", 1), mesh_shape.get("pipe", 1)
+    if cfg.heads % tensor:
+        raise FlagError("--heads", f"{cfg.heads} heads do not split over tensor={tensor}; use a "
+                        f"multiple of {tensor}")
+    if cfg.d_ff % tensor or cfg.vocab % tensor:
+        raise FlagError("--mesh", f"tensor={tensor} does not divide d_ff={cfg.d_ff} / vocab={cfg.vocab}")
+    repeats = args.pipeline_repeats or (2 if args.pipeline_schedule == "circular" else 1)
+    if cfg.layers % (stages * repeats):
+        raise FlagError("--layers", f"{cfg.layers} layers do not split into pipe={stages} stages "
+                        f"x {repeats} repeats; use a multiple of {stages * repeats}")
+    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp"))
+    if stages > 1:
+        pipe_mb, step_mb = args.microbatches or 2 * stages, 1
+        if pipe_mb < stages:
+            raise FlagError("--microbatches", f"{pipe_mb} microbatches cannot fill {stages} "
+                            "pipeline stages; use at least as many as stages")
+    else:
+        pipe_mb, step_mb = 0, args.microbatches or 1
+        if step_mb < 1:
+            raise FlagError("--microbatches", "must be at least 1")
+    need = data * max(pipe_mb, step_mb)
+    if args.batch % need:
+        raise FlagError("--batch", f"global batch {args.batch} is not divisible by data axes "
+                        f"({data}) x microbatches ({max(pipe_mb, step_mb)}) = {need}")
+    return pipe_mb, step_mb
+
+
+def load_data(args, cfg: Config):
+    try:
+        if args.data:
+            train, val = data_lib.load_tokens(args.data, fmt=args.data_format, vocab=cfg.vocab)
+            return train, val, args.data
+        if cfg.vocab < 256:
+            raise FlagError("--size", "the byte corpus needs vocab >= 256")
+        train, val = data_lib.stdlib_corpus()
+        return train, val, "Python standard library (bytes)"
+    except data_lib.DataError as e:
+        raise FlagError("--data" if args.data else "--size", str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs training; returns the exit status (2 for a bad flag)."""
+    args = parser().parse_args(argv)
+    try:
+        if args.cpu_devices:
+            try:
+                sk.use_cpu_devices(args.cpu_devices)
+            except (ValueError, RuntimeError) as e:
+                raise FlagError("--cpu-devices", str(e)) from None
+        return _run(args)
+    except FlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except sk.ShardingError as e:
+        print(f"error: --mesh: the layout does not fit the model: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import jax
+    import optax
+    from flax import nnx
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from shardkit import hardware
+
+    from .layouts import make_plan
+    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn
+
+    cfg = model_config(args)
+    try:
+        mesh = sk.make_mesh(args.mesh)
+    except ValueError as e:
+        raise FlagError("--mesh", str(e)) from None
+    shape = dict(mesh.shape)
+    pipe_mb, step_mb = check_layout(args, cfg, shape)
+    train_tokens, val_tokens, data_name = load_data(args, cfg)
+    if args.seq is None and cfg.seq > 128 and args.size == "tiny":
+        cfg = cfg.replace(seq=128)
+    sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
+    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp)
+    pipeline = None
+    if shape.get("pipe", 1) > 1:
+        repeats = args.pipeline_repeats or (2 if args.pipeline_schedule == "circular" else 1)
+        pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, repeats)
+
+    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 150)
+    is_main = jax.process_index() == 0
+    warmup = max(1, min(100, args.steps // 10))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
+    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+
+    @sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0)
+    def step(model, batch):
+        return loss_fn(model, batch, pipeline)
+
+    console.print(sk.describe_mesh(mesh))
+    console.print(f"{plan}  sequence_parallel={sp}"
+                  + (f"  pipeline={pipeline}" if pipeline else ""))
+    console.print(f"model: {cfg}")
+    console.print(data_lib.describe(train_tokens, val_tokens, data_name))
+    state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)), seed=args.seed)
+    if not args.quiet:
+        console.print(plan.describe(step.model(state)))
+
+    batches = data_lib.Batches(train_tokens, args.batch, cfg.seq, args.seed)
+    evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches.batch_at(0)).compile()
+    compile_s = time.perf_counter() - t0
+    console.print(_memory_line(state, compiled, compile_s))
+
+    evaluate = _evaluator(step, plan, pipeline, loss_fn)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    flops_tok = flops_per_token(cfg, cfg.seq)
+    peak = sum(hardware.peak_flops(d) for d in mesh.devices.flat)
+    tokens_per_step = args.batch * cfg.seq
+    console.print(f"{n_params:,} parameters, {flops_tok / 1e6:.2f} MFLOP/token (6N + attention), "
+                  f"peak {peak / 1e12:.2f} TFLOP/s over {mesh.devices.size} device(s)")
+    if args.checkpoint_dir and CHECKPOINT_HOOK is None:
+        console.print(f"[yellow]--checkpoint-dir {args.checkpoint_dir}: checkpointing is not wired "
+                      "into this recipe yet (CHECKPOINT_HOOK is unset); nothing will be saved[/]")
+
+    out = open(args.metrics_out, "w") if args.metrics_out and is_main else None
+    first_loss = last_loss = val_loss = float("nan")
+    columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"),
+               TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  "
+                          "MFU {task.fields[mfu]:.1%}"), TimeRemainingColumn())
+    timings = []
+    try:
+        with Progress(*columns, console=console, disable=args.quiet) as progress:
+            task = progress.add_task("train", total=args.steps, loss=float("nan"), tps=0.0, mfu=0.0)
+            for i in range(args.steps):
+                batch = data_lib.global_batch(next(batches), _batch_sharding(plan))
+                t = time.perf_counter()
+                state, metrics = step(state, batch)
+                last_loss = float(metrics["loss"])  # waits for the step
+                dt = time.perf_counter() - t
+                timings.append(dt)
+                first_loss = last_loss if i == 0 else first_loss
+                tps = tokens_per_step / dt
+                mfu = flops_tok * tps / peak
+                progress.update(task, advance=1, loss=last_loss, tps=tps, mfu=mfu)
+                if out:
+                    out.write(json.dumps({"step": i, "loss": last_loss, "tokens_per_s": tps,
+                                          "mfu": mfu}) + "\n")
+                done = i + 1 == args.steps
+                if done or (args.eval_every and (i + 1) % args.eval_every == 0):
+                    val_loss = evaluate(state, evals)
+                    progress.console.print(f"step {i + 1}: train loss {last_loss:.4f}  "
+                                           f"validation loss {val_loss:.4f}")
+                    if out:
+                        out.write(json.dumps({"step": i, "val_loss": val_loss}) + "\n")
+                if CHECKPOINT_HOOK is not None and args.checkpoint_dir and (
+                        done or (i + 1) % args.checkpoint_every == 0):
+                    CHECKPOINT_HOOK(args.checkpoint_dir, i + 1, state, batches.position())
+    finally:
+        if out:
+            out.close()
+    steady = sorted(timings[1:] or timings)[len(timings[1:] or timings) // 2]
+    print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}; "
+                  f"median step {steady * 1e3:.1f} ms = {tokens_per_step / steady:,.0f} tokens/s, "
+                  f"MFU {flops_tok * tokens_per_step / steady / peak:.1%}")
+    return 0 if math.isfinite(last_loss) else 1
+
+
+def _batch_sharding(plan):
+    from jax.sharding import PartitionSpec as P
+
+    axes = plan.batch_axes
+    return plan.sharding(P(axes if len(axes) != 1 else axes[0]) if axes else P())
+
+
+def _memory_line(state, compiled, compile_s: float) -> str:
+    """Per-device persistent state (exact, from the shards on device 0) and the compiled
+    step's temporaries."""
+    import jax
+
+    dev = jax.devices()[0]
+
+    def on_dev(tree):
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                   if s.device == dev)
+
+    mib = 1 / 2**20
+    params, opt = on_dev(state.params) * mib, on_dev(state.opt_state) * mib
+    line = f"per-device memory: params {params:.2f} MiB + optimizer state {opt:.2f} MiB"
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        line += f" + step temporaries {getattr(mem, 'temp_size_in_bytes', 0) * mib:.2f} MiB"
+    return line + f"  (step compiled in {compile_s:.1f} s)"
+
+
+def _evaluator(step, plan, pipeline, loss_fn):
+    """Mean validation loss over fixed batches, in the compute dtype, sharded like training."""
+    import jax
+    import jax.numpy as jnp
+
+    compute = plan.precision.compute
+
+    @jax.jit
+    def one(state, batch):
+        model = step.model(state.replace(params=jax.tree.map(
+            lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, state.params)))
+        return loss_fn(model, batch, pipeline).astype(jnp.float32)
+
+    sharding = _batch_sharding(plan)
+
+    def evaluate(state, batches) -> float:
+        with plan.active():
+            losses = []
+            for b in batches:
+                b = data_lib.global_batch(b, sharding)
+                b = jax.tree.map(lambda x: jax.device_put(x, sharding) if not isinstance(x, jax.Array) else x, b)
+                losses.append(one(state, b))
+            return float(jnp.mean(jnp.stack(losses)))
+    return evaluate
