@@ -40,7 +40,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
 
     def body(params_l, loss_params, x_mb, extras_mb, targets_mb, rng):
         stage = lax.axis_index(axis)
-        params_l = jax.tree.map(lambda a: a[0, 0], params_l)  # (k, ...): v == 1
+        params_l = jax.tree.map(lambda a: a[0], params_l)  # (v=1, k, ...)
         # Varying before the switch: the transpose of an implicit invariant->varying cast is a
         # psum, which must not end up inside a branch only some stages take.
         loss_params, x_mb, extras_mb, targets_mb = _varying(
@@ -50,7 +50,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
                                               tab.recv_act, tab.recv_grad))
 
         def stage_out(P_, h, mb):
-            return chunk(P_, h, stage, mb, _take(extras_mb, mb))
+            return chunk(P_, 0, h, stage, mb, _take(extras_mb, mb))
 
         def stage_loss(P_, LP, h, mb):
             return loss_fn(LP, stage_out(P_, h, mb), _take(targets_mb, mb)).astype(jnp.float32)
@@ -102,7 +102,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
         *_, (gp, gl, gx, loss) = lax.scan(tick, init, rows)[0]
         # Loss, loss_params grads and dx live on one stage each; psum broadcasts them.
         loss, gl, gx = lax.psum((loss / m, gl, gx[:m]), axis)
-        gp = jax.tree.map(lambda a: a[None, None], gp)
+        gp = jax.tree.map(lambda a: a[None], gp)
         return loss, (gp, gl, gx)
 
     spec = P(axis)
