@@ -24,6 +24,10 @@ idle device skips the compute) and hands activations on with ``lax.ppermute``.
   inputs in a ring buffer, whatever ``m``. Without differentiation the primal runs GPipe.
   Gradients never flow to ``extras`` or ``targets``.
 
+Memory note: GPipe (v = 1) keeps the stage weights once under autodiff; circular indexes its
+layer group per tick, and autodiff of that scan keeps a copy of the group's weights per tick
+(known limitation; use remat or 1F1B when weights dominate).
+
 Bubble fractions of the tables (``bench/pipeline.py`` checks them): GPipe and 1F1B
 (p-1)/(m+p-1) (1F1B counted in forward/backward slots of equal length), circular
 (p-1)/(v·m+p-1).

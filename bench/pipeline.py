@@ -1,0 +1,177 @@
+"""Pipeline benchmark: bubble of the executed schedule tables, 1F1B vs GPipe memory, step time.
+
+    python bench/pipeline.py            # 8 simulated CPU devices; writes bench/results/pipeline.json
+
+(a) bubble: idle (tick, stage) cells of the tables ``pipeline`` scans over, against
+    (p-1)/(v·m+p-1); (b) per-device temp bytes of the compiled value-and-grad, 1F1B vs GPipe,
+    with a fixed microbatch so GPipe's saved activations grow with m; (c) step time of each
+    schedule relative to the un-pipelined (data-parallel) model on the same 8 devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from shardkit import _pipeline_schedules as sched  # noqa: E402
+from shardkit.mesh import make_mesh  # noqa: E402
+from shardkit.pipeline import pipeline  # noqa: E402
+
+
+def mlp_layer(lp, h_BxD):
+    """Residual MLP: saves (B, 4D) activations, so activations dominate memory."""
+    u_BxF = jax.nn.gelu(h_BxD @ lp["w1"])
+    return h_BxD + u_BxF @ lp["w2"]
+
+
+def mse(hp, y_BxD, t_BxD):
+    return jnp.mean((y_BxD @ hp["w"] - t_BxD) ** 2)
+
+
+def problem(n_layers, d, batch, seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    params = {"w1": jax.random.normal(k[0], (n_layers, d, 4 * d)) / np.sqrt(d),
+              "w2": jax.random.normal(k[1], (n_layers, 4 * d, d)) / np.sqrt(4 * d)}
+    head = {"w": jax.random.normal(k[2], (d, d)) / np.sqrt(d)}
+    x = jax.random.normal(k[3], (batch, d))
+    return params, head, x, x[::-1]
+
+
+def grad_fn(mesh, schedule, m, v=1):
+    def loss(params, head, x, t):
+        return pipeline(mlp_layer, params, x, microbatches=m, schedule=schedule, repeats=v,
+                        loss_fn=mse, loss_params=head, targets=t, mesh=mesh)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def sequential_grad_fn():
+    def loss(params, head, x, t):
+        y = jax.lax.scan(lambda h, lp: (mlp_layer(lp, h), None), x, params)[0]
+        return mse(head, y, t)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def bubbles():
+    rows = []
+    for p in (2, 4, 8):
+        for mult in (1, 2, 4, 8):
+            m = mult * p
+            for schedule, v in (("gpipe", 1), ("circular", 2), ("circular", 4), ("1f1b", 1)):
+                if schedule == "1f1b":
+                    tab = sched.one_f_one_b_table(p, m)
+                    busy, ticks = tab.op != sched.IDLE, tab.op.shape[0]
+                else:
+                    tab = sched.forward_table(p, m, v)
+                    busy, ticks = tab.item >= 0, tab.item.shape[0]
+                got, want = sched.bubble_fraction(busy), sched.formula_bubble(schedule, p, m, v)
+                rows.append(dict(schedule=schedule, p=p, m=m, v=v, ticks=ticks, bubble=got,
+                                 formula=want, match=abs(got - want) < 1e-12))
+    return rows
+
+
+def memory(p=4, d=64, mb=8, layers_per_stage=4):
+    mesh = make_mesh(f"pipe={p}", devices=jax.devices()[:p])
+    rows = []
+    for mult in (4, 8):
+        m = mult * p
+        params, head, x, t = problem(p * layers_per_stage, d, m * mb)
+        temps = {}
+        for schedule in ("gpipe", "1f1b"):
+            compiled = grad_fn(mesh, schedule, m).lower(params, head, x, t).compile()
+            temps[schedule] = compiled.memory_analysis().temp_size_in_bytes
+        stage_param_bytes = layers_per_stage * 8 * d * d * 4
+        rows.append(dict(p=p, m=m, microbatch=mb, d=d, layers=p * layers_per_stage,
+                         gpipe_temp=temps["gpipe"], f1b_temp=temps["1f1b"],
+                         ratio=temps["1f1b"] / temps["gpipe"], p_over_m=p / m,
+                         excess=temps["1f1b"] - p / m * temps["gpipe"],
+                         stage_param_bytes=stage_param_bytes))
+    return rows
+
+
+def step_times(d=64, batch=64, reps=3):
+    results = []
+    devices = jax.devices()
+    params, head, x, t = problem(16, d, batch)
+    dp = make_mesh("data=8", devices=devices)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(dp, spec))  # noqa: E731
+    base_args = (put(params, P()), put(head, P()), put(x, P("data")), put(t, P("data")))
+    base = _time(sequential_grad_fn(), base_args, reps)
+    results.append(dict(schedule="un-pipelined (data=8)", mesh="data=8", m=1, seconds=base, relative=1.0))
+    for mesh_spec, m in (("pipe=8", 16), ("data=2,pipe=4", 8)):
+        mesh = make_mesh(mesh_spec, devices=devices)
+        for schedule, v in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
+            sec = _time(grad_fn(mesh, schedule, m, v), (params, head, x, t), reps)
+            results.append(dict(schedule=f"{schedule}" + (f" v={v}" if v > 1 else ""), mesh=mesh_spec,
+                                m=m, seconds=sec, relative=sec / base))
+    return results
+
+
+def _time(fn, args, reps):
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main():
+    console = Console()
+    out = {"devices": jax.device_count(), "backend": jax.default_backend()}
+
+    out["bubble"] = bubbles()
+    tab = Table(title="(a) bubble: idle stage-ticks of the executed tables vs (p-1)/(v·m+p-1)")
+    for col in ("schedule", "p", "m", "v", "ticks", "measured", "formula", "match"):
+        tab.add_column(col)
+    for r in out["bubble"]:
+        tab.add_row(r["schedule"], str(r["p"]), str(r["m"]), str(r["v"]), str(r["ticks"]),
+                    f"{r['bubble']:.4f}", f"{r['formula']:.4f}", "yes" if r["match"] else "NO")
+    console.print(tab)
+
+    out["memory"] = memory()
+    tab = Table(title="(b) per-device temp bytes of value_and_grad (fixed microbatch; GPipe grows with m)")
+    for col in ("p", "m", "mb", "layers", "GPipe", "1F1B", "ratio", "p/m", "excess", "stage W"):
+        tab.add_column(col)
+    for r in out["memory"]:
+        tab.add_row(str(r["p"]), str(r["m"]), str(r["microbatch"]), str(r["layers"]),
+                    f"{r['gpipe_temp'] / 2**20:.2f}M", f"{r['f1b_temp'] / 2**20:.2f}M",
+                    f"{r['ratio']:.3f}", f"{r['p_over_m']:.3f}", f"{r['excess'] / 2**20:.2f}M",
+                    f"{r['stage_param_bytes'] / 2**20:.2f}M")
+    console.print(tab)
+    console.print("excess = 1F1B - (p/m)·GPipe: the m-independent part (stage W = the stage's f32 "
+                  "gradient accumulator, plus the stage-input ring)")
+
+    out["step_time"] = step_times()
+    tab = Table(title="(c) step time (value_and_grad), 8 simulated CPU devices, vs un-pipelined")
+    for col in ("schedule", "mesh", "m", "seconds", "relative"):
+        tab.add_column(col)
+    for r in out["step_time"]:
+        tab.add_row(r["schedule"], r["mesh"], str(r["m"]), f"{r['seconds'] * 1e3:.1f} ms", f"{r['relative']:.2f}x")
+    console.print(tab)
+
+    path = pathlib.Path(__file__).resolve().parent / "results" / "pipeline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
