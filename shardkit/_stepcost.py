@@ -91,11 +91,17 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     leaves = lay.leaves
     full = [_size(l.shape, l.spec, mesh) for l in leaves]
     zshard = [_size(l.shape, z, mesh) for l, z in zip(leaves, lay.zero_specs)]
+    # What a device computes with: the leaf with its batch-axis (FSDP) sharding gathered.
+    comp = [_size(l.shape, _strip(l.spec, plan.batch_axes), mesh) for l in leaves]
+    stored = zshard if zero == 3 else full
     L = _stack_dim(leaves)
     stacked = [len(l.shape) >= 3 and l.shape[0] == L and L > 1 for l in leaves]
-    layer_full = sum(f / L if s else f for f, s in zip(full, stacked))
+    layer_comp = sum(c / L if s else c for c, s in zip(comp, stacked))
+    # The model width: the most common weight dimension (d_model in a residual network).
+    dims = collections.Counter(d for l, s in zip(leaves, stacked) for d in l.shape[int(s):])
+    width = dims.most_common(1)[0][0] if dims else 0
 
-    mem = {"params": float(sum(zshard if zero == 3 else full) * bp)}
+    mem = {"params": float(sum(stored) * bp)}
     opt_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.opt_state)
     opt_specs = plan.opt_state_specs(opt_abstract, state.params, lay)
     mem["opt_state"] = float(sum(_size(x.shape, s, mesh) * _itemsize(x.dtype) for x, s in
@@ -107,7 +113,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                              for x in jax.tree.leaves(batch)))
     scalars = 20 + (8 if state.loss_scale is not None else 0)
     mem["arguments"] = mem["params"] + mem["opt_state"] + mem["model_state"] + mem["batch"] + scalars
-    g_full, g_shard = sum(full) * bg, sum(zshard) * bg
+    g_full, g_shard, g_comp = sum(full) * bg, sum(zshard) * bg, sum(comp) * bg
     mem["grads"] = float(g_full if zero < 2 else g_shard)
     grad_buffer = mem["grads"] * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
     tensor_dims = {l.shape[d] for l in leaves for d, e in enumerate(l.spec)
@@ -116,13 +122,14 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                           {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves})
     mem["activations"] = act
     backward = grad_buffer + act
-    if zero == 3 and n_data > 1:  # one gathered layer and its unreduced gradient
-        backward += layer_full * (wire + bg)
+    fsdp = any(s < c for s, c in zip(stored, comp))
+    if fsdp:  # one gathered layer and its unreduced gradient
+        backward += layer_comp * (wire + bg)
     elif zero == 2 and n_data > 1:
-        backward += layer_full * bg
-    new_params = (sum(zshard) if zero == 3 else sum(full)) * bp
+        backward += layer_comp * bg
+    new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
-    cast = (sum(zshard if zero == 3 else full) * bc) if bc != bp else 0.0
+    cast = sum(stored) * bc if bc != bp else 0.0
     mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
 
@@ -131,32 +138,37 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
     if n_data > 1:
-        col["grad-reduce"] = m * g_full
+        col["grad-reduce"] = m * g_comp
         counts["grad-reduce"] = m * L
-        gathered = sum(f for f, z in zip(full, zshard) if z < f)
-        if zero == 3:
-            col["param-gather"] = 2 * m * gathered * wire
+        if fsdp:  # gathered for the forward and again for the backward, every microbatch
+            col["param-gather"] = 2 * m * sum(c for s, c in zip(stored, comp) if s < c) * wire
             counts["param-gather"] = 2 * m * L
         elif zero in (1, 2):
-            col["param-gather"] = gathered * bp
+            col["param-gather"] = sum(f for f, z in zip(full, zshard) if z < f) * bp
             counts["param-gather"] = 1
-    for l in leaves:  # Megatron: row-parallel weights → one all-reduce forward, one backward
-        dims = [d for d, e in enumerate(l.spec) if any(a not in plan.batch_axes for a in entry_axes(e))]
-        if len(l.shape) < 2 or not dims or dims[0] == len(l.shape) - 1:
+    has_head = any("head" in l.path for l in leaves)
+    for l, s in zip(leaves, stacked):
+        # One all-reduce of (tokens × width) per use of a tensor-sharded weight: the output of
+        # a row-parallel one (forward), the input gradient of a column-parallel one (backward)
+        # (Megatron; XLA does not merge the q/k/v or gate/up input-gradient reductions). A tied
+        # vocab-parallel embedding is used twice: lookup (forward) and output head (backward).
+        dims = [d for d, e in enumerate(l.spec)
+                if any(a not in plan.batch_axes and a != "pipe" for a in entry_axes(e))]
+        if len(l.shape) < 2 or not dims:
             continue
-        stack = math.prod(l.shape[:dims[0]])
-        col["tensor-reduce"] += 2 * m * stack * tok_dev_mb * l.shape[-1] * wire
-        counts["tensor-reduce"] += 2 * m * stack
+        stack = l.shape[0] if s else 1
+        uses = 2 if (not s and len(l.shape) == 2 and dims[0] == 0 and "embed" in l.path and not has_head) else 1
+        col["tensor-reduce"] += uses * m * stack * tok_dev_mb * width * wire
+        counts["tensor-reduce"] += uses * m * stack
     p = sizes.get("pipe", 1)
     if pipeline is not None and p > 1:
         pm, schedule, v = (tuple(pipeline) + ("gpipe", 1))[:3]
-        width = collections.Counter(d for l in leaves for d in l.shape[1:]).most_common(1)[0][0]
         ticks = (v * pm + p - 1) if schedule != "1f1b" else 2 * (pm + p - 1)
         col["pipe-permute"] = 2 * ticks * tokens / n_data / pm * width * bc
         counts["pipe-permute"] = 2 * ticks
         m = max(m, pm)
 
-    matmul = sum(f for f, l in zip(full, leaves) if len(l.shape) >= 2)
+    matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
     flops = fpt * (matmul / total if total else 1.0) * tokens / n_data
@@ -168,6 +180,16 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     n_dev = mesh.devices.size
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev)
+
+
+def _strip(spec, axes):
+    from jax.sharding import PartitionSpec as P
+
+    out = []
+    for e in spec:
+        keep = tuple(a for a in entry_axes(e) if a not in axes)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return P(*out)
 
 
 def _hardware(hardware, mesh) -> hw_lib.Hardware:

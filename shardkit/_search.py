@@ -1,0 +1,214 @@
+"""Layout search: enumerate meshes, ZeRO stages, microbatches and remat; rank by estimated
+step time (``sk.search``), weak-scaling predictions, and the ``shardkit plan`` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import sys
+from typing import Any
+
+from . import hardware as hw_lib
+from .cost import Estimate, Layout, estimate, model_shape
+
+POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """Ranked layouts: fitting ones first, then by estimated step time.
+
+    Attributes:
+        model: the model's name; devices, hardware, global_batch: what was asked.
+        estimates: one ``Estimate`` per layout, ranked.
+    """
+
+    model: str
+    devices: int
+    hardware: str
+    global_batch: int
+    estimates: list[Estimate]
+
+    @property
+    def best(self) -> Estimate:
+        if not self.estimates:
+            raise ValueError("search found no layout: loosen the options or change the device count")
+        return self.estimates[0]
+
+    @property
+    def rows(self) -> list[dict]:
+        """One dict per layout: ``layout``, ``mesh``, ``zero``, ``microbatches``, ``remat``,
+        ``schedule``, ``step_time`` (s), ``mfu``, ``tokens_per_s``, ``memory`` (peak bytes per
+        device), ``fits``, and the time parts (``t_compute``, ``t_grad-reduce``, ...)."""
+        out = []
+        for rank, e in enumerate(self.estimates, 1):
+            lo = e.layout
+            row = {"rank": rank, "layout": str(lo), "mesh": lo.mesh, "zero": lo.zero,
+                   "microbatches": lo.microbatches, "remat": lo.remat,
+                   "schedule": lo.schedule if lo.pipe > 1 else "", "sequence_parallel": lo.sequence_parallel,
+                   "step_time": e.step_time, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
+                   "memory": e.memory["peak"], "fits": e.fits}
+            row.update({f"t_{k}": v for k, v in e.time.items() if k != "step"})
+            out.append(row)
+        return out
+
+    def table(self, top: int = 15):
+        """A ``rich`` table of the best ``top`` layouts."""
+        from rich.table import Table
+
+        t = Table(title=f"{self.model} on {self.devices} x {self.hardware}, global batch "
+                        f"{self.global_batch} — estimated (roofline; data-axis traffic overlapped)")
+        for c in ("#", "mesh", "zero", "m", "remat", "pipe sched", "step (s)", "MFU", "tok/s/dev",
+                  "mem/dev (GB)", "fits", "bound by"):
+            t.add_column(c, justify="left" if c in ("mesh", "remat", "pipe sched", "bound by") else "right")
+        for r in self.rows[:top]:
+            parts = {k[2:]: v for k, v in r.items() if k.startswith("t_") and k != "t_bubble"}
+            bound = max(parts, key=parts.get)
+            t.add_row(str(r["rank"]), r["mesh"] + (" +sp" if r["sequence_parallel"] else ""), str(r["zero"]),
+                      str(r["microbatches"]), r["remat"], r["schedule"], f"{r['step_time']:.3f}",
+                      f"{r['mfu']:.1%}", f"{r['tokens_per_s'] / self.devices:,.0f}",
+                      f"{r['memory'] / 1e9:.1f}", "yes" if r["fits"] else "[red]no[/red]", bound)
+        return t
+
+    def __rich__(self):
+        return self.table()
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        c = Console(file=io.StringIO(), width=140, record=True)
+        c.print(self.table())
+        return c.export_text()
+
+    def _repr_html_(self) -> str:
+        from rich.console import Console
+
+        c = Console(file=io.StringIO(), width=140, record=True)
+        c.print(self.table())
+        return c.export_html(inline_styles=True)
+
+
+def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_size: int = 8,
+            zero=(0, 1, 3), microbatches=(1, 2, 4, 8, 16, 32), remat=("none", "dots", "full"),
+            tensor=None, pipe=None, fsdp=None, schedules=("1f1b", "gpipe", "circular"),
+            sequence_parallel=(False, True)) -> list[Layout]:
+    """Every layout of ``devices`` the search considers: power-of-two ``tensor`` within a node
+    dividing the heads, ``pipe`` dividing the layers, the rest split between ``data`` and
+    ``fsdp``; ZeRO stages over ``data``; microbatches that divide the batch (≥ stages)."""
+    out = []
+    tensors = tensor or [t for t in POW2 if t <= node_size and heads % t == 0]
+    pipes = pipe or [p for p in POW2 if p <= layers and layers % p == 0]
+    for t in tensors:
+        for p in pipes:
+            if devices % (t * p):
+                continue
+            rest = devices // (t * p)
+            for f in (fsdp or [x for x in POW2 if x <= rest]):
+                if rest % f:
+                    continue
+                d = rest // f
+                for z in zero:
+                    if d == 1 and z:
+                        continue
+                    for m in microbatches:
+                        if global_batch % (d * f * m) or (p > 1 and m < p):
+                            continue
+                        for r in remat:
+                            for sched in (schedules if p > 1 else ("gpipe",)):
+                                v = 2 if sched == "circular" else 1
+                                if layers % (p * v):
+                                    continue
+                                for sp in (sequence_parallel if t > 1 else (False,)):
+                                    out.append(Layout(d, f, t, p, z, m, sched, v, r, sp))
+    return out
+
+
+def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *, global_batch: int,
+           memory_limit: float | None = None, seq: int | None = None, precision: str = "bf16",
+           top: int | None = None, flops_per_token: float | None = None, **options) -> SearchResult:
+    ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
+    hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
+    cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch,
+                    node_size=getattr(hw, "node_size", 8), **options)
+    if not cands:
+        raise ValueError(
+            f"no layout of {devices} devices splits a global batch of {global_batch} (model "
+            f"{ms.name}: {ms.layers} layers, {ms.heads} heads); use a batch that is a multiple "
+            "of the device count, or loosen the options")
+    ests = [estimate(ms, lo, hw, global_batch=global_batch, precision=precision,
+                     memory_limit=memory_limit) for lo in cands]
+    ests.sort(key=lambda e: (not e.fits, e.step_time, e.memory["peak"]))
+    return SearchResult(ms.name, devices, hw.name, global_batch, ests[:top] if top else ests)
+
+
+def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
+                 per_device_batch: float, devices=(8, 64, 256), precision: str = "bf16",
+                 seq: int | None = None) -> list[dict]:
+    """Tokens/s per device as the data axis grows with the device count (tensor, pipe, ZeRO,
+    microbatches and remat kept; fsdp kept up to what fits), relative to the smallest count."""
+    rows, base = [], None
+    group = layout.tensor * layout.pipe
+    for n in devices:
+        if n % group:
+            continue
+        replicas = n // group
+        f = math.gcd(layout.fsdp, replicas)
+        lo = dataclasses.replace(layout, data=replicas // f, fsdp=f,
+                                 zero=layout.zero if replicas // f > 1 else 0)
+        gb = max(int(per_device_batch * n), replicas * lo.microbatches)
+        gb -= gb % (replicas * lo.microbatches)
+        e = estimate(model, lo, hardware, global_batch=gb, precision=precision, seq=seq)
+        per_dev = e.tokens_per_s / n
+        base = base or per_dev
+        rows.append({"devices": n, "layout": str(lo), "global_batch": gb, "step_time": e.step_time,
+                     "tokens_per_s_per_device": per_dev, "efficiency": per_dev / base, "mfu": e.mfu})
+    return rows
+
+
+def plan_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="shardkit plan", description=(
+        "Rank mesh layouts of a bundled transformer size on N accelerators by estimated step "
+        "time (analytic model; no accelerator needed)."))
+    p.add_argument("--model", default="1b", help="recipe size: 125m, 1b, 7b (default 1b)")
+    p.add_argument("--devices", type=int, default=256)
+    p.add_argument("--hardware", default="h100", help=f"one of {', '.join(sorted(hw_lib.HARDWARE))}")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 per device)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--memory-limit", type=float, default=None, help="GB per device (default 90%% of HBM)")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--weak-scaling", action="store_true", help="also predict 8→N weak scaling of the best layout")
+    p.add_argument("--json", default=None, help="write the ranked rows to this file")
+    p.add_argument("--png", default=None, help="save a comparison chart of the top layouts")
+    a = p.parse_args(argv)
+    from rich.console import Console
+
+    console = Console(width=150)
+    try:
+        res = search(a.model, a.devices, a.hardware, global_batch=a.global_batch or 2 * a.devices,
+                     seq=a.seq, memory_limit=a.memory_limit * 1e9 if a.memory_limit else None)
+    except ValueError as e:
+        print(f"shardkit plan: {e}", file=sys.stderr)
+        return 2
+    console.print(res.table(a.top))
+    if not res.best.fits:
+        console.print("[red]no layout fits in memory[/red]: add devices, lower the batch or seq, or raise --memory-limit")
+    scaling = None
+    if a.weak_scaling:
+        devs = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= a.devices]
+        scaling = weak_scaling(a.model, res.best.layout, a.hardware,
+                               per_device_batch=res.global_batch / a.devices, devices=devs, seq=a.seq)
+        for r in scaling:
+            console.print(f"  {r['devices']:5d} devices  {r['layout']:48s} {r['tokens_per_s_per_device']:10,.0f} "
+                          f"tok/s/dev  efficiency {r['efficiency']:.1%}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": res.rows[:a.top], "weak_scaling": scaling}, f, indent=1)
+    if a.png:
+        from . import viz
+
+        viz.save(viz.compare_layouts(res, top=min(a.top, 12)), a.png)
+        console.print(f"saved {a.png}")
+    return 0
