@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from . import hardware as hw_lib
-from .cost import Estimate, Layout, estimate, model_shape
+from .cost import Estimate, Layout, _links, estimate, model_shape
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -132,7 +132,7 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
     ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
     cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch,
-                    node_size=getattr(hw, "node_size", 8), **options)
+                    node_size=min(_links(hw)[0], 8 if hw.name.startswith(("h", "a")) else 16), **options)
     if not cands:
         raise ValueError(
             f"no layout of {devices} devices splits a global batch of {global_batch} (model "

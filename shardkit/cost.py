@@ -39,6 +39,24 @@ RECIPE_SIZES: dict[str, dict] = {
     "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
+# Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
+# ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
+LINKS: dict[str, tuple[int, float, float]] = {
+    "h100": (8, 5e-6, 1.5e-5), "h200": (8, 5e-6, 1.5e-5), "a100": (8, 5e-6, 1.5e-5),
+    "tpu-v4": (4096, 2e-6, 5e-5), "tpu-v5e": (256, 2e-6, 5e-5), "tpu-v5p": (8960, 2e-6, 5e-5),
+    "tpu-v6e": (256, 2e-6, 5e-5),
+}
+
+
+def register_links(name: str, node_size: int, intra_latency: float, inter_latency: float) -> None:
+    """Sets a hardware entry's fast-link domain size and latencies for the cost model."""
+    LINKS[name.lower()] = (int(node_size), float(intra_latency), float(inter_latency))
+
+
+def _links(hw) -> tuple[int, float, float]:
+    return LINKS.get(hw.name.lower(), (8, 5e-6, 1.5e-5))
+
+
 ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute")
 
 
@@ -243,14 +261,22 @@ def collective_time(kind: str, nbytes: float, group: int, bandwidth: float, late
 
 
 def _link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[float, float, int]:
-    """(bandwidth, latency, group) for a collective over ``axes``: the slow link if the
-    group's devices are not all in one node (NVLink domain / ICI slice)."""
+    """(bandwidth, latency, group) for a collective over ``axes``.
+
+    Inside one node (NVLink domain / ICI slice) the fast link; across nodes the slow one, but
+    hierarchical collectives (NCCL rings over every NIC, or reduce in-node first) let the k
+    group members that share a node pool their NICs: k × the per-chip inter-node bandwidth,
+    which is the scaling book's per-node figure when a whole node is in the group.
+    """
     group = math.prod(getattr(layout, a) for a in axes)
-    span = max((getattr(layout, a) * layout.axis_stride(a) for a in axes if getattr(layout, a) > 1), default=1)
-    node = getattr(hw, "node_size", 8)
-    if span > node:
-        return hw.inter_node_bw, getattr(hw, "inter_node_latency", 1e-5), group
-    return hw.intra_node_bw, getattr(hw, "intra_node_latency", 5e-6), group
+    node, intra_lat, inter_lat = _links(hw)
+    live = [a for a in axes if getattr(layout, a) > 1]
+    span = max((getattr(layout, a) * layout.axis_stride(a) for a in live), default=1)
+    if span <= node:
+        return hw.intra_node_bw, intra_lat, group
+    stride = min((layout.axis_stride(a) for a in live), default=1)
+    k = max(1, min(group, node // max(stride, 1)))
+    return min(hw.intra_node_bw, k * hw.inter_node_bw), inter_lat, group
 
 
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,
