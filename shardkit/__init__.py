@@ -20,6 +20,9 @@ from .step import train_step as train_step
 
 from .explain import Collective as Collective
 from .explain import Report as Report
+from . import cost as cost
+from . import viz as viz
+from .cost import search as search
 from .jit import jit as jit
 
 __version__ = "0.1.0"
