@@ -1,0 +1,321 @@
+"""Images for the ResNet recipe: scikit-learn's digits, a synthetic ImageNet-shaped stream,
+and a user's own folder of images or ``.npy`` arrays; one deterministic, resumable iterator.
+
+Every source ends as NHWC float32 images normalised per channel with the training set's mean
+and std, and int32 labels. ``Batches.position`` is a small JSON-able dict: a run that saves it
+with its checkpoint resumes on exactly the batch it would have seen next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+class DataError(ValueError):
+    """Data that cannot be used as given; the message names the file or array and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Images in memory (or a synthetic stream when ``train`` is None).
+
+    Attributes:
+        name: where it came from (``"digits"``, ``"folder:/path"``, ...).
+        image_shape: ``(height, width, channels)``.
+        num_classes: labels are ``0 .. num_classes - 1``.
+        train: ``(images, labels)``, normalised float32 NHWC and int32; None for a stream.
+        test: the held-out ``(images, labels)``, or None.
+        class_names: label → name, where the source has names.
+        shift: pixels of random shift the training iterator applies (0: none).
+    """
+
+    name: str
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    train: tuple[np.ndarray, np.ndarray] | None
+    test: tuple[np.ndarray, np.ndarray] | None = None
+    class_names: tuple[str, ...] = ()
+    shift: int = 0
+
+    def batches(self, batch_size: int, *, seed: int = 0, position: dict | None = None) -> "Batches | SyntheticBatches":
+        """The training iterator (resumed at ``position`` when given)."""
+        if self.train is None:
+            return SyntheticBatches(batch_size, self.image_shape, self.num_classes, seed=seed, position=position)
+        return Batches(*self.train, batch_size, seed=seed, shift=self.shift, position=position)
+
+
+class Batches:
+    """Shuffled batches of ``{"image", "label"}``, a fresh permutation each epoch.
+
+    Everything random is a function of ``(seed, epoch, offset)``, so the iterator is
+    deterministic and ``position`` (JSON-able) is all a checkpoint needs to resume it. The
+    last partial batch of an epoch is dropped, so every batch has the same shape (one compile).
+
+    Args:
+        images: ``(N, H, W, C)`` float32.
+        labels: ``(N,)`` int32.
+        batch_size: images per batch (at most N).
+        seed: shuffling and augmentation seed.
+        shift: random shifts of up to this many pixels each way (zero-padded), per image.
+        position: a dict from ``.position`` to resume from (its seed wins).
+    """
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0,
+                 shift: int = 0, position: dict | None = None):
+        if batch_size < 1 or batch_size > len(images):
+            raise DataError(f"batch size {batch_size} must be between 1 and the {len(images)} training images")
+        self.images, self.labels, self.batch_size, self.shift = images, labels, batch_size, shift
+        self.seed, self.epoch, self.offset = seed, 0, 0
+        if position is not None:
+            try:
+                self.seed, self.epoch, self.offset = (int(position[k]) for k in ("seed", "epoch", "offset"))
+            except (KeyError, TypeError, ValueError):
+                raise DataError(f"iterator position {position!r} is not one saved by Batches.position "
+                                "(a dict with integer 'seed', 'epoch', 'offset')") from None
+        self._perm_epoch, self._perm = -1, None
+
+    @property
+    def position(self) -> dict:
+        """Where the next batch starts: ``{"seed", "epoch", "offset"}``."""
+        return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset}
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        n = len(self.images)
+        if self.offset + self.batch_size > n:
+            self.epoch, self.offset = self.epoch + 1, 0
+        if self._perm_epoch != self.epoch:
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+            self._perm_epoch = self.epoch
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        rng = np.random.default_rng([self.seed, self.epoch, self.offset, 1])
+        self.offset += self.batch_size
+        images = self.images[idx]
+        if self.shift:
+            images = random_shift(images, self.shift, rng)
+        return {"image": images, "label": self.labels[idx]}
+
+
+def random_shift(images_BxHxWxC: np.ndarray, shift: int, rng: np.random.Generator) -> np.ndarray:
+    """Moves each image by up to ``shift`` pixels in each direction, filling with zeros."""
+    b, h, w, _ = images_BxHxWxC.shape
+    padded = np.pad(images_BxHxWxC, ((0, 0), (shift, shift), (shift, shift), (0, 0)), mode="edge")
+    dy, dx = rng.integers(0, 2 * shift + 1, size=(2, b))
+    rows = dy[:, None] + np.arange(h)[None, :]  # (B, H)
+    cols = dx[:, None] + np.arange(w)[None, :]  # (B, W)
+    return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+class SyntheticBatches:
+    """An endless stream of random images and labels (for throughput and memory, not learning).
+
+    Batch ``i`` depends only on ``(seed, i)``; ``position`` is ``{"seed", "step"}``.
+    """
+
+    def __init__(self, batch_size: int, image_shape: tuple[int, int, int], num_classes: int, *,
+                 seed: int = 0, position: dict | None = None):
+        self.batch_size, self.image_shape, self.num_classes = batch_size, image_shape, num_classes
+        self.seed, self.step = seed, 0
+        if position is not None:
+            try:
+                self.seed, self.step = int(position["seed"]), int(position["step"])
+            except (KeyError, TypeError, ValueError):
+                raise DataError(f"iterator position {position!r} is not a synthetic one ({{'seed', 'step'}})") from None
+
+    @property
+    def position(self) -> dict:
+        return {"seed": self.seed, "step": self.step}
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        rng = np.random.default_rng([self.seed, self.step])
+        self.step += 1
+        images = rng.standard_normal((self.batch_size,) + self.image_shape, dtype=np.float32)
+        labels = rng.integers(0, self.num_classes, self.batch_size).astype(np.int32)
+        return {"image": images, "label": labels}
+
+
+# ---- sources ---------------------------------------------------------------------------------
+
+def digits(size: int = 32, *, test_fraction: float = 0.2, shift: int = 4) -> Dataset:
+    """scikit-learn's 1,797 handwritten digits (8x8, ships with the library, no network).
+
+    Each digit is upsampled by pixel repetition to about 3/4 of ``size`` and zero-padded to
+    ``size x size`` (32: 24x24 in a 4-pixel border), so random shifts keep it in frame. The
+    test split is stratified and fixed (``random_state=0``) across runs and seeds.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if size < 8:
+        raise DataError(f"digits are 8x8; image size {size} is smaller")
+    d = load_digits()
+    x = d.images.astype(np.float32) / 16.0  # (N, 8, 8) in [0, 1]
+    factor = max(1, (3 * size // 4) // 8)
+    x = np.kron(x, np.ones((factor, factor), np.float32))
+    before = (size - 8 * factor) // 2
+    after = size - 8 * factor - before
+    x = np.pad(x, ((0, 0), (before, after), (before, after)))[..., None]
+    y = d.target.astype(np.int32)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_fraction, stratify=y, random_state=0)
+    return _normalised("digits", xtr, ytr, xte, yte, 10, tuple(str(i) for i in range(10)), min(shift, before))
+
+
+def synthetic_imagenet(size: int = 224, num_classes: int = 1000) -> Dataset:
+    """A stream of ImageNet-shaped random batches (``size x size x 3``, 1000 classes)."""
+    return Dataset(f"synthetic-{size}", (size, size, 3), num_classes, train=None)
+
+
+def folder(path: str, size: int = 32, *, test_fraction: float = 0.1, shift: int = 0) -> Dataset:
+    """Images in class subfolders: ``PATH/<class>/<image>``, or ``PATH/train/<class>/...`` and
+    ``PATH/test/<class>/...`` (``val`` also works) for a given split.
+
+    Images are converted to RGB and resized to ``size x size``. Without a given split,
+    ``test_fraction`` of the images (a fixed shuffle) are held out.
+
+    Raises:
+        DataError: not a directory, no class subfolders, a class without images, or an
+            image that cannot be read.
+    """
+    if not os.path.isdir(path):
+        raise DataError(f"folder dataset {path!r} is not a directory")
+    split = [os.path.join(path, s) for s in ("train", "test", "val")]
+    if os.path.isdir(split[0]) and (os.path.isdir(split[1]) or os.path.isdir(split[2])):
+        classes = _class_dirs(split[0])
+        test_dir = split[1] if os.path.isdir(split[1]) else split[2]
+        xtr, ytr = _read_classes(split[0], classes, size)
+        xte, yte = _read_classes(test_dir, classes, size, allow_empty=True)
+    else:
+        classes = _class_dirs(path)
+        x, y = _read_classes(path, classes, size)
+        xtr, ytr, xte, yte = _hold_out(x, y, test_fraction)
+    return _normalised(f"folder:{path}", xtr, ytr, xte, yte, len(classes), tuple(classes), shift)
+
+
+def _class_dirs(path: str) -> list[str]:
+    classes = sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise DataError(f"folder {path!r} has no class subfolders; lay images out as {path}/<class name>/<image>.png")
+    return classes
+
+
+def _read_classes(root: str, classes: list[str], size: int, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    from PIL import Image, UnidentifiedImageError
+
+    images, labels = [], []
+    for label, name in enumerate(classes):
+        d = os.path.join(root, name)
+        files = sorted(f for f in os.listdir(d) if f.lower().endswith(IMAGE_EXTENSIONS)) if os.path.isdir(d) else []
+        if not files and not allow_empty:
+            raise DataError(f"class folder {d!r} has no images (looked for {', '.join(IMAGE_EXTENSIONS)})")
+        for f in files:
+            file = os.path.join(d, f)
+            try:
+                with Image.open(file) as im:
+                    im = im.convert("RGB").resize((size, size), Image.BILINEAR)
+                    images.append(np.asarray(im, np.float32) / 255.0)
+            except (UnidentifiedImageError, OSError, ValueError) as e:
+                raise DataError(f"cannot read image {file!r}: {e}") from None
+            labels.append(label)
+    if not images:
+        return np.zeros((0, size, size, 3), np.float32), np.zeros((0,), np.int32)
+    return np.stack(images), np.asarray(labels, np.int32)
+
+
+def npy(path: str, *, test_fraction: float = 0.1, shift: int = 0) -> Dataset:
+    """Arrays in a directory: ``images.npy`` ``(N, H, W)`` or ``(N, H, W, C)`` (uint8 in
+    0..255 or floats) and ``labels.npy`` ``(N,)`` integers; optionally ``test_images.npy`` and
+    ``test_labels.npy``, else ``test_fraction`` is held out.
+
+    Raises:
+        DataError: a missing or unreadable file, or shapes and dtypes that do not fit together.
+    """
+    if not os.path.isdir(path):
+        raise DataError(f"npy dataset {path!r} is not a directory (expected images.npy and labels.npy in it)")
+    x, y = _read_npy_pair(path, "images.npy", "labels.npy")
+    if os.path.exists(os.path.join(path, "test_images.npy")):
+        xte, yte = _read_npy_pair(path, "test_images.npy", "test_labels.npy")
+        if xte.shape[1:] != x.shape[1:]:
+            raise DataError(f"test_images.npy has images of shape {xte.shape[1:]} but images.npy has {x.shape[1:]}")
+        xtr, ytr = x, y
+    else:
+        xtr, ytr, xte, yte = _hold_out(x, y, test_fraction)
+    num_classes = int(max(ytr.max(initial=0), yte.max(initial=0))) + 1
+    return _normalised(f"npy:{path}", xtr, ytr, xte, yte, num_classes, (), shift)
+
+
+def _read_npy_pair(path: str, x_name: str, y_name: str) -> tuple[np.ndarray, np.ndarray]:
+    arrays = []
+    for name in (x_name, y_name):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise DataError(f"{file!r} is missing; an npy dataset holds images.npy (N, H, W[, C]) and labels.npy (N,)")
+        try:
+            arrays.append(np.load(file, allow_pickle=False))
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot read {file!r}: {e}") from None
+    x, y = arrays
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4 or not 1 <= x.shape[-1] <= 4:
+        raise DataError(f"{x_name} has shape {x.shape}; expected (N, H, W) or (N, H, W, C) with 1 to 4 channels")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{y_name} has shape {y.shape} but {x_name} holds {len(x)} images; expected labels of shape ({len(x)},)")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{y_name} has dtype {y.dtype}; labels must be integers 0 .. classes-1")
+    if len(y) and y.min() < 0:
+        raise DataError(f"{y_name} has negative label {int(y.min())}; labels must be integers 0 .. classes-1")
+    if np.issubdtype(x.dtype, np.integer):
+        x = x.astype(np.float32) / 255.0
+    elif np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float32)
+    else:
+        raise DataError(f"{x_name} has dtype {x.dtype}; images must be uint8 (0..255) or floats")
+    return x, y.astype(np.int32)
+
+
+def _hold_out(x, y, fraction):
+    n_test = int(math.ceil(len(x) * fraction)) if len(x) > 1 else 0
+    perm = np.random.default_rng(0).permutation(len(x))
+    te, tr = perm[:n_test], perm[n_test:]
+    return x[tr], y[tr], x[te], y[te]
+
+
+def _normalised(name, xtr, ytr, xte, yte, num_classes, class_names, shift) -> Dataset:
+    if len(xtr) == 0:
+        raise DataError(f"dataset {name!r} has no training images")
+    mean = xtr.mean(axis=(0, 1, 2))
+    std = xtr.std(axis=(0, 1, 2)) + 1e-6
+    norm = lambda a: ((a - mean) / std).astype(np.float32)  # noqa: E731
+    test = (norm(xte), yte.astype(np.int32)) if len(xte) else None
+    return Dataset(name, tuple(xtr.shape[1:]), num_classes, (norm(xtr), ytr.astype(np.int32)), test,
+                   tuple(class_names), shift)
+
+
+def load(spec: str, *, image_size: int | None = None, shift: int | None = None) -> Dataset:
+    """A dataset by name: ``digits``, ``synthetic``, ``folder:PATH`` or ``npy:PATH``.
+
+    Raises:
+        DataError: an unknown name or unusable data (the message says which and why).
+    """
+    kind, _, path = spec.partition(":")
+    if kind == "digits" and not path:
+        return digits(image_size or 32, **({} if shift is None else {"shift": shift}))
+    if kind == "synthetic" and not path:
+        return synthetic_imagenet(image_size or 224)
+    if kind == "folder" and path:
+        return folder(path, image_size or 32, shift=shift or 0)
+    if kind == "npy" and path:
+        return npy(path, shift=shift or 0)
+    raise DataError(f"unknown dataset {spec!r}; use digits, synthetic, folder:PATH or npy:PATH")
