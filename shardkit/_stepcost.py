@@ -121,12 +121,16 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
                           {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves})
     mem["activations"] = act
-    backward = grad_buffer + act
+    # Backward of one layer holds, beside the waiting residuals, the cotangents of that layer's
+    # intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer and its
+    # unreduced gradient, whichever is larger.
     fsdp = any(s < c for s, c in zip(stored, comp))
-    if fsdp:  # one gathered layer and its unreduced gradient
-        backward += layer_comp * (wire + bg)
+    working = act / L
+    if fsdp:
+        working = max(working, layer_comp * (wire + bg))
     elif zero == 2 and n_data > 1:
-        backward += layer_comp * bg
+        working = max(working, layer_comp * bg)
+    backward = grad_buffer + act + working
     new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0

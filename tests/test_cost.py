@@ -1,0 +1,165 @@
+"""The analytic cost model: published formulas, the search, and agreement with what XLA compiles.
+
+Compiled comparisons run each layout on the 8 simulated devices and check
+``Report.comparison()`` rows (estimate vs compiled, per device): parameter, optimizer-state and
+argument bytes, peak memory, and executed collective bytes by role (gradient reduction, ZeRO
+gathers, tensor-parallel all-reduces) within 10%. Known gap: the peak memory of tensor-parallel
+transformer layouts is underestimated by ~20% (the saved-activation heuristic), checked at 25%.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import shardkit as sk
+from shardkit import cost
+
+TOL = 0.10
+EXACT = ("memory/params", "memory/opt_state", "memory/arguments")
+COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collective/tensor-reduce")
+
+
+# ---- formulas -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero,expect", [(0, 12.0), (1, 4 + 8 / 64), (2, 4 + 8 / 64), (3, 12 / 64)])
+def test_zero_persistent_state_per_param(zero, expect):
+    """FORMULAS.md: shardkit's bf16 policy keeps 12Ψ (DP), 4Ψ + 8Ψ/N (ZeRO-1/2), 12Ψ/N (ZeRO-3)."""
+    ms = cost.ModelShape("m", params=7.5e9, flops_per_token=6 * 7.5e9, layers=1, layer_params=7.5e9)
+    e = cost.estimate(ms, cost.Layout(data=64, zero=zero), "h100", global_batch=64)
+    per_param = (e.memory["params"] + e.memory["opt_state"]) / 7.5e9
+    assert per_param == pytest.approx(expect, rel=1e-9)
+
+
+def test_collective_times_follow_the_ring_model():
+    ag = cost.collective_time("all-gather", 1e9, 8, 100e9, 0.0)
+    assert ag == pytest.approx(7 / 8 * 1e9 / 100e9)
+    assert cost.collective_time("all-reduce", 1e9, 8, 100e9, 0.0) == pytest.approx(2 * ag)
+    assert cost.collective_time("all-reduce", 1e9, 1, 100e9, 1e-5) == 0.0
+
+
+def test_pipeline_bubble_is_megatrons():
+    lo = cost.Layout(data=8, pipe=4, zero=1, microbatches=8)
+    t = cost.estimate("1b", lo, "h100", global_batch=64).time
+    ideal = t["compute"] + t["tensor-reduce"] + t["tensor-gather"]
+    assert t["bubble"] / ideal == pytest.approx(3 / 8, rel=1e-6)  # (p - 1)/m, bubble/ideal form
+    lo2 = cost.Layout(data=8, pipe=4, zero=1, microbatches=8, schedule="circular", repeats=2)
+    t2 = cost.estimate("1b", lo2, "h100", global_batch=64).time
+    assert t2["bubble"] < t["bubble"]
+
+
+def test_activation_memory_korthikanti():
+    ms = cost.model_shape("7b")
+    b, s, h, a = 1, ms.seq, ms.d_model, ms.heads
+    none = cost._activation_bytes(ms, cost.Layout(), b, s, 2)
+    assert none == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    full = cost._activation_bytes(ms, cost.Layout(remat="full"), b, s, 2)
+    assert full == pytest.approx(2 * s * b * h)
+    sp = cost._activation_bytes(ms, cost.Layout(tensor=8, sequence_parallel=True), b, s, 2)
+    assert sp == pytest.approx(none / 8)
+
+
+def test_recipe_shapes_match_the_recipe():
+    from models.transformer.config import SIZES
+    from models.transformer.model import flops_per_token, param_count
+
+    for name in ("125m", "1b", "7b"):
+        ms = cost.model_shape(name)
+        assert ms.params == param_count(SIZES[name])
+        assert ms.flops_per_token == pytest.approx(flops_per_token(SIZES[name]))
+
+
+def test_search_ranks_fitting_layouts_by_time():
+    res = sk.search("1b", devices=64, hardware="h100", global_batch=128)
+    rows = res.rows
+    assert rows and rows[0]["fits"]
+    fitting = [r["step_time"] for r in rows if r["fits"]]
+    assert fitting == sorted(fitting)
+    assert all(0 < r["mfu"] <= 1 for r in rows[:10])
+    small = sk.search("1b", devices=64, global_batch=128, memory_limit=1e9)
+    assert not any(r["fits"] for r in small.rows) or small.rows[0]["memory"] <= 1e9
+    with pytest.raises(ValueError, match="unknown model size"):
+        sk.search("3q", devices=8, global_batch=8)
+
+
+def test_weak_scaling_and_plan_cli(tmp_path, capsys):
+    res = sk.search("1b", devices=64, global_batch=128, top=5)
+    rows = cost.weak_scaling("1b", res.best.layout, "h100", per_device_batch=2, devices=(8, 64))
+    assert rows[0]["efficiency"] == 1.0 and 0 < rows[-1]["efficiency"] <= 1.0 + 1e-9
+    out = tmp_path / "plan.json"
+    assert cost.plan_main(["--model", "125m", "--devices", "8", "--top", "3", "--json", str(out)]) == 0
+    assert "125m on 8 x h100" in capsys.readouterr().out
+    assert out.exists()
+
+
+# ---- agreement with the compiled program --------------------------------------------------
+
+D, F, L, B = 256, 1024, 2, 64
+TP_RULES = [("w1", (None, None, "tensor")), ("w2", (None, "tensor", None))]
+
+
+def _mlp_init():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (L, D, F)) * 0.02, "w2": jax.random.normal(k2, (L, F, D)) * 0.02}
+
+
+def _mlp_loss(p, batch):
+    def layer(x, w):
+        h = sk.constrain(jnp.tanh(x @ w[0]), ("batch", "mlp"))
+        return sk.constrain(x + h @ w[1], ("batch", None)), None
+
+    x, _ = jax.lax.scan(layer, batch["x"], (p["w1"], p["w2"]))
+    return jnp.mean(x ** 2)
+
+
+def _check(report, quantities, tol=TOL):
+    rows = {r["quantity"]: r for r in report.comparison()}
+    bad = []
+    for q in quantities:
+        r = rows.get(q)
+        if r is None or (r["estimate"] == 0 and r["compiled"] == 0):
+            continue
+        ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("inf")
+        if abs(ratio - 1) > tol:
+            bad.append(f"{q}: estimate {r['estimate']:.0f} compiled {r['compiled']:.0f} ratio {ratio:.3f}")
+    assert not bad, f"{report.title}\n" + "\n".join(bad)
+
+
+MLP_LAYOUTS = [("data=8", 0, 1), ("data=8", 1, 1), ("data=8", 2, 1), ("data=8", 3, 1),
+               ("data=4,tensor=2", 0, 1), ("data=4,tensor=2", 1, 1), ("data=8", 0, 2)]
+
+
+@pytest.mark.parametrize("mesh,zero,m", MLP_LAYOUTS)
+def test_pytree_model_estimate_matches_compiled(mesh, zero, m):
+    tp = "tensor" in mesh
+    plan = sk.Plan(sk.make_mesh(mesh), rules=TP_RULES + [(".*", ())] if tp else [(".*", ())],
+                   axis_rules={"batch": "data", "mlp": "tensor" if tp else None}, zero=zero)
+    step = sk.train_step(plan, optax.adam(1e-3), microbatches=m)(_mlp_loss)
+    state = step.init(_mlp_init)
+    report = step.explain(state, {"x": jnp.ones((B, D))})
+    assert report.estimate is not None
+    _check(report, EXACT + COLLECTIVES + ("memory/peak",))
+    flops = next(r for r in report.comparison() if r["quantity"] == "flops")
+    assert flops["estimate"] == pytest.approx(flops["compiled"], rel=TOL)
+
+
+TRANSFORMER = ["dp", "zero1", "zero3", "fsdp", "tp", "fsdp_tp"]
+
+
+@pytest.mark.parametrize("name", TRANSFORMER)
+def test_transformer_estimate_matches_compiled(name):
+    from flax import nnx
+
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import LAYOUTS, make_plan
+    from models.transformer.model import Transformer, loss_fn
+
+    cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
+    lo = LAYOUTS[name]
+    plan = make_plan(sk.make_mesh(lo.mesh), cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel)
+    step = sk.train_step(plan, optax.adam(1e-3))(loss_fn)
+    state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((16, cfg.seq), jnp.int32)
+    report = step.explain(state, {"inputs": tokens, "targets": tokens})
+    _check(report, EXACT + COLLECTIVES)
+    _check(report, ("memory/peak",), tol=0.25 if "tensor" in lo.mesh else TOL)
