@@ -29,6 +29,9 @@ class Config:
         remat: activation checkpointing per layer: ``"none"``, ``"full"`` (recompute
             everything), ``"dots"`` (save matmul outputs) or ``"dots_no_batch"`` (save only
             matmuls without batch dims, i.e. weight-stationary ones).
+        scan_unroll: layers per iteration of the layer scan (``lax.scan(unroll=...)``);
+            1 keeps compile time flat in depth, ``layers`` unrolls fully (XLA's
+            ``cost_analysis`` counts a loop body once, so exact flop counts need it).
     """
 
     vocab: int = 256
@@ -44,6 +47,7 @@ class Config:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     remat: str = "none"
+    scan_unroll: int = 1
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "layers", "heads", "seq"):

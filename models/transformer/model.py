@@ -253,7 +253,8 @@ class Transformer(nnx.Module):
         layer = self.layer_fn(T)
         params = nnx.state(self.blocks)
         if pipeline is None:
-            x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x_BxTxD, params)
+            x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x_BxTxD, params,
+                                      unroll=self.cfg.scan_unroll)
             return x_BxTxD
         return sk.pipeline(layer, params, x_BxTxD, microbatches=pipeline.microbatches,
                            schedule=pipeline.schedule, repeats=pipeline.repeats,
