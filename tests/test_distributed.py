@@ -1,0 +1,119 @@
+"""Multi-host: environment detection, host-local batches, and real 2-process jobs on loopback."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from shardkit import distributed
+from shardkit.checkpoint import Checkpointer
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+sys.path.insert(0, SCRIPTS)
+import tiny  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_detect_jax_variables():
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2",
+           "JAX_LOCAL_DEVICE_IDS": "0,1"}
+    assert distributed.detect(env) == distributed.ClusterSpec("10.0.0.1:1234", 4, 2, (0, 1), "JAX_* variables")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID is not set"):
+        distributed.detect({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
+    assert distributed.detect({}) is None
+
+
+def test_detect_slurm():
+    env = {"SLURM_JOB_ID": "4097", "SLURM_NTASKS": "8", "SLURM_PROCID": "5",
+           "SLURM_STEP_NODELIST": "gpu[003-007,010],cpu1"}
+    spec = distributed.detect(env)
+    assert (spec.coordinator_address, spec.num_processes, spec.process_id, spec.source) == (
+        "gpu003:61441", 8, 5, "SLURM")
+    assert distributed.detect({**env, "SHARDKIT_COORDINATOR_PORT": "9999"}).coordinator_address == "gpu003:9999"
+    for nodes, first in [("node001", "node001"), ("a1,b2", "a1"), ("n[7,9-12]", "n7")]:
+        assert distributed.first_slurm_host(nodes) == first
+
+
+def test_detect_kubernetes_jobset():
+    env = {"JOB_COMPLETION_INDEX": "3", "JAX_NUM_PROCESSES": "4", "JOBSET_NAME": "llm",
+           "REPLICATED_JOB_NAME": "workers"}
+    spec = distributed.detect(env)
+    assert (spec.coordinator_address, spec.num_processes, spec.process_id) == ("llm-workers-0-0.llm:8476", 4, 3)
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_HOST"):
+        distributed.detect({"JOB_COMPLETION_INDEX": "0", "JAX_NUM_PROCESSES": "2"})
+
+
+def test_initialize_checks_arguments_and_is_a_no_op_alone():
+    assert distributed.initialize(env={}) is None
+    with pytest.raises(ValueError, match="together"):
+        distributed.initialize("127.0.0.1:1234", env={})
+    with pytest.raises(ValueError, match=r"process_id=2 is not in \[0, num_processes=2\)"):
+        distributed.initialize("127.0.0.1:1234", 2, 2)
+    jax.devices()  # JAX has started in this process: joining a job now must fail fast
+    with pytest.raises(RuntimeError, match="before any JAX computation"):
+        distributed.initialize("127.0.0.1:1234", 2, 0)
+
+
+def test_single_process_rows_and_global_batch():
+    plan, _ = tiny.make_step("data=8")
+    assert distributed.is_main()
+    assert distributed.local_rows(plan, 16) == slice(0, 16)
+    b = distributed.to_global(tiny.batch(0), plan.sharding(plan.batch_specs(tiny.batch(0))["x"]))
+    assert b["x"].shape == (16, tiny.D_IN) and len(b["x"].sharding.device_set) == 8
+
+
+def _launch(*args, timeout=240):
+    cmd = ["timeout", "-s", "KILL", str(timeout), sys.executable, "-m", "shardkit.cli", "launch", *args]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def _values(out, word):
+    return [float.fromhex(m) for m in re.findall(rf"^\[0\] {word} \d+ (\S+)$", out, re.M)]
+
+
+def test_two_processes_train_like_one_and_share_checkpoints(tmp_path):
+    plan, step = tiny.make_step("data=8")
+    state = step.init(tiny.init_params, seed=0)
+    reference = []
+    for i in range(10):
+        state, m = step(state, tiny.batch(i))
+        reference.append(float(m["loss"]))
+        if i == 4:  # a checkpoint saved by this one process, for the 2-process job to resume
+            Checkpointer(tmp_path / "one", async_save=False).save(state, extra={"data_position": 5})
+    final = jax.tree.map(np.asarray, state)
+
+    res = _launch("--processes", "2", "--devices-per-process", "4", "--", sys.executable,
+                  os.path.join(SCRIPTS, "mp_train.py"), "--steps", "10", "--save", str(tmp_path / "two"),
+                  "--restore", str(tmp_path / "one"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[0] processes 2 devices 8 rows 0:8" in res.stdout
+    # Gloo sums across processes in another order than one process does: float32 rounding only.
+    np.testing.assert_allclose(_values(res.stdout, "loss"), reference, rtol=1e-6)
+    np.testing.assert_allclose(_values(res.stdout, "resumed"), reference[5:], rtol=1e-6)
+
+    ckpt = Checkpointer(tmp_path / "two")  # written by 2 processes, read by 1
+    restored = ckpt.restore(plan, like=step.init(tiny.init_params, seed=0))
+    assert ckpt.extra() == {"data_position": 10} and int(restored.step) == 10
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(final)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-7)
+
+
+def test_dead_peer_stops_the_survivor_within_the_heartbeat_bound():
+    heartbeat, slack = 5, 20
+    res = _launch("--processes", "2", "--devices-per-process", "4", "--grace", "120", "--", sys.executable,
+                  os.path.join(SCRIPTS, "mp_train.py"), "--die-rank", "1", "--die-at", "2",
+                  "--heartbeat", str(heartbeat), timeout=180)
+    exits = {int(p): (how, float(t)) for p, how, t in
+             re.findall(r"process (\d) exited with (signal \w+|code \d+) after ([\d.]+)s", res.stderr)}
+    assert res.returncode == 128 + 9, res.stderr[-3000:]
+    assert exits[1][0] == "signal SIGKILL"
+    assert exits[0][0] != "code 0", "the survivor must fail, not finish"
+    assert exits[0][1] - exits[1][1] < heartbeat + slack, exits
+    assert "terminating" not in res.stderr, "the survivor should stop by itself, not be killed by the launcher"
+    assert re.search(r"stopped sending heartbeats\):\s*\n\[0\] 1\b", res.stderr), res.stderr[-3000:]
