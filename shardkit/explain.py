@@ -362,7 +362,8 @@ class Report:
             col.add_row(c.kind, str(c.count), str(c.static_count), f"{c.bytes:,}", _human(c.bytes))
         if not self.collectives:
             col.add_row("(none)", "0", "0", "0", "")
-        parts = [f"[bold]{self.title}[/bold]", mem, col, f"flops per device per step (XLA cost analysis): {self.flops:,.0f}"]
+        parts = [f"[bold]{self.title}[/bold]", mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
+                 f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
         if self.estimate:
             est = Table(title="analytic estimate vs compiled", title_justify="left")
             for c in ("quantity", "estimate", "compiled", "ratio"):
