@@ -2,8 +2,10 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -117,3 +119,29 @@ def test_dead_peer_stops_the_survivor_within_the_heartbeat_bound():
     assert exits[0][1] - exits[1][1] < heartbeat + slack, exits
     assert "terminating" not in res.stderr, "the survivor should stop by itself, not be killed by the launcher"
     assert re.search(r"stopped sending heartbeats\):\s*\n\[0\] 1\b", res.stderr), res.stderr[-3000:]
+
+
+def test_sigterm_on_two_processes_saves_the_same_step_and_exits_0(tmp_path):
+    cmd = [sys.executable, "-m", "shardkit.cli", "launch", "--processes", "2", "--devices-per-process", "4", "--",
+           sys.executable, os.path.join(SCRIPTS, "train_preempt.py"), "--dir", str(tmp_path), "--steps", "200",
+           "--every", "1000", "--delay", "0.2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    timer = threading.Timer(180, proc.kill)
+    timer.start()
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("[0] loss 3 "):
+                break
+        proc.send_signal(signal.SIGTERM)  # the launcher forwards it to both, like a scheduler would
+        out = "".join(seen) + proc.communicate(timeout=120)[0]
+    finally:
+        timer.cancel()
+    assert proc.returncode == 0, out[-3000:]
+    stops = {int(p): int(n) for n, p in re.findall(r"preempted (\d+) \(process (\d)\)", out)}
+    assert set(stops) == {0, 1} and stops[0] == stops[1], out[-3000:]  # JAX's sync point: one agreed step
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps() == [stops[0]] and ckpt.extra() == {"data_position": stops[0]}
+    plan, step = tiny.make_step("data=8")
+    assert int(ckpt.restore(plan, like=step.init(tiny.init_params)).step) == stops[0]

@@ -9,9 +9,11 @@ import sys
 import time
 
 import shardkit as sk
+from shardkit import distributed
 from shardkit.checkpoint import Checkpointer, PreemptionGuard
 
-sk.use_cpu_devices(8)
+if distributed.initialize(timeout_s=60, heartbeat_timeout_s=10) is None:  # else: under shardkit launch
+    sk.use_cpu_devices(8)
 
 import jax  # noqa: E402
 
@@ -33,20 +35,24 @@ def main(argv=None) -> int:
     plan, step = tiny.make_step(a.mesh, a.zero)
     ckpt = Checkpointer(a.dir, keep=2, every=a.every)
     guard = PreemptionGuard()
+    rows = distributed.local_rows(plan, tiny.BATCH)  # all rows on one process
     state = step.init(tiny.init_params, seed=0)
     start = 0
     if a.resume and ckpt.latest_step() is not None:
         state = ckpt.restore(plan, like=state)
         start = ckpt.extra()["data_position"]
-        print(f"resumed {start}", flush=True)
+        if distributed.is_main():
+            print(f"resumed {start}", flush=True)
     for i in range(start, a.steps):
-        state, metrics = step(state, tiny.batch(i))
-        print(f"loss {i} {float(metrics['loss']).hex()}", flush=True)
+        state, metrics = step(state, tiny.batch(i, rows))
+        loss = float(metrics["loss"])
+        if distributed.is_main():
+            print(f"loss {i} {loss.hex()}", flush=True)
         ckpt.save(state, extra={"data_position": i + 1})
         if guard.should_stop(i + 1):
             ckpt.save(state, extra={"data_position": i + 1}, force=True)
             ckpt.wait()
-            print(f"preempted {i + 1}", flush=True)
+            print(f"preempted {i + 1} (process {jax.process_index()})", flush=True)
             return 0
         time.sleep(a.delay)
     ckpt.close()
