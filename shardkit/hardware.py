@@ -110,8 +110,18 @@ def peak_flops(name_or_device: str | jax.Device) -> float:
     return lookup(name_or_device).peak_flops
 
 
+def total_peak_flops(devices) -> float:
+    """Peak flop/s of a set of devices (e.g. ``mesh.devices.flat``): the table's figures
+    summed, except that CPU devices of one process count as one host, whether the set holds
+    one of its simulated devices or all of them (a 1-device program also uses every core)."""
+    devices = list(devices)
+    hosts = {d.process_index for d in devices if d.platform == "cpu"}
+    return (sum(lookup(d).peak_flops for d in devices if d.platform != "cpu")
+            + len(hosts) * measure_cpu_peak())
+
+
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+def measure_cpu_peak(n: int = 1024, repeats: int = 10) -> float:
     """The host's float32 matmul flop/s: best of ``repeats`` timed ``n×n @ n×n`` products on
     one CPU device (XLA spreads one large dot over all the host's cores). Cached."""
     dev = jax.devices("cpu")[0]

@@ -181,7 +181,9 @@ def test_hardware_table():
     hw = hardware.register_hardware(hardware.Hardware("test-chip", 1e12, 1e9, 1e9, 1e8, ("testchip",)),
                                     overwrite=True)
     assert hardware.lookup("my TestChip rev2") == hw
-    assert hardware.peak_flops(jax.devices()[0]) > 0
+    host = hardware.measure_cpu_peak()
+    assert hardware.peak_flops(jax.devices()[0]) == pytest.approx(host / 8)
+    assert hardware.total_peak_flops(jax.devices()) == hardware.total_peak_flops(jax.devices()[:1]) == host
 
 
 def test_flops_formula():

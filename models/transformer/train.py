@@ -219,7 +219,7 @@ def _run(args) -> int:
     evaluate = _evaluator(step, plan, pipeline, loss_fn)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops_tok = flops_per_token(cfg, cfg.seq)
-    peak = sum(hardware.peak_flops(d) for d in mesh.devices.flat)
+    peak = hardware.total_peak_flops(mesh.devices.flat)
     tokens_per_step = args.batch * cfg.seq
     console.print(f"{n_params:,} parameters, {flops_tok / 1e6:.2f} MFLOP/token (6N + attention), "
                   f"peak {peak / 1e12:.2f} TFLOP/s over {mesh.devices.size} device(s)")
