@@ -214,5 +214,5 @@ def describe_mesh(mesh: Mesh) -> str:
         lead = mesh.axis_names[:-1]
         for idx, row in zip(np.ndindex(*ids.shape[:-1]), rows):
             where = ",".join(f"{a}={i}" for a, i in zip(lead, idx))
-            lines.append(f"  [{where}] {mesh.axis_names[-1]}: {row.tolist()}")
+            lines.append(f"  {where} -> {mesh.axis_names[-1]}: {row.tolist()}")  # no [..]: rich would read it as markup
     return "\n".join(lines)

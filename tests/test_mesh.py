@@ -66,4 +66,4 @@ def test_use_cpu_devices_after_start_names_the_problem():
 
 def test_describe_mesh_lists_the_grid():
     text = sk.describe_mesh(sk.make_mesh("data=2,tensor=4"))
-    assert "data=2 x tensor=4" in text and "[data=1] tensor: [4, 5, 6, 7]" in text
+    assert "data=2 x tensor=4" in text and "data=1 -> tensor: [4, 5, 6, 7]" in text
