@@ -24,5 +24,8 @@ from . import cost as cost
 from . import viz as viz
 from .cost import search as search
 from .jit import jit as jit
+from .checkpoint import Checkpointer as Checkpointer
+from . import checkpoint as checkpoint
+from . import distributed as distributed
 
 __version__ = "0.1.0"
