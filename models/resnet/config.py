@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 # depth -> (block kind, blocks per stage); He et al. 2016, table 1.
 DEPTHS: dict[int, tuple[str, tuple[int, ...]]] = {
+    10: ("basic", (1, 1, 1, 1)),  # not in the paper: every stage once, for tests and CPU runs
     18: ("basic", (2, 2, 2, 2)),
     34: ("basic", (3, 4, 6, 3)),
     50: ("bottleneck", (3, 4, 6, 3)),
@@ -20,7 +21,8 @@ class Config:
     """A ResNet (v1.5: the stride sits in the 3x3 conv of a bottleneck block).
 
     Attributes:
-        depth: 18 or 34 (basic blocks), 50, 101 or 152 (bottleneck blocks).
+        depth: 18 or 34 (basic blocks), 50, 101 or 152 (bottleneck blocks); 10 (one basic
+            block per stage) is a small variant for tests.
         num_classes: width of the classifier.
         in_channels: image channels (1 for the digits, 3 for RGB).
         stem: ``"cifar"`` (3x3 stride-1 conv, no pooling: for 32x32 images) or

@@ -132,7 +132,7 @@ class Head(nnx.Module):
         k = self.kernel[...]
         pooled_BxC = x_BxHxWxC.astype(jnp.float32).mean(axis=(1, 2)).astype(k.dtype)
         logits_BxK = jnp.dot(pooled_BxC, k, preferred_element_type=jnp.float32)
-        return logits_BxK + self.bias[...].astype(jnp.float32)
+        return logits_BxK + self.bias[...].astype(jnp.float32)[None, :]
 
 
 class ResNet(nnx.Module):

@@ -1,0 +1,228 @@
+"""ResNet recipe: layouts match one device (BatchNorm statistics included), digits accuracy,
+data sources and the entry point's errors.
+
+One narrow ResNet-10 (one basic block per stage, widths 16..128, 16x16 digits) serves every
+test: it is built once, because compiling the parameter initialisers (threefry) is the slowest
+part on CPU, and it has every kind of layer ResNet-18 has at half the compile time.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+from models.resnet import data
+from models.resnet.__main__ import main
+from models.resnet.config import Config
+from models.resnet.model import ResNet
+from models.resnet.train import decay_mask, make_optimizer, make_plan, make_step
+
+CFG = Config(depth=10, width=0.25, in_channels=1, num_classes=10)
+STEPS, BATCH = 10, 16
+
+
+@pytest.fixture(scope="module")
+def digits16():
+    return data.digits(16, shift=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The initial model, concrete, built once under jit on one device."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: ResNet(CFG, rngs=nnx.Rngs(0))))
+    variables = jax.jit(lambda: nnx.split(ResNet(CFG, rngs=nnx.Rngs(0)))[1])()
+    return nnx.merge(graphdef, variables)
+
+
+def _train(mesh, zero, model, batches):
+    plan = make_plan(mesh, zero=zero)
+    step = make_step(plan, make_optimizer("sgd", 0.05, steps=STEPS, warmup=2))
+    state = step.init(model)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return (np.asarray(losses), jax.tree.map(np.asarray, state.params),
+            jax.tree.map(np.asarray, state.model_state), state)
+
+
+@pytest.fixture(scope="module")
+def reference(model, digits16):
+    batches = [b for b, _ in zip(digits16.batches(BATCH, seed=0), range(STEPS))]
+    one = sk.make_mesh("data=1", devices=jax.devices()[:1])
+    return batches, _train(one, 0, model, batches)[:3]
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("mesh_spec", ["data=8", "data=2,fsdp=4", "data=4,fsdp=2"])
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_layouts_match_one_device(mesh_spec, zero, model, reference):
+    """Same seed, 10 SGD steps: the loss, the BatchNorm running statistics (per leaf
+    ||a-b||/||b|| <= 1e-5, fp32) and the parameters of each layout equal the 1-device run.
+    Per-device statistics would differ from the first step: this is the global-batch BatchNorm."""
+    batches, (ref_loss, ref_params, ref_stats) = reference
+    loss, params, stats, state = _train(sk.make_mesh(mesh_spec), zero, model, batches)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    flat_ref = dict(jax.tree_util.tree_flatten_with_path(ref_stats)[0])
+    moved = 0
+    for path, value in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        assert _rel(value, flat_ref[path]) <= 1e-5, jax.tree_util.keystr(path)
+        moved += path[-1].key == "mean" and np.abs(value).max() > 0
+    assert moved == 12  # every BatchNorm: stem, 2 per block, 3 projections's running mean moved off its initial zeros
+    # Parameters elementwise: rtol 1e-5, plus atol 1e-6 for near-zero entries (BatchNorm biases
+    # sit near 1e-5 after 10 steps; their gradients are sums that cancel, so reduction order
+    # shows there first).
+    flat_ref = dict(jax.tree_util.tree_flatten_with_path(ref_params)[0])
+    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
+        np.testing.assert_allclose(value, flat_ref[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    if zero == 3:  # the layout really is sharded: a conv kernel is split 8 ways
+        kernel = state.params["layer1"][0]["conv1"]["kernel"]
+        assert kernel.sharding.shard_shape(kernel.shape)[2] == kernel.shape[2] // 8
+
+
+def test_digits_accuracy_through_cli(tmp_path):
+    """The entry point trains the narrow ResNet-10 to >= 97% test accuracy on 16x16 digits
+    (100 steps of batch 64, no shift augmentation) and writes JSON-lines metrics."""
+    out = tmp_path / "metrics.jsonl"
+    code = main(["--depth", "10", "--steps", "100", "--batch", "64", "--image-size", "16", "--shift", "0",
+                 "--width", "0.25", "--eval-every", "50", "--metrics-out", str(out), "--zero", "1"])
+    assert code == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 101))
+    assert set(train[0]) == {"step", "loss", "accuracy", "images_per_s"}
+    tests = [r for r in records if "test_accuracy" in r]
+    assert [r["step"] for r in tests] == [50, 100]
+    assert tests[-1]["test_accuracy"] >= 0.97
+
+
+def test_layout_rules_snapshot():
+    """Specs come from the logical names; ZeRO-3 shards the largest divisible dimension."""
+    abstract = nnx.eval_shape(lambda: ResNet(CFG, rngs=nnx.Rngs(0)))
+    specs = make_plan(sk.make_mesh("data=2,fsdp=4"), zero=3).param_specs(abstract)
+    df = ("data", "fsdp")
+    got = {
+        "stem/conv/kernel (3,3,1,16)": specs["stem"]["conv"]["kernel"],
+        "layer1/0/conv1/kernel (3,3,16,16)": specs["layer1"][0]["conv1"]["kernel"],
+        "layer2/0/proj/conv/kernel (1,1,16,32)": specs["layer2"][0]["proj"]["conv"]["kernel"],
+        "layer1/0/bn1/scale (16,)": specs["layer1"][0]["bn1"]["scale"],
+        "head/kernel (128,10)": specs["head"]["kernel"],
+        "head/bias (10,)": specs["head"]["bias"],  # 10 splits over data=2 only
+    }
+    assert got == {
+        "stem/conv/kernel (3,3,1,16)": P(None, None, None, df),
+        "layer1/0/conv1/kernel (3,3,16,16)": P(None, None, df),
+        "layer2/0/proj/conv/kernel (1,1,16,32)": P(None, None, None, df),
+        "layer1/0/bn1/scale (16,)": P(df),
+        "head/kernel (128,10)": P(df),
+        "head/bias (10,)": P("data"),
+    }
+    tp = make_plan(sk.make_mesh("data=4,tensor=2"), channels="tensor")
+    assert tp.param_specs(abstract)["layer3"][0]["conv2"]["kernel"] == P(None, None, None, "tensor")
+    _, _, stats = nnx.split(abstract, nnx.Param, ...)
+    stat_specs = tp.state_specs(nnx.to_pure_dict(stats))
+    assert stat_specs["layer3"][0]["bn2"]["mean"] == P("tensor")
+    with pytest.raises(ValueError, match="already splits the batch"):
+        make_plan(sk.make_mesh("data=8"), channels="data")
+
+
+def test_weight_decay_skips_batchnorm_and_bias():
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: ResNet(CFG, rngs=nnx.Rngs(0))), nnx.Param))
+    mask = decay_mask(params)
+    assert mask["layer1"][0]["conv1"]["kernel"] and mask["head"]["kernel"]
+    assert not mask["layer1"][0]["bn1"]["scale"] and not mask["layer1"][0]["bn1"]["bias"]
+    assert not mask["head"]["bias"]
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def test_digits_shapes_and_split():
+    d = data.digits(32)
+    assert d.image_shape == (32, 32, 1) and d.num_classes == 10 and d.shift == 3
+    assert len(d.train[0]) + len(d.test[0]) == 1797 and len(d.test[0]) == 360
+    assert abs(float(d.train[0].mean())) < 1e-4
+
+
+def test_iterator_is_deterministic_and_resumable(digits16):
+    it = data.Batches(*digits16.train, 500, seed=3, shift=2)
+    for _ in range(3):  # crosses an epoch boundary (1437 images, 2 batches per epoch)
+        next(it)
+    position = json.loads(json.dumps(it.position))
+    assert position == {"seed": 3, "epoch": 1, "offset": 500}
+    expected = next(it)
+    resumed = next(data.Batches(*digits16.train, 500, seed=0, shift=2, position=position))
+    np.testing.assert_array_equal(resumed["image"], expected["image"])
+    np.testing.assert_array_equal(resumed["label"], expected["label"])
+    syn = data.synthetic_imagenet(16).batches(4, seed=1)
+    next(syn)
+    again = data.SyntheticBatches(4, (16, 16, 3), 1000, position=syn.position)
+    np.testing.assert_array_equal(next(syn)["image"], next(again)["image"])
+
+
+def _write_images(root, classes, n=4, size=10):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+
+
+def test_folder_and_npy_sources(tmp_path):
+    _write_images(tmp_path / "flat", ["cat", "dog"], n=5)
+    d = data.load(f"folder:{tmp_path / 'flat'}", image_size=8)
+    assert d.class_names == ("cat", "dog") and d.image_shape == (8, 8, 3)
+    assert len(d.train[0]) + len(d.test[0]) == 10 and len(d.test[0]) == 1
+    _write_images(tmp_path / "split" / "train", ["a", "b", "c"])
+    _write_images(tmp_path / "split" / "test", ["a", "b", "c"], n=2)
+    d = data.folder(str(tmp_path / "split"), 8)
+    assert d.num_classes == 3 and len(d.train[0]) == 12 and len(d.test[0]) == 6
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    np.save(arrays / "images.npy", np.zeros((20, 12, 12), np.uint8))
+    np.save(arrays / "labels.npy", np.arange(20) % 4)
+    d = data.load(f"npy:{arrays}")
+    assert d.image_shape == (12, 12, 1) and d.num_classes == 4 and len(d.test[0]) == 2
+
+
+def test_bad_data_is_named(tmp_path):
+    (tmp_path / "noclasses").mkdir()
+    (tmp_path / "noclasses" / "x.png").write_bytes(b"")
+    with pytest.raises(data.DataError, match="no class subfolders"):
+        data.folder(str(tmp_path / "noclasses"))
+    _write_images(tmp_path / "broken", ["a", "b"])
+    (tmp_path / "broken" / "b" / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(data.DataError, match="bad.png"):
+        data.folder(str(tmp_path / "broken"))
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    np.save(arrays / "images.npy", np.zeros((20, 12, 12, 3), np.float32))
+    np.save(arrays / "labels.npy", np.zeros((19,), np.int64))
+    with pytest.raises(data.DataError, match=r"labels.npy has shape \(19,\) but images.npy holds 20"):
+        data.npy(str(arrays))
+    np.save(arrays / "labels.npy", np.zeros((20,), np.float32))
+    with pytest.raises(data.DataError, match="must be integers"):
+        data.npy(str(arrays))
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--depth", "20"], "--depth: invalid choice"),
+    (["--mesh", "data=3"], "needs 3 devices"),
+    (["--batch", "12"], "--batch 12 is not a multiple of 8"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--dataset", "folder:{tmp}"], "no class subfolders"),
+    (["--channels", "tensor"], "channel axis 'tensor' is not in the mesh"),
+])
+def test_cli_errors_are_one_line(argv, expect, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
