@@ -202,6 +202,13 @@ class Checkpointer:
         self._writer = create
         return self._mngr
 
+    def _reader(self) -> ocp.CheckpointManager | None:
+        """The manager with a fresh view of the directory (another job may be writing to it)."""
+        m = self._manager(create=False)
+        if m is not None and not self._writer:
+            m.reload()
+        return m
+
     def _partial_saves(self) -> list[str]:
         if not os.path.isdir(self.directory):
             return []
@@ -209,12 +216,12 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None (no directory or no complete save)."""
-        m = self._manager(create=False)
+        m = self._reader()
         return None if m is None else m.latest_step()
 
     def all_steps(self) -> list[int]:
         """Steps of all complete checkpoints, oldest first (interrupted saves are not listed)."""
-        m = self._manager(create=False)
+        m = self._reader()
         return [] if m is None else sorted(m.all_steps())
 
     def wait(self) -> None:
@@ -293,12 +300,13 @@ class Checkpointer:
     # ---- restore ---------------------------------------------------------------------------
 
     def _require_step(self, step: int | None) -> tuple[ocp.CheckpointManager, int]:
-        mngr = self._manager(create=False)
+        mngr = self._reader()
         if mngr is None:
             raise CheckpointError(
                 f"no checkpoint directory {self.directory}: check the path (and that every host "
                 "sees it), or start without resuming")
-        mngr.reload()
+        if self._writer:
+            mngr.wait_until_finished()  # never read a step that is still being written
         steps = sorted(mngr.all_steps())
         if not steps:
             partial = self._partial_saves()
