@@ -252,7 +252,8 @@ class Checkpointer:
             state: a ``TrainState`` (or any pytree of arrays). Each host writes only the shards
                 it holds; with ``async_save`` it may be donated to the next step as soon as this
                 returns.
-            step: the checkpoint's step (default: ``int(state.step)``).
+            step: the checkpoint's step (default: ``int(state.step)``, which waits for the step
+                that produced ``state``; pass it to keep the host running ahead).
             extra: a JSON-serialisable dict stored beside the state (data position, config).
             force: save even if ``step`` is not a multiple of ``every``.
             allow_nonfinite: write even if a float leaf holds NaN/inf (refused by default so a
@@ -278,7 +279,8 @@ class Checkpointer:
         try:
             extra = json.loads(json.dumps(extra))
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"save(extra=...) must be JSON-serialisable (dicts, lists, str, numbers): {e}") from None
+            raise CheckpointError(
+                f"save(extra=...) must be JSON-serialisable (dicts, lists, str, numbers): {e}") from None
         mngr = self._manager(create=True)
         if step in mngr.all_steps():
             return False
@@ -286,7 +288,8 @@ class Checkpointer:
             bad = nonfinite_leaves(state)
             if bad:
                 latest = mngr.latest_step()
-                keep_txt = f"checkpoint step {latest} is left as it was" if latest is not None else "nothing was written"
+                keep_txt = (f"checkpoint step {latest} is left as it was" if latest is not None
+                            else "nothing was written")
                 raise CheckpointError(
                     f"refusing to save step {step}: non-finite values (NaN/inf) in\n  " + "\n  ".join(bad) +
                     f"\n{keep_txt}. Restore it and lower the learning rate / enable clip_norm or "
@@ -376,9 +379,10 @@ class Checkpointer:
     def _corrupt(self, step: int, cause) -> CheckpointError:
         others = [s for s in self.all_steps() if s != step]
         alt = f"restore another step (step={others[-1]}; complete: {others})" if others else "start without resuming"
-        why = cause if isinstance(cause, str) else f"{type(cause).__name__}: {(str(cause) or repr(cause)).splitlines()[0]}"
+        if not isinstance(cause, str):
+            cause = f"{type(cause).__name__}: {(str(cause) or repr(cause)).splitlines()[0]}"
         return CheckpointError(
-            f"checkpoint step {step} in {self.directory} is unreadable ({why}); {alt}, or delete that step directory")
+            f"checkpoint step {step} in {self.directory} is unreadable ({cause}); {alt}, or delete that step directory")
 
 
 def _describe_layout(state) -> dict:
