@@ -1,0 +1,155 @@
+"""The cost model against the compiler, and the layouts ``sk.search`` picks.
+
+Part 1 compiles every layout of the tests (a two-layer MLP pytree and the transformer recipe,
+8 simulated CPU devices) and prints estimate/compiled per device for parameters, optimizer
+state, arguments, peak memory and executed collective bytes by role. Part 2 ranks layouts of
+the ~1B and ~7B transformer on 8, 64 and 256 H100s. Writes bench/results/cost_model.json.
+
+    python bench/cost_model.py            # everything (~3-4 min on 2 cores)
+    python bench/cost_model.py --no-compile   # the search part only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import shardkit as sk  # noqa: E402
+
+sk.use_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+QUANTITIES = ("memory/params", "memory/opt_state", "memory/arguments", "memory/temporaries",
+              "memory/peak", "collective/grad-reduce", "collective/param-gather",
+              "collective/tensor-reduce", "collective/tensor-gather", "collective/pipe-permute", "flops")
+D, F, L, B = 256, 1024, 2, 64
+TP_RULES = [("w1", (None, None, "tensor")), ("w2", (None, "tensor", None)), (".*", ())]
+
+
+def mlp_cases():
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(0))
+        return {"w1": jax.random.normal(k1, (L, D, F)) * 0.02, "w2": jax.random.normal(k2, (L, F, D)) * 0.02}
+
+    def loss(p, batch):
+        def layer(x, w):
+            h = sk.constrain(jnp.tanh(x @ w[0]), ("batch", "mlp"))
+            return sk.constrain(x + h @ w[1], ("batch", None)), None
+        return jnp.mean(jax.lax.scan(layer, batch["x"], (p["w1"], p["w2"]))[0] ** 2)
+
+    for mesh, zero, m, prec in [("data=8", 0, 1, "fp32"), ("data=8", 1, 1, "fp32"), ("data=8", 2, 1, "fp32"),
+                                ("data=8", 3, 1, "fp32"), ("data=4,tensor=2", 0, 1, "fp32"),
+                                ("data=4,tensor=2", 1, 1, "fp32"), ("data=8", 0, 2, "fp32"),
+                                ("data=8", 0, 1, "bf16"), ("data=8", 3, 1, "bf16")]:
+        tp = "tensor" in mesh
+        plan = sk.Plan(sk.make_mesh(mesh), rules=TP_RULES if tp else [(".*", ())],
+                       axis_rules={"batch": "data", "mlp": "tensor" if tp else None}, zero=zero, precision=prec)
+        step = sk.train_step(plan, optax.adam(1e-3), microbatches=m)(loss)
+        state = step.init(init)
+        yield f"mlp {mesh} zero={zero} m={m} {prec}", step.explain(state, {"x": jnp.ones((B, D))})
+
+
+def transformer_cases():
+    from flax import nnx
+
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import LAYOUTS, make_plan
+    from models.transformer.model import PipelineSpec, Transformer, loss_fn
+
+    cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
+    tokens = jnp.zeros((16, cfg.seq), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    for name, lo in LAYOUTS.items():
+        mesh = sk.make_mesh(lo.mesh)
+        plan = make_plan(mesh, cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel)
+        pipe = PipelineSpec(4, lo.schedule, lo.repeats) if "pipe" in mesh.shape else None
+        step = sk.train_step(plan, optax.adam(1e-3))(lambda mdl, b, pipe=pipe: loss_fn(mdl, b, pipe))
+        state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        try:
+            report = step.explain(state, batch)
+        except Exception as e:  # noqa: BLE001 - a layout the recipe cannot run is reported, not fatal
+            print(f"transformer {name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if pipe is not None:
+            report.estimate = sk.cost.estimate_for_step(
+                step, state, batch, pipeline=(pipe.microbatches, pipe.schedule, pipe.repeats)).as_dict()
+        yield f"transformer {name} ({lo.mesh}, zero={lo.zero}{', sp' if lo.sequence_parallel else ''}" \
+              f"{', ' + lo.schedule if pipe else ''})", report
+
+
+def compare(console: Console) -> list[dict]:
+    rows = []
+    t = Table(title="estimate / compiled, per device (8 simulated CPU devices)")
+    t.add_column("layout")
+    short = [q.split("/")[-1] for q in QUANTITIES]
+    for s in short:
+        t.add_column(s, justify="right")
+    for cases in (mlp_cases(), transformer_cases()):
+        for name, report in cases:
+            got = {r["quantity"]: r for r in report.comparison()}
+            row = {"layout": name}
+            cells = []
+            for q in QUANTITIES:
+                r = got.get(q)
+                if r is None or (not r["estimate"] and not r["compiled"]):
+                    cells.append("")
+                    continue
+                ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("inf")
+                row[q] = {"estimate": r["estimate"], "compiled": r["compiled"], "ratio": ratio}
+                style = "green" if abs(ratio - 1) <= 0.1 else "yellow" if abs(ratio - 1) <= 0.25 else "red"
+                cells.append(f"[{style}]{ratio:.2f}[/{style}]")
+            t.add_row(name, *cells)
+            rows.append(row)
+            console.print(f"  done: {name}", style="dim")
+    console.print(t)
+    return rows
+
+
+def rankings(console: Console) -> dict:
+    out = {}
+    for model in ("1b", "7b"):
+        for n in (8, 64, 256):
+            res = sk.search(model, devices=n, hardware="h100", global_batch=2 * n)
+            console.print(res.table(5))
+            best = res.best
+            scaling = sk.cost.weak_scaling(model, best.layout, "h100", per_device_batch=2,
+                                           devices=tuple(d for d in (8, 64, 256) if d <= n) or (n,))
+            out[f"{model}@{n}"] = {"top": res.rows[:5], "weak_scaling": scaling,
+                                   "fitting_layouts": sum(r["fits"] for r in res.rows),
+                                   "layouts": len(res.rows)}
+            if n == 256:
+                for r in scaling:
+                    console.print(f"  weak scaling {model}: {r['devices']:4d} GPUs {r['layout']:44s} "
+                                  f"efficiency {r['efficiency']:.1%}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled comparison")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_model.json"))
+    a = p.parse_args(argv)
+    console = Console(width=170)
+    result = {"devices": 8, "platform": jax.default_backend()}
+    if not a.no_compile:
+        result["comparison"] = compare(console)
+    result["search"] = rankings(console)
+    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    console.print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
