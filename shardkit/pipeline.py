@@ -46,6 +46,7 @@ from jax import ad_checkpoint, lax
 from jax.sharding import PartitionSpec as P
 
 from . import _pipeline_schedules as sched
+from .plan import note
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 _REMAT = {"none": None, "full": "full", "dots": jax.checkpoint_policies.dots_saveable,
@@ -99,6 +100,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     L = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                     extras, targets, rng)
     k = L // (p * v)
+    note("pipeline", {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis})
     chunk = _chunk_runner(stage_fn, k, m, p, extras is not None, rng, remat)
     # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
     # a plain reshape of the contiguous layer sharding.

@@ -24,6 +24,7 @@ from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes,
 _DATA_LIKE = ("replica", "data", "fsdp")
 STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
+_NOTES: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("shardkit_trace_notes", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,3 +333,22 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 def active_plan() -> Plan | None:
     """The plan whose step is being traced, if any."""
     return _ACTIVE.get()
+
+
+def note(key: str, value: Any) -> None:
+    """Records a fact about the program being traced (e.g. ``sk.pipeline``'s microbatches and
+    schedule) for ``explain()``; a no-op outside a shardkit step's trace."""
+    notes = _NOTES.get()
+    if notes is not None:
+        notes[key] = value
+
+
+@contextlib.contextmanager
+def collecting_notes():
+    """Collects ``note()`` calls made while tracing inside this context into a dict."""
+    notes: dict = {}
+    token = _NOTES.set(notes)
+    try:
+        yield notes
+    finally:
+        _NOTES.reset(token)

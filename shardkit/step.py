@@ -22,7 +22,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import _model
-from .plan import ParamLayout, Plan
+from .plan import ParamLayout, Plan, collecting_notes
 from .precision import LossScale, cast_floats, cast_input, cast_like
 from .rules import ShardingError
 
@@ -117,6 +117,7 @@ class TrainStep:
         self._state_shardings = None
         self._jitted: dict = {}
         self._batch_shardings: dict = {}
+        self.trace_notes: dict = {}
         functools.update_wrapper(self, fn)
 
     # ---- initialisation ---------------------------------------------------------------------
@@ -291,6 +292,14 @@ class TrainStep:
         return (loss * scale if scale is not None else loss), (loss, aux, new_state)
 
     def _step(self, state: TrainState, batch):
+        # Runs at trace time only: what the loss's building blocks note (e.g. sk.pipeline's
+        # schedule) is kept for explain().
+        with collecting_notes() as notes:
+            out = self._step_body(state, batch)
+        self.trace_notes = notes
+        return out
+
+    def _step_body(self, state: TrainState, batch):
         plan, prec, m = self.plan, self.plan.precision, self.microbatches
         grad_sh = self._param_shardings("grads")
         constrain = jax.lax.with_sharding_constraint
