@@ -27,7 +27,7 @@ p.add_argument("--die-at", type=int, default=3)
 p.add_argument("--heartbeat", type=int, default=10)
 a = p.parse_args()
 
-spec = distributed.initialize(timeout_s=60, heartbeat_timeout_s=a.heartbeat, shutdown_timeout_s=10)
+spec = distributed.initialize(timeout_s=60, heartbeat_timeout_s=a.heartbeat)
 if spec is None:
     sk.use_cpu_devices(8)
 
