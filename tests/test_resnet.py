@@ -65,7 +65,8 @@ def _rel(a, b):
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_layouts_match_one_device(mesh_spec, zero, model, reference):
     """Same seed, 10 SGD steps: the loss, the BatchNorm running statistics (per leaf
-    ||a-b||/||b|| <= 1e-5, fp32) and the parameters of each layout equal the 1-device run.
+    ||a-b||/||b|| <= 1e-5, fp32) and the parameters (1e-5 overall) of each
+    layout equal the 1-device run.
     Per-device statistics would differ from the first step: this is the global-batch BatchNorm."""
     batches, (ref_loss, ref_params, ref_stats) = reference
     loss, params, stats, state = _train(sk.make_mesh(mesh_spec), zero, model, batches)
@@ -76,12 +77,15 @@ def test_layouts_match_one_device(mesh_spec, zero, model, reference):
         assert _rel(value, flat_ref[path]) <= 1e-5, jax.tree_util.keystr(path)
         moved += path[-1].key == "mean" and np.abs(value).max() > 0
     assert moved == 12  # every BatchNorm: stem, 2 per block, 3 projections's running mean moved off its initial zeros
-    # Parameters elementwise: rtol 1e-5, plus atol 1e-6 for near-zero entries (BatchNorm biases
-    # sit near 1e-5 after 10 steps; their gradients are sums that cancel, so reduction order
-    # shows there first).
+    # Parameters: 1e-5 over the whole model; per element rtol 1e-4 + atol 5e-6 (kernels are
+    # ~1e-1). Leaves that start at zero (BatchNorm biases, residual scales) stay near 1e-6..1e-2
+    # with gradients that are cancelling sums, so the all-reduce's order shows there first.
     flat_ref = dict(jax.tree_util.tree_flatten_with_path(ref_params)[0])
-    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
-        np.testing.assert_allclose(value, flat_ref[path], rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, value in flat:
+        np.testing.assert_allclose(value, flat_ref[path], rtol=1e-4, atol=5e-6, err_msg=jax.tree_util.keystr(path))
+    assert _rel(np.concatenate([v.ravel() for _, v in flat]),
+                np.concatenate([flat_ref[p].ravel() for p, _ in flat])) <= 1e-5
     if zero == 3:  # the layout really is sharded: a conv kernel is split 8 ways
         kernel = state.params["layer1"][0]["conv1"]["kernel"]
         assert kernel.sharding.shard_shape(kernel.shape)[2] == kernel.shape[2] // 8
