@@ -256,9 +256,18 @@ class Transformer(nnx.Module):
             x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x_BxTxD, params,
                                       unroll=self.cfg.scan_unroll)
             return x_BxTxD
-        return sk.pipeline(layer, params, x_BxTxD, microbatches=pipeline.microbatches,
-                           schedule=pipeline.schedule, repeats=pipeline.repeats,
-                           loss_fn=loss_fn, loss_params=loss_params, targets=targets)
+        dtype = x_BxTxD.dtype
+        if dtype != F32:
+            # Workaround: XLA:CPU aborts ("Invalid binary instruction opcode copy") compiling
+            # the gradient of a bf16 pipeline input when the batch is also split over a data
+            # axis. The pipeline carries f32 activations; each layer still computes in bf16.
+            inner = layer
+            layer = lambda p, x: inner(p, x.astype(dtype)).astype(F32)  # noqa: E731
+            x_BxTxD = x_BxTxD.astype(F32)
+        y = sk.pipeline(layer, params, x_BxTxD, microbatches=pipeline.microbatches,
+                        schedule=pipeline.schedule, repeats=pipeline.repeats,
+                        loss_fn=loss_fn, loss_params=loss_params, targets=targets)
+        return y if loss_fn is not None else y.astype(dtype)
 
 
 def head_logits(head: dict, x_BxTxD: jax.Array, eps: float) -> jax.Array:

@@ -114,6 +114,12 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
         raise FlagError("--layers", f"{cfg.layers} layers do not split into pipe={stages} stages "
                         f"x {repeats} repeats; use a multiple of {stages * repeats}")
     data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp"))
+    if stages > 1 and args.pipeline_schedule == "1f1b" and tensor > 1 and data > 1:
+        # Known XLA SPMD-partitioner abort (a C++ CHECK, not an exception) compiling this
+        # train step; refuse it here rather than crash the process.
+        raise FlagError("--pipeline-schedule", "1f1b with both a data axis and a tensor axis "
+                        "aborts XLA's SPMD partitioner in this version; use gpipe or circular, "
+                        "or drop the data or tensor axis")
     if stages > 1:
         pipe_mb, step_mb = args.microbatches or 2 * stages, 1
         if pipe_mb < stages:
