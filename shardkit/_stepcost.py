@@ -35,13 +35,16 @@ def _stack_dim(leaves) -> int:
 
 
 def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
-                    param_shapes: set[tuple]) -> float:
+                    param_shapes: set[tuple], pipe: dict | None = None) -> float:
     """Per-device bytes of the residuals the backward pass keeps for one microbatch.
 
     Traced with ``jax.ad_checkpoint`` (respects remat policies). A residual's dimension that
     equals the microbatch size is taken as sharded over the batch axes, one that equals a
     tensor-sharded weight dimension as sharded over ``tensor`` (a heuristic: activations
-    follow the batch and the Megatron-split features)."""
+    follow the batch and the Megatron-split features). Inside ``sk.pipeline`` (``pipe``: its
+    trace note) the residuals leave the shard_map stacked over the pipe axis along their
+    first dimension (global shape, ``stages ×`` one device's), and their batch dimension is
+    the pipeline microbatch: both are divided out."""
     try:
         from jax._src.ad_checkpoint import saved_residuals
     except ImportError:  # pragma: no cover - private API moved
@@ -68,6 +71,14 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
             continue  # parameters and their compute-dtype copies are counted on their own
         nbytes = math.prod(aval.shape) * _itemsize(aval.dtype)
         shape = list(aval.shape)
+        in_pipe = pipe is not None and "shard_map" in where
+        if in_pipe and shape and shape[0] % pipe["stages"] == 0:
+            nbytes /= pipe["stages"]
+            shape = shape[1:]
+            if b_mb // pipe["microbatches"] in shape and n_data > 1:
+                nbytes /= n_data
+            total += nbytes
+            continue
         if b_mb and b_mb in shape and n_data > 1:
             nbytes /= n_data
             shape.remove(b_mb)
@@ -118,8 +129,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     grad_buffer = mem["grads"] * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
     tensor_dims = {l.shape[d] for l in leaves for d, e in enumerate(l.spec)
                    if any(a not in plan.batch_axes for a in entry_axes(e))}
+    pipe = _pipeline_note(step, state, batch, pipeline, sizes)
     act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
-                          {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves})
+                          {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves}, pipe)
     mem["activations"] = act
     # Backward of one layer holds, beside the waiting residuals, the cotangents of that layer's
     # intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer and its
@@ -130,6 +142,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         working = max(working, layer_comp * (wire + bg))
     elif zero == 2 and n_data > 1:
         working = max(working, layer_comp * bg)
+    if pipe:
+        working += _pipeline_buffers(pipe, _tokens(batch) / n_data / m * width * 4, g_comp)
     backward = grad_buffer + act + working
     new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
@@ -164,14 +178,10 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         uses = 2 if (not s and len(l.shape) == 2 and dims[0] == 0 and "embed" in l.path and not has_head) else 1
         col["tensor-reduce"] += uses * m * stack * tok_dev_mb * width * wire
         counts["tensor-reduce"] += uses * m * stack
-    p = sizes.get("pipe", 1)
-    if pipeline is not None and p > 1:
-        pm, schedule, v = (tuple(pipeline) + ("gpipe", 1))[:3]
-        ticks = (v * pm + p - 1) if schedule != "1f1b" else 2 * (pm + p - 1)
-        col["pipe-permute"] = 2 * ticks * tokens / n_data / pm * width * bc
-        counts["pipe-permute"] = 2 * ticks
-        m = max(m, pm)
-
+    p = pipe["stages"] if pipe else 1
+    if pipe:
+        m = _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, tokens / n_data / m * width,
+                              wire=wire, bg=bg, n_data=n_data, batch=batch, step_m=m)
     matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
@@ -179,11 +189,109 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     hw = _hardware(hardware, mesh)
     layout = Layout(data=math.prod(sizes[a] for a in ("replica", "data") if a in sizes),
                     fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=p, zero=zero,
-                    microbatches=m, schedule=(pipeline or (0, "gpipe"))[1] if pipeline else "gpipe")
+                    microbatches=m, schedule=pipe["schedule"] if pipe else "gpipe",
+                    repeats=pipe["repeats"] if pipe else 1)
     t = times(col, counts, flops, hw, layout)
     n_dev = mesh.devices.size
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev)
+
+
+def _pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
+    """What ``sk.pipeline`` did inside the loss: the explicit ``pipeline=`` override
+    (``(microbatches, schedule, repeats)`` or a dict), else the step's trace note (the step
+    is lowered once here if it has not been traced yet); ``None`` without a pipe axis."""
+    if pipeline is not None:
+        if isinstance(pipeline, dict):
+            note = dict(pipeline)
+        else:
+            pm, schedule, v = (tuple(pipeline) + ("gpipe", 1))[:3]
+            note = {"microbatches": pm, "schedule": schedule, "repeats": v}
+        note.setdefault("axis", "pipe")
+        note.setdefault("stages", sizes.get(note["axis"], 1))
+        note.setdefault("repeats", 1)
+        return note if note["stages"] > 1 else None
+    if sizes.get("pipe", 1) <= 1 and not step.trace_notes.get("pipeline"):
+        return None
+    if "pipeline" not in step.trace_notes:
+        try:
+            step.lower(state, batch)
+        except Exception:  # noqa: BLE001 - an estimate without the pipeline beats none
+            return None
+    note = step.trace_notes.get("pipeline")
+    return dict(note) if note and note.get("stages", 1) > 1 else None
+
+
+def _pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> float:
+    """Bytes ``sk.pipeline`` holds beside the saved residuals: GPipe/circular the (m + 1)
+    output slots and their cotangent; 1F1B the rings of stage inputs and cotangents, and a
+    second copy of the gradients (its custom_vjp returns them as residuals, then scales)."""
+    from . import _pipeline_schedules as sched
+
+    pm = pipe["microbatches"]
+    act_mb = act_elems_x4 / pm
+    if pipe["schedule"] == "1f1b":
+        tab = sched.one_f_one_b_table(pipe["stages"], pm)
+        return grad_bytes + (tab.act_ring + tab.grad_ring) * act_mb
+    return 2 * (pm + 1) * act_mb
+
+
+def pipeline_ticks(note: dict) -> int:
+    """Ticks of the schedule table ``sk.pipeline`` scans (``_pipeline_schedules``)."""
+    from . import _pipeline_schedules as sched
+
+    p, m, v = note["stages"], note["microbatches"], note.get("repeats", 1)
+    if note["schedule"] == "1f1b":
+        return int(sched.one_f_one_b_table(p, m).op.shape[0])
+    return int(sched.forward_table(p, m, v).item.shape[0])
+
+
+def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wire, bg, n_data,
+                      batch, step_m) -> int:
+    """Pipeline collectives, as ``sk.pipeline`` issues them (and XLA partitions them).
+
+    * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
+      its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
+      GPipe/circular also move the last stage's m outputs and their cotangent once, and
+      circular (v > 1) relays the stage-major weights (forward) and gradients (backward).
+    * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
+      m outputs; 1F1B the loss params' gradients (+ the input gradient when the input is
+      differentiable, i.e. came from an embedding of integer tokens).
+    * ``grad-reduce`` over the data axes: XLA reduces the stage weights' gradient where it is
+      produced — every tick of the transposed scan (GPipe/circular, ticks × a layer group),
+      every backward op of 1F1B (m × the stage) — not once per step; params outside the
+      stacks once (1F1B: the loss params m times on the last stage, m/p per device).
+
+    Returns the microbatch count to time the step with (the pipeline's).
+    """
+    p, pm, v, sched_ = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1), pipe["schedule"]
+    ticks = pipeline_ticks(pipe)
+    act_mb = act_elems / pm * 4  # the pipelines carry f32 activations (see models/transformer)
+    axis = pipe.get("axis", "pipe")
+    piped = [bool(l.spec) and axis in entry_axes(l.spec[0]) for l in leaves]
+    stage = sum(c for c, s in zip(comp, piped) if s)  # one stage's layer weights (elements)
+    rest = sum(c for c, s in zip(comp, piped) if not s)
+    col["pipe-permute"] = 2 * ticks * act_mb * step_m
+    counts["pipe-permute"] = 2 * ticks * step_m
+    if sched_ != "1f1b":
+        col["pipe-permute"] += 2 * pm * act_mb * step_m
+        counts["pipe-permute"] += 2 * step_m
+        if v > 1:
+            col["pipe-permute"] += 2 * stage * wire * step_m
+            counts["pipe-permute"] += 2 * step_m
+        col["pipe-reduce"] = pm * act_mb * step_m
+    else:
+        has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
+        col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
+    counts["pipe-reduce"] = step_m
+    if n_data > 1:
+        if sched_ == "1f1b":
+            col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
+            counts["grad-reduce"] = (pm + 1) * step_m
+        else:
+            col["grad-reduce"] = (ticks * stage / v + rest) * bg * step_m
+            counts["grad-reduce"] = (ticks + 1) * step_m
+    return pm
 
 
 def _strip(spec, axes):

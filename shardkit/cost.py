@@ -57,7 +57,7 @@ def _links(hw) -> tuple[int, float, float]:
     return LINKS.get(hw.name.lower(), (8, 5e-6, 1.5e-5))
 
 
-ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute")
+ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +292,8 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     t = {"compute": flops / (hw.peak_flops * efficiency)}
     spec = {"grad-reduce": ("all-reduce" if layout.zero < 2 and layout.fsdp == 1 else "reduce-scatter", data_axes),
             "param-gather": ("all-gather", data_axes), "tensor-reduce": ("all-reduce", ("tensor",)),
-            "tensor-gather": ("all-gather", ("tensor",)), "pipe-permute": ("permute", ("pipe",))}
+            "tensor-gather": ("all-gather", ("tensor",)), "pipe-permute": ("permute", ("pipe",)),
+            "pipe-reduce": ("all-reduce", ("pipe",))}
     for role, (kind, axes) in spec.items():
         nbytes, n = collectives.get(role, 0.0), max(counts.get(role, 1.0), 1.0)
         if not axes or nbytes <= 0:
@@ -307,7 +308,7 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     critical = (t["compute"] + t["tensor-reduce"] + t["tensor-gather"]) * (1 + bubble)
     t["bubble"] = critical * bubble / (1 + bubble)
     overlapped = t["grad-reduce"] + t["param-gather"]
-    t["step"] = critical + max(0.0, overlapped - t["compute"]) + t["pipe-permute"]
+    t["step"] = critical + max(0.0, overlapped - t["compute"]) + t["pipe-permute"] + t["pipe-reduce"]
     return t
 
 
@@ -473,8 +474,9 @@ def estimate_for_step(step, state, batch, *, pipeline: tuple[int, str, int] | No
         step: the ``TrainStep`` (after ``step.init``).
         state: its ``TrainState`` (arrays or ``ShapeDtypeStruct``s).
         batch: one global batch (shapes are enough).
-        pipeline: ``(microbatches, schedule, repeats)`` of an ``sk.pipeline`` inside the loss,
-            when the mesh has a ``pipe`` axis (the step cannot see them).
+        pipeline: overrides ``(microbatches, schedule, repeats)`` (or a dict like the note) of
+            the ``sk.pipeline`` inside the loss; by default read from ``step.trace_notes``
+            (the step is lowered once if it has not been traced yet).
         hardware: the accelerator for the time estimate (default: the plan's devices; a CPU
             mesh is timed as H100s).
         flops_per_token: training flops per token; default 6 × parameters (Kaplan et al.).

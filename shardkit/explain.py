@@ -61,9 +61,14 @@ def _shape_bytes(text: str) -> int:
     return int(total)
 
 
-def _walk(hlo: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
+          ) -> tuple[dict[str, list[str]], dict[str, float]]:
     """Splits HLO text into computations and counts how often each runs per step: an entry
-    computation once, a ``while`` body ``known_trip_count`` times its caller, others as called."""
+    computation once, a ``while`` body ``known_trip_count`` times its caller, others as called.
+
+    A conditional runs one branch per call, which the text cannot tell; each branch counts
+    once per call unless ``branch_weights[n]`` gives, for conditionals of ``n`` branches, the
+    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -79,17 +84,19 @@ def _walk(hlo: str) -> tuple[dict[str, list[str]], dict[str, int]]:
                 current = None
             else:
                 comps[current].append(line)
-    mult: dict[str, int] = defaultdict(int)
+    mult: dict[str, float] = defaultdict(float)
     if entry is None:
         return comps, mult
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
             for role, callee in _CALLEE.findall(line):
                 calls[name].append((callee, int(trip.group(1)) if (role == "body" and trip) else 1))
             for group in _BRANCHES.findall(line):
-                calls[name].extend((c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
+                branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+                w = (branch_weights or {}).get(len(branches)) or [1.0] * len(branches)
+                calls[name].extend(zip(branches, w))
 
     def visit(name: str, m: int, depth: int = 0):
         if depth > 64 or name not in comps:
@@ -102,9 +109,9 @@ def _walk(hlo: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     return comps, mult
 
 
-def _collective_ops(hlo: str):
+def _collective_ops(hlo: str, branch_weights=None):
     """Yields ``(kind, multiplicity, result_bytes, line)`` for every collective op."""
-    comps, mult = _walk(hlo)
+    comps, mult = _walk(hlo, branch_weights)
     for name, lines in comps.items():
         m = mult.get(name, 0)
         for line in lines:
@@ -130,7 +137,7 @@ def collectives_from_hlo(hlo: str) -> list[Collective]:
         static[base] += 1
         count[base] += m
         nbytes[base] += m * b
-    return [Collective(k, count[k], nbytes[k], static[k]) for k in COLLECTIVES if static[k]]
+    return [Collective(k, round(count[k]), round(nbytes[k]), static[k]) for k in COLLECTIVES if static[k]]
 
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
@@ -206,18 +213,18 @@ class Traffic:
     operand_bytes: int
 
 
-def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int]) -> list[Traffic]:
+def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) -> list[Traffic]:
     """Executed collectives per (kind, mesh axes), through loops (see ``Traffic``)."""
     n = math.prod(mesh_shape.values()) if mesh_shape else 1
-    acc: dict[tuple, list[int]] = {}
-    for kind, m, b, line in _collective_ops(hlo):
+    acc: dict[tuple, list[float]] = {}
+    for kind, m, b, line in _collective_ops(hlo, branch_weights):
         groups = _device_groups(line, n)
         size = max(len(groups[0]), 1) if kind != "collective-permute" else 2
         axes = _axes_of(groups, mesh_shape) if mesh_shape else ()
         operand = b // size if kind == "all-gather" else b * size if kind == "reduce-scatter" else b
         row = acc.setdefault((kind, axes, size), [0, 0, 0])
         row[0] += m; row[1] += m * b; row[2] += m * operand
-    return [Traffic(k, a, s, c, b, o) for (k, a, s), (c, b, o) in acc.items()]
+    return [Traffic(k, a, s, round(c), round(b), round(o)) for (k, a, s), (c, b, o) in acc.items()]
 
 
 def matmul_flops_from_hlo(hlo: str) -> float:
@@ -302,6 +309,7 @@ class Report:
     traffic: list[Traffic] = dataclasses.field(default_factory=list)
     matmul_flops: float = 0.0
     data_axes: tuple[str, ...] = ()
+    pipe_axis: str | None = None
 
     def collective_bytes(self) -> dict[str, int]:
         return {c.kind: c.bytes for c in self.collectives}
@@ -311,12 +319,15 @@ class Report:
         ``grad-reduce`` (all-reduce/reduce-scatter over a data axis; bytes reduced, so XLA:CPU's
         all-reduce + slice and a GPU reduce-scatter count the same), ``param-gather``
         (all-gathers over a data axis: ZeRO), ``tensor-reduce`` / ``tensor-gather`` (over other
-        axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes)."""
+        axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes),
+        ``pipe-reduce`` (all-reduces over the pipeline axis alone: ``sk.pipeline``'s psums)."""
         out = dict.fromkeys(("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather",
-                             "pipe-permute", "other"), 0.0)
+                             "pipe-permute", "pipe-reduce", "other"), 0.0)
         for t in self.traffic:
             data = bool(set(t.axes) & set(self.data_axes))
-            if t.kind in ("all-reduce", "reduce-scatter"):
+            if t.kind == "all-reduce" and self.pipe_axis and t.axes == (self.pipe_axis,):
+                out["pipe-reduce"] += t.operand_bytes
+            elif t.kind in ("all-reduce", "reduce-scatter"):
                 out["grad-reduce" if data else "tensor-reduce"] += t.operand_bytes
             elif t.kind == "all-gather":
                 out["param-gather" if data else "tensor-gather"] += t.bytes
@@ -397,11 +408,16 @@ def _human(n: float) -> str:
 
 
 def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None,
-                         mesh=None, data_axes: tuple[str, ...] = ()) -> Report:
+                         mesh=None, data_axes: tuple[str, ...] = (), pipeline: dict | None = None) -> Report:
     """A ``Report`` for any compiled JAX program (``jax.jit(f).lower(...).compile()``).
 
     With ``mesh`` the collectives are also attributed to mesh axes (``Report.traffic``).
+    ``pipeline`` (``sk.pipeline``'s trace note) names the pipe axis, and for 1F1B weights the
+    branches of its per-tick ``lax.switch`` by how often the schedule table takes each
+    (averaged over stages), so collectives inside a backward branch count m times, not once
+    per tick.
     """
+    weights = _pipeline_branch_weights(pipeline) if pipeline else None
     mem = dict(memory or {})
     ma = compiled.memory_analysis()
     if ma is not None:
@@ -414,9 +430,21 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
         cost = cost[0] if cost else {}
     flops = float((cost or {}).get("flops", 0.0))
     hlo = compiled.as_text()
-    traffic = traffic_from_hlo(hlo, dict(mesh.shape)) if mesh is not None else []
+    traffic = traffic_from_hlo(hlo, dict(mesh.shape), weights) if mesh is not None else []
     return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
-                  matmul_flops=matmul_flops_from_hlo(hlo), data_axes=tuple(data_axes))
+                  matmul_flops=matmul_flops_from_hlo(hlo), data_axes=tuple(data_axes),
+                  pipe_axis=(pipeline or {}).get("axis"))
+
+
+def _pipeline_branch_weights(note: dict) -> dict[int, list[float]] | None:
+    """1F1B's ``lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last])``: the fraction of
+    (tick, stage) cells of the schedule table with each op."""
+    if note.get("schedule") != "1f1b":
+        return None
+    from . import _pipeline_schedules as sched
+
+    op = sched.one_f_one_b_table(note["stages"], note["microbatches"]).op
+    return {5: [float(np.mean(op == k)) for k in range(5)]}
 
 
 def explain_step(step, state, batch) -> Report:
@@ -438,7 +466,8 @@ def explain_step(step, state, batch) -> Report:
               "model_state": shard_bytes(state.model_state), "grads": shard_bytes(grads),
               "batch": shard_bytes(as_compiled(placed, batch_sh))}
     title = f"{plan!r}, microbatches={step.microbatches}"
-    report = report_from_compiled(compiled, title, memory, plan.mesh, plan.batch_axes)
+    report = report_from_compiled(compiled, title, memory, plan.mesh, plan.batch_axes,
+                                  pipeline=step.trace_notes.get("pipeline"))
     from . import cost
 
     report.estimate = cost.estimate_for_step(step, state, batch).as_dict()

@@ -5,6 +5,8 @@ Compiled comparisons run each layout on the 8 simulated devices and check
 argument bytes, peak memory, and executed collective bytes by role (gradient reduction, ZeRO
 gathers, tensor-parallel all-reduces) within 10%. Known gap: the peak memory of tensor-parallel
 transformer layouts is underestimated by ~20% (the saved-activation heuristic), checked at 25%.
+Pipelines (GPipe, circular, 1F1B on pipe=4 and data=2,pipe=4): state bytes and every pipeline
+collective within 10%; peak memory within 25% (measured 0.80-0.91: XLA:CPU's in-loop working set).
 """
 
 import jax
@@ -163,3 +165,64 @@ def test_transformer_estimate_matches_compiled(name):
     report = step.explain(state, {"inputs": tokens, "targets": tokens})
     _check(report, EXACT + COLLECTIVES)
     _check(report, ("memory/peak",), tol=0.25 if "tensor" in lo.mesh else TOL)
+
+
+# ---- pipelines (sk.pipeline's trace note drives the estimate) --------------------------------
+
+PD, PB, PL, PM = 128, 32, 8, 4
+PIPE_COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collective/pipe-permute",
+                    "collective/pipe-reduce")
+
+
+def _pipe_layer(lp, h):
+    return jnp.tanh(h @ lp["w"] + lp["b"][None])
+
+
+def _pipe_head(hp, y, t):
+    return jnp.mean((y @ hp["w"] - t) ** 2)
+
+
+def _pipe_init():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"layers": {"w": jax.random.normal(k1, (PL, PD, PD)) * 0.1, "b": jnp.zeros((PL, PD))},
+            "head": {"w": jax.random.normal(k2, (PD, PD)) * 0.1}}
+
+
+def _pipe_step(mesh, schedule, v, zero):
+    devs = jax.devices()[:4] if "data" not in mesh else None
+    plan = sk.Plan(sk.make_mesh(mesh, devices=devs), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=zero)
+
+    @sk.train_step(plan, optax.adam(1e-3))
+    def step(model, batch):
+        return sk.pipeline(_pipe_layer, model["layers"], batch["x"], microbatches=PM, schedule=schedule,
+                           repeats=v, loss_fn=_pipe_head, loss_params=model["head"], targets=batch["t"])
+
+    return step, step.init(_pipe_init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+
+
+PIPE_LAYOUTS = [("pipe=4", "gpipe", 1, 0), ("data=2,pipe=4", "gpipe", 1, 1),
+                ("data=2,pipe=4", "circular", 2, 1), ("pipe=4", "1f1b", 1, 0),
+                ("data=2,pipe=4", "1f1b", 1, 1)]
+
+
+@pytest.mark.parametrize("mesh,schedule,v,zero", PIPE_LAYOUTS)
+def test_pipeline_estimate_matches_compiled(mesh, schedule, v, zero):
+    """State bytes and every pipeline collective (permutes, the pipe psums, the per-tick /
+    per-backward gradient reduction over data) within 10%. Peak memory within 25%: the
+    estimate misses part of XLA:CPU's in-loop working set (measured 0.80-0.91 of compiled)."""
+    step, state, batch = _pipe_step(mesh, schedule, v, zero)
+    report = step.explain(state, batch)
+    assert step.trace_notes["pipeline"]["schedule"] == schedule
+    rows = {r["quantity"]: r for r in report.comparison()}
+    assert rows["collective/pipe-permute"]["compiled"] > 0
+    _check(report, EXACT + PIPE_COLLECTIVES)
+    _check(report, ("memory/peak",), tol=0.25)
+
+
+def test_pipeline_override_and_bubble():
+    step, state, batch = _pipe_step("data=2,pipe=4", "gpipe", 1, 1)
+    auto = cost.estimate_for_step(step, state, batch)  # lowers once to read the trace note
+    assert auto.layout.pipe == 4 and auto.layout.microbatches == PM
+    more = cost.estimate_for_step(step, state, batch, pipeline=(8, "gpipe", 1))
+    assert more.layout.microbatches == 8 and more.collectives["pipe-permute"] > 0
+    assert more.time["bubble"] < auto.time["bubble"]
