@@ -80,6 +80,16 @@ def _split_output(out, adapter: _model.Adapter, has_model_state: bool):
     return loss, aux, updates
 
 
+def _global_view(batch):
+    """Shapes of the global batch: on several hosts each passes its own rows as host arrays."""
+    n = jax.process_count()
+    if n == 1:
+        return batch
+    grow = lambda x: (jax.ShapeDtypeStruct((x.shape[0] * n,) + x.shape[1:], x.dtype)  # noqa: E731
+                      if not isinstance(x, jax.Array) and getattr(x, "ndim", 0) else x)
+    return jax.tree.map(grow, batch)
+
+
 def _mean_over_microbatches(x):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return x.mean(axis=0)
@@ -136,48 +146,59 @@ class TrainStep:
         Raises:
             ShardingError: the rules do not cover the model, or specs do not fit the mesh.
         """
+        make, args = self._prepare(model, seed)
+        shardings = self.state_shardings(jax.eval_shape(make, *args))
+        with self.plan.active():
+            state = jax.jit(make, out_shardings=shardings)(*args)
+        self._state_shardings = shardings
+        return state
+
+    def abstract_state(self, model: Any, *, seed: int = 0) -> TrainState:
+        """The ``TrainState`` ``init`` would build, as ``ShapeDtypeStruct``s with shardings and
+        without allocating anything: a restore target for checkpoints of large models.
+
+        Args and Raises: as ``init``.
+        """
+        make, args = self._prepare(model, seed)
+        abstract = jax.eval_shape(make, *args)
+        shardings = self.state_shardings(abstract)
+        self._state_shardings = shardings
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+    def _prepare(self, model: Any, seed: int):
+        """Resolves the layout and returns ``(make, args)``: ``make(*args)`` builds the state."""
         prec = self.plan.precision
         key = jax.random.key(seed)
         if callable(model) and not isinstance(model, (nnx.Module, dict)) and not hasattr(model, "shape"):
             build = model
-            n_args = len(inspect.signature(build).parameters)
-            call = (lambda: build(key)) if n_args else build
+            call = (lambda: build(key)) if inspect.signature(build).parameters else build
             with nnx.use_eager_sharding(False):
-                abstract = nnx.eval_shape(call)
-            u = _model.unpack(abstract)
-            param_sh, state_sh = self._setup(u)
+                self._setup(_model.unpack(nnx.eval_shape(call)))
 
-            def materialise():
+            def parts():
                 with nnx.use_eager_sharding(False):
                     v = _model.unpack(call())
-                return cast_floats(v.params, prec.params), v.model_state
-
-            with self.plan.active():
-                params, model_state = jax.jit(materialise, out_shardings=(param_sh, state_sh))()
+                return v.params, v.model_state
+            args = ()
         else:
             u = _model.unpack(model)
-            param_sh, state_sh = self._setup(u)
-            with self.plan.active():
-                params, model_state = jax.jit(lambda p, s: (cast_floats(p, prec.params), s),
-                                              out_shardings=(param_sh, state_sh))(u.params, u.model_state)
-        opt_sh = self._opt_shardings(params)
-        with self.plan.active():
-            opt_state = jax.jit(lambda p: self._cast_opt(self.tx.init(p)), out_shardings=opt_sh)(params)
-        rep = self.plan.sharding(P())
-        put = lambda x: jax.device_put(x, rep)  # noqa: E731
-        state = TrainState(
-            step=put(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
-            model_state=model_state, rng=put(jax.random.key_data(key)),
-            skipped=put(jnp.zeros((), jnp.int32)), streak=put(jnp.zeros((), jnp.int32)),
-            loss_scale=jax.tree.map(put, LossScale.create(prec)) if prec.loss_scaling else None)
-        self._state_shardings = self.state_shardings(state)
-        return state
+            self._setup(u)
+            parts, args = (lambda p, s: (p, s)), (u.params, u.model_state)
+
+        def make(*a) -> TrainState:
+            params, model_state = parts(*a)
+            params = cast_floats(params, prec.params)
+            zero = jnp.zeros((), jnp.int32)
+            return TrainState(
+                step=zero, params=params, opt_state=self._cast_opt(self.tx.init(params)),
+                model_state=model_state, rng=jax.random.key_data(key), skipped=zero, streak=zero,
+                loss_scale=LossScale.create(prec) if prec.loss_scaling else None)
+        return make, args
 
     def _setup(self, u: _model.Unpacked):
         self._adapter, self._logical = u.adapter, u.logical
         self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
-        state_specs = self.plan.state_specs(u.model_state, u.logical)
-        return self._param_shardings(), self.plan.shardings(state_specs)
+        self.plan.state_specs(u.model_state, u.logical)  # validates the model state's rules now
 
     def _specs(self, kind: str):
         lay, zero = self._layout, self.plan.zero
@@ -224,7 +245,7 @@ class TrainStep:
         key = (treedef, tuple(tuple(getattr(x, "shape", ())) for x in leaves))
         shardings = self._batch_shardings.get(key)
         if shardings is None:  # validated once per batch structure and shape
-            shardings = self.plan.shardings(self.plan.batch_specs(batch, self.microbatches))
+            shardings = self.plan.shardings(self.plan.batch_specs(_global_view(batch), self.microbatches))
             self._batch_shardings[key] = shardings
 
         def put(x, s):

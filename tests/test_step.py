@@ -307,3 +307,14 @@ def test_sk_jit_infers_shardings_from_the_plan():
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
     with pytest.raises(ValueError, match="unknown sharding role 'weights'"):
         sk.jit(my_step, plan, args=("weights", "opt_state", "batch"))
+
+
+def test_abstract_state_matches_init_without_allocating():
+    mesh = sk.make_mesh("data=2,fsdp=2,tensor=2")
+    plan = sk.Plan(mesh, rules=rules_for(mesh), axis_rules=AXIS_RULES, zero=3)
+    step = sk.train_step(plan, optax.adamw(1e-2))(mlp_loss)
+    abstract = step.abstract_state(init_params)
+    real = step.init(init_params)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    same = jax.tree.map(lambda a, r: (a.shape, a.dtype, a.sharding.spec) == (r.shape, r.dtype, r.sharding.spec), abstract, real)
+    assert all(jax.tree.leaves(same))
