@@ -11,6 +11,8 @@ import json
 import sys
 import time
 
+import jax
+
 import shardkit as sk
 
 from . import data
@@ -134,7 +136,7 @@ def _train(args: argparse.Namespace) -> int:
     state = init_state(step, cfg, args.seed)
     if args.show_layout:
         console.print(plan.describe(step.model(state)))
-    n_params = sum(x.size for x in __import__("jax").tree.leaves(state.params))
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
     batches = ds.batches(args.batch, seed=args.seed)
     first = next(batches)
     mem = compiled_memory(step, state, first)
@@ -145,7 +147,11 @@ def _train(args: argparse.Namespace) -> int:
 
     evaluator = Evaluator(step) if ds.test is not None else None
     out = open(args.metrics_out, "w") if args.metrics_out else None
-    log = (lambda rec: out.write(json.dumps(rec) + "\n") or out.flush()) if out else (lambda rec: None)  # noqa: E731
+
+    def log(record: dict) -> None:
+        if out:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
     test_acc = None
     try:
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
