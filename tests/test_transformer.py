@@ -14,13 +14,16 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
+import shardkit as sk
 from models.transformer import data as data_lib
 from models.transformer.config import SIZES, Config
-from models.transformer.model import (Transformer, apply_rotary, flops_per_token, loss_fn,
-                                      param_count, rotary)
+from models.transformer.layouts import LAYOUTS, Layout, axis_rules, make_plan
+from models.transformer.model import (PipelineSpec, Transformer, abstract_model, apply_rotary,
+                                      flops_per_token, loss_fn, param_count, rotary)
 from shardkit import hardware
 
 CFG = SIZES["test"]  # d_model 32, 2 layers, 4 heads / 2 kv heads, seq 16
@@ -194,12 +197,6 @@ def test_flops_formula():
 
 # ---- layouts against one device ---------------------------------------------------------------
 
-import optax  # noqa: E402
-
-import shardkit as sk  # noqa: E402
-from models.transformer.layouts import LAYOUTS, Layout, axis_rules, make_plan  # noqa: E402
-from models.transformer.model import PipelineSpec, abstract_model  # noqa: E402
-
 TRAIN_CFG = CFG.replace(layers=4)  # 4 layers: 2 pipeline stages x 2 circular repeats
 STEPS, BATCH = 20, 16
 
@@ -334,6 +331,7 @@ def test_flops_match_compiled_step():
     (["--mesh", "data=2,pipe=4", "--layers", "6"], "--layers"),
     (["--mesh", "data=4,tensor=2", "--heads", "3", "--d-model", "96"], "--heads"),
     (["--mesh", "data=4,pipe=2", "--pipeline-schedule", "zigzag"], "--pipeline-schedule"),
+    (["--mesh", "data=2,pipe=2,tensor=2", "--pipeline-schedule", "1f1b"], "--pipeline-schedule"),
     (["--data", "/no/such/tokens.bin"], "--data"),
     (["--batch", "10"], "--batch"),
 ])

@@ -187,8 +187,6 @@ def _run(args) -> int:
     shape = dict(mesh.shape)
     pipe_mb, step_mb = check_layout(args, cfg, shape)
     train_tokens, val_tokens, data_name = load_data(args, cfg)
-    if args.seq is None and cfg.seq > 128 and args.size == "tiny":
-        cfg = cfg.replace(seq=128)
     sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
     plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp)
     pipeline = None
@@ -196,8 +194,8 @@ def _run(args) -> int:
         repeats = args.pipeline_repeats or (2 if args.pipeline_schedule == "circular" else 1)
         pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, repeats)
 
-    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 150)
     is_main = jax.process_index() == 0
+    console = Console(quiet=args.quiet or not is_main, width=None if sys.stdout.isatty() else 150)
     warmup = max(1, min(100, args.steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
@@ -271,9 +269,10 @@ def _run(args) -> int:
         if out:
             out.close()
     steady = sorted(timings[1:] or timings)[len(timings[1:] or timings) // 2]
-    print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}; "
-                  f"median step {steady * 1e3:.1f} ms = {tokens_per_step / steady:,.0f} tokens/s, "
-                  f"MFU {flops_tok * tokens_per_step / steady / peak:.1%}")
+    if is_main:
+        print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}; "
+              f"median step {steady * 1e3:.1f} ms = {tokens_per_step / steady:,.0f} tokens/s, "
+              f"MFU {flops_tok * tokens_per_step / steady / peak:.1%}")
     return 0 if math.isfinite(last_loss) else 1
 
 
