@@ -255,8 +255,9 @@ def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wi
       GPipe/circular also move the last stage's m outputs and their cotangent once, and
       circular (v > 1) relays the stage-major weights (forward) and gradients (backward).
     * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
-      m outputs; 1F1B the loss params' gradients (+ the input gradient when the input is
-      differentiable, i.e. came from an embedding of integer tokens).
+      m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
+      input's). The input is taken as differentiable when the batch holds integer tokens
+      (it then came from an embedding).
     * ``grad-reduce`` over the data axes: XLA reduces the stage weights' gradient where it is
       produced — every tick of the transposed scan (GPipe/circular, ticks × a layer group),
       every backward op of 1F1B (m × the stage) — not once per step; params outside the
@@ -273,15 +274,15 @@ def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wi
     rest = sum(c for c, s in zip(comp, piped) if not s)
     col["pipe-permute"] = 2 * ticks * act_mb * step_m
     counts["pipe-permute"] = 2 * ticks * step_m
+    has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
     if sched_ != "1f1b":
         col["pipe-permute"] += 2 * pm * act_mb * step_m
         counts["pipe-permute"] += 2 * step_m
         if v > 1:
             col["pipe-permute"] += 2 * stage * wire * step_m
             counts["pipe-permute"] += 2 * step_m
-        col["pipe-reduce"] = pm * act_mb * step_m
+        col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
     else:
-        has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
         col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
     counts["pipe-reduce"] = step_m
     if n_data > 1:
