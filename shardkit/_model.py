@@ -108,8 +108,9 @@ def unpack(model) -> Unpacked:
     """Splits a model (NNX module or State, Linen variables, or plain pytree) into plain trees."""
     if isinstance(model, nnx.Module):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # Paths are unique across a module's variables, so one table serves params and state.
         return Unpacked(Adapter("nnx", graphdef), nnx.to_pure_dict(params), nnx.to_pure_dict(rest),
-                        _logical(params))
+                        {**_logical(params), **_logical(rest)})
     if isinstance(model, nnx.State):
         return Unpacked(Adapter("pytree"), nnx.to_pure_dict(model), {}, _logical(model))
     if is_linen_variables(model):
