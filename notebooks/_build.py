@@ -120,8 +120,9 @@ NOTEBOOKS = {
     ],
     "06_layouts_7b_256_gpus": [
         ("md", "# 06 — Exploring layouts for a 7B transformer on 256 H100s\n\nAll analytic "
-               "(seconds on a laptop). Compute is a roofline; data-axis traffic overlaps with "
-               "compute; TP collectives and the pipeline bubble sit on the critical path."),
+               "(seconds on a laptop). Compute runs at an achievable fraction of peak "
+               "(`sk.cost.EFFICIENCY`: ~62% on H100); most data-axis traffic overlaps with "
+               "compute, most TP traffic and the pipeline bubble do not."),
         ("code", SETUP),
         ("code", 'result = sk.search("7b", devices=256, hardware="h100", global_batch=512)\nresult.table(12)'),
         ("code", 'sk.viz.compare_layouts(result, top=10)'),

@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from . import hardware as hw_lib
-from .cost import Estimate, Layout, _links, estimate, model_shape
+from ._costmodel import Estimate, Layout, estimate, model_shape
+from ._steptime import _links
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -23,7 +24,10 @@ class SearchResult:
 
     Attributes:
         model: the model's name; devices, hardware, global_batch: what was asked.
-        estimates: one ``Estimate`` per layout, ranked.
+        estimates: one ``Estimate`` per layout, ranked; layouts whose estimates are identical
+            (e.g. ZeRO-3 over ``data`` and the same devices as ``fsdp``, or a knob that changes
+            nothing) appear once, the simplest first.
+        equivalents: per estimate, the layouts folded into it.
     """
 
     model: str
@@ -31,6 +35,7 @@ class SearchResult:
     hardware: str
     global_batch: int
     estimates: list[Estimate]
+    equivalents: list[list[str]] = dataclasses.field(default_factory=list)
 
     @property
     def best(self) -> Estimate:
@@ -50,7 +55,8 @@ class SearchResult:
                    "microbatches": lo.microbatches, "remat": lo.remat,
                    "schedule": lo.schedule if lo.pipe > 1 else "", "sequence_parallel": lo.sequence_parallel,
                    "step_time": e.step_time, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
-                   "memory": e.memory["peak"], "fits": e.fits}
+                   "memory": e.memory["peak"], "fits": e.fits,
+                   "equivalent": self.equivalents[rank - 1] if rank <= len(self.equivalents) else []}
             row.update({f"t_{k}": v for k, v in e.time.items() if k != "step"})
             out.append(row)
         return out
@@ -59,18 +65,23 @@ class SearchResult:
         """A ``rich`` table of the best ``top`` layouts."""
         from rich.table import Table
 
+        from ._steptime import efficiency_for
+
+        eff = efficiency_for(hw_lib.lookup(self.hardware))
         t = Table(title=f"{self.model} on {self.devices} x {self.hardware}, global batch "
-                        f"{self.global_batch} — estimated (roofline; data-axis traffic overlapped)")
+                        f"{self.global_batch} — estimated (matmuls at {eff.matmul:.0%} of peak; "
+                        f"exposed comm: data {eff.exposed_data:.0%}, tensor {eff.exposed_tensor:.0%})")
         for c in ("#", "mesh", "zero", "m", "remat", "pipe sched", "step (s)", "MFU", "tok/s/dev",
-                  "mem/dev (GB)", "fits", "bound by"):
+                  "mem/dev (GB)", "fits", "bound by", "+same"):
             t.add_column(c, justify="left" if c in ("mesh", "remat", "pipe sched", "bound by") else "right")
         for r in self.rows[:top]:
-            parts = {k[2:]: v for k, v in r.items() if k.startswith("t_") and k != "t_bubble"}
+            parts = {k[2:]: v for k, v in r.items() if k.startswith("t_") and k not in ("t_bubble", "t_exposed")}
             bound = max(parts, key=parts.get)
             t.add_row(str(r["rank"]), r["mesh"] + (" +sp" if r["sequence_parallel"] else ""), str(r["zero"]),
                       str(r["microbatches"]), r["remat"], r["schedule"], f"{r['step_time']:.3f}",
                       f"{r['mfu']:.1%}", f"{r['tokens_per_s'] / self.devices:,.0f}",
-                      f"{r['memory'] / 1e9:.1f}", "yes" if r["fits"] else "[red]no[/red]", bound)
+                      f"{r['memory'] / 1e9:.1f}", "yes" if r["fits"] else "[red]no[/red]", bound,
+                      str(len(r["equivalent"])) if r["equivalent"] else "")
         return t
 
     def __rich__(self):
@@ -140,8 +151,36 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
             "of the device count, or loosen the options")
     ests = [estimate(ms, lo, hw, global_batch=global_batch, precision=precision,
                      memory_limit=memory_limit) for lo in cands]
-    ests.sort(key=lambda e: (not e.fits, e.step_time, e.memory["peak"]))
-    return SearchResult(ms.name, devices, hw.name, global_batch, ests[:top] if top else ests)
+    ests.sort(key=lambda e: (not e.fits, e.step_time, e.memory["peak"], _complexity(e.layout)))
+    kept, same = _dedupe(ests)
+    if top:
+        kept, same = kept[:top], same[:top]
+    return SearchResult(ms.name, devices, hw.name, global_batch, kept, same)
+
+
+def _complexity(lo: Layout) -> tuple:
+    """Tie-break among equal estimates: fewer mesh axes, lower ZeRO stage, fewer microbatches,
+    less remat, no sequence parallelism."""
+    axes = sum(getattr(lo, a) > 1 for a in ("data", "fsdp", "tensor", "pipe"))
+    return (axes, lo.zero, lo.microbatches, ("none", "dots", "full").index(lo.remat), lo.sequence_parallel)
+
+
+def _dedupe(ests: list[Estimate]) -> tuple[list[Estimate], list[list[str]]]:
+    """Folds layouts whose estimates agree to 6 significant digits (step time, peak memory,
+    and every collective) into the first, simplest one."""
+    kept: list[Estimate] = []
+    same: list[list[str]] = []
+    index: dict[tuple, int] = {}
+    for e in ests:
+        key = (e.fits, f"{e.step_time:.6g}", f"{e.memory['peak']:.6g}",
+               tuple(f"{v:.6g}" for v in e.time.values()))
+        if key in index:
+            same[index[key]].append(str(e.layout))
+            continue
+        index[key] = len(kept)
+        kept.append(e)
+        same.append([])
+    return kept, same
 
 
 def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,

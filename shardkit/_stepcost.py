@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from . import hardware as hw_lib
-from .cost import ROLES, Estimate, Layout, _tokens, times
+from ._costmodel import ROLES, Estimate, Layout, _tokens, times
 from .plan import shard_shape
 from .rules import entry_axes
 

@@ -163,26 +163,22 @@ def _unit(x: float) -> tuple[float, str]:
 
 
 def compare_layouts(result, *, top: int = 10, title: str | None = None):
-    """Two panels for an ``sk.search`` result: step time split into compute / communication /
-    bubble per layout, and peak memory per device against the limit."""
+    """Two panels for an ``sk.search`` result: step time split into compute / pipeline bubble /
+    exposed communication per layout, and peak memory per device against the limit."""
     ests = result.estimates[:top]
     labels = [f"#{i + 1} {e.layout.mesh}\nz{e.layout.zero} m{e.layout.microbatches} {e.layout.remat}"
               for i, e in enumerate(ests)]
     fig = _figure(max(7.0, 0.9 * len(ests) + 3), 6.0)
     ax1, ax2 = fig.subplots(2, 1, sharex=True)
     x = np.arange(len(ests))
-    parts = ("compute", "tensor-reduce", "tensor-gather", "pipe-permute", "bubble")
+    # step = compute (at the achievable matmul efficiency) + bubble + exposed communication
+    parts = (("compute", "compute"), ("bubble", "pipeline bubble"), ("exposed", "exposed communication"))
     bottom = np.zeros(len(ests))
-    for part in parts:
+    for part, label in parts:
         vals = np.asarray([e.time.get(part, 0.0) for e in ests])
-        if part == "compute":
-            vals = vals - 0
         if vals.any():
-            ax1.bar(x, vals, bottom=bottom, label=part)
+            ax1.bar(x, vals, bottom=bottom, label=label)
             bottom += vals
-    exposed = np.asarray([e.step_time for e in ests]) - bottom
-    if (exposed > 1e-12).any():
-        ax1.bar(x, np.clip(exposed, 0, None), bottom=bottom, label="exposed data-axis comms")
     ax1.set_ylabel("step time (s)")
     ax1.legend(fontsize=7)
     ax1.set_title(title or f"{result.model} on {result.devices} x {result.hardware}: top {len(ests)} layouts", fontsize=10)

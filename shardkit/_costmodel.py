@@ -1,0 +1,355 @@
+"""The cost model's formulas: model shapes, layouts, per-device memory, collective bytes and
+flops of a layout (``estimate``); ``_steptime`` turns them into seconds. ``sk.cost`` is the
+public face.
+
+Sources (see FORMULAS.md): ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054),
+Megatron tensor parallelism and activation memory (Shoeybi et al. 2019, arXiv:1909.08053;
+Korthikanti et al. 2022, arXiv:2205.05198), pipeline bubbles (Huang et al. 2019; Narayanan et
+al. 2021, arXiv:2104.04473), collective times and rooflines (the JAX scaling book, "How to
+Scale Your Model"). Collective bytes are counted like ``sk.Report``: per device per step; for
+reductions the bytes reduced (an all-reduce and a reduce-scatter of V both count V), for
+gathers the gathered result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import hardware as hw_lib
+from ._steptime import Efficiency, _links, times  # noqa: F401 (re-exported)
+from .precision import Precision
+
+RECIPE_SIZES: dict[str, dict] = {
+    "125m": dict(vocab=50304, d_model=768, layers=12, heads=12, kv_heads=12, d_ff=2048, seq=1024, tie=True),
+    "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
+    "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
+}
+ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce")
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A model as the cost model sees it.
+
+    Attributes:
+        name: label for tables.
+        params: parameter count Ψ.
+        flops_per_token: training flops per token (forward + backward), e.g. 6Ψ + attention.
+        layers: repeated blocks (what a pipeline splits); 1 for a plain pytree.
+        layer_params: parameters inside the repeated blocks (the rest: embeddings, head).
+        d_model, heads, d_ff, vocab: widths for tensor-parallel traffic and activation memory
+            (0 when unknown: no TP traffic, activations from ``act_bytes_per_token``).
+        seq: tokens per example.
+        act_bytes_per_token: saved activation bytes per token per layer, overriding
+            Korthikanti's formula (for non-transformer models).
+    """
+
+    name: str
+    params: float
+    flops_per_token: float
+    layers: int = 1
+    layer_params: float = 0.0
+    d_model: int = 0
+    heads: int = 0
+    d_ff: int = 0
+    vocab: int = 0
+    seq: int = 1
+    act_bytes_per_token: float | None = None
+
+
+def model_shape(model: Any, *, flops_per_token: float | None = None, seq: int | None = None) -> ModelShape:
+    """A ``ModelShape`` from a recipe size name, a recipe ``Config`` (anything with
+    ``d_model``/``layers``/``heads``), a ``ModelShape``, or a parameter pytree.
+
+    Raises:
+        ValueError: an unknown size name.
+    """
+    if isinstance(model, ModelShape):
+        return dataclasses.replace(model, seq=seq or model.seq)
+    if isinstance(model, str):
+        cfg = _recipe_config(model)
+        return _from_config(cfg, model, seq)
+    if hasattr(model, "d_model") and hasattr(model, "layers"):
+        return _from_config(model, getattr(model, "name", "config"), seq)
+    import jax
+
+    n = float(sum(math.prod(getattr(x, "shape", ())) for x in jax.tree.leaves(model)))
+    return ModelShape("pytree", n, flops_per_token or 6.0 * n, seq=seq or 1)
+
+
+def _recipe_config(name: str):
+    try:
+        from models.transformer.config import SIZES
+
+        if name in SIZES:
+            return SIZES[name]
+    except ImportError:
+        pass
+    if name not in RECIPE_SIZES:
+        raise ValueError(f"unknown model size {name!r}; known: {', '.join(RECIPE_SIZES)}, or pass a "
+                         "Config, a ModelShape, or a parameter pytree with flops_per_token=")
+    return dict(RECIPE_SIZES[name])
+
+
+def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
+    get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+    D, L, H, F, V = get("d_model"), get("layers"), get("heads"), get("d_ff"), get("vocab")
+    K = get("kv_heads") or H
+    Q = get("head_dim") or D // H
+    tie = get("tie", get("tie_embeddings", True))
+    T = seq or get("seq")
+    per_layer = 2 * D * H * Q + 2 * D * K * Q + 3 * D * F + 2 * D
+    rest = V * D * (1 if tie else 2) + D
+    # Training flops per token: 6 x matmul weights + attention 12·L·H·Q·T (PaLM, app. B).
+    n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * V
+    fpt = 6.0 * n_matmul + 12.0 * L * H * Q * T
+    return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a step: mesh axis sizes (outermost first: pipe, data, fsdp, tensor),
+    ZeRO stage over the data axes, microbatches, pipeline schedule and remat policy.
+
+    Attributes:
+        data, fsdp, tensor, pipe: axis sizes. ``fsdp`` always shards weights (ZeRO-3 over it);
+            ``zero`` adds the ``data`` axis to ZeRO's sharding.
+        zero: 0, 1, 2 or 3.
+        microbatches: gradient-accumulation steps, or pipeline microbatches.
+        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"`` (with ``pipe > 1``).
+        repeats: layer chunks per stage for ``"circular"``.
+        remat: ``"none"``, ``"dots"`` (selective) or ``"full"``.
+        sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipe: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    repeats: int = 1
+    remat: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor * self.pipe
+
+    @property
+    def mesh(self) -> str:
+        """The ``sk.make_mesh`` spec (axes of size 1 left out)."""
+        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "tensor")]
+        return ",".join(f"{n}={s}" for n, s in axes if s > 1) or "data=1"
+
+    def axis_stride(self, axis: str) -> int:
+        """Devices between neighbours along ``axis`` (inner axes are the fast ones)."""
+        order = ("pipe", "data", "fsdp", "tensor")
+        return math.prod(getattr(self, a) for a in order[order.index(axis) + 1:])
+
+    def __str__(self) -> str:
+        extra = f",{self.schedule}" + (f"x{self.repeats}" if self.repeats > 1 else "") if self.pipe > 1 else ""
+        sp = ",sp" if self.sequence_parallel else ""
+        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{sp}"
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Estimated per-device cost of one training step.
+
+    Attributes:
+        memory: bytes by kind: ``params``, ``opt_state``, ``grads``, ``activations``,
+            ``batch``, ``arguments``, ``temporaries``, ``peak``.
+        collectives: bytes by role (``grad-reduce``, ``param-gather``, ``tensor-reduce``,
+            ``tensor-gather``, ``pipe-permute``), counted as ``sk.Report`` counts them.
+        flops: executed flops (with recomputation); ``model_flops``: the useful ones.
+        time: seconds by part (``compute``, one entry per role, ``bubble``) and ``step``.
+        hardware: the accelerator name; ``layout``: what was estimated; ``tokens``: per step.
+        memory_limit: bytes available per device.
+    """
+
+    memory: dict[str, float]
+    collectives: dict[str, float]
+    flops: float
+    model_flops: float
+    time: dict[str, float]
+    hardware: str
+    layout: Any = None
+    tokens: float = 0.0
+    memory_limit: float = float("inf")
+    devices: int = 1
+
+    @property
+    def step_time(self) -> float:
+        return self.time["step"]
+
+    @property
+    def mfu(self) -> float:
+        """Model flops utilisation: useful flops / (step time × peak) (PaLM's definition)."""
+        peak = hw_lib.lookup(self.hardware).peak_flops
+        return self.model_flops / (self.step_time * peak) if self.step_time else 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["peak"] <= self.memory_limit
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time if self.step_time else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Quantities under ``Report.comparison``'s names (``memory/peak``, ``collective/
+        grad-reduce``, ``flops``) plus ``time/...``."""
+        out = {f"memory/{k}": float(v) for k, v in self.memory.items()}
+        out.update({f"collective/{k}": float(v) for k, v in self.collectives.items()})
+        out["flops"] = float(self.flops)
+        out.update({f"time/{k}": float(v) for k, v in self.time.items()})
+        return out
+
+
+def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
+             global_batch: int, seq: int | None = None, precision: str | Precision = "bf16",
+             memory_limit: float | None = None, efficiency: float = 1.0,
+             flops_per_token: float | None = None, model_efficiency: Efficiency | None = None) -> Estimate:
+    """Estimates one training step of ``model`` on ``layout`` (no devices needed).
+
+    Memory follows ZeRO (Rajbhandari et al. 2020): parameters sharded by tensor × pipe, and by
+    the data axes under ZeRO-3/FSDP; Adam's two moments by the data axes from ZeRO-1; gradients
+    from ZeRO-2. Activations per layer and microbatch follow Korthikanti et al. (2022):
+    sbh(34 + 5as/h) without TP, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with
+    sequence parallelism, 2sbh under full recompute (+ one layer recomputed); a pipeline keeps
+    m microbatches alive (GPipe) or p (1F1B). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
+    + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
+    Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
+    vocab-parallel embedding/head; pipelines one activation permute per tick each way.
+
+    Args:
+        model: see ``model_shape``.
+        layout: the ``Layout``.
+        hardware: a ``HARDWARE`` name or ``Hardware``.
+        global_batch: examples (sequences) per step.
+        seq: tokens per example (default: the model's).
+        precision: a ``sk.Precision`` or preset name.
+        memory_limit: bytes per device (default 90% of the chip's HBM).
+        efficiency: a further factor on the matmul efficiency (1.0: the hardware's).
+        model_efficiency: the ``Efficiency`` to time with (default: the hardware's entry in
+            ``EFFICIENCY``; ``ROOFLINE`` gives the pure roofline).
+        flops_per_token: overrides the model's figure.
+
+    Raises:
+        ValueError: the batch does not split over the data axes and microbatches.
+    """
+    ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
+    hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
+    prec = Precision.resolve(precision)
+    bp, bc, bg, bo = (np.dtype(d).itemsize for d in (prec.params, prec.compute, prec.grads, prec.opt_state))
+    lo = layout
+    replicas = lo.data * lo.fsdp
+    if global_batch % (replicas * lo.microbatches):
+        raise ValueError(f"global batch {global_batch} does not split over data x fsdp = {replicas} "
+                         f"replicas x {lo.microbatches} microbatches; use a multiple of "
+                         f"{replicas * lo.microbatches}")
+    T = ms.seq
+    b = global_batch // replicas // lo.microbatches  # examples per microbatch per replica
+    p_layers = ms.layer_params / (lo.tensor * lo.pipe)
+    p_dev = p_layers + (ms.params - ms.layer_params) / lo.tensor
+    s_param = lo.fsdp * (lo.data if lo.zero == 3 else 1)
+    s_opt = lo.fsdp * (lo.data if lo.zero >= 1 else 1)
+    s_grad = lo.fsdp * (lo.data if lo.zero >= 2 else 1)
+    sharded = s_param > 1
+    L_dev = max(ms.layers // lo.pipe, 1)
+    layer_dev = p_layers / L_dev if ms.layers else 0.0
+
+    act = _activation_bytes(ms, lo, b, T, bc) * L_dev
+    alive = 1 if lo.pipe == 1 else (min(lo.microbatches, lo.pipe) if lo.schedule == "1f1b" else lo.microbatches)
+    act *= alive
+    if ms.vocab:  # f32 logits and their softmax for one microbatch
+        act += 2 * b * T * ms.vocab * 4 / lo.tensor
+    mem = {"params": p_dev * bp / s_param, "opt_state": 2 * p_dev * bo / s_opt}
+    grads = p_dev * max(bg, 4 if lo.microbatches > 1 else bg) / s_grad
+    mem["grads"] = grads
+    mem["activations"] = act
+    mem["batch"] = 2 * global_batch * T * 4 / replicas
+    mem["arguments"] = mem["params"] + mem["opt_state"] + mem["batch"]
+    gathered = (2 * layer_dev * bc + layer_dev * bg) if sharded else (layer_dev * bg if s_grad > 1 else 0.0)
+    new_params = p_dev * bp / (s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
+    mem["temporaries"] = max(grads + act + gathered, grads + new_params)
+    mem["peak"] = mem["arguments"] + mem["temporaries"]
+
+    m = lo.microbatches
+    tokens_mb = b * T
+    col = dict.fromkeys(ROLES, 0.0)
+    counts = dict.fromkeys(ROLES, 0.0)
+    if replicas > 1:
+        col["grad-reduce"] = m * p_dev * bg / (lo.fsdp if lo.zero < 2 else 1) * (lo.fsdp if lo.zero < 2 else 1)
+        counts["grad-reduce"] = m * max(L_dev, 1)
+        if sharded:
+            col["param-gather"] = 2 * m * p_dev * bc
+            counts["param-gather"] = 2 * m * max(L_dev, 1)
+        elif lo.zero in (1, 2):
+            col["param-gather"] = p_dev * bp
+            counts["param-gather"] = 1
+    if lo.tensor > 1 and ms.d_model:
+        n_red = m * (4 * L_dev + 2)
+        col["tensor-reduce"] = n_red * tokens_mb * ms.d_model * bc
+        counts["tensor-reduce"] = n_red
+        if lo.sequence_parallel:
+            col["tensor-gather"] = col["tensor-reduce"]
+            counts["tensor-gather"] = n_red
+    if lo.pipe > 1:
+        ticks = lo.repeats * m + lo.pipe - 1
+        col["pipe-permute"] = 2 * ticks * tokens_mb * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1)
+        counts["pipe-permute"] = 2 * ticks
+    model_flops = ms.flops_per_token * global_batch * T / lo.devices
+    recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
+    flops = model_flops * recompute
+    limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
+    t = times(col, counts, flops, hw, lo, efficiency, model_efficiency)
+    return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
+
+
+def _activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
+    """Saved activation bytes of one layer for one microbatch (Korthikanti et al. 2022,
+    Table 2; the constants assume 16-bit activations, scaled to ``bc`` bytes)."""
+    if ms.act_bytes_per_token is not None:
+        return ms.act_bytes_per_token * b * s / lo.tensor
+    h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
+    if not h:
+        return 0.0
+    sbh = s * b * h
+    if lo.remat == "full":
+        per = 2 * sbh
+    elif lo.remat == "dots":  # selective recompute: attention scores are recomputed
+        per = sbh * 34 / t
+    elif lo.sequence_parallel and t > 1:
+        per = sbh / t * (34 + 5 * a * s / h)
+    elif t > 1:
+        per = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    else:
+        per = sbh * (34 + 5 * a * s / h)
+    return per * bc / 2
+
+
+def _tokens(batch) -> int:
+    """Tokens in a batch: integer leaves are token ids (every element a token), float leaves
+    carry features in their last dimension."""
+    import jax
+    import numpy as np
+
+    best = 1
+    for x in jax.tree.leaves(batch):
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape:
+            continue
+        if np.issubdtype(np.dtype(x.dtype), np.integer):
+            best = max(best, math.prod(shape))
+        else:
+            best = max(best, math.prod(shape[:-1]) if len(shape) > 1 else shape[0])
+    return best
+
+

@@ -1,0 +1,275 @@
+"""Reading post-partitioning HLO text: the collectives a compiled program executes (counted
+through ``while`` loop trip counts, optionally weighting ``conditional`` branches), the mesh
+axes their device groups span, and the matmul flops. ``explain.Report`` is built on these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "ragged-all-to-all")
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8,
+                "c128": 16}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)\((.*)$")
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a compiled program.
+
+    Attributes:
+        kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+            ``collective-permute``.
+        count: times it executes per step (ops inside loops × trip count).
+        bytes: per-device bytes of the ops' results, summed over executions (for an
+            all-gather the gathered size, for a reduce-scatter the shard).
+        static_count: ops of this kind in the program text.
+    """
+
+    kind: str
+    count: int
+    bytes: int
+    static_count: int
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in _DTYPE_BYTES:
+            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            total += n * _DTYPE_BYTES[dtype]
+    return int(total)
+
+
+def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
+          ) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Splits HLO text into computations and counts how often each runs per step: an entry
+    computation once, a ``while`` body ``known_trip_count`` times its caller, others as called.
+
+    A conditional runs one branch per call, which the text cannot tell; each branch counts
+    once per call unless ``branch_weights[n]`` gives, for conditionals of ``n`` branches, the
+    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo.splitlines():
+        head = _COMP_HEAD.match(line)
+        if head:
+            current = head.group(2)
+            comps[current] = []
+            if head.group(1):
+                entry = current
+            continue
+        if current is not None:
+            if line.strip() == "}":
+                current = None
+            else:
+                comps[current].append(line)
+    mult: dict[str, float] = defaultdict(float)
+    if entry is None:
+        return comps, mult
+    calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            trip = _TRIP.search(line)
+            for role, callee in _CALLEE.findall(line):
+                calls[name].append((callee, int(trip.group(1)) if (role == "body" and trip) else 1))
+            for group in _BRANCHES.findall(line):
+                branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+                w = (branch_weights or {}).get(len(branches)) or [1.0] * len(branches)
+                calls[name].extend(zip(branches, w))
+
+    def visit(name: str, m: int, depth: int = 0):
+        if depth > 64 or name not in comps:
+            return
+        mult[name] += m
+        for callee, k in calls.get(name, ()):
+            visit(callee, m * k, depth + 1)
+
+    visit(entry, 1)
+    return comps, mult
+
+
+def _collective_ops(hlo: str, branch_weights=None):
+    """Yields ``(kind, multiplicity, result_bytes, line)`` for every collective op."""
+    comps, mult = _walk(hlo, branch_weights)
+    for name, lines in comps.items():
+        m = mult.get(name, 0)
+        for line in lines:
+            ins = _INSTR.match(line)
+            if not ins:
+                continue
+            result, op = ins.group(1), ins.group(2)
+            base = op[:-6] if op.endswith("-start") else op
+            if base not in COLLECTIVES or op.endswith("-done"):
+                continue
+            b = _shape_bytes(result)
+            if op.endswith("-start") and result.startswith("("):
+                # async start ops return (operands..., results..., contexts): count the results
+                shapes = [_shape_bytes(s) for s in _split_tuple(result)]
+                b = max(shapes) if base == "all-gather" else shapes[0] if shapes else 0
+            yield base, m, b, line
+
+
+def collectives_from_hlo(hlo: str) -> list[Collective]:
+    """Counts the collectives a post-partitioning HLO module executes, through loops."""
+    count, nbytes, static = defaultdict(int), defaultdict(int), defaultdict(int)
+    for base, m, b, _ in _collective_ops(hlo):
+        static[base] += 1
+        count[base] += m
+        nbytes[base] += m * b
+    return [Collective(k, round(count[k]), round(nbytes[k]), static[k]) for k in COLLECTIVES if static[k]]
+
+
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
+_DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+dot\(\s*(?:(\S+\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)")
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
+_LHS_C = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(t) for t in re.findall(r"\d+", text or "")]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _device_groups(line: str, n_devices: int) -> list[list[int]]:
+    """The device groups a collective runs over, from any of HLO's three spellings."""
+    if (m := _MESH.search(line)) is not None:
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(s) for _, s in names]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(-1) if m.group(2)
+               else np.arange(math.prod(sizes)))
+        grid = ids.reshape(sizes)
+        over = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(4)]
+        rest = [i for i in range(len(sizes)) if i not in over]
+        size = math.prod(sizes[i] for i in over)
+        return grid.transpose(rest + over).reshape(-1, size).tolist()
+    if (m := _IOTA.search(line)) is not None:
+        shape = _ints(m.group(1))
+        return _iota(_ints(m.group(2)), _ints(m.group(3)) or None).reshape(shape).tolist()
+    if (m := _PAIRS.search(line)) is not None:
+        return [_ints(g) for g in re.findall(r"\{([0-9,\s]*)\}", m.group(1))]
+    if (m := _EXPLICIT.search(line)) is not None:
+        groups = [_ints(g) for g in re.findall(r"\{([0-9,\s]*)\}", m.group(1))]
+        if groups and any(groups):
+            return groups
+    return [list(range(n_devices))]
+
+
+def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes along which the members of a device group differ (ids are mesh positions)."""
+    names, dims = list(mesh_shape), tuple(mesh_shape.values())
+    coords = np.array(np.unravel_index(np.asarray(groups[0]), dims)).T if dims else np.zeros((1, 0))
+    return tuple(n for i, n in enumerate(names) if len(set(coords[:, i].tolist())) > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Executed collectives of one kind over one set of mesh axes.
+
+    Attributes:
+        kind: the collective (``all-reduce``, ``all-gather``, ...).
+        axes: the mesh axes its device groups span (``("data",)``, ``("tensor",)``).
+        group: devices per group.
+        count: executions per step (through loop trip counts).
+        bytes: per-device result bytes summed over executions.
+        operand_bytes: per-device input bytes: the result for all-reduce, permute and
+            all-to-all, result/group for all-gather, result×group for reduce-scatter. For
+            reductions this is the "bytes reduced" figure, the same whether XLA emits a
+            reduce-scatter (GPU) or an all-reduce plus slice (XLA:CPU).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    count: int
+    bytes: int
+    operand_bytes: int
+
+
+def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) -> list[Traffic]:
+    """Executed collectives per (kind, mesh axes), through loops (see ``Traffic``)."""
+    n = math.prod(mesh_shape.values()) if mesh_shape else 1
+    acc: dict[tuple, list[float]] = {}
+    for kind, m, b, line in _collective_ops(hlo, branch_weights):
+        groups = _device_groups(line, n)
+        size = max(len(groups[0]), 1) if kind != "collective-permute" else 2
+        axes = _axes_of(groups, mesh_shape) if mesh_shape else ()
+        operand = b // size if kind == "all-gather" else b * size if kind == "reduce-scatter" else b
+        row = acc.setdefault((kind, axes, size), [0, 0, 0])
+        row[0] += m; row[1] += m * b; row[2] += m * operand
+    return [Traffic(k, a, s, round(c), round(b), round(o)) for (k, a, s), (c, b, o) in acc.items()]
+
+
+def matmul_flops_from_hlo(hlo: str) -> float:
+    """Flops of every ``dot`` (2 × result elements × contracted size), counted through loop
+    trip counts — XLA's ``cost_analysis`` counts a ``while`` body once."""
+    comps, mult = _walk(hlo)
+    total = 0.0
+    for name, lines in comps.items():
+        m = mult.get(name, 0)
+        if not m:
+            continue
+        shapes = {}
+        for line in lines:
+            if (d := _NAMED.match(line)) is not None:
+                shapes[d.group(1)] = d.group(2)
+        for line in lines:
+            d = _DOT.match(line)
+            if d is None:
+                continue
+            lhs = d.group(2) or shapes.get(d.group(3), "")
+            lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
+            res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
+            c = _LHS_C.search(line)
+            k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
+            total += m * 2.0 * math.prod(res) * k
+    return total
+
+
+def _split_tuple(text: str) -> list[str]:
+    inner = text.strip()[1:-1]
+    parts, depth, cur = [], 0, []
+    for ch in inner:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur)); cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+
+def pipeline_branch_weights(note: dict) -> dict[int, list[float]] | None:
+    """1F1B's ``lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last])``: the fraction of
+    (tick, stage) cells of the schedule table with each op."""
+    if note.get("schedule") != "1f1b":
+        return None
+    from . import _pipeline_schedules as sched
+
+    op = sched.one_f_one_b_table(note["stages"], note["microbatches"]).op
+    return {5: [float(np.mean(op == k)) for k in range(5)]}

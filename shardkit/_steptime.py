@@ -1,0 +1,178 @@
+"""Step time of a layout: collective times over the links a mesh axis spans, and the
+achievable-efficiency model (matmul efficiency below peak, exposed communication, latency)
+that turns flops and collective bytes into seconds. ``_costmodel.estimate`` calls ``times``.
+
+Sources: ring collective times and link regimes from the JAX scaling book ("How to Scale Your
+Model"); the efficiency figures from the published MFUs in FORMULAS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from . import hardware as hw_lib
+
+if TYPE_CHECKING:
+    from ._costmodel import Layout
+
+# Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
+# ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
+LINKS: dict[str, tuple[int, float, float]] = {
+    "h100": (8, 5e-6, 1.5e-5), "h200": (8, 5e-6, 1.5e-5), "a100": (8, 5e-6, 1.5e-5),
+    "tpu-v4": (4096, 2e-6, 5e-5), "tpu-v5e": (256, 2e-6, 5e-5), "tpu-v5p": (8960, 2e-6, 5e-5),
+    "tpu-v6e": (256, 2e-6, 5e-5),
+}
+
+
+def register_links(name: str, node_size: int, intra_latency: float, inter_latency: float) -> None:
+    """Sets a hardware entry's fast-link domain size and latencies for the cost model."""
+    LINKS[name.lower()] = (int(node_size), float(intra_latency), float(inter_latency))
+
+
+def _links(hw) -> tuple[int, float, float]:
+    return LINKS.get(hw.name.lower(), (8, 5e-6, 1.5e-5))
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """How far below the roofline a real training step runs on one kind of accelerator.
+
+    A pure roofline (every matmul at dense peak, data-axis traffic fully hidden) predicts
+    100% MFU for compute-bound layouts; published runs reach 41-48% (Megatron-LM on H100 at
+    scale), 33-39% (torchtitan, Llama-3.1-8B on 8 H100s, bf16), 46.2% (PaLM, TPU v4) and
+    64-70% (MaxText, TPU v5p) — FORMULAS.md. The gap has three parts, each a number here:
+
+    Attributes:
+        matmul: fraction of dense peak the step's compute reaches with no communication at
+            all (large bf16 GEMMs reach ~0.7 of peak on H100; layer norms, softmax, optimizer
+            and other memory-bound kernels pull a whole step lower). It is the MFU ceiling:
+            set from the best published end-to-end MFU on that chip plus a margin (MaxText's
+            70% on v5p bounds TPUs from below; on H100 no published run passes ~50%, and
+            ~0.62 leaves room for the communication and bubble the model adds explicitly).
+        exposed_data: fraction of data-axis collective time (gradient reduction, ZeRO/FSDP
+            gathers) left on the critical path although XLA's latency-hiding scheduler
+            overlaps it with compute: the last layer's reduction and the first gather have
+            nothing to hide behind, and overlapped collectives slow the kernels they share
+            SMs / HBM with. The rest hides only behind compute (a comms-bound layout waits).
+        exposed_tensor: same for tensor-parallel all-reduces / gathers: they sit between
+            dependent matmuls (Megatron), so most of their time shows; TPUs' collective
+            matmuls hide more.
+        exposed_pipe: same for pipeline permutes and psums (point-to-point on the critical
+            path between stages).
+        latency: seconds each collective op pays to launch beyond its ring steps (kernel
+            launch, NCCL/ICI setup).
+    """
+
+    matmul: float = 0.62
+    exposed_data: float = 0.15
+    exposed_tensor: float = 0.7
+    exposed_pipe: float = 1.0
+    latency: float = 2e-5
+
+
+ROOFLINE = Efficiency(matmul=1.0, exposed_data=0.0, exposed_tensor=1.0, exposed_pipe=1.0, latency=0.0)
+EFFICIENCY: dict[str, Efficiency] = {
+    "h100": Efficiency(0.62, 0.15, 0.7, 1.0, 2e-5),
+    "h200": Efficiency(0.64, 0.15, 0.7, 1.0, 2e-5),  # same compute, faster HBM
+    "a100": Efficiency(0.60, 0.15, 0.7, 1.0, 2e-5),  # Megatron: 52% at 1T params on 3072 A100s
+    "tpu-v4": Efficiency(0.65, 0.10, 0.5, 1.0, 1e-5),  # PaLM 46.2% at 6144 chips
+    "tpu-v5e": Efficiency(0.65, 0.10, 0.5, 1.0, 1e-5),
+    "tpu-v5p": Efficiency(0.75, 0.10, 0.5, 1.0, 1e-5),  # MaxText 64-70% end to end
+    "tpu-v6e": Efficiency(0.70, 0.10, 0.5, 1.0, 1e-5),
+}
+
+
+def register_efficiency(name: str, efficiency: Efficiency) -> None:
+    """Sets the achievable-efficiency model of a hardware entry (see ``Efficiency``)."""
+    EFFICIENCY[name.lower()] = efficiency
+
+
+def efficiency_for(hw: hw_lib.Hardware) -> Efficiency:
+    """The ``Efficiency`` of ``hw`` (a default GPU-like model for unknown names)."""
+    return EFFICIENCY.get(hw.name.lower(), Efficiency())
+
+
+def collective_time(kind: str, nbytes: float, group: int, bandwidth: float, latency: float) -> float:
+    """Seconds for one device's share of a ring collective (scaling book, "Sharded Matrices").
+
+    ``nbytes`` is counted as ``sk.Report`` counts it: the gathered result for an all-gather,
+    the bytes reduced for a reduce-scatter / all-reduce, the message for a permute. A ring
+    all-gather or reduce-scatter moves (N−1)/N of V over each link: ≈ V/W; an all-reduce is a
+    reduce-scatter plus an all-gather, 2V/W; each of the N−1 ring steps pays the latency.
+    """
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    if kind == "permute":
+        return nbytes / bandwidth + latency
+    frac = (group - 1) / group
+    steps = group - 1
+    if kind == "all-reduce":
+        return 2 * (frac * nbytes / bandwidth + steps * latency)
+    return frac * nbytes / bandwidth + steps * latency
+
+
+def _link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[float, float, int]:
+    """(bandwidth, latency, group) for a collective over ``axes``.
+
+    Inside one node (NVLink domain / ICI slice) the fast link; across nodes the slow one, but
+    hierarchical collectives (NCCL rings over every NIC, or reduce in-node first) let the k
+    group members that share a node pool their NICs: k × the per-chip inter-node bandwidth,
+    which is the scaling book's per-node figure when a whole node is in the group.
+    """
+    group = math.prod(getattr(layout, a) for a in axes)
+    node, intra_lat, inter_lat = _links(hw)
+    live = [a for a in axes if getattr(layout, a) > 1]
+    span = max((getattr(layout, a) * layout.axis_stride(a) for a in live), default=1)
+    if span <= node:
+        return hw.intra_node_bw, intra_lat, group
+    stride = min((layout.axis_stride(a) for a in live), default=1)
+    k = max(1, min(group, node // max(stride, 1)))
+    return min(hw.intra_node_bw, k * hw.inter_node_bw), inter_lat, group
+
+
+def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,
+          hw: hw_lib.Hardware, layout: Layout, efficiency: float = 1.0,
+          model: Efficiency | None = None) -> dict[str, float]:
+    """Step time: compute at the achievable matmul efficiency, plus what communication and the
+    pipeline bubble add on top (``Efficiency``).
+
+    Every role's collective time is the ring model's bandwidth term plus (N−1) link latencies
+    plus ``model.latency`` per op. Data-axis traffic (gradient reduction, ZeRO gathers) shows
+    for ``exposed_data`` of its time; the rest hides behind compute, and only as far as
+    compute lasts. Tensor-parallel collectives show for ``exposed_tensor`` and sit inside each
+    pipeline stage, so the bubble stretches them with the compute: the bubble adds (p − 1)/(v·m)
+    of the stage time (Narayanan et al. 2021, the bubble/ideal form). Pipeline permutes and
+    psums show for ``exposed_pipe``. ``efficiency`` scales the matmul efficiency further.
+    Time parts: ``compute``, one per role (full collective time), ``bubble``, ``exposed``
+    (communication time on the critical path), ``step``.
+    """
+    eff = model or efficiency_for(hw)
+    data_axes = tuple(a for a in ("data", "fsdp") if getattr(layout, a) > 1)
+    t = {"compute": flops / (hw.peak_flops * eff.matmul * efficiency)}
+    spec = {"grad-reduce": ("all-reduce" if layout.zero < 2 and layout.fsdp == 1 else "reduce-scatter", data_axes),
+            "param-gather": ("all-gather", data_axes), "tensor-reduce": ("all-reduce", ("tensor",)),
+            "tensor-gather": ("all-gather", ("tensor",)), "pipe-permute": ("permute", ("pipe",)),
+            "pipe-reduce": ("all-reduce", ("pipe",))}
+    for role, (kind, axes) in spec.items():
+        nbytes, n = collectives.get(role, 0.0), max(counts.get(role, 1.0), 1.0)
+        if not axes or nbytes <= 0:
+            t[role] = 0.0
+            continue
+        bw, lat, group = _link(hw, layout, axes)
+        if kind == "permute":
+            group = 2
+        t[role] = n * (collective_time(kind, nbytes / n, group, bw, lat) + eff.latency)
+    p, v, m = layout.pipe, layout.repeats, layout.microbatches
+    bubble = (p - 1) / (v * m) if p > 1 else 0.0
+    tensor = eff.exposed_tensor * (t["tensor-reduce"] + t["tensor-gather"])
+    critical = (t["compute"] + tensor) * (1 + bubble)
+    t["bubble"] = critical * bubble / (1 + bubble)
+    data = t["grad-reduce"] + t["param-gather"]
+    pipe = eff.exposed_pipe * (t["pipe-permute"] + t["pipe-reduce"])
+    hidden = (1 - eff.exposed_data) * data
+    t["exposed"] = tensor + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
+    t["step"] = critical + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
+    return t
