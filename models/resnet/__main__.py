@@ -54,8 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--eval-every", type=int, default=50, help="test accuracy every N steps (0: only at the end)")
     a("--seed", type=int, default=0)
     a("--metrics-out", default=None, metavar="FILE", help="write JSON lines of metrics here")
-    a("--checkpoint-dir", default=None, metavar="DIR", help="checkpoint directory (saving not wired yet)")
+    a("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints here (Orbax; any mesh can restore them)")
     a("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: at the end)")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--show-layout", action="store_true", help="print every parameter's sharding")
     a("--cpu-devices", type=int, default=8, metavar="N", help="simulated CPU devices (default 8; 0: use JAX's devices)")
     args = p.parse_args(argv)
@@ -71,19 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise _UsageError(f"--image-size must be at least 8, got {args.image_size}")
     if args.shift is not None and args.shift < 0:
         raise _UsageError(f"--shift must be >= 0, got {args.shift}")
+    if args.resume and not args.checkpoint_dir:
+        raise _UsageError("--resume needs --checkpoint-dir")
     return args
-
-
-def save_checkpoint(directory: str, state: sk.TrainState, data_position: dict, step: int) -> bool:
-    """Checkpoint hook: saving ``state`` (BatchNorm statistics included, in ``model_state``)
-    and the iterator's ``data_position`` to ``directory``.
-
-    Not wired yet: checkpointing (``sk.Checkpointer``) lands separately. It should become
-    ``sk.Checkpointer(directory).save(state, extra={"data": data_position})``. Returns
-    whether anything was written (today: False).
-    """
-    del directory, state, data_position, step
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)
-        if args.cpu_devices:
+        # Under `shardkit launch` / SLURM / Kubernetes this joins the job (the launcher sets
+        # each process's device count); alone it does nothing.
+        if sk.distributed.initialize() is None and args.cpu_devices:
             sk.use_cpu_devices(args.cpu_devices)
         return _train(args)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (_UsageError, ValueError, RuntimeError, OSError) as e:
+    except (_UsageError, ValueError, RuntimeError, OSError, sk.checkpoint.CheckpointError) as e:
         text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
         print(f"{PROG}: error: {text}", file=sys.stderr)
         return 2
@@ -109,7 +102,7 @@ def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    console = Console()
+    console = Console(quiet=not sk.distributed.is_main())  # one host reports
     mesh = sk.make_mesh(args.mesh)
     ds = data.load(args.dataset, image_size=args.image_size, shift=args.shift)
     h, _, c = ds.image_shape
@@ -129,15 +122,22 @@ def _train(args: argparse.Namespace) -> int:
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}\nResNet-{cfg.depth} ({cfg.block}, {cfg.stem} stem, width x{cfg.width:g}) on "
                   f"{ds.name} {ds.image_shape}, {ds.num_classes} classes, batch {args.batch}")
-    if args.checkpoint_dir:
-        console.print(f"[yellow]--checkpoint-dir {args.checkpoint_dir}: checkpoint saving is not wired yet "
-                      "(hook: models.resnet.__main__.save_checkpoint); nothing will be written[/]")
     t0 = time.perf_counter()
     state = init_state(step, cfg, args.seed)
+    ckpt = sk.Checkpointer(args.checkpoint_dir, keep=3) if args.checkpoint_dir else None
+    start, position = 0, None
+    if args.resume:
+        if ckpt.latest_step() is None:
+            console.print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
+        else:  # whatever mesh / ZeRO stage it was saved with, onto this plan
+            state = ckpt.restore(plan, like=state)
+            extra = ckpt.extra()
+            start, position = extra["step"], extra["data"]
+            console.print(f"resumed from step {start} of {ckpt.directory}")
     if args.show_layout:
         console.print(plan.describe(step.model(state)))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    batches = ds.batches(args.batch, seed=args.seed)
+    batches = ds.batches(args.batch, seed=args.seed, position=position)
     first = next(batches)
     mem = compiled_memory(step, state, first)
     per_dev = state_bytes_per_device(state)
@@ -146,20 +146,21 @@ def _train(args: argparse.Namespace) -> int:
                   + (f"; compiled step: peak {_mib(mem['peak'])} (temp {_mib(mem['temp'])})" if mem else ""))
 
     evaluator = Evaluator(step) if ds.test is not None else None
-    out = open(args.metrics_out, "w") if args.metrics_out else None
+    out = open(args.metrics_out, "w") if args.metrics_out and sk.distributed.is_main() else None
 
     def log(record: dict) -> None:
         if out:
             out.write(json.dumps(record) + "\n")
             out.flush()
-    test_acc = None
+    test_acc, loss, acc, stopped = None, float("nan"), float("nan"), False
+    guard = sk.checkpoint.PreemptionGuard()
     try:
         columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True) as bar:
-            task = bar.add_task("train", total=args.steps, info="")
-            for i in range(1, args.steps + 1):
-                batch = first if i == 1 else next(batches)
+            task = bar.add_task("train", total=args.steps, completed=start, info="")
+            for i in range(start + 1, args.steps + 1):
+                batch = first if i == start + 1 else next(batches)
                 t = time.perf_counter()
                 state, metrics = step(state, batch)
                 loss, acc = float(metrics["loss"]), float(metrics["aux"]["accuracy"])
@@ -170,16 +171,23 @@ def _train(args: argparse.Namespace) -> int:
                     test_acc = evaluator.accuracy(state, *ds.test)
                     log({"step": i, "test_accuracy": test_acc})
                     bar.console.print(f"step {i}: loss {loss:.4f}, test accuracy {test_acc:.4f}")
-                if args.checkpoint_dir and args.checkpoint_every and i % args.checkpoint_every == 0:
-                    save_checkpoint(args.checkpoint_dir, state, batches.position, i)
-        if args.checkpoint_dir:
-            save_checkpoint(args.checkpoint_dir, state, batches.position, args.steps)
-        if evaluator:
+                stopped = guard.should_stop(i)  # SIGTERM: checkpoint at this step boundary, exit 0
+                if ckpt and (stopped or i == args.steps or (args.checkpoint_every and i % args.checkpoint_every == 0)):
+                    ckpt.save(state, step=i, extra={"step": i, "data": batches.position}, force=True)
+                if stopped:
+                    bar.console.print(f"preempted: checkpoint of step {i} saved; rerun with --resume to continue")
+                    break
+        if evaluator and not stopped:
             test_acc = evaluator.accuracy(state, *ds.test)
             log({"step": args.steps, "test_accuracy": test_acc, "final": True})
     finally:
+        guard.close()
+        if ckpt:
+            ckpt.close()  # waits for the last asynchronous write
         if out:
             out.close()
+    if stopped:
+        return 0
     took = time.perf_counter() - t0
     summary = f"final loss {loss:.4f}, train accuracy {acc:.4f}"
     summary += f", test accuracy {test_acc:.4f}" if test_acc is not None else " (no test set)"
