@@ -269,10 +269,18 @@ class Plan:
         if len(names) != x.ndim:
             raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
         spec = self.logical_spec(names)
+        # Inside a shard_map (e.g. sk.pipeline's stages) some axes are manual: constrain only
+        # over the others, on the context's abstract mesh.
+        context = jax.sharding.get_abstract_mesh()
+        manual = set() if context.empty else {
+            a for a, t in zip(context.axis_names, context.axis_types) if t == jax.sharding.AxisType.Manual}
         entries = []
         for d, e in enumerate(spec):
-            n = math.prod(self.mesh.shape[a] for a in entry_axes(e))
-            entries.append(e if x.shape[d] % n == 0 else None)
+            axes = tuple(a for a in entry_axes(e) if a not in manual)
+            n = math.prod(self.mesh.shape[a] for a in axes)
+            entries.append(None if not axes or x.shape[d] % n else axes[0] if len(axes) == 1 else axes)
+        if manual:
+            return jax.lax.with_sharding_constraint(x, NamedSharding(context, P(*entries)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*entries)))
 
     @contextlib.contextmanager

@@ -233,3 +233,28 @@ def test_train_step_matches_one_device(devices, mesh_spec, schedule, v, zero):
     want = _train_losses("pipe=1", devices[:1], schedule, v, 0)
     assert got[-1] < got[0]
     np.testing.assert_allclose(got, want, rtol=RTOL)
+
+
+def test_constrain_inside_a_stage_skips_the_manual_pipe_axis(devices):
+    """sk.constrain in a stage function (inside the pipe shard_map) constrains only the
+    compiler-managed axes and leaves the result unchanged."""
+    mesh = make_mesh("data=2,pipe=4", devices=devices[:8])
+    plan = sk.Plan(mesh, rules=[(r"layers", ("pipe",)), (r".*", ())], axis_rules={"batch": ("data", "pipe")})
+    params, head, x, t = make_problem(8, seed=1)
+
+    def constrained_layer(lp, h_BxD):
+        return layer(lp, sk.constrain(h_BxD, ("batch", None)))
+
+    def loss(stage_fn):
+        def f(model, batch):
+            return pipeline(stage_fn, model["layers"], batch["x"], microbatches=4, schedule="gpipe",
+                            loss_fn=head_loss, loss_params=model["head"], targets=batch["t"])
+        return f
+
+    out = []
+    for fn in (constrained_layer, layer):
+        step = sk.train_step(plan, optax.sgd(0.1))(loss(fn))
+        state = step.init({"layers": params, "head": head})
+        state, m = step(state, {"x": x, "t": t})
+        out.append(float(m["loss"]))
+    np.testing.assert_allclose(out[0], out[1], rtol=RTOL)
