@@ -12,7 +12,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
 
 import shardkit as sk
 
@@ -22,11 +21,6 @@ from .config import SIZES, Config
 SCHEDULES = ("gpipe", "circular", "1f1b")
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
 
-# Checkpointing is not wired into this recipe yet. The checkpoint integration sets this to
-# ``save(directory, step, state, data_position) -> None``; ``main`` calls it every
-# ``--checkpoint-every`` steps and after the last one. While it is None, --checkpoint-dir is
-# accepted and nothing is saved (main says so).
-CHECKPOINT_HOOK: Callable | None = None
 
 
 class FlagError(ValueError):
@@ -68,8 +62,9 @@ def parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     a("--eval-batches", type=int, default=4)
     a("--metrics-out", help="write JSON lines (step, loss, tokens_per_s, mfu; val_loss) here")
-    a("--checkpoint-dir", help="where checkpoints go (see CHECKPOINT_HOOK)")
-    a("--checkpoint-every", type=int, default=100)
+    a("--checkpoint-dir", help="save checkpoints here (Orbax; any mesh or ZeRO stage can restore them)")
+    a("--checkpoint-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--cpu-devices", type=int, default=8, help="simulated CPU devices; 0 = use the real "
       "accelerators")
     a("--quiet", action="store_true", help="no tables or progress bar")
@@ -153,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     """Runs training; returns the exit status (2 for a bad flag)."""
     args = parser().parse_args(argv)
     try:
-        if args.cpu_devices:
+        if args.resume and not args.checkpoint_dir:
+            raise FlagError("--resume", "needs --checkpoint-dir")
+        if args.checkpoint_every < 1:
+            raise FlagError("--checkpoint-every", f"must be a positive integer, got {args.checkpoint_every}")
+        # Under `shardkit launch` / SLURM / Kubernetes this joins the job and the launcher sets
+        # each process's devices; alone it does nothing.
+        if sk.distributed.initialize() is None and args.cpu_devices:
             try:
                 sk.use_cpu_devices(args.cpu_devices)
             except (ValueError, RuntimeError) as e:
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except sk.ShardingError as e:
         print(f"error: --mesh: the layout does not fit the model: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except sk.checkpoint.CheckpointError as e:
+        print(f"error: --checkpoint-dir: {'; '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
 
 
@@ -210,10 +214,22 @@ def _run(args) -> int:
     console.print(f"model: {cfg}")
     console.print(data_lib.describe(train_tokens, val_tokens, data_name))
     state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)), seed=args.seed)
+    ckpt = sk.Checkpointer(args.checkpoint_dir, keep=3) if args.checkpoint_dir else None
+    start, position = 0, None
+    if args.resume:
+        if ckpt.latest_step() is None:
+            console.print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
+        else:  # whatever mesh / ZeRO stage it was saved with, onto this plan
+            state = ckpt.restore(plan, like=state)
+            extra = ckpt.extra()
+            start, position = extra["step"], extra["data"]
+            console.print(f"resumed from step {start} of {ckpt.directory}")
     if not args.quiet:
         console.print(plan.describe(step.model(state)))
 
     batches = data_lib.Batches(train_tokens, args.batch, cfg.seq, args.seed)
+    if position is not None:
+        batches.restore(position)
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
     compiled = step.lower(state, batches.batch_at(0)).compile()
@@ -227,9 +243,6 @@ def _run(args) -> int:
     tokens_per_step = args.batch * cfg.seq
     console.print(f"{n_params:,} parameters, {flops_tok / 1e6:.2f} MFLOP/token (6N + attention), "
                   f"peak {peak / 1e12:.2f} TFLOP/s over {mesh.devices.size} device(s)")
-    if args.checkpoint_dir and CHECKPOINT_HOOK is None:
-        console.print(f"[yellow]--checkpoint-dir {args.checkpoint_dir}: checkpointing is not wired "
-                      "into this recipe yet (CHECKPOINT_HOOK is unset); nothing will be saved[/]")
 
     out = open(args.metrics_out, "w") if args.metrics_out and is_main else None
     first_loss = last_loss = val_loss = float("nan")
@@ -238,17 +251,18 @@ def _run(args) -> int:
                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  "
                           "MFU {task.fields[mfu]:.1%}"), TimeRemainingColumn())
     timings = []
+    guard, stopped = sk.checkpoint.PreemptionGuard(), False
     try:
         with Progress(*columns, console=console, disable=args.quiet) as progress:
-            task = progress.add_task("train", total=args.steps, loss=float("nan"), tps=0.0, mfu=0.0)
-            for i in range(args.steps):
+            task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
+            for i in range(start, args.steps):
                 batch = data_lib.global_batch(next(batches), _batch_sharding(plan))
                 t = time.perf_counter()
                 state, metrics = step(state, batch)
                 last_loss = float(metrics["loss"])  # waits for the step
                 dt = time.perf_counter() - t
                 timings.append(dt)
-                first_loss = last_loss if i == 0 else first_loss
+                first_loss = last_loss if i == start else first_loss
                 tps = tokens_per_step / dt
                 mfu = flops_tok * tps / peak
                 progress.update(task, advance=1, loss=last_loss, tps=tps, mfu=mfu)
@@ -262,12 +276,23 @@ def _run(args) -> int:
                                            f"validation loss {val_loss:.4f}")
                     if out:
                         out.write(json.dumps({"step": i, "val_loss": val_loss}) + "\n")
-                if CHECKPOINT_HOOK is not None and args.checkpoint_dir and (
-                        done or (i + 1) % args.checkpoint_every == 0):
-                    CHECKPOINT_HOOK(args.checkpoint_dir, i + 1, state, batches.position())
+                stopped = guard.should_stop(i + 1)  # SIGTERM: save at this step boundary, exit 0
+                if ckpt and (done or stopped or (i + 1) % args.checkpoint_every == 0):
+                    ckpt.save(state, step=i + 1, extra={"step": i + 1, "data": batches.position()}, force=True)
+                if stopped:
+                    progress.console.print(f"preempted: checkpoint of step {i + 1} saved; rerun with --resume")
+                    break
     finally:
+        guard.close()
+        if ckpt:
+            ckpt.close()  # waits for the last asynchronous write
         if out:
             out.close()
+    if stopped:
+        return 0
+    if not timings:
+        console.print(f"nothing to do: the checkpoint is already at step {start} of {args.steps}")
+        return 0
     steady = sorted(timings[1:] or timings)[len(timings[1:] or timings) // 2]
     if is_main:
         print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}; "
