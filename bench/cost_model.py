@@ -1,9 +1,11 @@
 """The cost model against the compiler, and the layouts ``sk.search`` picks.
 
-Part 1 compiles every layout of the tests (a two-layer MLP pytree and the transformer recipe,
-8 simulated CPU devices) and prints estimate/compiled per device for parameters, optimizer
-state, arguments, peak memory and executed collective bytes by role. Part 2 ranks layouts of
-the ~1B and ~7B transformer on 8, 64 and 256 H100s. Writes bench/results/cost_model.json.
+Part 1 compiles every layout of the tests (a two-layer MLP pytree, an 8-layer pipelined
+pytree under GPipe / circular / 1F1B, and the transformer recipe, 8 simulated CPU devices) and
+prints estimate/compiled per device for parameters, optimizer state, arguments, peak memory and
+executed collective bytes by role. Part 2 ranks layouts of the ~1B and ~7B transformer on 8,
+64 and 256 H100s with the achievable-efficiency step-time model, and predicts weak scaling.
+Writes bench/results/cost_model.json.
 
     python bench/cost_model.py            # everything (~3-4 min on 2 cores)
     python bench/cost_model.py --no-compile   # the search part only
@@ -31,7 +33,8 @@ from rich.table import Table  # noqa: E402
 
 QUANTITIES = ("memory/params", "memory/opt_state", "memory/arguments", "memory/temporaries",
               "memory/peak", "collective/grad-reduce", "collective/param-gather",
-              "collective/tensor-reduce", "collective/tensor-gather", "collective/pipe-permute", "flops")
+              "collective/tensor-reduce", "collective/tensor-gather", "collective/pipe-permute",
+              "collective/pipe-reduce", "collective/pipe-relayout", "flops")
 D, F, L, B = 256, 1024, 2, 64
 TP_RULES = [("w1", (None, None, "tensor")), ("w2", (None, "tensor", None)), (".*", ())]
 
@@ -59,6 +62,39 @@ def mlp_cases():
         yield f"mlp {mesh} zero={zero} m={m} {prec}", step.explain(state, {"x": jnp.ones((B, D))})
 
 
+def pipeline_cases():
+    import numpy as np
+
+    PD, PB, PL, PM = 128, 32, 8, 4
+
+    def layer(lp, h):
+        return jnp.tanh(h @ lp["w"] + lp["b"][None])
+
+    def head(hp, y, t):
+        return jnp.mean((y @ hp["w"] - t) ** 2)
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(0))
+        return {"layers": {"w": jax.random.normal(k1, (PL, PD, PD)) / np.sqrt(PD), "b": jnp.zeros((PL, PD))},
+                "head": {"w": jax.random.normal(k2, (PD, PD)) / np.sqrt(PD)}}
+
+    for mesh, schedule, v, zero in [("pipe=4", "gpipe", 1, 0), ("data=2,pipe=4", "gpipe", 1, 1),
+                                    ("pipe=4", "circular", 2, 0), ("data=2,pipe=4", "circular", 2, 1),
+                                    ("pipe=4", "1f1b", 1, 0), ("data=2,pipe=4", "1f1b", 1, 1)]:
+        devs = jax.devices()[:4] if "data" not in mesh else None
+        plan = sk.Plan(sk.make_mesh(mesh, devices=devs), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=zero)
+
+        def loss(model, batch, schedule=schedule, v=v):
+            return sk.pipeline(layer, model["layers"], batch["x"], microbatches=PM, schedule=schedule,
+                               repeats=v, loss_fn=head, loss_params=model["head"], targets=batch["t"])
+
+        step = sk.train_step(plan, optax.adam(1e-3))(loss)
+        state = step.init(init)
+        batch = {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+        yield f"pipe pytree {mesh} zero={zero} {schedule}{'x' + str(v) if v > 1 else ''} m={PM}", \
+            step.explain(state, batch)
+
+
 def transformer_cases():
     from flax import nnx
 
@@ -80,9 +116,6 @@ def transformer_cases():
         except Exception as e:  # noqa: BLE001 - a layout the recipe cannot run is reported, not fatal
             print(f"transformer {name}: {type(e).__name__}: {str(e)[:200]}")
             continue
-        if pipe is not None:
-            report.estimate = sk.cost.estimate_for_step(
-                step, state, batch, pipeline=(pipe.microbatches, pipe.schedule, pipe.repeats)).as_dict()
         yield f"transformer {name} ({lo.mesh}, zero={lo.zero}{', sp' if lo.sequence_parallel else ''}" \
               f"{', ' + lo.schedule if pipe else ''})", report
 
@@ -94,7 +127,7 @@ def compare(console: Console) -> list[dict]:
     short = [q.split("/")[-1] for q in QUANTITIES]
     for s in short:
         t.add_column(s, justify="right")
-    for cases in (mlp_cases(), transformer_cases()):
+    for cases in (mlp_cases(), pipeline_cases(), transformer_cases()):
         for name, report in cases:
             got = {r["quantity"]: r for r in report.comparison()}
             row = {"layout": name}
@@ -127,6 +160,8 @@ def rankings(console: Console) -> dict:
             out[f"{model}@{n}"] = {"top": res.rows[:5], "weak_scaling": scaling,
                                    "fitting_layouts": sum(r["fits"] for r in res.rows),
                                    "layouts": len(res.rows)}
+            console.print(f"  best {model}@{n}: {best.layout}  MFU {best.mfu:.1%}  "
+                          f"step {best.step_time:.3f}s  exposed comm {best.time['exposed']:.3f}s")
             if n == 256:
                 for r in scaling:
                     console.print(f"  weak scaling {model}: {r['devices']:4d} GPUs {r['layout']:44s} "

@@ -29,7 +29,8 @@ RECIPE_SIZES: dict[str, dict] = {
     "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
-ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce")
+ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
+         "pipe-relayout")
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -168,7 +169,10 @@ class Estimate:
         collectives: bytes by role (``grad-reduce``, ``param-gather``, ``tensor-reduce``,
             ``tensor-gather``, ``pipe-permute``), counted as ``sk.Report`` counts them.
         flops: executed flops (with recomputation); ``model_flops``: the useful ones.
-        time: seconds by part (``compute``, one entry per role, ``bubble``) and ``step``.
+        time: seconds by part: ``compute`` (at the hardware's achievable matmul efficiency),
+            one entry per collective role (its full time), ``bubble``, ``exposed`` (the
+            communication left on the critical path) and ``step`` = compute + bubble + exposed
+            (``_steptime.times``).
         hardware: the accelerator name; ``layout``: what was estimated; ``tokens``: per step.
         memory_limit: bytes available per device.
     """
@@ -227,6 +231,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
     vocab-parallel embedding/head; pipelines one activation permute per tick each way.
+    Step time: ``_steptime.times`` with the hardware's ``Efficiency`` (not a pure roofline).
 
     Args:
         model: see ``model_shape``.

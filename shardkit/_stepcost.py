@@ -77,6 +77,8 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
             shape = shape[1:]
             if b_mb // pipe["microbatches"] in shape and n_data > 1:
                 nbytes /= n_data
+            if n_tensor > 1 and any(d in tensor_dims for d in shape):
+                nbytes /= n_tensor
             total += nbytes
             continue
         if b_mb and b_mb in shape and n_data > 1:
@@ -175,6 +177,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         if len(l.shape) < 2 or not dims:
             continue
         stack = l.shape[0] if s else 1
+        if pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0]):
+            stack = _pipelined_uses(pipe, stack)
         uses = 2 if (not s and len(l.shape) == 2 and dims[0] == 0 and "embed" in l.path and not has_head) else 1
         col["tensor-reduce"] += uses * m * stack * tok_dev_mb * width * wire
         counts["tensor-reduce"] += uses * m * stack
@@ -236,6 +240,16 @@ def _pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> flo
     return 2 * (pm + 1) * act_mb
 
 
+def _pipelined_uses(pipe: dict, layers: int) -> float:
+    """Layer applications per device per step, in units of one layer over the whole local
+    batch: GPipe/circular run their k = L/(p·v) layers every tick (idle ticks compute too) on
+    a 1/m microbatch; 1F1B runs each of its L/p layers once per microbatch."""
+    p, pm, v = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1)
+    if pipe["schedule"] == "1f1b":
+        return layers / p
+    return pipeline_ticks(pipe) * layers / (p * v) / pm
+
+
 def pipeline_ticks(note: dict) -> int:
     """Ticks of the schedule table ``sk.pipeline`` scans (``_pipeline_schedules``)."""
     from . import _pipeline_schedules as sched
@@ -252,8 +266,9 @@ def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wi
 
     * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
       its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
-      GPipe/circular also move the last stage's m outputs and their cotangent once, and
-      circular (v > 1) relays the stage-major weights (forward) and gradients (backward).
+      GPipe/circular also move the last stage's m outputs and their cotangent once.
+    * ``pipe-relayout``: circular (v > 1) reorders the weights stage-major (forward) and the
+      gradients back (backward).
     * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
       m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
       input's). The input is taken as differentiable when the batch holds integer tokens
@@ -279,8 +294,11 @@ def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wi
         col["pipe-permute"] += 2 * pm * act_mb * step_m
         counts["pipe-permute"] += 2 * step_m
         if v > 1:
-            col["pipe-permute"] += 2 * stage * wire * step_m
-            counts["pipe-permute"] += 2 * step_m
+            # The stage-major weight order (device s holds groups s, s+p, ...) is a relayout of
+            # the contiguous layer sharding, forward (weights) and backward (gradients): XLA
+            # swaps halves with one all-to-all for p = 2, and adds a permute for p > 2.
+            col["pipe-relayout"] = 2 * stage * wire * (1 if p == 2 else 2) * step_m
+            counts["pipe-relayout"] = 2 * (1 if p == 2 else 2) * step_m
         col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
     else:
         col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m

@@ -155,7 +155,7 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     spec = {"grad-reduce": ("all-reduce" if layout.zero < 2 and layout.fsdp == 1 else "reduce-scatter", data_axes),
             "param-gather": ("all-gather", data_axes), "tensor-reduce": ("all-reduce", ("tensor",)),
             "tensor-gather": ("all-gather", ("tensor",)), "pipe-permute": ("permute", ("pipe",)),
-            "pipe-reduce": ("all-reduce", ("pipe",))}
+            "pipe-reduce": ("all-reduce", ("pipe",)), "pipe-relayout": ("all-to-all", ("pipe",))}
     for role, (kind, axes) in spec.items():
         nbytes, n = collectives.get(role, 0.0), max(counts.get(role, 1.0), 1.0)
         if not axes or nbytes <= 0:
@@ -171,7 +171,7 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     critical = (t["compute"] + tensor) * (1 + bubble)
     t["bubble"] = critical * bubble / (1 + bubble)
     data = t["grad-reduce"] + t["param-gather"]
-    pipe = eff.exposed_pipe * (t["pipe-permute"] + t["pipe-reduce"])
+    pipe = eff.exposed_pipe * (t["pipe-permute"] + t["pipe-reduce"] + t["pipe-relayout"])
     hidden = (1 - eff.exposed_data) * data
     t["exposed"] = tensor + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
     t["step"] = critical + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe

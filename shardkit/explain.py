@@ -76,13 +76,19 @@ class Report:
         all-reduce + slice and a GPU reduce-scatter count the same), ``param-gather``
         (all-gathers over a data axis: ZeRO), ``tensor-reduce`` / ``tensor-gather`` (over other
         axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes),
-        ``pipe-reduce`` (all-reduces over the pipeline axis alone: ``sk.pipeline``'s psums)."""
+        ``pipe-reduce`` (all-reduces over the pipeline axis alone: ``sk.pipeline``'s psums),
+        ``pipe-relayout`` (with a pipeline: all-to-alls over its axis and permutes between
+        non-neighbours, i.e. circular's stage-major weight order)."""
         out = dict.fromkeys(("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather",
-                             "pipe-permute", "pipe-reduce", "other"), 0.0)
+                             "pipe-permute", "pipe-reduce", "pipe-relayout", "other"), 0.0)
+        pipe = self.pipe_axis
         for t in self.traffic:
             data = bool(set(t.axes) & set(self.data_axes))
-            if t.kind == "all-reduce" and self.pipe_axis and t.axes == (self.pipe_axis,):
+            if pipe and t.kind == "all-reduce" and t.axes == (pipe,):
                 out["pipe-reduce"] += t.operand_bytes
+            elif pipe and ((t.kind == "collective-permute" and t.axes != (pipe,))
+                           or (t.kind == "all-to-all" and pipe in t.axes)):
+                out["pipe-relayout"] += t.bytes
             elif t.kind in ("all-reduce", "reduce-scatter"):
                 out["grad-reduce" if data else "tensor-reduce"] += t.operand_bytes
             elif t.kind == "all-gather":

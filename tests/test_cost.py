@@ -21,7 +21,7 @@ TOL = 0.10
 EXACT = ("memory/params", "memory/opt_state", "memory/arguments")
 COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collective/tensor-reduce")
 PIPE_COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collective/pipe-permute",
-                    "collective/pipe-reduce")
+                    "collective/pipe-reduce", "collective/pipe-relayout")
 
 
 # ---- formulas -------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_pytree_model_estimate_matches_compiled(mesh, zero, m):
     assert flops["estimate"] == pytest.approx(flops["compiled"], rel=TOL)
 
 
-TRANSFORMER = ["dp", "zero1", "zero3", "fsdp", "tp", "fsdp_tp", "pp_gpipe"]
+TRANSFORMER = ["dp", "zero1", "zero3", "fsdp", "tp", "fsdp_tp", "pp_gpipe", "pp_circular", "tp_pp"]
 
 
 @pytest.mark.parametrize("name", TRANSFORMER)
