@@ -24,9 +24,9 @@ class SearchResult:
 
     Attributes:
         model: the model's name; devices, hardware, global_batch: what was asked.
-        estimates: one ``Estimate`` per layout, ranked; layouts whose estimates are identical
-            (e.g. ZeRO-3 over ``data`` and the same devices as ``fsdp``, or a knob that changes
-            nothing) appear once, the simplest first.
+        estimates: one ``Estimate`` per layout, ranked; near-identical layouts (the same but
+            for the data/fsdp split or ZeRO stage, within 0.5% in step time — e.g. ZeRO-3 over
+            ``data`` vs ``fsdp`` over the same devices) appear once, the fastest first.
         equivalents: per estimate, the layouts folded into it.
     """
 
@@ -165,19 +165,30 @@ def _complexity(lo: Layout) -> tuple:
     return (axes, lo.zero, lo.microbatches, ("none", "dots", "full").index(lo.remat), lo.sequence_parallel)
 
 
-def _dedupe(ests: list[Estimate]) -> tuple[list[Estimate], list[list[str]]]:
-    """Folds layouts whose estimates agree to 6 significant digits (step time, peak memory,
-    and every collective) into the first, simplest one."""
+def _dedupe(ests: list[Estimate], rel: float = 0.005) -> tuple[list[Estimate], list[list[str]]]:
+    """Folds near-identical layouts into the first (fastest, then smallest) one: same tensor,
+    pipe, microbatches, remat, schedule and sequence parallelism, and a step time within
+    ``rel`` — i.e. layouts that differ only in how the data-parallel devices split between
+    ``data`` and ``fsdp`` or in the ZeRO stage, where that changes (almost) nothing. Layouts
+    with identical estimates (e.g. 1F1B and GPipe when microbatches = stages) fold too."""
     kept: list[Estimate] = []
     same: list[list[str]] = []
-    index: dict[tuple, int] = {}
+    families: dict[tuple, list[int]] = {}
+    exact: dict[tuple, int] = {}
     for e in ests:
-        key = (e.fits, f"{e.step_time:.6g}", f"{e.memory['peak']:.6g}",
-               tuple(f"{v:.6g}" for v in e.time.values()))
-        if key in index:
-            same[index[key]].append(str(e.layout))
+        lo = e.layout
+        family = (e.fits, lo.tensor, lo.pipe, lo.microbatches, lo.remat, lo.schedule, lo.repeats,
+                  lo.sequence_parallel)
+        key = (e.fits, f"{e.step_time:.6g}", f"{e.memory['peak']:.6g}")
+        hit = exact.get(key)
+        if hit is None:
+            hit = next((i for i in families.get(family, ())
+                        if abs(e.step_time - kept[i].step_time) <= rel * kept[i].step_time), None)
+        if hit is not None:
+            same[hit].append(str(lo))
             continue
-        index[key] = len(kept)
+        families.setdefault(family, []).append(len(kept))
+        exact[key] = len(kept)
         kept.append(e)
         same.append([])
     return kept, same

@@ -108,6 +108,15 @@ def test_search_folds_identical_layouts():
     keys = [(r["step_time"], r["memory"], r["fits"]) for r in res.rows]
     assert len(keys) == len(set(keys))
     assert any(r["equivalent"] for r in res.rows)  # zero=3 over data == fsdp over the same devices
+    # No two rows differ only in the data/fsdp split or ZeRO stage at (almost) the same time.
+    ests = res.estimates
+    for i, a in enumerate(ests):
+        for b in ests[i + 1:]:
+            la, lb = a.layout, b.layout
+            fam = lambda lo, e: (lo.tensor, lo.pipe, lo.microbatches, lo.remat, lo.schedule,  # noqa: E731
+                                 lo.repeats, lo.sequence_parallel, e.fits)
+            if fam(la, a) == fam(lb, b):
+                assert abs(a.step_time - b.step_time) > 0.005 * min(a.step_time, b.step_time)
 
 
 def test_weak_scaling_and_plan_cli(tmp_path, capsys):
