@@ -107,7 +107,8 @@ def transformer_cases():
     batch = {"inputs": tokens, "targets": tokens}
     for name, lo in LAYOUTS.items():
         mesh = sk.make_mesh(lo.mesh)
-        plan = make_plan(mesh, cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel)
+        plan = make_plan(mesh, cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel,
+                         vocab_parallel=lo.vocab_parallel)
         pipe = PipelineSpec(4, lo.schedule, lo.repeats) if "pipe" in mesh.shape else None
         step = sk.train_step(plan, optax.adam(1e-3))(lambda mdl, b, pipe=pipe: loss_fn(mdl, b, pipe))
         state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -43,7 +43,7 @@ BATCH = 16
 def build_step(layout: Layout, cfg, devices=None, precision="fp32"):
     mesh = sk.make_mesh(layout.mesh, devices=devices)
     plan = make_plan(mesh, cfg, zero=layout.zero, precision=precision,
-                     sequence_parallel=layout.sequence_parallel)
+                     sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel)
     pipe = PipelineSpec(4, layout.schedule, layout.repeats) if "pipe" in mesh.shape else None
 
     @sk.train_step(plan, optax.adamw(1e-3))

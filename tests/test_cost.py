@@ -193,7 +193,8 @@ def test_transformer_estimate_matches_compiled(name):
 
     cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
     lo = LAYOUTS[name]
-    plan = make_plan(sk.make_mesh(lo.mesh), cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel)
+    plan = make_plan(sk.make_mesh(lo.mesh), cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel,
+                     vocab_parallel=lo.vocab_parallel)
     pipe = PipelineSpec(4, lo.schedule, lo.repeats) if "pipe" in lo.mesh else None
     step = sk.train_step(plan, optax.adam(1e-3))(lambda model, batch: loss_fn(model, batch, pipe))
     state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -42,7 +42,7 @@ RULES: dict[str, tuple[str, ...]] = {
 
 
 def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,
-               sequence_parallel: bool = False) -> sk.AxisRules:
+               sequence_parallel: bool = False, vocab_parallel: bool = True) -> sk.AxisRules:
     """``RULES`` restricted to the axes of a mesh.
 
     Args:
@@ -50,8 +50,13 @@ def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,
         cfg: the model; when its ``kv_heads`` do not divide the tensor axis, K/V projections
             are replicated over it (every TP rank keeps all kv heads) instead of failing.
         sequence_parallel: shard the residual stream's sequence dim over ``tensor``.
+        vocab_parallel: shard the embedding/head's vocabulary over ``tensor`` (turned off for
+            1F1B on meshes with data and tensor axes: XLA's SPMD partitioner aborts on a
+            vocab-sharded head inside the 1F1B loss branch there).
     """
     table = dict(RULES)
+    if not vocab_parallel:
+        table["vocab"] = ()
     if sequence_parallel:
         table["seq"] = ("tensor",)
     if cfg is not None and cfg.kv_heads % mesh_shape.get("tensor", 1):
@@ -77,6 +82,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "gpipe"
     repeats: int = 1
+    vocab_parallel: bool = True
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -92,12 +98,13 @@ LAYOUTS: dict[str, Layout] = {
     "pp_1f1b": Layout("data=4,pipe=2", zero=1, schedule="1f1b"),
     "tp_pp": Layout("tensor=2,pipe=4"),
     "dp_pp_tp": Layout("data=2,pipe=2,tensor=2"),
+    "dp_pp_tp_1f1b": Layout("data=2,pipe=2,tensor=2", schedule="1f1b", vocab_parallel=False),
     "hybrid": Layout("data=2,fsdp=2,tensor=2", sequence_parallel=True),
 }
 
 
 def make_plan(mesh, cfg: Config, *, zero: int = 0, precision: str = "fp32",
-              sequence_parallel: bool = False) -> sk.Plan:
+              sequence_parallel: bool = False, vocab_parallel: bool = True) -> sk.Plan:
     """The ``sk.Plan`` for the transformer on ``mesh``."""
-    rules = axis_rules(mesh.shape, cfg, sequence_parallel=sequence_parallel)
+    rules = axis_rules(mesh.shape, cfg, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     return sk.Plan(mesh, axis_rules=rules, zero=zero, precision=precision)

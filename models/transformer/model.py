@@ -49,24 +49,9 @@ class PipelineSpec:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """``sk.constrain`` that also works inside ``sk.pipeline``'s shard_map.
-
-    Workaround: ``Plan.constrain`` builds a NamedSharding on the concrete mesh, which JAX
-    rejects inside a shard_map that is manual over ``pipe``. There we constrain against the
-    ambient abstract mesh instead, leaving out manual axes.
-    """
-    plan = sk.active_plan()
-    mesh = jax.sharding.get_abstract_mesh()
-    if plan is None or mesh.empty or not mesh.manual_axes:
-        return sk.constrain(x, names)
-    spec = tuple(plan.logical_spec(names))
-    entries = []
-    for d, entry in enumerate(spec + (None,) * (x.ndim - len(spec))):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        axes = tuple(a for a in axes if a not in mesh.manual_axes)
-        size = math.prod(mesh.shape[a] for a in axes)
-        entries.append(None if not axes or x.shape[d] % size else axes)
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.P(*entries)))
+    """Activation layout by logical names (``sk.constrain``: a no-op outside a shardkit step;
+    inside ``sk.pipeline``'s stages only the compiler-managed axes are constrained)."""
+    return sk.constrain(x, names)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None):
