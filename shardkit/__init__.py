@@ -1,13 +1,22 @@
 """shardkit: declare a mesh and per-layer partition specs; get a compiled SPMD train step."""
 
+from . import checkpoint as checkpoint
+from . import cost as cost
+from . import distributed as distributed
+from . import viz as viz
+from .checkpoint import Checkpointer as Checkpointer
+from .cost import search as search
+from .explain import Collective as Collective
+from .explain import Report as Report
+from .jit import jit as jit
 from .mesh import describe_mesh as describe_mesh
 from .mesh import make_mesh as make_mesh
 from .mesh import parse_mesh_spec as parse_mesh_spec
 from .mesh import use_cpu_devices as use_cpu_devices
+from .pipeline import pipeline as pipeline
 from .plan import Plan as Plan
 from .plan import active_plan as active_plan
 from .plan import constrain as constrain
-from .pipeline import pipeline as pipeline
 from .precision import Precision as Precision
 from .rules import AxisRules as AxisRules
 from .rules import LeafLayout as LeafLayout
@@ -17,15 +26,5 @@ from .step import NonFiniteError as NonFiniteError
 from .step import TrainState as TrainState
 from .step import TrainStep as TrainStep
 from .step import train_step as train_step
-
-from .explain import Collective as Collective
-from .explain import Report as Report
-from . import cost as cost
-from . import viz as viz
-from .cost import search as search
-from .jit import jit as jit
-from .checkpoint import Checkpointer as Checkpointer
-from . import checkpoint as checkpoint
-from . import distributed as distributed
 
 __version__ = "0.1.0"
