@@ -5,7 +5,9 @@
 (a) bubble: idle (tick, stage) cells of the tables ``pipeline`` scans over, against
     (p-1)/(v·m+p-1); (b) per-device temp bytes of the compiled value-and-grad, 1F1B vs GPipe,
     with a fixed microbatch so GPipe's saved activations grow with m; (c) step time of each
-    schedule relative to the un-pipelined (data-parallel) model on the same 8 devices.
+    schedule relative to the un-pipelined (data-parallel) model on the same 8 devices;
+    (d) compiled gradient all-reduce over `data` per step on data=2,pipe=4: one reduction of
+    the stage (and head) parameters, not one per tick.
 """
 
 from __future__ import annotations
@@ -123,6 +125,30 @@ def step_times(d=64, batch=64, reps=3):
     return results
 
 
+def data_reduction(d=128, batch=32, m=8, layers=8):
+    """Compiled all-reduce bytes over `data` per device per step on data=2,pipe=4 (value and
+    grad), against one stage's parameter bytes: ~1x stage + head means one reduction per step
+    (sk.pipeline's manual data axes), ~ticks x stage a reduction per tick."""
+    from shardkit._hlo import pipeline_branch_weights, traffic_from_hlo
+
+    mesh = make_mesh("data=2,pipe=4", devices=jax.devices())
+    params, head, x, t = problem(layers, d, batch)
+    x, t = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, t))
+    stage = sum(a.nbytes for a in jax.tree.leaves(params)) // 4
+    head_bytes = sum(a.nbytes for a in jax.tree.leaves(head))
+    rows = []
+    for schedule, v in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
+        hlo = grad_fn(mesh, schedule, m, v).lower(params, head, x, t).compile().as_text()
+        # 1F1B's switch branches weighted by how often the schedule takes them (as explain() does).
+        weights = pipeline_branch_weights({"stages": 4, "microbatches": m, "schedule": schedule, "repeats": v})
+        over = [tr for tr in traffic_from_hlo(hlo, dict(mesh.shape), weights)
+                if tr.kind == "all-reduce" and "data" in tr.axes]
+        got = sum(tr.operand_bytes for tr in over)
+        rows.append(dict(schedule=schedule, v=v, m=m, all_reduce_data=got, ops=sum(tr.count for tr in over),
+                         stage_param_bytes=stage, head_bytes=head_bytes, per_stage=got / stage))
+    return rows
+
+
 def _time(fn, args, reps):
     jax.block_until_ready(fn(*args))
     best = float("inf")
@@ -165,6 +191,15 @@ def main():
         tab.add_column(col)
     for r in out["step_time"]:
         tab.add_row(r["schedule"], r["mesh"], str(r["m"]), f"{r['seconds'] * 1e3:.1f} ms", f"{r['relative']:.2f}x")
+    console.print(tab)
+
+    out["data_reduction"] = data_reduction()
+    tab = Table(title="(d) all-reduce over data per step, data=2,pipe=4 (one reduction ≈ stage W + head)")
+    for col in ("schedule", "m", "bytes", "ops", "stage W", "head", "bytes / stage W"):
+        tab.add_column(col)
+    for r in out["data_reduction"]:
+        tab.add_row(r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else ""), str(r["m"]), f"{r['all_reduce_data']:,}",
+                    f"{r['ops']:.0f}", f"{r['stage_param_bytes']:,}", f"{r['head_bytes']:,}", f"{r['per_stage']:.2f}")
     console.print(tab)
 
     path = pathlib.Path(__file__).resolve().parent / "results" / "pipeline.json"

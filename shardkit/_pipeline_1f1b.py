@@ -5,9 +5,16 @@ branches with ``lax.switch`` (idle, forward, backward, and the last stage's forw
 backward-through-loss), then two ppermutes move activations down and cotangents up the pipe.
 A backward recomputes its stage from the saved input (``jax.vjp``), so the only per-microbatch
 state is a ring of ``act_ring`` (<= p) stage inputs: memory does not grow with ``m``.
+
+With data axes (``data``, manual like the pipe axis) a device holds its rows of every
+microbatch; ``loss_fn`` is a mean over rows, so each local loss is seeded with
+``1 / (m · n_data)`` and the local gradients, accumulated over the whole scan, are ``psum``'d
+over data once after it (never per backward op).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,21 +37,24 @@ def _add(acc, d):
 
 
 def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb, rng, *,
-                      mesh, axis, p, m):
+                      mesh, axis, data, p, m):
     """Returns (mean loss, (d params_s, d loss_params, d x_mb)) for a 1F1B pipeline."""
-    from .pipeline import _put, _take, _varying
+    from .pipeline import _put, _row_spec, _take, _varying
 
     tab = sched.one_f_one_b_table(p, m)
     down = [(s, s + 1) for s in range(p - 1)]
     up = [(s + 1, s) for s in range(p - 1)]
+    n_data = math.prod(mesh.shape[a] for a in data)
+    everywhere = (axis, *data)
 
     def body(params_l, loss_params, x_mb, extras_mb, targets_mb, rng):
         stage = lax.axis_index(axis)
-        params_l = jax.tree.map(lambda a: a[0], params_l)  # (v=1, k, ...)
         # Varying before the switch: the transpose of an implicit invariant->varying cast is a
-        # psum, which must not end up inside a branch only some stages take.
-        loss_params, x_mb, extras_mb, targets_mb = _varying(
-            (loss_params, x_mb, extras_mb, targets_mb), axis)
+        # psum, which must not end up inside a branch only some stages take (nor, over data,
+        # inside the loop at all: the data reduction is the one psum after the scan).
+        params_l, loss_params, x_mb, extras_mb, targets_mb = _varying(
+            (jax.tree.map(lambda a: a[0], params_l), loss_params, x_mb, extras_mb, targets_mb),
+            everywhere)  # params_l: (v=1, k, ...)
         zero_h = jnp.zeros_like(x_mb[0])
         rows = tuple(jnp.asarray(a) for a in (tab.op, tab.mb, tab.act_slot, tab.grad_slot,
                                               tab.recv_act, tab.recv_grad))
@@ -80,7 +90,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
 
             def bwd_last(acc):
                 _, vjp = jax.vjp(lambda P_, LP, h: stage_loss(P_, LP, h, mb), params_l, loss_params, h)
-                d_p, d_l, d_h = vjp(_varying(jnp.float32(1.0 / m), axis))
+                d_p, d_l, d_h = vjp(_varying(jnp.float32(1.0 / (m * n_data)), everywhere))
                 return zero_h, d_h, _grads(acc, d_p, d_l, d_h)
 
             def _grads(acc, d_p, d_l, d_h):
@@ -98,20 +108,23 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
         acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
                jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
         init = _varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
-                         jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), axis)
+                         jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), everywhere)
         *_, (gp, gl, gx, loss) = lax.scan(tick, init, rows)[0]
+        if data:  # the one reduction over data per step
+            gp, gl, loss = lax.psum((gp, gl, loss), data)
         # Loss, loss_params grads and dx live on one stage each; psum broadcasts them.
-        loss, gl, gx = lax.psum((loss / m, gl, gx[:m]), axis)
+        loss, gl, gx = lax.psum((loss / (m * n_data), gl, gx[:m]), axis)
         gp = jax.tree.map(lambda a: a[None], gp)
         return loss, (gp, gl, gx)
 
-    spec = P(axis)
+    spec, row = P(axis), _row_spec(data)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
+    rows_of = lambda t: jax.tree.map(lambda _: row, t)  # noqa: E731
     loss, (gp, gl, gx) = jax.shard_map(
-        body, mesh=mesh, axis_names={axis},
-        in_specs=(jax.tree.map(lambda _: spec, params_s), rep(loss_params), P(), rep(extras_mb),
-                  rep(targets_mb), None if rng is None else P()),
-        out_specs=(P(), (jax.tree.map(lambda _: spec, params_s), rep(loss_params), P())),
+        body, mesh=mesh, axis_names={axis, *data},
+        in_specs=(jax.tree.map(lambda _: spec, params_s), rep(loss_params), row, rows_of(extras_mb),
+                  rows_of(targets_mb), None if rng is None else P()),
+        out_specs=(P(), (jax.tree.map(lambda _: spec, params_s), rep(loss_params), row)),
     )(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)
     cast = lambda d, a: d.astype(jnp.result_type(a))  # noqa: E731
     return loss, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))

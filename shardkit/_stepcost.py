@@ -42,9 +42,10 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
     equals the microbatch size is taken as sharded over the batch axes, one that equals a
     tensor-sharded weight dimension as sharded over ``tensor`` (a heuristic: activations
     follow the batch and the Megatron-split features). Inside ``sk.pipeline`` (``pipe``: its
-    trace note) the residuals leave the shard_map stacked over the pipe axis along their
-    first dimension (global shape, ``stages ×`` one device's), and their batch dimension is
-    the pipeline microbatch: both are divided out."""
+    trace note) the residuals leave the shard_map stacked over the pipe axis (and the manual data
+    axes) along their first dimension (global shape, ``stages × data ×`` one device's), and
+    their batch dimension is the pipeline microbatch (a device's rows of it when data is
+    manual): both are divided out."""
     try:
         from jax._src.ad_checkpoint import saved_residuals
     except ImportError:  # pragma: no cover - private API moved
@@ -72,10 +73,14 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
         nbytes = math.prod(aval.shape) * _itemsize(aval.dtype)
         shape = list(aval.shape)
         in_pipe = pipe is not None and "shard_map" in where
-        if in_pipe and shape and shape[0] % pipe["stages"] == 0:
-            nbytes /= pipe["stages"]
+        # Manual data axes stack GPipe/circular's residuals over them too, with a device's rows
+        # inside (1F1B's residuals are its gradients, which leave stacked over pipe only).
+        manual = (math.prod(sizes[a] for a in pipe.get("data_axes", ()))
+                  if in_pipe and pipe["schedule"] != "1f1b" else 1)
+        if in_pipe and shape and shape[0] % (pipe["stages"] * manual) == 0:
+            nbytes /= pipe["stages"] * manual
             shape = shape[1:]
-            if b_mb // pipe["microbatches"] in shape and n_data > 1:
+            if manual == 1 and b_mb // pipe["microbatches"] in shape and n_data > 1:
                 nbytes /= n_data
             if n_tensor > 1 and any(d in tensor_dims for d in shape):
                 nbytes /= n_tensor
@@ -273,10 +278,16 @@ def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wi
       m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
       input's). The input is taken as differentiable when the batch holds integer tokens
       (it then came from an embedding).
-    * ``grad-reduce`` over the data axes: XLA reduces the stage weights' gradient where it is
-      produced — every tick of the transposed scan (GPipe/circular, ticks × a layer group),
-      every backward op of 1F1B (m × the stage) — not once per step; params outside the
-      stacks once (1F1B: the loss params m times on the last stage, m/p per device).
+    * ``grad-reduce`` over the data axes: ``sk.pipeline`` makes the data axes manual and
+      reduces the stage weights' gradient once per pipeline call, after the loop, like the
+      params outside the stacks (1F1B: the loss params, in the same psum). A tied embedding
+      (integer-token batch, no separate head) is reduced twice: the input's cotangent leaves
+      the pipeline data-sharded and its lookup gradient is reduced apart from the head's.
+      When the data axes
+      stayed compiler-managed (the trace note's ``data_axes`` is empty: a pipeline with
+      ``rng``), XLA reduces it where it is produced instead — every tick of the transposed scan
+      (GPipe/circular, ticks × a layer group), every backward op of 1F1B (m × the stage) —
+      and 1F1B's loss params m times on the last stage (m/p per device).
 
     Returns the microbatch count to time the step with (the pipeline's).
     """
@@ -304,7 +315,12 @@ def _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wi
         col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
     counts["pipe-reduce"] = step_m
     if n_data > 1:
-        if sched_ == "1f1b":
+        if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
+            tied = has_dx and not any("head" in l.path for l in leaves)
+            embed = sum(c for c, l, s in zip(comp, leaves, piped) if tied and not s and "embed" in l.path)
+            col["grad-reduce"] = (stage + rest + embed) * bg * step_m
+            counts["grad-reduce"] = 2 * step_m
+        elif sched_ == "1f1b":
             col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
             counts["grad-reduce"] = (pm + 1) * step_m
         else:

@@ -5,8 +5,10 @@ identical layers (``stage_params`` leaves carry a leading ``L`` dimension) to ``
 layers split over the ``pipe`` axis and the batch split into ``m`` microbatches. The result
 always equals the un-pipelined ``for l in range(L): x = stage_fn(params[l], x)``.
 
-How it runs: a ``jax.shard_map`` that is manual over the pipe axis only, so data / fsdp /
-tensor axes stay under the compiler (pipelining composes with DP, ZeRO and TP). Every schedule
+How it runs: a ``jax.shard_map`` that is manual over the pipe axis and the *data axes* (the
+batch axes among ``replica``/``data``/``fsdp``: ``batch_axes=``, by default the active plan's),
+while ``tensor`` (and any other axis) stays under the compiler, so TP inside a stage works as
+before. Every schedule
 is a numpy table (``_pipeline_schedules``) with one row per tick; a ``lax.scan`` walks the rows,
 each device reads its own column, runs its layer group through ``lax.cond``/``lax.switch`` (an
 idle device skips the compute) and hands activations on with ``lax.ppermute``.
@@ -23,6 +25,27 @@ idle device skips the compute) and hands activations on with ``lax.ppermute``.
   custom backward only scales them by the incoming cotangent. A stage keeps at most ~p stage
   inputs in a ring buffer, whatever ``m``. Without differentiation the primal runs GPipe.
   Gradients never flow to ``extras`` or ``targets``.
+
+Why the data axes are manual: a stage's weight gradient is produced on every tick (GPipe,
+circular) or every backward op (1F1B). With data compiler-managed, XLA all-reduces it over data
+right where it is produced, inside the loop: ~m times the traffic of a data-parallel step.
+Manual data axes give each device its own rows of every microbatch (``in_specs``
+``P(None, data)`` on the microbatch rows) and the parameters replicated over data (ZeRO-1/2
+params are; ZeRO-3 shards are all-gathered by XLA at the shard_map boundary, once per step).
+The gradients then stay local in the loop and are reduced over data once, after it:
+
+* GPipe / circular: the body casts the stage weights to data-varying (``lax.pcast(...,
+  to="varying")``) once, before the scan; autodiff transposes that cast into ONE ``psum``
+  over data after the backward scan. (Left implicit, the cast would sit at the point of use,
+  inside the tick, and the psum with it.) The loss is computed outside the shard_map on the
+  merged output, so any ``loss_fn`` stays exact.
+* 1F1B: the custom_vjp forward accumulates local gradients over the scan and ``psum``s them
+  over data once. ``loss_fn`` runs on a device's rows of a microbatch, so it must be a mean
+  over the microbatch rows (as MSE / cross-entropy means are): the global loss is then the
+  mean of the local ones, and the backward seeds every local loss with ``1 / (m · n_data)``.
+
+Dropout-like layers (``rng``) keep the data axes compiler-managed (the old behaviour and the
+old traffic): a key drawn on a device's rows only would not reproduce the un-sharded masks.
 
 Memory note: GPipe (v = 1) keeps the stage weights once under autodiff; circular indexes its
 layer group per tick, and autodiff of that scan keeps a copy of the group's weights per tick
@@ -58,7 +81,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
              microbatches: int, schedule: str = "gpipe", repeats: int = 1, axis: str = "pipe",
              loss_fn: Callable[..., jax.Array] | None = None, loss_params: Any = None,
              targets: Any = None, extras: Any = None, rng: jax.Array | None = None,
-             remat: str = "none", mesh: Any = None) -> jax.Array:
+             remat: str = "none", mesh: Any = None,
+             batch_axes: str | tuple[str, ...] | None = None) -> jax.Array:
     """Runs a stack of layers as a pipeline over the ``axis`` mesh axis.
 
     Args:
@@ -84,6 +108,13 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             (save matmul outputs).
         mesh: the mesh; defaults to the ambient one (``jax.set_mesh``, as inside
             ``sk.train_step``).
+        batch_axes: mesh axes the batch of ``x`` is split over, made manual inside the
+            pipeline so the stage gradients are reduced over them once per step (see the
+            module docstring); ``()`` keeps them compiler-managed. Default: the active plan's
+            ``batch_axes`` (under ``sk.train_step``), else the mesh's ``replica``/``data``/
+            ``fsdp`` axes; only data-like axes of size > 1 other than ``axis`` count, and none
+            when ``rng`` is given. With data axes and ``"1f1b"``, ``loss_fn`` must be a mean
+            over the microbatch's rows.
 
     Returns:
         ``y`` shaped like ``x`` without ``loss_fn``; with it the mean over microbatches of
@@ -92,15 +123,18 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     Raises:
         ValueError: unknown schedule or remat, no mesh or ``axis`` not in it, too few
             microbatches, indivisible batch or layer count, a shape-changing ``stage_fn``,
-            or ``"1f1b"`` without ``loss_fn``.
+            ``"1f1b"`` without ``loss_fn``, or ``batch_axes`` naming non-data axes or given
+            with ``rng``.
     """
     mesh = _resolve_mesh(mesh, axis)
     p = mesh.shape[axis]
     m, v = microbatches, repeats
+    data = _data_axes(mesh, axis, batch_axes, rng)
     L = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                     extras, targets, rng)
     k = L // (p * v)
-    note("pipeline", {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis})
+    note("pipeline", {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
+                       "data_axes": data})
     chunk = _chunk_runner(stage_fn, k, m, p, extras is not None, rng, remat)
     # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
     # a plain reshape of the contiguous layer sharding.
@@ -109,8 +143,9 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     x_mb, extras_mb, targets_mb = _split(x, m), _split(extras, m), _split(targets, m)
     if schedule == "1f1b":
         return _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                            rng, mesh=mesh, axis=axis, p=p, m=m, remat=remat)
-    y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, p=p, m=m, v=v, remat=remat)
+                            rng, mesh=mesh, axis=axis, data=data, p=p, m=m, remat=remat)
+    y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v,
+                    remat=remat)
     if loss_fn is None:
         return _merge(y_mb)
     return _mean_loss(loss_fn, loss_params, y_mb, targets_mb)
@@ -128,6 +163,31 @@ def _resolve_mesh(mesh, axis):
                          f"(shape {dict(mesh.shape)}); add it, e.g. make_mesh('data=2,{axis}=4'), "
                          "or pass axis=<one of those>")
     return mesh
+
+
+def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:
+    """The data-like axes of size > 1 the batch is split over: made manual in the pipeline."""
+    if batch_axes is None:
+        if rng is not None:
+            return ()
+        from .plan import active_plan
+
+        plan = active_plan()
+        same = plan is not None and tuple(plan.mesh.axis_names) == tuple(mesh.axis_names)
+        batch_axes = plan.batch_axes if same else _BATCH_AXES
+    else:
+        batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+        bad = [a for a in batch_axes if a not in mesh.axis_names or a not in _BATCH_AXES or a == axis]
+        if bad:
+            raise ValueError(f"batch_axes {bad} must be data-like mesh axes {_BATCH_AXES} other than "
+                             f"the pipeline axis {axis!r}; the mesh has {dict(mesh.shape)}. Pass some "
+                             "of those, or () to keep the batch axes compiler-managed")
+        if batch_axes and rng is not None:
+            raise ValueError(f"batch_axes={batch_axes} with rng: a key drawn on a device's rows would "
+                             "not reproduce the un-sharded masks; leave batch_axes unset (or ()) "
+                             "when passing rng")
+    return tuple(a for a in mesh.axis_names
+                 if a in batch_axes and a in _BATCH_AXES and a != axis and mesh.shape[a] > 1)
 
 
 def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
@@ -238,12 +298,20 @@ def _WEIGHTS(a):
     return ad_checkpoint.checkpoint_name(a, _WEIGHTS_NAME)
 
 
-def _varying(tree, axis):
-    """Marks values as varying over ``axis`` (scan carries and switch inputs need it)."""
+def _varying(tree, axes):
+    """Marks values as varying over ``axes`` (scan carries and switch inputs need it)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
     def cast(a):
-        return a if axis in jax.typeof(a).mat.varying else lax.pcast(a, (axis,), to="varying")
+        missing = tuple(x for x in axes if x not in jax.typeof(a).mat.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(cast, tree)
+
+
+def _row_spec(data, lead=1):
+    """Spec of a (m, rows, ...) microbatch stack (``lead`` = dims before the rows)."""
+    return P(*([None] * lead), data) if data else P()
 
 
 def _take(tree, i):
@@ -254,7 +322,7 @@ def _put(buf, val, i):
     return lax.dynamic_update_index_in_dim(buf, val, i, 0)
 
 
-def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, p, m, v, remat):
+def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, data, p, m, v, remat):
     """GPipe / circular forward; returns y as (m, B/m, ...). Backward via autodiff."""
     tab = sched.forward_table(p, m, v)
     shift = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
@@ -265,8 +333,9 @@ def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, p, m, v, rema
 
     def body(params_l, x_mb, extras_mb, rng):
         stage = lax.axis_index(axis)
-        params_l = jax.tree.map(lambda a: a[0], params_l)  # (v, k, ...)
-        x_mb, extras_mb = _varying((x_mb, extras_mb), axis)
+        # Data-varying here, once: its transpose is the one psum over data after the loop.
+        params_l = _varying(jax.tree.map(lambda a: a[0], params_l), data)  # (v, k, ...)
+        x_mb, extras_mb = _varying((x_mb, extras_mb), (axis, *data))
         zero_h = jnp.zeros_like(x_mb[0])
         rows = tuple(jnp.asarray(a) for a in (tab.item, tab.loop_slot, tab.out_slot))
 
@@ -290,16 +359,16 @@ def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, p, m, v, rema
 
         bufs = jnp.zeros((m + 1,) + zero_h.shape, zero_h.dtype)
         loop_buf = bufs if v > 1 else jnp.zeros((), zero_h.dtype)
-        init = _varying((zero_h, loop_buf, bufs), axis)
+        init = _varying((zero_h, loop_buf, bufs), (axis, *data))
         _, _, out_buf = lax.scan(tick, init, rows)[0]
         return out_buf[None, :m]
 
-    spec = P(axis)
+    spec, rows = P(axis), _row_spec(data)
     out = jax.shard_map(
-        body, mesh=mesh, axis_names={axis},
-        in_specs=(jax.tree.map(lambda _: spec, params_s), P(), jax.tree.map(lambda _: P(), extras_mb),
+        body, mesh=mesh, axis_names={axis, *data},
+        in_specs=(jax.tree.map(lambda _: spec, params_s), rows, jax.tree.map(lambda _: rows, extras_mb),
                   None if rng is None else P()),
-        out_specs=spec)(params_s, x_mb, extras_mb, rng)
+        out_specs=P(axis, None, data) if data else spec)(params_s, x_mb, extras_mb, rng)
     return out[p - 1]  # only the last stage's buffer holds the outputs
 
 
@@ -310,19 +379,20 @@ def _zero_cotangent(a):
 
 
 def _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb, rng, *,
-                 mesh, axis, p, m, remat):
+                 mesh, axis, data, p, m, remat):
     from ._pipeline_1f1b import one_f_one_b_grads
 
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                          (extras_mb, targets_mb, rng))
 
     def primal(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, p=p, m=m, v=1, remat=remat)
+        y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=1,
+                        remat=remat)
         return _mean_loss(loss_fn, loss_params, y_mb, targets_mb)
 
     def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
         loss, grads = one_f_one_b_grads(_remat(chunk, remat), loss_fn, params_s, loss_params, x_mb, extras_mb,
-                                        targets_mb, rng, mesh=mesh, axis=axis, p=p, m=m)
+                                        targets_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
         return loss, grads
 
     def bwd(grads, g):
