@@ -47,6 +47,8 @@ class ModelShape:
         seq: tokens per example.
         act_bytes_per_token: saved activation bytes per token per layer, overriding
             Korthikanti's formula (for non-transformer models).
+        tie: the embedding doubles as the output head (its gradient has two parts, which
+            ``sk.pipeline`` reduces apart: the head's inside, the lookup's outside).
     """
 
     name: str
@@ -60,6 +62,7 @@ class ModelShape:
     vocab: int = 0
     seq: int = 1
     act_bytes_per_token: float | None = None
+    tie: bool = False
 
 
 def model_shape(model: Any, *, flops_per_token: float | None = None, seq: int | None = None) -> ModelShape:
@@ -108,7 +111,8 @@ def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
     # Training flops per token: 6 x matmul weights + attention 12·L·H·Q·T (PaLM, app. B).
     n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * V
     fpt = 6.0 * n_matmul + 12.0 * L * H * Q * T
-    return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T)
+    return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
+                      tie=bool(tie))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +234,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     m microbatches alive (GPipe) or p (1F1B). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
-    vocab-parallel embedding/head; pipelines one activation permute per tick each way.
+    vocab-parallel embedding/head; pipelines: see ``_pipeline_collectives`` (one gradient
+    reduction over data per step, not per microbatch).
     Step time: ``_steptime.times`` with the hardware's ``Efficiency`` (not a pure roofline).
 
     Args:
@@ -290,12 +295,15 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     tokens_mb = b * T
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
+    # A pipeline reduces (and, sharded, gathers) the weights once per step: its shard_map is
+    # manual over the data axes, so gradients stay local in the loop (``sk.pipeline``).
+    per_step = 1 if lo.pipe > 1 else m
     if replicas > 1:
-        col["grad-reduce"] = m * p_dev * bg / (lo.fsdp if lo.zero < 2 else 1) * (lo.fsdp if lo.zero < 2 else 1)
-        counts["grad-reduce"] = m * max(L_dev, 1)
+        col["grad-reduce"] = per_step * p_dev * bg
+        counts["grad-reduce"] = per_step * max(L_dev, 1) if lo.pipe == 1 else 2
         if sharded:
-            col["param-gather"] = 2 * m * p_dev * bc
-            counts["param-gather"] = 2 * m * max(L_dev, 1)
+            col["param-gather"] = 2 * per_step * p_dev * bc
+            counts["param-gather"] = 2 * per_step * max(L_dev, 1)
         elif lo.zero in (1, 2):
             col["param-gather"] = p_dev * bp
             counts["param-gather"] = 1
@@ -307,15 +315,51 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             col["tensor-gather"] = col["tensor-reduce"]
             counts["tensor-gather"] = n_red
     if lo.pipe > 1:
-        ticks = lo.repeats * m + lo.pipe - 1
-        col["pipe-permute"] = 2 * ticks * tokens_mb * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1)
-        counts["pipe-permute"] = 2 * ticks
+        _pipeline_collectives(col, counts, ms, lo, p_layers, p_dev - p_layers, tokens_mb, bc, bg,
+                              replicas)
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
     flops = model_flops * recompute
     limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
     t = times(col, counts, flops, hw, lo, efficiency, model_efficiency)
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
+
+
+def _pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float, rest: float,
+                          tokens_mb: float, bc: int, bg: int, replicas: int) -> None:
+    """``sk.pipeline``'s traffic per device per step, as ``_stepcost._pipeline_traffic`` counts it
+    leaf by leaf (elements: ``stage`` the device's layer weights, ``rest`` the others).
+
+    Two activation permutes per tick of the schedule table (forward and its transpose; 1F1B's
+    table has 2(m + p − 1) ticks), + the last stage's m outputs and their cotangent (GPipe,
+    circular); the pipe-axis psums of the outputs (and, with an embedding in front, the input's
+    cotangent) or, 1F1B, of the loss params' gradients; circular's stage-major relayout of the
+    weights and their gradients (one all-to-all for p = 2, + a permute beyond); and the one
+    gradient reduction over data per step (a tied embedding's two parts apart). Activations
+    cross the pipe in f32, as the recipe's pipeline carries them; sequence parallelism shards
+    them over ``tensor``."""
+    from ._stepcost import pipeline_ticks
+
+    p, m, v = lo.pipe, lo.microbatches, lo.repeats
+    note = {"stages": p, "microbatches": m, "repeats": v, "schedule": lo.schedule}
+    ticks = pipeline_ticks(note)
+    act_mb = tokens_mb * ms.d_model * 4 / (lo.tensor if lo.sequence_parallel else 1)
+    has_dx = ms.vocab > 0  # token ids in: the input's cotangent flows back to the embedding
+    col["pipe-permute"] = 2 * ticks * act_mb
+    counts["pipe-permute"] = 2 * ticks
+    if lo.schedule != "1f1b":
+        col["pipe-permute"] += 2 * m * act_mb
+        counts["pipe-permute"] += 2
+        if v > 1:
+            hops = 1 if p == 2 else 2
+            col["pipe-relayout"] = 2 * stage * bc * hops
+            counts["pipe-relayout"] = 2 * hops
+        col["pipe-reduce"] = m * act_mb * (2 if has_dx else 1)
+    else:
+        col["pipe-reduce"] = rest * bg + (m * act_mb if has_dx else 0.0)
+    counts["pipe-reduce"] = 1
+    if replicas > 1 and ms.tie and has_dx:
+        col["grad-reduce"] += ms.vocab * ms.d_model / lo.tensor * bg
 
 
 def _activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:

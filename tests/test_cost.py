@@ -9,6 +9,8 @@ Pipelines (GPipe, circular, 1F1B on pipe=4 and data=2,pipe=4): state bytes and e
 collective within 10%; peak memory within 25% (measured 0.80-0.91: XLA:CPU's in-loop working set).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -202,6 +204,39 @@ def test_transformer_estimate_matches_compiled(name):
     report = step.explain(state, {"inputs": tokens, "targets": tokens})
     _check(report, EXACT + COLLECTIVES + PIPE_COLLECTIVES)
     _check(report, ("memory/peak",), tol=0.25 if "tensor" in lo.mesh or "pipe" in lo.mesh else TOL)
+
+
+@pytest.mark.parametrize("name", ["pp_gpipe", "pp_circular", "pp_1f1b"])
+def test_analytic_pipeline_estimate_matches_the_step_estimate(name):
+    """``sk.search``'s analytic ``estimate`` and the leaf-by-leaf step estimate count a
+    pipeline's traffic alike: one gradient reduction over data per step (not m), circular's
+    stage-major relayout, the permutes per schedule tick and the pipe psums."""
+    from flax import nnx
+
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import LAYOUTS, make_plan
+    from models.transformer.model import PipelineSpec, Transformer, loss_fn
+
+    cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
+    lo = LAYOUTS[name]
+    mesh = sk.make_mesh(lo.mesh)
+    plan = make_plan(mesh, cfg, zero=lo.zero, vocab_parallel=lo.vocab_parallel)
+    pipe = PipelineSpec(4, lo.schedule, lo.repeats)
+    step = sk.train_step(plan, optax.adam(1e-3))(lambda model, batch: loss_fn(model, batch, pipe))
+    state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((16, cfg.seq), jnp.int32)
+    by_step = cost.estimate_for_step(step, state, {"inputs": tokens, "targets": tokens},
+                                     pipeline=(4, lo.schedule, lo.repeats))
+    layout = cost.Layout(data=mesh.shape["data"], pipe=mesh.shape["pipe"], zero=lo.zero, microbatches=4,
+                         schedule=lo.schedule, repeats=lo.repeats)
+    analytic = cost.estimate(cfg, layout, "h100", global_batch=16, precision="fp32")
+    for role in ("grad-reduce", "param-gather", "pipe-permute", "pipe-reduce", "pipe-relayout"):
+        assert analytic.collectives[role] == pytest.approx(by_step.collectives[role], rel=0.02), role
+    assert analytic.collectives["grad-reduce"] > 0
+    assert (analytic.collectives["pipe-relayout"] > 0) == (lo.schedule == "circular")
+    more = cost.estimate(cfg, dataclasses.replace(layout, microbatches=8), "h100", global_batch=32,
+                         precision="fp32")
+    assert more.collectives["grad-reduce"] == analytic.collectives["grad-reduce"]  # once per step
 
 
 # ---- pipelines (sk.pipeline's trace note drives the estimate) --------------------------------
