@@ -15,6 +15,9 @@ from flax import struct
 class Precision:
     """Dtypes of a training run.
 
+    Matmuls in a 16-bit compute dtype accumulate in f32: XLA does so on GPUs and TPUs by
+    default; on CPU pass ``preferred_element_type=jnp.float32`` to the dot (the recipes do).
+
     Attributes:
         params: master parameters (what the optimizer updates and checkpoints hold).
         compute: parameters and float inputs are cast to this before the loss runs.

@@ -318,3 +318,24 @@ def test_abstract_state_matches_init_without_allocating():
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     same = jax.tree.map(lambda a, r: (a.shape, a.dtype, a.sharding.spec) == (r.shape, r.dtype, r.sharding.spec), abstract, real)
     assert all(jax.tree.leaves(same))
+
+
+def test_fp16_scale_grows_after_growth_interval_finite_steps():
+    prec = sk.Precision(compute=jnp.float16, loss_scaling=True, init_scale=8.0, growth_interval=2)
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision=prec)
+    step = sk.train_step(plan, optax.sgd(1e-2))(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2))
+    state = step.init({"w": jnp.zeros((D, D))})
+    scales = []
+    for batch in batches(4):
+        state, m = step(state, batch)
+        scales.append(float(m["loss_scale"]))
+    assert scales == [8.0, 8.0, 16.0, 16.0]  # doubled after 2 finite steps, then counting again
+    assert float(state.loss_scale.scale) == 32.0
+
+
+def test_bf16_pure_keeps_params_and_optimizer_state_in_bf16(reference):
+    losses, state, _ = train("data=2,fsdp=2,tensor=2", zero=1, precision="bf16-pure")
+    assert state.params["w1"].dtype == jnp.bfloat16
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert losses[-1] < 0.7 * losses[0]
+    np.testing.assert_allclose(losses, reference[0], rtol=5e-2)  # bf16 masters drift further
