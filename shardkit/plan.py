@@ -300,10 +300,9 @@ class Plan:
     # ---- presentation -------------------------------------------------------------------------
 
     def describe(self, model):
-        """A ``rich`` table: each leaf's path, shape, spec, per-device shape and deciding rule."""
-        from rich.table import Table
-
-        t = Table(title=f"{self} — per-leaf sharding")
+        """A table of each leaf's path, shape, spec, per-device shape and deciding rule (a
+        ``rich`` Table; ``print()`` renders it as text, notebooks as HTML)."""
+        t = _Table(title=f"{self} — per-leaf sharding")
         for col in ("path", "shape", "dtype", "spec", "per device", "source"):
             t.add_column(col)
         for l in self.leaf_layouts(model):
@@ -314,6 +313,31 @@ class Plan:
     def __repr__(self) -> str:
         axes = ",".join(f"{n}={s}" for n, s in self.mesh.shape.items())
         return f"Plan(mesh='{axes}', zero={self.zero}, precision={self.precision.name!r}, batch_axes={self.batch_axes})"
+
+
+try:
+    from rich.table import Table as _RichTable
+except ImportError:  # pragma: no cover - rich ships with flax
+    _RichTable = object
+
+
+class _Table(_RichTable):
+    """A ``rich`` table that also prints as text with plain ``print`` and renders in notebooks."""
+
+    def _export(self, html: bool) -> str:
+        import io
+
+        from rich.console import Console
+
+        console = Console(file=io.StringIO(), width=160, record=True)
+        console.print(self)
+        return console.export_html(inline_styles=True) if html else console.export_text()
+
+    def __str__(self) -> str:
+        return self._export(html=False)
+
+    def _repr_html_(self) -> str:
+        return self._export(html=True)
 
 
 def _key(k):
