@@ -92,7 +92,7 @@ def array_layout(shape: Sequence[int], spec, mesh: Mesh, *, title: str | None = 
     if len(shape) > 1:
         ax.set_ylabel(f"dim {len(shape) - 2} ({shape[-2]}) — {spec[len(shape) - 2] if len(spec) >= len(shape) - 1 else None}")
     mesh_txt = ", ".join(f"{n}={s}" for n, s in mesh.shape.items())
-    ax.set_title(title or f"array {shape} with spec {spec} on mesh ({mesh_txt})", fontsize=10)
+    ax.set_title(title or f"array {shape}, spec {spec}\non mesh ({mesh_txt})", fontsize=10)
     return fig
 
 
