@@ -312,8 +312,12 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         col["tensor-reduce"] = n_red * tokens_mb * ms.d_model * bc
         counts["tensor-reduce"] = n_red
         if lo.sequence_parallel:
-            col["tensor-gather"] = col["tensor-reduce"]
-            counts["tensor-gather"] = n_red
+            # Each layer's 2 TP regions: an all-gather before (forward), its transpose and a
+            # re-gather of the saved sequence shard for the weight gradients (backward)
+            # (Korthikanti et al. 2022, sec. 4.2.2); + the head's input.
+            n_gather = m * (6 * L_dev + 1)
+            col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
+            counts["tensor-gather"] = n_gather
     if lo.pipe > 1:
         _pipeline_collectives(col, counts, ms, lo, p_layers, p_dev - p_layers, tokens_mb, bc, bg,
                               replicas)

@@ -162,8 +162,19 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     tok_dev_mb = tokens / n_data / m
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
+    has_head = any("head" in l.path for l in leaves)
+    has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
+    # The table that token ids are looked up in; tied when no separate head leaf exists.
+    lookup = [not s and len(l.shape) == 2 and "embed" in l.path and has_dx for l, s in zip(leaves, stacked)]
+    seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
+    sp = any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1 for a in seq_rule)
     if n_data > 1:
-        col["grad-reduce"] = m * g_comp
+        col["grad-reduce"] = m * _grad_reduce_elems(leaves, comp, lay.zero_specs if zero >= 2 else
+                                                    [l.spec for l in leaves], data_axes, sizes) * bg
+        # A tied embedding's two gradients (output head, lookup's scatter-add) are reduced
+        # apart; under sequence parallelism the lookup ran on the whole (gathered) table.
+        col["grad-reduce"] += m * bg * sum((math.prod(l.shape) if sp else c)
+                                           for l, c, t in zip(leaves, comp, lookup) if t and not has_head)
         counts["grad-reduce"] = m * L
         if fsdp:  # gathered for the forward and again for the backward, every microbatch
             col["param-gather"] = 2 * m * sum(c for s, c in zip(stored, comp) if s < c) * wire
@@ -171,8 +182,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         elif zero in (1, 2):
             col["param-gather"] = sum(f for f, z in zip(full, zshard) if z < f) * bp
             counts["param-gather"] = 1
-    has_head = any("head" in l.path for l in leaves)
-    for l, s in zip(leaves, stacked):
+    act_bytes = tok_dev_mb * width * wire
+    for l, s, t in zip(leaves, stacked, lookup):
         # One all-reduce of (tokens × width) per use of a tensor-sharded weight: the output of
         # a row-parallel one (forward), the input gradient of a column-parallel one (backward)
         # (Megatron; XLA does not merge the q/k/v or gate/up input-gradient reductions). A tied
@@ -184,9 +195,30 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         stack = l.shape[0] if s else 1
         if pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0]):
             stack = _pipelined_uses(pipe, stack)
-        uses = 2 if (not s and len(l.shape) == 2 and dims[0] == 0 and "embed" in l.path and not has_head) else 1
-        col["tensor-reduce"] += uses * m * stack * tok_dev_mb * width * wire
+        vocab_lookup = t and dims[0] == 0
+        uses = 2 if (vocab_lookup and not has_head) else 1
+        if sp and vocab_lookup:
+            # Sequence parallel (Korthikanti et al. 2022): tokens are split over ``tensor``, so
+            # the lookup gathers the whole table and its gradient is reduced over ``tensor``
+            # at full size (no activation all-reduce); a tied head still reduces its input grad.
+            uses -= 1
+            col["tensor-gather"] += m * math.prod(l.shape) * bp
+            col["tensor-reduce"] += m * math.prod(l.shape) * bg
+            counts["tensor-gather"] += m
+            counts["tensor-reduce"] += m
+        col["tensor-reduce"] += uses * m * stack * act_bytes
         counts["tensor-reduce"] += uses * m * stack
+        if sp and s and l.shape[-1] == width and not vocab_lookup:
+            # Each TP region closes with a row-parallel weight (output into the residual
+            # stream, last dim = width). SP turns the region's all-reduces into reduce-scatters
+            # (counted above, bytes reduced) + all-gathers: one before the region (forward),
+            # its transpose (backward), and a re-gather of the saved sequence-sharded input
+            # for the weight gradients (Korthikanti et al. 2022, sec. 4.2.2): 3 per region.
+            col["tensor-gather"] += 3 * m * stack * act_bytes
+            counts["tensor-gather"] += 3 * m * stack
+    if sp and (has_head or any(lookup)):
+        col["tensor-gather"] += m * act_bytes  # the head's input, gathered off the sequence shards
+        counts["tensor-gather"] += m
     p = pipe["stages"] if pipe else 1
     if pipe:
         m = _pipeline_traffic(col, counts, pipe, leaves, comp, stacked, tokens / n_data / m * width,
@@ -204,6 +236,21 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     n_dev = mesh.devices.size
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev)
+
+
+def _grad_reduce_elems(leaves, comp, grad_specs, data_axes, sizes) -> float:
+    """Gradient elements reduced over the data axes, counted as bytes reduced (``sk.Report``).
+
+    A leaf whose gradient ends sharded over some data axes but replicated over others (FSDP
+    beside plain DP, ZeRO < 2) is reduced in two steps: a reduce-scatter of the full gradient
+    over its sharding axes, then an all-reduce of the shard over the rest (XLA partitions it so)."""
+    total = 0.0
+    for l, c, gs in zip(leaves, comp, grad_specs):
+        on = {a for e in gs for a in entry_axes(e)} & set(data_axes)
+        shards = math.prod(sizes[a] for a in on)
+        rest = [a for a in data_axes if a not in on]
+        total += c + (c / shards if shards > 1 and rest else 0.0)
+    return total
 
 
 def _pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
