@@ -172,7 +172,8 @@ class Estimate:
             ``batch``, ``arguments``, ``temporaries``, ``peak``.
         collectives: bytes by role (``grad-reduce``, ``param-gather``, ``tensor-reduce``,
             ``tensor-gather``, ``pipe-permute``), counted as ``sk.Report`` counts them.
-        flops: executed flops (with recomputation); ``model_flops``: the useful ones.
+        flops: executed flops (with recomputation, and a GPipe/circular pipeline's idle ticks,
+            which compute too); ``model_flops``: the useful ones.
         time: seconds by part: ``compute`` (at the hardware's achievable matmul efficiency),
             one entry per collective role (its full time), ``bubble``, ``exposed`` (the
             communication left on the critical path) and ``step`` = compute + bubble + exposed
@@ -323,9 +324,20 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
                               replicas)
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
-    flops = model_flops * recompute
+    flops = busy = model_flops * recompute
+    if lo.pipe > 1 and lo.schedule != "1f1b" and ms.layer_params:
+        # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
+        # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
+        # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
+        from ._stepcost import pipeline_ticks
+
+        head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
+        layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
+        note = {"stages": lo.pipe, "microbatches": m, "repeats": lo.repeats, "schedule": lo.schedule}
+        extra = pipeline_ticks(note) / (lo.repeats * m) - 1
+        flops = busy * (1 + extra * layer_share)
     limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
-    t = times(col, counts, flops, hw, lo, efficiency, model_efficiency)
+    t = times(col, counts, busy, hw, lo, efficiency, model_efficiency)
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
 
 

@@ -221,10 +221,12 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
     return [Traffic(k, a, s, round(c), round(b), round(o)) for (k, a, s), (c, b, o) in acc.items()]
 
 
-def matmul_flops_from_hlo(hlo: str) -> float:
+def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None) -> float:
     """Flops of every ``dot`` (2 × result elements × contracted size), counted through loop
-    trip counts — XLA's ``cost_analysis`` counts a ``while`` body once."""
-    comps, mult = _walk(hlo)
+    trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
+    weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
+    runs one of its switch's branches, not all of them)."""
+    comps, mult = _walk(hlo, branch_weights)
     total = 0.0
     for name, lines in comps.items():
         m = mult.get(name, 0)

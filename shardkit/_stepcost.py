@@ -226,13 +226,23 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
-    flops = fpt * (matmul / total if total else 1.0) * tokens / n_data
+    flops = busy = fpt * (matmul / total if total else 1.0) * tokens / n_data
+    if pipe and pipe["schedule"] != "1f1b" and matmul:
+        # GPipe/circular ticks run every device's layer group, idle ones too (on garbage the
+        # schedule then discards), so the program executes ticks/(v·m) × the stage's matmuls.
+        # 1F1B's idle/forward/backward switch runs one branch a tick: no extra flops. The step
+        # time is timed on the busy flops; the bubble (``times``) stands for the idle ticks.
+        axis = pipe.get("axis", "pipe")
+        staged = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2 and l.spec
+                     and axis in entry_axes(l.spec[0]))
+        extra = pipeline_ticks(pipe) / (pipe.get("repeats", 1) * pipe["microbatches"]) - 1
+        flops = busy * (1 + extra * staged / matmul)
     hw = _hardware(hardware, mesh)
     layout = Layout(data=math.prod(sizes[a] for a in ("replica", "data") if a in sizes),
                     fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=p, zero=zero,
                     microbatches=m, schedule=pipe["schedule"] if pipe else "gpipe",
                     repeats=pipe["repeats"] if pipe else 1)
-    t = times(col, counts, flops, hw, layout)
+    t = times(col, counts, busy, hw, layout)
     n_dev = mesh.devices.size
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev)

@@ -176,8 +176,8 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     With ``mesh`` the collectives are also attributed to mesh axes (``Report.traffic``).
     ``pipeline`` (``sk.pipeline``'s trace note) names the pipe axis, and for 1F1B weights the
     branches of its per-tick ``lax.switch`` by how often the schedule table takes each
-    (averaged over stages), so collectives inside a backward branch count m times, not once
-    per tick.
+    (averaged over stages), so collectives and matmuls inside a backward branch count m times,
+    not once per tick.
     """
     weights = _pipeline_branch_weights(pipeline) if pipeline else None
     mem = dict(memory or {})
@@ -194,7 +194,7 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     hlo = compiled.as_text()
     traffic = traffic_from_hlo(hlo, dict(mesh.shape), weights) if mesh is not None else []
     return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
-                  matmul_flops=matmul_flops_from_hlo(hlo), data_axes=tuple(data_axes),
+                  matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
                   pipe_axis=(pipeline or {}).get("axis"))
 
 
