@@ -367,6 +367,18 @@ class Checkpointer:
             raise self._corrupt(step, e) from e
         return out.state
 
+    def resume(self, plan: Plan, like, *, shardings=None) -> tuple[Any, dict | None]:
+        """The newest checkpoint restored onto ``plan`` and its ``extra``, read from the same
+        step; ``(like, None)`` when the directory holds none yet (a first run).
+
+        Raises:
+            CheckpointError: as ``restore``.
+        """
+        step = self.latest_step()
+        if step is None:
+            return like, None
+        return self.restore(plan, like, step, shardings=shardings), self.extra(step)
+
     def extra(self, step: int | None = None) -> dict:
         """The ``extra`` dict saved with checkpoint ``step`` (default: the latest)."""
         mngr, step = self._require_step(step)

@@ -280,3 +280,23 @@ def test_restore_into_abstract_state_without_allocating(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored.params["w"]), saved_w)
     _, metrics = step3(restored, batch)
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_resume_returns_like_when_empty_and_latest_with_extra(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import shardkit as sk
+
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda p, b: jnp.mean(b["x"] @ p["w"]))
+    state = step.init({"w": jnp.ones((4, 1))})
+    ckpt = sk.Checkpointer(tmp_path)
+    same, extra = ckpt.resume(plan, like=state)
+    assert same is state and extra is None
+    state, _ = step(state, {"x": np.ones((8, 4), np.float32)})
+    ckpt.save(state, step=1, extra={"data": {"offset": 8}})
+    ckpt.wait()
+    restored, extra = ckpt.resume(plan, like=state)
+    assert extra == {"data": {"offset": 8}} and int(restored.step) == 1

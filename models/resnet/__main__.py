@@ -126,12 +126,11 @@ def _train(args: argparse.Namespace) -> int:
     state = init_state(step, cfg, args.seed)
     ckpt = sk.Checkpointer(args.checkpoint_dir, keep=3) if args.checkpoint_dir else None
     start, position = 0, None
-    if args.resume:
-        if ckpt.latest_step() is None:
+    if args.resume:  # whatever mesh / ZeRO stage it was saved with, onto this plan
+        state, extra = ckpt.resume(plan, like=state)
+        if extra is None:
             console.print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
-        else:  # whatever mesh / ZeRO stage it was saved with, onto this plan
-            state = ckpt.restore(plan, like=state)
-            extra = ckpt.extra()
+        else:
             start, position = extra["step"], extra["data"]
             console.print(f"resumed from step {start} of {ckpt.directory}")
     if args.show_layout:
