@@ -77,7 +77,7 @@ def main() -> None:
             "zero": zero, "params": psi, "images_per_s": a.batch / dt, "step_s": dt,
             "init_s": t_init, "compile_s": t_compile, "loss": float(m["loss"]),
             "state_bytes": sum(held.values()), "state_parts": held, "formula_bytes": formula,
-            "peak_bytes": mem.get("peak"), "temp_bytes": mem.get("temp"),
+            "peak_bytes": mem.get("peak"), "temp_bytes": mem.get("temporaries"),
         })
         console.print(f"ZeRO-{zero}: {a.batch / dt:.2f} images/s, state {held}, peak {mem.get('peak')}")
     base = rows[0]

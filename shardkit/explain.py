@@ -169,6 +169,20 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def compiled_memory(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program from XLA's ``memory_analysis()``: ``arguments``,
+    ``outputs``, ``aliased`` (donated), ``temporaries`` and ``peak`` = arguments + outputs −
+    aliased + temporaries (XLA's buffer assignment, not a measured high-water mark); ``{}``
+    where the backend reports nothing."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    args, outs = ma.argument_size_in_bytes, ma.output_size_in_bytes
+    alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
+    return {"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp,
+            "peak": args + outs - alias + temp}
+
+
 def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None,
                          mesh=None, data_axes: tuple[str, ...] = (), pipeline: dict | None = None) -> Report:
     """A ``Report`` for any compiled JAX program (``jax.jit(f).lower(...).compile()``).
@@ -180,13 +194,7 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     not once per tick.
     """
     weights = _pipeline_branch_weights(pipeline) if pipeline else None
-    mem = dict(memory or {})
-    ma = compiled.memory_analysis()
-    if ma is not None:
-        args, outs = ma.argument_size_in_bytes, ma.output_size_in_bytes
-        alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
-        mem.update(arguments=args, outputs=outs, aliased=alias, temporaries=temp,
-                   peak=args + outs - alias + temp)
+    mem = {**(memory or {}), **compiled_memory(compiled)}
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}

@@ -15,6 +15,7 @@ import jax
 
 import shardkit as sk
 
+from ..checkpointing import open_and_resume
 from . import data
 from .config import DEPTHS, STEMS, Config
 from .train import OPTIMIZERS, Evaluator, compiled_memory, init_state, make_optimizer, make_plan, make_step, state_bytes_per_device
@@ -124,15 +125,7 @@ def _train(args: argparse.Namespace) -> int:
                   f"{ds.name} {ds.image_shape}, {ds.num_classes} classes, batch {args.batch}")
     t0 = time.perf_counter()
     state = init_state(step, cfg, args.seed)
-    ckpt = sk.Checkpointer(args.checkpoint_dir, keep=3) if args.checkpoint_dir else None
-    start, position = 0, None
-    if args.resume:  # whatever mesh / ZeRO stage it was saved with, onto this plan
-        state, extra = ckpt.resume(plan, like=state)
-        if extra is None:
-            console.print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
-        else:
-            start, position = extra["step"], extra["data"]
-            console.print(f"resumed from step {start} of {ckpt.directory}")
+    ckpt, state, start, position = open_and_resume(args.checkpoint_dir, args.resume, plan, state, console)
     if args.show_layout:
         console.print(plan.describe(step.model(state)))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -142,7 +135,7 @@ def _train(args: argparse.Namespace) -> int:
     per_dev = state_bytes_per_device(state)
     console.print(f"{n_params / 1e6:.2f}M parameters; init + compile {time.perf_counter() - t0:.1f}s")
     console.print("per-device memory: " + ", ".join(f"{k} {_mib(v)}" for k, v in per_dev.items())
-                  + (f"; compiled step: peak {_mib(mem['peak'])} (temp {_mib(mem['temp'])})" if mem else ""))
+                  + (f"; compiled step: peak {_mib(mem['peak'])} (temp {_mib(mem['temporaries'])})" if mem else ""))
 
     evaluator = Evaluator(step) if ds.test is not None else None
     out = open(args.metrics_out, "w") if args.metrics_out and sk.distributed.is_main() else None

@@ -18,6 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import shardkit as sk
+from shardkit import explain
+from shardkit.explain import shard_bytes
 
 from .config import Config
 from .model import ResNet
@@ -137,29 +139,12 @@ class Evaluator:
 
 
 def state_bytes_per_device(state: sk.TrainState) -> dict[str, int]:
-    """Persistent bytes one device holds, by part (``params``, ``opt_state``, ``model_state``).
-
-    Reads each leaf's sharding (the per-device shard shape), so it is exact for the layout.
-    """
-    def nbytes(tree) -> int:
-        total = 0
-        for x in jax.tree.leaves(tree):
-            shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape
-            total += math.prod(shape) * x.dtype.itemsize
-        return total
-    return {"params": nbytes(state.params), "opt_state": nbytes(state.opt_state),
-            "model_state": nbytes(state.model_state)}
+    """Persistent bytes one device holds, by part (``params``, ``opt_state``, ``model_state``),
+    from each leaf's per-device shard shape."""
+    return {part: shard_bytes(getattr(state, part)) for part in ("params", "opt_state", "model_state")}
 
 
 def compiled_memory(step: sk.TrainStep, state: sk.TrainState, batch: dict) -> dict[str, int]:
-    """Per-device memory of the compiled step from XLA's ``memory_analysis``.
-
-    ``peak`` = arguments + outputs − donated aliases + temporaries (XLA's own estimate of
-    the live set; on CPU it is the buffer assignment, not a measured high-water mark).
-    """
-    mem = step.lower(state, batch).compile().memory_analysis()
-    if mem is None:
-        return {}
-    out = {k: int(getattr(mem, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
+    """Per-device memory of the compiled step (``peak``, ``temporaries``, ...: see
+    ``shardkit.explain.compiled_memory``)."""
+    return explain.compiled_memory(step.lower(state, batch).compile())

@@ -15,6 +15,7 @@ import time
 
 import shardkit as sk
 
+from ..checkpointing import open_and_resume
 from . import data as data_lib
 from .config import SIZES, Config
 
@@ -213,15 +214,7 @@ def _run(args) -> int:
     console.print(f"model: {cfg}")
     console.print(data_lib.describe(train_tokens, val_tokens, data_name))
     state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)), seed=args.seed)
-    ckpt = sk.Checkpointer(args.checkpoint_dir, keep=3) if args.checkpoint_dir else None
-    start, position = 0, None
-    if args.resume:  # whatever mesh / ZeRO stage it was saved with, onto this plan
-        state, extra = ckpt.resume(plan, like=state)
-        if extra is None:
-            console.print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
-        else:
-            start, position = extra["step"], extra["data"]
-            console.print(f"resumed from step {start} of {ckpt.directory}")
+    ckpt, state, start, position = open_and_resume(args.checkpoint_dir, args.resume, plan, state, console)
     if not args.quiet:
         console.print(plan.describe(step.model(state)))
 
@@ -311,22 +304,16 @@ def _batch_sharding(plan):
 
 
 def _memory_line(state, compiled, compile_s: float) -> str:
-    """Per-device persistent state (exact, from the shards on device 0) and the compiled
-    step's temporaries."""
-    import jax
-
-    dev = jax.devices()[0]
-
-    def on_dev(tree):
-        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-                   if s.device == dev)
+    """Per-device persistent state (exact, from the shard shapes) and the compiled step's
+    temporaries."""
+    from shardkit.explain import compiled_memory, shard_bytes
 
     mib = 1 / 2**20
-    params, opt = on_dev(state.params) * mib, on_dev(state.opt_state) * mib
-    line = f"per-device memory: params {params:.2f} MiB + optimizer state {opt:.2f} MiB"
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        line += f" + step temporaries {getattr(mem, 'temp_size_in_bytes', 0) * mib:.2f} MiB"
+    line = (f"per-device memory: params {shard_bytes(state.params) * mib:.2f} MiB + optimizer state "
+            f"{shard_bytes(state.opt_state) * mib:.2f} MiB")
+    mem = compiled_memory(compiled)
+    if mem:
+        line += f" + step temporaries {mem['temporaries'] * mib:.2f} MiB"
     return line + f"  (step compiled in {compile_s:.1f} s)"
 
 
