@@ -65,7 +65,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import ad_checkpoint, lax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import _pipeline_schedules as sched
@@ -143,9 +143,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     x_mb, extras_mb, targets_mb = _split(x, m), _split(extras, m), _split(targets, m)
     if schedule == "1f1b":
         return _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                            rng, mesh=mesh, axis=axis, data=data, p=p, m=m, remat=remat)
-    y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v,
-                    remat=remat)
+                            rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
+    y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return _merge(y_mb)
     return _mean_loss(loss_fn, loss_params, y_mb, targets_mb)
@@ -267,10 +266,8 @@ def _chunk_runner(stage_fn, k, m, p, has_extras, rng, remat):
     """chunk(params_l (v, k, ...), rep, h, group, mb, extras_mb) runs group ``rep``'s k layers."""
 
     def chunk(params_l, rep, h, group, mb, extras_mb):
-        def layer(h, j):
-            # Sliced inside the loop and named, so the remat policy re-slices the weights in
-            # the backward instead of saving a copy per tick and layer.
-            lp = jax.tree.map(lambda a: _WEIGHTS(a[rep, j]), params_l)
+        def layer(h, xs):
+            lp, j = xs
             kw = {}
             if has_extras:
                 kw["extras"] = extras_mb
@@ -278,24 +275,22 @@ def _chunk_runner(stage_fn, k, m, p, has_extras, rng, remat):
                 kw["rng"] = jax.random.fold_in(jax.random.fold_in(rng, group * k + j), mb)
             return stage_fn(lp, h, **kw), None
 
-        return lax.scan(layer, h, jnp.arange(k))[0]
+        # The weights are the scan's xs: autodiff then reads them from the operand in the
+        # backward (a residual that is an xs slice is forwarded, not stacked). Slicing them
+        # inside the body instead makes every slice a saved residual — a copy of the stage's
+        # weights per tick (GPipe) or per backward op (1F1B).
+        weights = jax.tree.map(lambda a: a[rep], params_l)
+        return lax.scan(layer, h, (weights, jnp.arange(k)))[0]
 
-    return chunk
+    return _remat(chunk, remat)
 
 
 def _remat(fn, remat):
-    # Even without remat the weights are not saved (see chunk); everything else is.
-    policy = _REMAT[remat] or jax.checkpoint_policies.save_anything_except_these_names(_WEIGHTS_NAME)
-    if policy == "full":
+    if remat == "none":
+        return fn
+    if remat == "full":
         return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=policy)
-
-
-_WEIGHTS_NAME = "shardkit_pipeline_weights"
-
-
-def _WEIGHTS(a):
-    return ad_checkpoint.checkpoint_name(a, _WEIGHTS_NAME)
+    return jax.checkpoint(fn, policy=_REMAT[remat])
 
 
 def _varying(tree, axes):
@@ -322,14 +317,13 @@ def _put(buf, val, i):
     return lax.dynamic_update_index_in_dim(buf, val, i, 0)
 
 
-def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, data, p, m, v, remat):
+def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, data, p, m, v):
     """GPipe / circular forward; returns y as (m, B/m, ...). Backward via autodiff."""
     tab = sched.forward_table(p, m, v)
     shift = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
     # Idle ticks compute too (on real activations; the result is discarded): a lax.cond here
     # would hide from the scan that the weights are loop-invariant, so autodiff would save a
     # copy of the stage's weights per tick. In lockstep SPMD the idle stage waits anyway.
-    run = _remat(chunk, remat)
 
     def body(params_l, x_mb, extras_mb, rng):
         stage = lax.axis_index(axis)
@@ -352,7 +346,7 @@ def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, data, p, m, v
             else:
                 first_h = _take(x_mb, mb)
             h = jnp.where(stage == 0, first_h, recv_h)
-            y = run(params_l, rep, h, rep * p + stage, mb, _take(extras_mb, mb))
+            y = chunk(params_l, rep, h, rep * p + stage, mb, _take(extras_mb, mb))
             out_buf = _put(out_buf, y, out_slot)
             recv_h = lax.ppermute(y, axis, shift) if shift else y
             return (recv_h, loop_buf, out_buf), None
@@ -379,19 +373,18 @@ def _zero_cotangent(a):
 
 
 def _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb, rng, *,
-                 mesh, axis, data, p, m, remat):
+                 mesh, axis, data, p, m):
     from ._pipeline_1f1b import one_f_one_b_grads
 
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                          (extras_mb, targets_mb, rng))
 
     def primal(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=1,
-                        remat=remat)
+        y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=1)
         return _mean_loss(loss_fn, loss_params, y_mb, targets_mb)
 
     def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        loss, grads = one_f_one_b_grads(_remat(chunk, remat), loss_fn, params_s, loss_params, x_mb, extras_mb,
+        loss, grads = one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb,
                                         targets_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
         return loss, grads
 
