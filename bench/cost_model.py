@@ -100,7 +100,7 @@ def transformer_cases():
 
     from models.transformer.config import SIZES
     from models.transformer.layouts import LAYOUTS, make_plan
-    from models.transformer.model import PipelineSpec, Transformer, loss_fn
+    from models.transformer.model import PipelineSpec, Transformer, flops_per_token, loss_fn
 
     cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
     tokens = jnp.zeros((16, cfg.seq), jnp.int32)
@@ -113,7 +113,7 @@ def transformer_cases():
         step = sk.train_step(plan, optax.adam(1e-3))(lambda mdl, b, pipe=pipe: loss_fn(mdl, b, pipe))
         state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         try:
-            report = step.explain(state, batch)
+            report = step.explain(state, batch, flops_per_token=flops_per_token(cfg, cfg.seq))
         except Exception as e:  # noqa: BLE001 - a layout the recipe cannot run is reported, not fatal
             print(f"transformer {name}: {type(e).__name__}: {str(e)[:200]}")
             continue

@@ -144,7 +144,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     # intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer and its
     # unreduced gradient, whichever is larger.
     fsdp = any(s < c for s, c in zip(stored, comp))
-    working = act / L
+    # In a GPipe/circular pipeline the residuals are stacked per tick; a tick's backward holds
+    # the cotangents of one tick's.
+    working = act / (pipeline_ticks(pipe) if pipe and pipe["schedule"] != "1f1b" else L)
     if fsdp:
         working = max(working, layer_comp * (wire + bg))
     elif zero == 2 and n_data > 1:
@@ -152,6 +154,13 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     if pipe:
         working += _pipeline_buffers(pipe, _tokens(batch) / n_data / m * width * 4, g_comp)
     backward = grad_buffer + act + working
+    if pipe and pipe["schedule"] == "1f1b" and pipe.get("stage_residuals") is not None:
+        piped = [bool(l.spec) and pipe.get("axis", "pipe") in entry_axes(l.spec[0]) for l in leaves]
+        stage_res = sum(math.prod(s) * _itemsize(d) / (n_tensor_of(s, tensor_dims, sizes))
+                        for s, d in pipe["stage_residuals"])
+        backward = _one_f_one_b_loop(pipe, _tokens(batch) / n_data / m * width * 4,
+                                     sum(c for c, q in zip(comp, piped) if q) * 4,
+                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res)
     new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0
@@ -193,10 +202,13 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         if len(l.shape) < 2 or not dims:
             continue
         stack = l.shape[0] if s else 1
-        if pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0]):
+        staged = bool(pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0]))
+        if staged:
             stack = _pipelined_uses(pipe, stack)
         vocab_lookup = t and dims[0] == 0
         uses = 2 if (vocab_lookup and not has_head) else 1
+        if staged and pipe["schedule"] == "1f1b" and dims[0] == int(s):
+            uses += 1  # a row-parallel stage weight: 1F1B's recomputed forward reduces again
         if sp and vocab_lookup:
             # Sequence parallel (Korthikanti et al. 2022): tokens are split over ``tensor``, so
             # the lookup gathers the whole table and its gradient is reduced over ``tensor``
@@ -237,6 +249,15 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                      and axis in entry_axes(l.spec[0]))
         extra = pipeline_ticks(pipe) / (pipe.get("repeats", 1) * pipe["microbatches"]) - 1
         flops = busy * (1 + extra * staged / matmul)
+    elif pipe and matmul:
+        # A 1F1B backward op recomputes its stage's forward from the saved input (8 of 6 units
+        # of flops, loss included); the loss params (head) run on the last stage only, and the
+        # compiled figure averages the switch's branches over the stages.
+        axis = pipe.get("axis", "pipe")
+        staged = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2 and l.spec
+                     and axis in entry_axes(l.spec[0]))
+        flops = busy * 8 / 6 * (staged + (matmul - staged) / pipe["stages"]) / matmul
+        busy *= 8 / 6
     hw = _hardware(hardware, mesh)
     layout = Layout(data=math.prod(sizes[a] for a in ("replica", "data") if a in sizes),
                     fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=p, zero=zero,
@@ -300,6 +321,33 @@ def _pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> flo
         tab = sched.one_f_one_b_table(pipe["stages"], pm)
         return grad_bytes + (tab.act_ring + tab.grad_ring) * act_mb
     return 2 * (pm + 1) * act_mb
+
+
+def n_tensor_of(shape, tensor_dims: set[int], sizes) -> int:
+    """The tensor-axis split of an activation: ``tensor`` when one of its dimensions is a
+    tensor-sharded weight dimension (the Megatron-split features), else 1."""
+    n = sizes.get("tensor", 1)
+    return n if n > 1 and any(d in tensor_dims for d in shape) else 1
+
+
+def _one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
+                      stage_residuals: float) -> float:
+    """Temporaries of ``sk.pipeline``'s 1F1B loop at its peak, a backward op, per device.
+
+    The scan carries the f32 gradient accumulators (the stage's, the loss params', the input's
+    ``(m + 1)`` microbatch rows) and the rings of stage inputs and cotangents; the backward op
+    holds a second copy of the accumulators it updates (the ``lax.switch`` branch's result),
+    the fresh stage gradient from its ``jax.vjp``, the stage's residuals for its microbatch
+    (rebuilt by recomputing the forward) and about half as much again in cotangents; the
+    pipeline's input (all microbatches of a device's rows) stays alive throughout."""
+    from . import _pipeline_schedules as sched
+
+    pm = pipe["microbatches"]
+    act_mb = act_elems_x4 / pm
+    tab = sched.one_f_one_b_table(pipe["stages"], pm)
+    carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
+    backward_op = stage_grads + rest_grads + stage_grads + 1.5 * stage_residuals
+    return carry + backward_op + pm * act_mb
 
 
 def _pipelined_uses(pipe: dict, layers: int) -> float:

@@ -206,7 +206,7 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
                   pipe_axis=(pipeline or {}).get("axis"))
 
 
-def explain_step(step, state, batch) -> Report:
+def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     """The report behind ``TrainStep.explain``: compiled figures, and the analytic estimate
     of ``sk.cost.estimate_for_step`` beside them."""
     compiled = step.lower(state, batch).compile()
@@ -229,5 +229,5 @@ def explain_step(step, state, batch) -> Report:
                                   pipeline=step.trace_notes.get("pipeline"))
     from . import cost
 
-    report.estimate = cost.estimate_for_step(step, state, batch).as_dict()
+    report.estimate = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token).as_dict()
     return report

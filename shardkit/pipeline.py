@@ -69,7 +69,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import _pipeline_schedules as sched
-from .plan import note
+from .plan import note, noting
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 _REMAT = {"none": None, "full": "full", "dots": jax.checkpoint_policies.dots_saveable,
@@ -133,14 +133,21 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     L = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                     extras, targets, rng)
     k = L // (p * v)
-    note("pipeline", {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
-                       "data_axes": data})
     chunk = _chunk_runner(stage_fn, k, m, p, extras is not None, rng, remat)
     # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
     # a plain reshape of the contiguous layer sharding.
     params_s = jax.tree.map(
         lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
     x_mb, extras_mb, targets_mb = _split(x, m), _split(extras, m), _split(targets, m)
+    info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
+            "data_axes": data}
+    if schedule == "1f1b" and rng is None and noting():
+        try:
+            info["stage_residuals"] = _stage_residuals(chunk, params_s, x_mb, extras_mb,
+                                                       math.prod(mesh.shape[a] for a in data))
+        except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
+            pass
+    note("pipeline", info)
     if schedule == "1f1b":
         return _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
                             rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
@@ -285,9 +292,38 @@ def _chunk_runner(stage_fn, k, m, p, has_extras, rng, remat):
     return _remat(chunk, remat)
 
 
+def _stage_residuals(chunk, params_s, x_mb, extras_mb, n_data) -> list[tuple[tuple[int, ...], Any]]:
+    """For ``explain()``: the residuals (shape, dtype) one device's layer group saves for one
+    microbatch — what a 1F1B backward op rebuilds and holds while it runs. Shapes are local in
+    the manual axes (pipe, data), global in the others. Traced here, while the step is traced
+    (the stage may close over the step's values)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    def local(a):
+        return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))
+
+    params_l = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)), params_s)
+    h, extras = local(x_mb), jax.tree.map(local, extras_mb)
+    res = saved_residuals(lambda P_, h, e: chunk(P_, 0, h, 0, 0, e), params_l, h, extras)
+    weights = {tuple(a.shape[2:]) for a in jax.tree.leaves(params_s)}  # the group's (k, ...) stacks
+    return [(tuple(a.shape), a.dtype) for a, where in res
+            if "from the argument" not in where and tuple(a.shape) not in weights]
+
+
+# Ops that only move or re-type data: never saved for the backward (recomputed there, free of
+# flops), so that nothing derived from a layer's weights — a reshape, a transpose, a cast, the
+# circular schedule's per-tick slice of its layer group — is stacked once per tick.
+_STRUCTURAL = frozenset({"dynamic_slice", "slice", "gather", "reshape", "squeeze", "expand_dims",
+                         "broadcast_in_dim", "transpose", "convert_element_type", "copy", "name"})
+
+
+def _save_all_but_structural(prim, *_, **__) -> bool:
+    return prim.name not in _STRUCTURAL
+
+
 def _remat(fn, remat):
     if remat == "none":
-        return fn
+        return jax.checkpoint(fn, policy=_save_all_but_structural)
     if remat == "full":
         return jax.checkpoint(fn)
     return jax.checkpoint(fn, policy=_REMAT[remat])

@@ -375,6 +375,11 @@ def note(key: str, value: Any) -> None:
         notes[key] = value
 
 
+def noting() -> bool:
+    """Whether ``note()`` calls are being collected (a shardkit step is being traced)."""
+    return _NOTES.get() is not None
+
+
 @contextlib.contextmanager
 def collecting_notes():
     """Collects ``note()`` calls made while tracing inside this context into a dict."""

@@ -303,11 +303,13 @@ class TrainStep:
                 new_state)
         return new_state, metrics
 
-    def explain(self, state: TrainState, batch):
-        """An ``sk.Report``: per-device memory, executed collectives and flops of the compiled step."""
+    def explain(self, state: TrainState, batch, *, flops_per_token: float | None = None):
+        """An ``sk.Report``: per-device memory, executed collectives and flops of the compiled
+        step, beside the analytic estimate (``flops_per_token``: the model's figure, for one
+        token's forward and backward; default 6 × parameters)."""
         from .explain import explain_step
 
-        return explain_step(self, state, batch)
+        return explain_step(self, state, batch, flops_per_token=flops_per_token)
 
     def _loss(self, params_g, model_state, batch, key, scale):
         """Loss (scaled under fp16) and ``(loss, aux, new_model_state)`` for one (micro)batch."""

@@ -122,7 +122,7 @@ def noisy_layer(lp, h_BxD, *, extras, rng):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_extras_and_rng(devices, schedule):
     """extras are split like x; the key is folded with the global layer, then the microbatch."""
-    p, m = 2, 4
+    p, m = 2, 8  # a tick's activations (k layers x 2 rows x D) stay smaller than one D x D weight
     mesh = make_mesh(f"pipe={p}", devices=devices[:p])
     params, head, x, t = make_problem(4)
     mask = (jnp.arange(B) % 3 != 0).astype(jnp.float32)
@@ -294,3 +294,31 @@ def test_constrain_inside_a_stage_skips_the_manual_pipe_axis(devices):
         state, m = step(state, {"x": x, "t": t})
         out.append(float(m["loss"]))
     np.testing.assert_allclose(out[0], out[1], rtol=RTOL)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2)])
+def test_weights_are_not_saved_per_tick(devices, schedule, v):
+    """Autodiff of the tick loop saves activations per tick, never the layer's weights or what
+    it derives from them (here a reshape): circular slices its layer group per tick, and a
+    saved slice would cost one copy of the group per tick."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    p, m = 2, 8  # a tick's activations (k layers x 2 rows x D) stay smaller than one D x D weight
+    mesh = make_mesh(f"pipe={p}", devices=devices[:p])
+    params, _, x, _ = make_problem(4)
+
+    def reshaping_layer(lp, h_BxD):
+        w = lp["w"].reshape(D, 2, D // 2)
+        return jnp.tanh(jnp.einsum("bd,dhq->bhq", h_BxD, w).reshape(h_BxD.shape) + lp["b"][None])
+
+    def loss(params):
+        y = pipeline(reshaping_layer, params, x, microbatches=m, schedule=schedule, repeats=v, mesh=mesh)
+        return jnp.sum(y ** 2)
+
+    ticks = len(sched.forward_table(p, m, v).item)
+    per_tick = [a.str_short() for a, _ in saved_residuals(loss, params)
+                if a.ndim and a.shape[0] == p * ticks and a.size // a.shape[0] >= D * D]
+    assert not per_tick, per_tick
+    want = jax.grad(lambda params: jnp.sum(jax.lax.scan(
+        lambda h, lp: (reshaping_layer(lp, h), None), x, params)[0] ** 2))(params)
+    assert_close(jax.jit(jax.grad(loss))(params), want)
