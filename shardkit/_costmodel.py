@@ -231,8 +231,10 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     the data axes under ZeRO-3/FSDP; Adam's two moments by the data axes from ZeRO-1; gradients
     from ZeRO-2. Activations per layer and microbatch follow Korthikanti et al. (2022):
     sbh(34 + 5as/h) without TP, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with
-    sequence parallelism, 2sbh under full recompute (+ one layer recomputed); a pipeline keeps
-    m microbatches alive (GPipe) or p (1F1B). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
+    sequence parallelism, 2sbh under full recompute (+ one layer recomputed); a GPipe pipeline
+    keeps m microbatches alive; ``sk.pipeline``'s 1F1B keeps p stage inputs and recomputes each
+    stage's forward in its backward op (one microbatch's residuals alive; +2/6 flops, +2 TP
+    all-reduces per layer). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
     vocab-parallel embedding/head; pipelines: see ``_pipeline_collectives`` (one gradient
@@ -277,8 +279,13 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
     act = _activation_bytes(ms, lo, b, T, bc) * L_dev
-    alive = 1 if lo.pipe == 1 else (min(lo.microbatches, lo.pipe) if lo.schedule == "1f1b" else lo.microbatches)
-    act *= alive
+    one_f_one_b = lo.pipe > 1 and lo.schedule == "1f1b"
+    if one_f_one_b:
+        # sk.pipeline's 1F1B keeps a ring of <= p stage inputs (f32) and rebuilds one
+        # microbatch's residuals at a time in its backward op.
+        act += (lo.pipe + 1) * b * T * ms.d_model * 4
+    elif lo.pipe > 1:
+        act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
         act += 2 * b * T * ms.vocab * 4 / lo.tensor
     mem = {"params": p_dev * bp / s_param, "opt_state": 2 * p_dev * bo / s_opt}
@@ -288,6 +295,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     mem["batch"] = 2 * global_batch * T * 4 / replicas
     mem["arguments"] = mem["params"] + mem["opt_state"] + mem["batch"]
     gathered = (2 * layer_dev * bc + layer_dev * bg) if sharded else (layer_dev * bg if s_grad > 1 else 0.0)
+    if one_f_one_b:  # the loop's f32 gradient accumulator, its update's copy, a fresh vjp
+        gathered += 3 * p_layers * 4
     new_params = p_dev * bp / (s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
     mem["temporaries"] = max(grads + act + gathered, grads + new_params)
     mem["peak"] = mem["arguments"] + mem["temporaries"]
@@ -309,7 +318,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             col["param-gather"] = p_dev * bp
             counts["param-gather"] = 1
     if lo.tensor > 1 and ms.d_model:
-        n_red = m * (4 * L_dev + 2)
+        # 1F1B's backward op recomputes the forward: its 2 all-reduces per layer run again.
+        n_red = m * ((6 if one_f_one_b else 4) * L_dev + 2)
         col["tensor-reduce"] = n_red * tokens_mb * ms.d_model * bc
         counts["tensor-reduce"] = n_red
         if lo.sequence_parallel:
@@ -324,6 +334,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
                               replicas)
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
+    if one_f_one_b:  # the backward op recomputes its stage's forward from the saved input
+        recompute += 2.0 / 6.0
     flops = busy = model_flops * recompute
     if lo.pipe > 1 and lo.schedule != "1f1b" and ms.layer_params:
         # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run

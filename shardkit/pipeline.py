@@ -47,9 +47,12 @@ The gradients then stay local in the loop and are reduced over data once, after 
 Dropout-like layers (``rng``) keep the data axes compiler-managed (the old behaviour and the
 old traffic): a key drawn on a device's rows only would not reproduce the un-sharded masks.
 
-Memory note: GPipe (v = 1) keeps the stage weights once under autodiff; circular indexes its
-layer group per tick, and autodiff of that scan keeps a copy of the group's weights per tick
-(known limitation; use remat or 1F1B when weights dominate).
+Memory: autodiff of the tick loop saves activations only. A layer group's weights are its layer
+scan's ``xs`` and ops that only move or re-type data (slices, reshapes, transposes, casts) are
+recomputed in the backward rather than saved, so nothing derived from the weights — circular's
+per-tick slice of its group included — is kept once per tick. 1F1B trades compute for memory:
+a backward op recomputes its stage's forward (4/3 of the layers' flops) and only one
+microbatch's residuals are alive at a time.
 
 Bubble fractions of the tables (``bench/pipeline.py`` checks them): GPipe and 1F1B
 (p-1)/(m+p-1) (1F1B counted in forward/backward slots of equal length), circular
