@@ -35,21 +35,25 @@ def _stack_dim(leaves) -> int:
 
 
 def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
-                    param_shapes: set[tuple], pipe: dict | None = None) -> float:
+                    param_shapes: set[tuple], pipe: dict | None = None,
+                    sp: bool = False) -> tuple[float, float]:
     """Per-device bytes of the residuals the backward pass keeps for one microbatch.
 
     Traced with ``jax.ad_checkpoint`` (respects remat policies). A residual's dimension that
-    equals the microbatch size is taken as sharded over the batch axes, one that equals a
-    tensor-sharded weight dimension as sharded over ``tensor`` (a heuristic: activations
-    follow the batch and the Megatron-split features). Inside ``sk.pipeline`` (``pipe``: its
-    trace note) the residuals leave the shard_map stacked over the pipe axis (and the manual data
-    axes) along their first dimension (global shape, ``stages × data ×`` one device's), and
-    their batch dimension is the pipeline microbatch (a device's rows of it when data is
-    manual): both are divided out."""
+    equals the microbatch size is taken as sharded over the batch axes, and the residual as
+    sharded over ``tensor`` when a dimension after that one equals a tensor-sharded weight
+    dimension (a heuristic: activations follow the batch and the Megatron-split features;
+    under sequence parallelism every activation is split over ``tensor``). Inside
+    ``sk.pipeline`` (``pipe``: its trace note) the residuals leave the shard_map stacked over
+    the pipe axis (and the manual data axes) along their first dimension (global shape,
+    ``stages × data ×`` one device's), and their batch dimension is the pipeline microbatch (a
+    device's rows of it when data is manual): both are divided out.
+
+    Returns (all residuals, those saved inside the pipeline)."""
     try:
         from jax._src.ad_checkpoint import saved_residuals
     except ImportError:  # pragma: no cover - private API moved
-        return 0.0
+        return 0.0, 0.0
     m = step.microbatches
     prec = step.plan.precision
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]),
@@ -66,7 +70,7 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
     b_mb = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else 0
     n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
-    total = 0.0
+    total = piped = 0.0
     for aval, where in res:
         if "from the argument" in where or tuple(aval.shape) in param_shapes:
             continue  # parameters and their compute-dtype copies are counted on their own
@@ -80,19 +84,20 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
         if in_pipe and shape and shape[0] % (pipe["stages"] * manual) == 0:
             nbytes /= pipe["stages"] * manual
             shape = shape[1:]
-            if manual == 1 and b_mb // pipe["microbatches"] in shape and n_data > 1:
+            rows = b_mb // pipe["microbatches"]
+            if manual == 1 and rows in shape and n_data > 1:
                 nbytes /= n_data
-            if n_tensor > 1 and any(d in tensor_dims for d in shape):
-                nbytes /= n_tensor
-            total += nbytes
+            share = nbytes / n_tensor_of(shape, rows if manual == 1 else rows // manual, tensor_dims, sizes)
+            total += share
+            piped += share
             continue
         if b_mb and b_mb in shape and n_data > 1:
             nbytes /= n_data
-            shape.remove(b_mb)
-        if n_tensor > 1 and any(d in tensor_dims for d in shape):
-            nbytes /= n_tensor
-        total += nbytes
-    return total
+        if sp and b_mb in shape:  # sequence parallel: a region's activations are split over the
+            total += nbytes / n_tensor  # sequence, the others over the features (Korthikanti et al.)
+            continue
+        total += nbytes / n_tensor_of(shape, b_mb, tensor_dims, sizes)
+    return total, piped
 
 
 def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per_token=None) -> Estimate:
@@ -137,8 +142,10 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     tensor_dims = {l.shape[d] for l in leaves for d, e in enumerate(l.spec)
                    if any(a not in plan.batch_axes for a in entry_axes(e))}
     pipe = _pipeline_note(step, state, batch, pipeline, sizes)
-    act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
-                          {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves}, pipe)
+    seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
+    sp = any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1 for a in seq_rule)
+    act, piped_act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
+                          {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves}, pipe, sp)
     mem["activations"] = act
     # Backward of one layer holds, beside the waiting residuals, the cotangents of that layer's
     # intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer and its
@@ -146,17 +153,21 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     fsdp = any(s < c for s, c in zip(stored, comp))
     # In a GPipe/circular pipeline the residuals are stacked per tick; a tick's backward holds
     # the cotangents of one tick's.
-    working = act / (pipeline_ticks(pipe) if pipe and pipe["schedule"] != "1f1b" else L)
+    gpipe_like = bool(pipe) and pipe["schedule"] != "1f1b"
+    working = piped_act / pipeline_ticks(pipe) if gpipe_like else act / L
     if fsdp:
         working = max(working, layer_comp * (wire + bg))
     elif zero == 2 and n_data > 1:
         working = max(working, layer_comp * bg)
     if pipe:
         working += _pipeline_buffers(pipe, _tokens(batch) / n_data / m * width * 4, g_comp)
-    backward = grad_buffer + act + working
+    # A pipeline's backward starts after the loss's (whose residuals are freed by then).
+    backward = grad_buffer + (max(act, piped_act + working) if gpipe_like else act + working)
     if pipe and pipe["schedule"] == "1f1b" and pipe.get("stage_residuals") is not None:
         piped = [bool(l.spec) and pipe.get("axis", "pipe") in entry_axes(l.spec[0]) for l in leaves]
-        stage_res = sum(math.prod(s) * _itemsize(d) / (n_tensor_of(s, tensor_dims, sizes))
+        lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
+        rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
+        stage_res = sum(math.prod(s) * _itemsize(d) / n_tensor_of(s, rows, tensor_dims, sizes)
                         for s, d in pipe["stage_residuals"])
         backward = _one_f_one_b_loop(pipe, _tokens(batch) / n_data / m * width * 4,
                                      sum(c for c, q in zip(comp, piped) if q) * 4,
@@ -175,8 +186,6 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
     # The table that token ids are looked up in; tied when no separate head leaf exists.
     lookup = [not s and len(l.shape) == 2 and "embed" in l.path and has_dx for l, s in zip(leaves, stacked)]
-    seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
-    sp = any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1 for a in seq_rule)
     if n_data > 1:
         col["grad-reduce"] = m * _grad_reduce_elems(leaves, comp, lay.zero_specs if zero >= 2 else
                                                     [l.spec for l in leaves], data_axes, sizes) * bg
@@ -323,11 +332,16 @@ def _pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> flo
     return 2 * (pm + 1) * act_mb
 
 
-def n_tensor_of(shape, tensor_dims: set[int], sizes) -> int:
-    """The tensor-axis split of an activation: ``tensor`` when one of its dimensions is a
-    tensor-sharded weight dimension (the Megatron-split features), else 1."""
+def n_tensor_of(shape, rows: int, tensor_dims: set[int], sizes) -> int:
+    """The tensor-axis split of an activation: ``tensor`` when one of its feature dimensions
+    (those after its ``rows`` dimension: leading dims stack layers or ticks) is a tensor-sharded
+    weight dimension (the Megatron-split features), else 1."""
     n = sizes.get("tensor", 1)
-    return n if n > 1 and any(d in tensor_dims for d in shape) else 1
+    if n <= 1:
+        return 1
+    shape = list(shape)
+    at = 0 if shape[:1] == [rows] else 1 if shape[1:2] == [rows] else (shape.index(rows) if rows in shape else -1)
+    return n if any(d in tensor_dims for d in shape[at + 1:]) else 1
 
 
 def _one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
