@@ -171,7 +171,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                         for s, d in pipe["stage_residuals"])
         backward = _one_f_one_b_loop(pipe, _tokens(batch) / n_data / m * width * 4,
                                      sum(c for c, q in zip(comp, piped) if q) * 4,
-                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res)
+                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
+                                     max(L // pipe["stages"], 1))
     new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0
@@ -345,14 +346,14 @@ def n_tensor_of(shape, rows: int, tensor_dims: set[int], sizes) -> int:
 
 
 def _one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
-                      stage_residuals: float) -> float:
+                      stage_residuals: float, stage_layers: int) -> float:
     """Temporaries of ``sk.pipeline``'s 1F1B loop at its peak, a backward op, per device.
 
     The scan carries the f32 gradient accumulators (the stage's, the loss params', the input's
     ``(m + 1)`` microbatch rows) and the rings of stage inputs and cotangents; the backward op
     holds a second copy of the accumulators it updates (the ``lax.switch`` branch's result),
     the fresh stage gradient from its ``jax.vjp``, the stage's residuals for its microbatch
-    (rebuilt by recomputing the forward) and about half as much again in cotangents; the
+    (rebuilt by recomputing the forward) and one layer's share of them again in cotangents; the
     pipeline's input (all microbatches of a device's rows) stays alive throughout."""
     from . import _pipeline_schedules as sched
 
@@ -360,7 +361,7 @@ def _one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_
     act_mb = act_elems_x4 / pm
     tab = sched.one_f_one_b_table(pipe["stages"], pm)
     carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
-    backward_op = stage_grads + rest_grads + stage_grads + 1.5 * stage_residuals
+    backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
     return carry + backward_op + pm * act_mb
 
 
