@@ -34,7 +34,7 @@ from rich.table import Table  # noqa: E402
 QUANTITIES = ("memory/params", "memory/opt_state", "memory/arguments", "memory/temporaries",
               "memory/peak", "collective/grad-reduce", "collective/param-gather",
               "collective/tensor-reduce", "collective/tensor-gather", "collective/pipe-permute",
-              "collective/pipe-reduce", "collective/pipe-relayout", "flops")
+              "collective/pipe-reduce", "collective/pipe-relayout", "collective/other", "flops")
 D, F, L, B = 256, 1024, 2, 64
 TP_RULES = [("w1", (None, None, "tensor")), ("w2", (None, "tensor", None)), (".*", ())]
 

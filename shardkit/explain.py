@@ -78,7 +78,9 @@ class Report:
         axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes),
         ``pipe-reduce`` (all-reduces over the pipeline axis alone: ``sk.pipeline``'s psums),
         ``pipe-relayout`` (with a pipeline: all-to-alls over its axis and permutes between
-        non-neighbours, i.e. circular's stage-major weight order)."""
+        non-neighbours, i.e. circular's stage-major weight order), ``other`` (the rest, e.g.
+        permutes XLA adds to reorder blocks between two shardings: nothing the estimate
+        models, so ``comparison()`` lists it whenever it is not zero)."""
         out = dict.fromkeys(("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather",
                              "pipe-permute", "pipe-reduce", "pipe-relayout", "other"), 0.0)
         pipe = self.pipe_axis
@@ -93,7 +95,7 @@ class Report:
                 out["grad-reduce" if data else "tensor-reduce"] += t.operand_bytes
             elif t.kind == "all-gather":
                 out["param-gather" if data else "tensor-gather"] += t.bytes
-            elif t.kind == "collective-permute":
+            elif t.kind == "collective-permute" and pipe:
                 out["pipe-permute"] += t.bytes
             else:
                 out["other"] += t.bytes
@@ -117,8 +119,12 @@ class Report:
         (a collective the program does not execute counts as 0 compiled bytes)."""
         compiled = self.compiled()
         est = self.estimate or {}
-        return [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
+        rows = [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
                 for q in est if q in compiled or q.startswith("collective/")]
+        if est and compiled.get("collective/other"):
+            rows.append({"quantity": "collective/other", "estimate": float(est.get("collective/other", 0.0)),
+                         "compiled": compiled["collective/other"]})
+        return rows
 
     def __rich__(self):
         from rich.console import Group

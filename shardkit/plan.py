@@ -143,7 +143,10 @@ class Plan:
             for d in dims:
                 cur = entry_axes(entries[d])
                 if leaf.shape[d] % (n * math.prod(sizes[a] for a in cur)) == 0:
-                    new = axes + cur
+                    # After the dim's own axes: a ZeRO shard is then a slice of the device's
+                    # tensor shard, where the gradient's reduce-scatter over data leaves it
+                    # (data-major order would need collective-permutes to reorder the blocks).
+                    new = cur + axes
                     entries[d] = new[0] if len(new) == 1 else new
                     while entries and entries[-1] is None:
                         entries.pop()

@@ -22,10 +22,12 @@ from shardkit import cost
 
 TOL = 0.10
 EXACT = ("memory/params", "memory/opt_state", "memory/arguments")
+# "other": traffic no role explains (e.g. permutes reordering blocks between shardings) must
+# not appear at all — the estimate has none.
 COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collective/tensor-reduce",
-               "collective/tensor-gather")
+               "collective/tensor-gather", "collective/other")
 PIPE_COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collective/pipe-permute",
-                    "collective/pipe-reduce", "collective/pipe-relayout")
+                    "collective/pipe-reduce", "collective/pipe-relayout", "collective/other")
 
 
 # ---- formulas -------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ def test_path_rules_first_match_wins_and_report_source():
 
 @pytest.mark.parametrize("zero,expected_w1,expected_scale", [
     (0, P("fsdp", "tensor"), P()),
-    (3, P("fsdp", ("data", "tensor")), P(("data", "fsdp"))),  # largest divisible dim
+    # largest divisible dim, after its own axes (a ZeRO shard is a slice of the tensor shard)
+    (3, P("fsdp", ("tensor", "data")), P(("data", "fsdp"))),
 ])
 def test_zero3_adds_the_data_axes_to_params(zero, expected_w1, expected_scale):
     plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"), rules=RULES, zero=zero)

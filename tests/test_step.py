@@ -174,7 +174,7 @@ def test_nnx_linen_and_pytree_models_train_identically():
         tree_losses.append(float(m["loss"]))
     np.testing.assert_allclose(nnx_losses, tree_losses, rtol=1e-5)
     np.testing.assert_allclose(linen_losses, tree_losses, rtol=1e-5)
-    assert nnx_state.params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", ("data", "tensor"))
+    assert nnx_state.params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", ("tensor", "data"))
     assert isinstance(nnx_step.model(nnx_state), MLP)
 
 
