@@ -9,6 +9,7 @@ Writes bench/results/cost_model.json.
 
     python bench/cost_model.py            # everything (~3-4 min on 2 cores)
     python bench/cost_model.py --no-compile   # the search part only
+    python bench/cost_model.py --robustness   # the transformer on two configs the tests do not use
 """
 
 from __future__ import annotations
@@ -95,21 +96,23 @@ def pipeline_cases():
             step.explain(state, batch)
 
 
-def transformer_cases():
+def transformer_cases(d_model=64, layers=4, seq=32, batch_size=16, microbatches=4, only=None, tag=""):
     from flax import nnx
 
     from models.transformer.config import SIZES
     from models.transformer.layouts import LAYOUTS, make_plan
     from models.transformer.model import PipelineSpec, Transformer, flops_per_token, loss_fn
 
-    cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
-    tokens = jnp.zeros((16, cfg.seq), jnp.int32)
+    cfg = SIZES["test"].replace(d_model=d_model, heads=4, kv_heads=4, layers=layers, seq=seq)
+    tokens = jnp.zeros((batch_size, cfg.seq), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     for name, lo in LAYOUTS.items():
+        if only is not None and name not in only:
+            continue
         mesh = sk.make_mesh(lo.mesh)
         plan = make_plan(mesh, cfg, zero=lo.zero, sequence_parallel=lo.sequence_parallel,
                          vocab_parallel=lo.vocab_parallel)
-        pipe = PipelineSpec(4, lo.schedule, lo.repeats) if "pipe" in mesh.shape else None
+        pipe = PipelineSpec(microbatches, lo.schedule, lo.repeats) if "pipe" in mesh.shape else None
         step = sk.train_step(plan, optax.adam(1e-3))(lambda mdl, b, pipe=pipe: loss_fn(mdl, b, pipe))
         state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         try:
@@ -117,18 +120,28 @@ def transformer_cases():
         except Exception as e:  # noqa: BLE001 - a layout the recipe cannot run is reported, not fatal
             print(f"transformer {name}: {type(e).__name__}: {str(e)[:200]}")
             continue
-        yield f"transformer {name} ({lo.mesh}, zero={lo.zero}{', sp' if lo.sequence_parallel else ''}" \
+        yield f"transformer{tag} {name} ({lo.mesh}, zero={lo.zero}{', sp' if lo.sequence_parallel else ''}" \
               f"{', ' + lo.schedule if pipe else ''})", report
 
 
-def compare(console: Console) -> list[dict]:
+def robustness_cases():
+    """The transformer layouts on two configs the tests do not use (bigger activations; deeper
+    stages and more microbatches), to see the model hold off the tuned configs."""
+    yield from transformer_cases(128, 4, 64, 32, 4, tag=" d128/T64/b32",
+                                 only=("pp_1f1b", "dp_pp_tp_1f1b", "pp_gpipe", "pp_circular", "tp_pp",
+                                       "tp", "fsdp_tp", "tp_sp"))
+    yield from transformer_cases(64, 8, 32, 32, 8, tag=" L8/m8",
+                                 only=("pp_1f1b", "pp_gpipe", "pp_circular", "dp_pp_tp", "tp", "hybrid"))
+
+
+def compare(console: Console, robustness: bool = False) -> list[dict]:
     rows = []
     t = Table(title="estimate / compiled, per device (8 simulated CPU devices)")
     t.add_column("layout")
     short = [q.split("/")[-1] for q in QUANTITIES]
     for s in short:
         t.add_column(s, justify="right")
-    for cases in (mlp_cases(), pipeline_cases(), transformer_cases()):
+    for cases in ((robustness_cases(),) if robustness else (mlp_cases(), pipeline_cases(), transformer_cases())):
         for name, report in cases:
             got = {r["quantity"]: r for r in report.comparison()}
             row = {"layout": name}
@@ -173,13 +186,19 @@ def rankings(console: Console) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-compile", action="store_true", help="skip the compiled comparison")
+    p.add_argument("--robustness", action="store_true",
+                   help="only the comparison on two transformer configs the tests do not use")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_model.json"))
     a = p.parse_args(argv)
     console = Console(width=170)
     result = {"devices": 8, "platform": jax.default_backend()}
-    if not a.no_compile:
-        result["comparison"] = compare(console)
-    result["search"] = rankings(console)
+    if a.robustness:
+        result["robustness"] = compare(console, robustness=True)
+        a.out = a.out.replace(".json", "_robustness.json")
+    else:
+        if not a.no_compile:
+            result["comparison"] = compare(console)
+        result["search"] = rankings(console)
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1, default=float)
