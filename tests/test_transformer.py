@@ -250,6 +250,56 @@ def test_layout_matches_one_device(name, corpus, initial, reference):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
+def test_dropout_is_inverted_and_off_without_rng():
+    from models.transformer.model import dropout
+
+    x = jnp.ones((64, 256))
+    assert dropout(x, 0.25, None) is x and dropout(x, 0.0, jax.random.key(0)) is x
+    y = np.asarray(dropout(x, 0.25, jax.random.key(0)))
+    np.testing.assert_allclose(np.unique(y), [0.0, 4.0 / 3.0], rtol=1e-6)
+    assert abs((y == 0).mean() - 0.25) < 0.01 and abs(y.mean() - 1.0) < 0.02
+    with pytest.raises(ValueError, match="dropout"):
+        CFG.replace(dropout=1.0)
+
+    model, batch = build(CFG.replace(dropout=0.2)), {"inputs": tokens(4, 16), "targets": tokens(4, 16, 1)}
+    plain = loss_fn(build(CFG), batch)
+    assert float(loss_fn(model, batch)) == float(plain)  # evaluation: no rng, no dropout
+    a, b = (float(loss_fn(model, batch, rng=jax.random.key(k))) for k in (1, 2))
+    assert a != float(plain) and a != b
+    assert float(loss_fn(model, batch, rng=jax.random.key(1))) == a
+
+
+def _train_with_dropout(layout, corpus, model, devices=None, steps=5):
+    mesh = sk.make_mesh(layout.mesh, devices=devices)
+    plan = make_plan(mesh, model.cfg, zero=layout.zero, sequence_parallel=layout.sequence_parallel,
+                     vocab_parallel=layout.vocab_parallel)
+    pipe = PipelineSpec(4, layout.schedule, layout.repeats) if "pipe" in mesh.shape else None
+
+    @sk.train_step(plan, optax.adamw(3e-3, b2=0.95))
+    def step(model, batch, rng):
+        return loss_fn(model, batch, pipe, rng=rng)
+
+    state = step.init(model, seed=7)
+    batches = data_lib.Batches(corpus[0], BATCH, TRAIN_CFG.seq, seed=0)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, next(batches))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+def test_dropout_layouts_match_one_device(corpus):
+    """Masks are drawn for whole (global) arrays from a per-step, per-layer key, so a sharded
+    layout drops exactly what one device drops (rtol 1e-5); a pipeline folds the microbatch
+    into the key too, so it trains with other masks (checked: finite, and unlike no dropout)."""
+    model = build(TRAIN_CFG.replace(dropout=0.1))
+    ref = _train_with_dropout(Layout("data=1"), corpus, model, devices=jax.devices()[:1])
+    for name in ("hybrid", "fsdp_tp"):
+        np.testing.assert_allclose(_train_with_dropout(LAYOUTS[name], corpus, model), ref, rtol=1e-5)
+    piped = _train_with_dropout(LAYOUTS["pp_gpipe"], corpus, model)
+    assert np.all(np.isfinite(piped)) and not np.allclose(piped, ref, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["hybrid", "pp_1f1b"])
 def test_bf16_layout_close_to_one_device(name, corpus, initial, reference):
     """bf16 compute (f32 master weights and reductions): sharding changes the order of bf16

@@ -32,6 +32,8 @@ class Config:
         scan_unroll: layers per iteration of the layer scan (``lax.scan(unroll=...)``);
             1 keeps compile time flat in depth, ``layers`` unrolls fully (XLA's
             ``cost_analysis`` counts a loop body once, so exact flop counts need it).
+        dropout: residual dropout rate on each attention and MLP output (GPT-2), applied
+            when the loss is given an ``rng`` (training); 0 disables it.
     """
 
     vocab: int = 256
@@ -48,6 +50,7 @@ class Config:
     init_std: float = 0.02
     remat: str = "none"
     scan_unroll: int = 1
+    dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "layers", "heads", "seq"):
@@ -70,6 +73,8 @@ class Config:
                 "grouped-query attention shares each kv head among heads/kv_heads query heads")
         if self.head_dim % 2:
             raise ValueError(f"Config.head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"Config.dropout={self.dropout!r} must be in [0, 1)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
 

@@ -160,12 +160,25 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
+        self.dropout = cfg.dropout
 
-    def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
-        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), cos_TxQ2, sin_TxQ2)
+    def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2, rng: jax.Array | None = None):
+        keys = (None, None) if rng is None else jax.random.split(rng)
+        attn_BxTxD = self.attn(self.attn_norm(x_BxTxD), cos_TxQ2, sin_TxQ2)
+        x_BxTxD = x_BxTxD + dropout(attn_BxTxD, self.dropout, keys[0])
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
-        x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+        x_BxTxD = x_BxTxD + dropout(self.mlp(self.mlp_norm(x_BxTxD)), self.dropout, keys[1])
         return constrain(x_BxTxD, ("batch", "seq", None))
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    """Inverted dropout: zeroes a ``rate`` fraction and scales the rest by 1/(1 - rate); the
+    identity without ``rng`` (evaluation) or at rate 0. The mask is drawn for the whole
+    (global) array, so it does not depend on how the array is sharded."""
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 def _remat(fn, policy: str):
@@ -202,8 +215,8 @@ class Transformer(nnx.Module):
         graphdef, _ = nnx.split(self.blocks)
         cos_TxQ2, sin_TxQ2 = rotary(T, self.cfg.head_dim, self.cfg.rope_theta)
 
-        def layer(params, x_BxTxD):
-            return nnx.merge(graphdef, params)(x_BxTxD, cos_TxQ2, sin_TxQ2)
+        def layer(params, x_BxTxD, rng=None):
+            return nnx.merge(graphdef, params)(x_BxTxD, cos_TxQ2, sin_TxQ2, rng)
 
         return _remat(layer, self.cfg.remat)
 
@@ -224,34 +237,43 @@ class Transformer(nnx.Module):
     def logits(self, x_BxTxD: jax.Array) -> jax.Array:
         return head_logits(self.head_params(), x_BxTxD, self.cfg.norm_eps)
 
-    def __call__(self, tokens_BxT: jax.Array, *, pipeline: PipelineSpec | None = None):
-        return self.logits(self.hidden(tokens_BxT, pipeline=pipeline))
+    def __call__(self, tokens_BxT: jax.Array, *, pipeline: PipelineSpec | None = None,
+                 rng: jax.Array | None = None):
+        return self.logits(self.hidden(tokens_BxT, pipeline=pipeline, rng=rng))
 
     def hidden(self, tokens_BxT: jax.Array, *, pipeline: PipelineSpec | None = None,
-               loss_fn=None, loss_params=None, targets=None) -> jax.Array:
+               loss_fn=None, loss_params=None, targets=None, rng: jax.Array | None = None) -> jax.Array:
         """Embeds and runs the layer stack: ``lax.scan`` over layers, or ``sk.pipeline`` over
-        the ``pipe`` axis (with ``loss_fn``, the pipeline's mean loss instead)."""
+        the ``pipe`` axis (with ``loss_fn``, the pipeline's mean loss instead). ``rng``
+        (training) turns on dropout when ``Config.dropout > 0``: layer ``l`` draws its masks
+        from ``fold_in(rng, l)`` (in a pipeline, folded with the microbatch too)."""
         T = tokens_BxT.shape[1]
         if T > self.cfg.seq:
             raise ValueError(f"sequence length {T} exceeds Config.seq={self.cfg.seq}")
+        rng = rng if self.cfg.dropout > 0 else None
         x_BxTxD = self.embed_tokens(tokens_BxT)
         layer = self.layer_fn(T)
         params = nnx.state(self.blocks)
         if pipeline is None:
-            x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x_BxTxD, params,
+            def body(x, p_l):
+                p, l = p_l
+                return layer(p, x, None if rng is None else jax.random.fold_in(rng, l)), None
+
+            x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (params, jnp.arange(self.cfg.layers)),
                                       unroll=self.cfg.scan_unroll)
             return x_BxTxD
         dtype = x_BxTxD.dtype
+        stage = layer if rng is None else (lambda p, x, *, rng: layer(p, x, rng))
         if dtype != F32:
             # Workaround: XLA:CPU aborts ("Invalid binary instruction opcode copy") compiling
             # the gradient of a bf16 pipeline input when the batch is also split over a data
             # axis. The pipeline carries f32 activations; each layer still computes in bf16.
-            inner = layer
-            layer = lambda p, x: inner(p, x.astype(dtype)).astype(F32)  # noqa: E731
+            inner = stage
+            stage = lambda p, x, **kw: inner(p, x.astype(dtype), **kw).astype(F32)  # noqa: E731
             x_BxTxD = x_BxTxD.astype(F32)
-        y = sk.pipeline(layer, params, x_BxTxD, microbatches=pipeline.microbatches,
+        y = sk.pipeline(stage, params, x_BxTxD, microbatches=pipeline.microbatches,
                         schedule=pipeline.schedule, repeats=pipeline.repeats,
-                        loss_fn=loss_fn, loss_params=loss_params, targets=targets)
+                        loss_fn=loss_fn, loss_params=loss_params, targets=targets, rng=rng)
         return y if loss_fn is not None else y.astype(dtype)
 
 
@@ -266,8 +288,10 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
 
 
-def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = None) -> jax.Array:
-    """Mean next-token cross entropy; ``batch = {"inputs": (B,T), "targets": (B,T)}``.
+def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = None,
+            rng: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross entropy; ``batch = {"inputs": (B,T), "targets": (B,T)}``;
+    ``rng`` (training) turns on ``Config.dropout``.
 
     Under the 1F1B schedule the loss is computed inside the pipeline (its backward pass is
     explicit), so the head goes in as ``loss_params``.
@@ -277,8 +301,8 @@ def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = Non
         return model.hidden(
             batch["inputs"], pipeline=pipeline, loss_params=model.head_params(),
             loss_fn=lambda head, y, t: cross_entropy(head_logits(head, y, eps), t),
-            targets=batch["targets"])
-    return cross_entropy(model(batch["inputs"], pipeline=pipeline), batch["targets"])
+            targets=batch["targets"], rng=rng)
+    return cross_entropy(model(batch["inputs"], pipeline=pipeline, rng=rng), batch["targets"])
 
 
 def param_count(cfg: Config, *, embedding: bool = True) -> int:

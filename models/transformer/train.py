@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     a("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
     a("--seq", type=int, help="sequence length")
     a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
+    a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--microbatches", type=int, help="pipeline microbatches with a pipe axis (default 2 x "
       "stages), else gradient-accumulation microbatches (default 1)")
@@ -77,11 +78,12 @@ def model_config(args) -> Config:
         raise FlagError("--size", f"unknown size {args.size!r}; choose one of {', '.join(SIZES)}")
     changes = {k: v for k, v in (("layers", args.layers), ("d_model", args.d_model),
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
-                                 ("seq", args.seq), ("remat", args.remat)) if v is not None}
+                                 ("seq", args.seq), ("remat", args.remat),
+                                 ("dropout", args.dropout)) if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
     except ValueError as e:
-        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq")
+        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
 
@@ -204,9 +206,14 @@ def _run(args) -> int:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
 
-    @sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0)
-    def step(model, batch):
-        return loss_fn(model, batch, pipeline)
+    if cfg.dropout > 0:  # the step then draws a fresh key per step (and microbatch)
+        def train_loss(model, batch, rng):
+            return loss_fn(model, batch, pipeline, rng=rng)
+    else:
+        def train_loss(model, batch):
+            return loss_fn(model, batch, pipeline)
+
+    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0)(train_loss)
 
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}  sequence_parallel={sp}"
