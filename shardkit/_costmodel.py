@@ -341,7 +341,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
         # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
         # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
-        from ._stepcost import pipeline_ticks
+        from ._pipecost import pipeline_ticks
 
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
         layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
@@ -366,7 +366,7 @@ def _pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float,
     gradient reduction over data per step (a tied embedding's two parts apart). Activations
     cross the pipe in f32, as the recipe's pipeline carries them; sequence parallelism shards
     them over ``tensor``."""
-    from ._stepcost import pipeline_ticks
+    from ._pipecost import pipeline_ticks
 
     p, m, v = lo.pipe, lo.microbatches, lo.repeats
     note = {"stages": p, "microbatches": m, "repeats": v, "schedule": lo.schedule}

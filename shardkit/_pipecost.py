@@ -1,0 +1,155 @@
+"""What ``sk.pipeline`` costs per device, for the step estimate (``_stepcost``) and the
+analytic model (``_costmodel``): its schedule's ticks, the buffers it holds beside the saved
+residuals, the 1F1B loop's working set, and the collectives it issues. Everything is read off
+its trace note (``plan.note("pipeline", ...)``) and the leaves' specs; nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .rules import entry_axes
+
+
+def pipeline_ticks(note: dict) -> int:
+    """Ticks of the schedule table ``sk.pipeline`` scans (``_pipeline_schedules``)."""
+    from . import _pipeline_schedules as sched
+
+    p, m, v = note["stages"], note["microbatches"], note.get("repeats", 1)
+    if note["schedule"] == "1f1b":
+        return int(sched.one_f_one_b_table(p, m).op.shape[0])
+    return int(sched.forward_table(p, m, v).item.shape[0])
+
+
+def pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
+    """What ``sk.pipeline`` did inside the loss: the explicit ``pipeline=`` override
+    (``(microbatches, schedule, repeats)`` or a dict), else the step's trace note (the step
+    is lowered once here if it has not been traced yet); ``None`` without a pipe axis."""
+    if pipeline is not None:
+        if isinstance(pipeline, dict):
+            note = dict(pipeline)
+        else:
+            pm, schedule, v = (tuple(pipeline) + ("gpipe", 1))[:3]
+            note = {"microbatches": pm, "schedule": schedule, "repeats": v}
+        note.setdefault("axis", "pipe")
+        note.setdefault("stages", sizes.get(note["axis"], 1))
+        note.setdefault("repeats", 1)
+        return note if note["stages"] > 1 else None
+    if sizes.get("pipe", 1) <= 1 and not step.trace_notes.get("pipeline"):
+        return None
+    if "pipeline" not in step.trace_notes:
+        try:
+            step.lower(state, batch)
+        except Exception:  # noqa: BLE001 - an estimate without the pipeline beats none
+            return None
+    note = step.trace_notes.get("pipeline")
+    return dict(note) if note and note.get("stages", 1) > 1 else None
+
+
+def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> float:
+    """Bytes ``sk.pipeline`` holds beside the saved residuals: GPipe/circular the (m + 1)
+    output slots and their cotangent; 1F1B the rings of stage inputs and cotangents, and a
+    second copy of the gradients (its custom_vjp returns them as residuals, then scales)."""
+    from . import _pipeline_schedules as sched
+
+    pm = pipe["microbatches"]
+    act_mb = act_elems_x4 / pm
+    if pipe["schedule"] == "1f1b":
+        tab = sched.one_f_one_b_table(pipe["stages"], pm)
+        return grad_bytes + (tab.act_ring + tab.grad_ring) * act_mb
+    return 2 * (pm + 1) * act_mb
+
+
+def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
+                      stage_residuals: float, stage_layers: int) -> float:
+    """Temporaries of ``sk.pipeline``'s 1F1B loop at its peak, a backward op, per device.
+
+    The scan carries the f32 gradient accumulators (the stage's, the loss params', the input's
+    ``(m + 1)`` microbatch rows) and the rings of stage inputs and cotangents; the backward op
+    holds a second copy of the accumulators it updates (the ``lax.switch`` branch's result),
+    the fresh stage gradient from its ``jax.vjp``, the stage's residuals for its microbatch
+    (rebuilt by recomputing the forward) and one layer's share of them again in cotangents; the
+    pipeline's input (all microbatches of a device's rows) stays alive throughout."""
+    from . import _pipeline_schedules as sched
+
+    pm = pipe["microbatches"]
+    act_mb = act_elems_x4 / pm
+    tab = sched.one_f_one_b_table(pipe["stages"], pm)
+    carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
+    backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
+    return carry + backward_op + pm * act_mb
+
+
+def pipelined_uses(pipe: dict, layers: int) -> float:
+    """Layer applications per device per step, in units of one layer over the whole local
+    batch: GPipe/circular run their k = L/(p·v) layers every tick (idle ticks compute too) on
+    a 1/m microbatch; 1F1B runs each of its L/p layers once per microbatch."""
+    p, pm, v = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1)
+    if pipe["schedule"] == "1f1b":
+        return layers / p
+    return pipeline_ticks(pipe) * layers / (p * v) / pm
+
+
+def pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wire, bg, n_data,
+                      batch, step_m) -> int:
+    """Pipeline collectives, as ``sk.pipeline`` issues them (and XLA partitions them).
+
+    * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
+      its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
+      GPipe/circular also move the last stage's m outputs and their cotangent once.
+    * ``pipe-relayout``: circular (v > 1) reorders the weights stage-major (forward) and the
+      gradients back (backward).
+    * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
+      m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
+      input's). The input is taken as differentiable when the batch holds integer tokens
+      (it then came from an embedding).
+    * ``grad-reduce`` over the data axes: ``sk.pipeline`` makes the data axes manual and
+      reduces the stage weights' gradient once per pipeline call, after the loop, like the
+      params outside the stacks (1F1B: the loss params, in the same psum). A tied embedding
+      (integer-token batch, no separate head) is reduced twice: the input's cotangent leaves
+      the pipeline data-sharded and its lookup gradient is reduced apart from the head's.
+      When the data axes
+      stayed compiler-managed (the trace note's ``data_axes`` is empty: a pipeline with
+      ``rng``), XLA reduces it where it is produced instead — every tick of the transposed scan
+      (GPipe/circular, ticks × a layer group), every backward op of 1F1B (m × the stage) —
+      and 1F1B's loss params m times on the last stage (m/p per device).
+
+    Returns the microbatch count to time the step with (the pipeline's).
+    """
+    p, pm, v, sched_ = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1), pipe["schedule"]
+    ticks = pipeline_ticks(pipe)
+    act_mb = act_elems / pm * 4  # the pipelines carry f32 activations (see models/transformer)
+    axis = pipe.get("axis", "pipe")
+    piped = [bool(l.spec) and axis in entry_axes(l.spec[0]) for l in leaves]
+    stage = sum(c for c, s in zip(comp, piped) if s)  # one stage's layer weights (elements)
+    rest = sum(c for c, s in zip(comp, piped) if not s)
+    col["pipe-permute"] = 2 * ticks * act_mb * step_m
+    counts["pipe-permute"] = 2 * ticks * step_m
+    has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
+    if sched_ != "1f1b":
+        col["pipe-permute"] += 2 * pm * act_mb * step_m
+        counts["pipe-permute"] += 2 * step_m
+        if v > 1:
+            # The stage-major weight order (device s holds groups s, s+p, ...) is a relayout of
+            # the contiguous layer sharding, forward (weights) and backward (gradients): XLA
+            # swaps halves with one all-to-all for p = 2, and adds a permute for p > 2.
+            col["pipe-relayout"] = 2 * stage * wire * (1 if p == 2 else 2) * step_m
+            counts["pipe-relayout"] = 2 * (1 if p == 2 else 2) * step_m
+        col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
+    else:
+        col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
+    counts["pipe-reduce"] = step_m
+    if n_data > 1:
+        if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
+            tied = has_dx and not any("head" in l.path for l in leaves)
+            embed = sum(c for c, l, s in zip(comp, leaves, piped) if tied and not s and "embed" in l.path)
+            col["grad-reduce"] = (stage + rest + embed) * bg * step_m
+            counts["grad-reduce"] = 2 * step_m
+        elif sched_ == "1f1b":
+            col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
+            counts["grad-reduce"] = (pm + 1) * step_m
+        else:
+            col["grad-reduce"] = (ticks * stage / v + rest) * bg * step_m
+            counts["grad-reduce"] = (ticks + 1) * step_m
+    return pm
