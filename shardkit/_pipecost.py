@@ -9,8 +9,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .rules import entry_axes
-
 
 def pipeline_ticks(note: dict) -> int:
     """Ticks of the schedule table ``sk.pipeline`` scans (``_pipeline_schedules``)."""
@@ -91,9 +89,10 @@ def pipelined_uses(pipe: dict, layers: int) -> float:
     return pipeline_ticks(pipe) * layers / (p * v) / pm
 
 
-def pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wire, bg, n_data,
-                      batch, step_m) -> int:
-    """Pipeline collectives, as ``sk.pipeline`` issues them (and XLA partitions them).
+def pipeline_traffic(col, counts, pipe, leaves, comp, piped, act_elems, *, wire, bg, n_data,
+                     batch, step_m) -> int:
+    """Pipeline collectives, as ``sk.pipeline`` issues them (and XLA partitions them);
+    ``piped`` marks the leaves that are stage weights.
 
     * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
       its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
@@ -120,8 +119,6 @@ def pipeline_traffic(col, counts, pipe, leaves, comp, stacked, act_elems, *, wir
     p, pm, v, sched_ = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1), pipe["schedule"]
     ticks = pipeline_ticks(pipe)
     act_mb = act_elems / pm * 4  # the pipelines carry f32 activations (see models/transformer)
-    axis = pipe.get("axis", "pipe")
-    piped = [bool(l.spec) and axis in entry_axes(l.spec[0]) for l in leaves]
     stage = sum(c for c, s in zip(comp, piped) if s)  # one stage's layer weights (elements)
     rest = sum(c for c, s in zip(comp, piped) if not s)
     col["pipe-permute"] = 2 * ticks * act_mb * step_m

@@ -144,6 +144,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     tensor_dims = {l.shape[d] for l in leaves for d, e in enumerate(l.spec)
                    if any(a not in plan.batch_axes for a in entry_axes(e))}
     pipe = pipeline_note(step, state, batch, pipeline, sizes)
+    # Which leaves are pipeline stage weights (their leading dim split over the pipe axis).
+    piped = [bool(pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0])) for l in leaves]
     seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
     sp = any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1 for a in seq_rule)
     act, piped_act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
@@ -161,20 +163,20 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         working = max(working, layer_comp * (wire + bg))
     elif zero == 2 and n_data > 1:
         working = max(working, layer_comp * bg)
-    if pipe:
-        working += pipeline_buffers(pipe, _tokens(batch) / n_data / m * width * 4, g_comp)
-    # A pipeline's backward starts after the loss's (whose residuals are freed by then).
-    backward = grad_buffer + (max(act, piped_act + working) if gpipe_like else act + working)
+    act_x4 = _tokens(batch) / n_data / m * width * 4  # a step microbatch's f32 activations
     if pipe and pipe["schedule"] == "1f1b" and pipe.get("stage_residuals") is not None:
-        piped = [bool(l.spec) and pipe.get("axis", "pipe") in entry_axes(l.spec[0]) for l in leaves]
         lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
         rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
         stage_res = sum(math.prod(s) * _itemsize(d) / n_tensor_of(s, rows, tensor_dims, sizes)
                         for s, d in pipe["stage_residuals"])
-        backward = one_f_one_b_loop(pipe, _tokens(batch) / n_data / m * width * 4,
-                                     sum(c for c, q in zip(comp, piped) if q) * 4,
-                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
-                                     max(L // pipe["stages"], 1))
+        backward = one_f_one_b_loop(pipe, act_x4, sum(c for c, q in zip(comp, piped) if q) * 4,
+                                    sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
+                                    max(L // pipe["stages"], 1))
+    else:
+        if pipe:
+            working += pipeline_buffers(pipe, act_x4, g_comp)
+        # A pipeline's backward starts after the loss's (whose residuals are freed by then).
+        backward = grad_buffer + (max(act, piped_act + working) if gpipe_like else act + working)
     new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0
@@ -204,7 +206,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
             col["param-gather"] = sum(f for f, z in zip(full, zshard) if z < f) * bp
             counts["param-gather"] = 1
     act_bytes = tok_dev_mb * width * wire
-    for l, s, t in zip(leaves, stacked, lookup):
+    for l, s, t, staged in zip(leaves, stacked, lookup, piped):
         # One all-reduce of (tokens × width) per use of a tensor-sharded weight: the output of
         # a row-parallel one (forward), the input gradient of a column-parallel one (backward)
         # (Megatron; XLA does not merge the q/k/v or gate/up input-gradient reductions). A tied
@@ -214,7 +216,6 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         if len(l.shape) < 2 or not dims:
             continue
         stack = l.shape[0] if s else 1
-        staged = bool(pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0]))
         if staged:
             stack = pipelined_uses(pipe, stack)
         vocab_lookup = t and dims[0] == 0
@@ -245,29 +246,24 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         counts["tensor-gather"] += m
     p = pipe["stages"] if pipe else 1
     if pipe:
-        m = pipeline_traffic(col, counts, pipe, leaves, comp, stacked, tokens / n_data / m * width,
-                              wire=wire, bg=bg, n_data=n_data, batch=batch, step_m=m)
+        m = pipeline_traffic(col, counts, pipe, leaves, comp, piped, tokens / n_data / m * width,
+                             wire=wire, bg=bg, n_data=n_data, batch=batch, step_m=m)
     matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
     flops = busy = fpt * (matmul / total if total else 1.0) * tokens / n_data
+    staged = sum(c for c, l, q in zip(comp, leaves, piped) if q and len(l.shape) >= 2)  # stage matmuls
     if pipe and pipe["schedule"] != "1f1b" and matmul:
         # GPipe/circular ticks run every device's layer group, idle ones too (on garbage the
         # schedule then discards), so the program executes ticks/(v·m) × the stage's matmuls.
         # 1F1B's idle/forward/backward switch runs one branch a tick: no extra flops. The step
         # time is timed on the busy flops; the bubble (``times``) stands for the idle ticks.
-        axis = pipe.get("axis", "pipe")
-        staged = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2 and l.spec
-                     and axis in entry_axes(l.spec[0]))
         extra = pipeline_ticks(pipe) / (pipe.get("repeats", 1) * pipe["microbatches"]) - 1
         flops = busy * (1 + extra * staged / matmul)
     elif pipe and matmul:
         # A 1F1B backward op recomputes its stage's forward from the saved input (8 of 6 units
         # of flops, loss included); the loss params (head) run on the last stage only, and the
         # compiled figure averages the switch's branches over the stages.
-        axis = pipe.get("axis", "pipe")
-        staged = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2 and l.spec
-                     and axis in entry_axes(l.spec[0]))
         flops = busy * 8 / 6 * (staged + (matmul - staged) / pipe["stages"]) / matmul
         busy *= 8 / 6
     hw = _hardware(hardware, mesh)

@@ -213,17 +213,21 @@ def initial():
     return build(TRAIN_CFG)
 
 
-def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=STEPS):
-    """Losses of ``steps`` steps and the final params under ``layout``, from ``model``."""
+def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=STEPS, rng=False):
+    """Losses of ``steps`` steps and the final params under ``layout``, from ``model``;
+    ``rng``: the loss takes the step's key (dropout)."""
     mesh = sk.make_mesh(layout.mesh, devices=devices)
-    plan = make_plan(mesh, TRAIN_CFG, zero=layout.zero, precision=precision,
+    plan = make_plan(mesh, model.cfg, zero=layout.zero, precision=precision,
                      sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel)
     pipe = (PipelineSpec(4, layout.schedule, layout.repeats) if "pipe" in mesh.shape else None)
+    if rng:
+        def loss(model, batch, rng):
+            return loss_fn(model, batch, pipe, rng=rng)
+    else:
+        def loss(model, batch):
+            return loss_fn(model, batch, pipe)
 
-    @sk.train_step(plan, optax.adamw(3e-3, b2=0.95))
-    def step(model, batch):
-        return loss_fn(model, batch, pipe)
-
+    step = sk.train_step(plan, optax.adamw(3e-3, b2=0.95))(loss)
     state = step.init(model)
     batches = data_lib.Batches(corpus[0], BATCH, TRAIN_CFG.seq, seed=0)
     losses = []
@@ -269,34 +273,15 @@ def test_dropout_is_inverted_and_off_without_rng():
     assert float(loss_fn(model, batch, rng=jax.random.key(1))) == a
 
 
-def _train_with_dropout(layout, corpus, model, devices=None, steps=5):
-    mesh = sk.make_mesh(layout.mesh, devices=devices)
-    plan = make_plan(mesh, model.cfg, zero=layout.zero, sequence_parallel=layout.sequence_parallel,
-                     vocab_parallel=layout.vocab_parallel)
-    pipe = PipelineSpec(4, layout.schedule, layout.repeats) if "pipe" in mesh.shape else None
-
-    @sk.train_step(plan, optax.adamw(3e-3, b2=0.95))
-    def step(model, batch, rng):
-        return loss_fn(model, batch, pipe, rng=rng)
-
-    state = step.init(model, seed=7)
-    batches = data_lib.Batches(corpus[0], BATCH, TRAIN_CFG.seq, seed=0)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, next(batches))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses)
-
-
 def test_dropout_layouts_match_one_device(corpus):
     """Masks are drawn for whole (global) arrays from a per-step, per-layer key, so a sharded
     layout drops exactly what one device drops (rtol 1e-5); a pipeline folds the microbatch
     into the key too, so it trains with other masks (checked: finite, and unlike no dropout)."""
     model = build(TRAIN_CFG.replace(dropout=0.1))
-    ref = _train_with_dropout(Layout("data=1"), corpus, model, devices=jax.devices()[:1])
+    ref, _ = train(Layout("data=1"), corpus, model, devices=jax.devices()[:1], steps=5, rng=True)
     for name in ("hybrid", "fsdp_tp"):
-        np.testing.assert_allclose(_train_with_dropout(LAYOUTS[name], corpus, model), ref, rtol=1e-5)
-    piped = _train_with_dropout(LAYOUTS["pp_gpipe"], corpus, model)
+        np.testing.assert_allclose(train(LAYOUTS[name], corpus, model, steps=5, rng=True)[0], ref, rtol=1e-5)
+    piped, _ = train(LAYOUTS["pp_gpipe"], corpus, model, steps=5, rng=True)
     assert np.all(np.isfinite(piped)) and not np.allclose(piped, ref, rtol=1e-5)
 
 
