@@ -34,7 +34,7 @@ from models.transformer import data as data_lib  # noqa: E402
 from models.transformer.config import SIZES  # noqa: E402
 from models.transformer.layouts import LAYOUTS, Layout, make_plan  # noqa: E402
 from models.transformer.model import PipelineSpec, Transformer, flops_per_token, loss_fn  # noqa: E402
-from shardkit import hardware  # noqa: E402
+from shardkit.cost import hardware  # noqa: E402
 
 CFG = SIZES["tiny"].replace(seq=128)
 BATCH = 16

@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import _pipeline_schedules as sched
+from ._pipeline_schedules import ONE_F_ONE_B_SCOPE
 
 
 def _acc_dtype(dtype):
@@ -99,7 +100,10 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
                 gx = _put(gx, d_h, jnp.where(stage == 0, mb, m))  # only stage 0 owns dx
                 return _add(gp, d_p), gl, gx, loss
 
-            send_h, send_g, acc = lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last], acc)
+            # The scope names the switch in the compiled HLO, so explain() can weight its
+            # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
+            with jax.named_scope(ONE_F_ONE_B_SCOPE):
+                send_h, send_g, acc = lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last], acc)
             if p > 1:
                 send_h = lax.ppermute(send_h, axis, down)
                 send_g = lax.ppermute(send_g, axis, up)

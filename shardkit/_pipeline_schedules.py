@@ -13,6 +13,10 @@ import dataclasses
 
 import numpy as np
 
+# The named scope around 1F1B's per-tick ``lax.switch``: it reaches the compiled HLO as the
+# conditional's ``op_name``, which is how ``explain()`` finds that switch among a model's own conds.
+ONE_F_ONE_B_SCOPE = "shardkit_1f1b_tick"
+
 IDLE, FWD, BWD, FWD_LAST, BWD_LAST = 0, 1, 2, 3, 4
 
 

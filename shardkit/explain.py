@@ -17,8 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic,
-                   _collective_ops as _collective_ops, _walk as _walk,
+from .cost.hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic,
                    collectives_from_hlo as collectives_from_hlo,
                    matmul_flops_from_hlo as matmul_flops_from_hlo,
                    pipeline_branch_weights as _pipeline_branch_weights,

@@ -61,11 +61,11 @@ def test_pipeline_bubble_is_megatrons():
 def test_activation_memory_korthikanti():
     ms = cost.model_shape("7b")
     b, s, h, a = 1, ms.seq, ms.d_model, ms.heads
-    none = cost._activation_bytes(ms, cost.Layout(), b, s, 2)
+    none = cost.activation_bytes(ms, cost.Layout(), b, s, 2)
     assert none == pytest.approx(s * b * h * (34 + 5 * a * s / h))
-    full = cost._activation_bytes(ms, cost.Layout(remat="full"), b, s, 2)
+    full = cost.activation_bytes(ms, cost.Layout(remat="full"), b, s, 2)
     assert full == pytest.approx(2 * s * b * h)
-    sp = cost._activation_bytes(ms, cost.Layout(tensor=8, sequence_parallel=True), b, s, 2)
+    sp = cost.activation_bytes(ms, cost.Layout(tensor=8, sequence_parallel=True), b, s, 2)
     assert sp == pytest.approx(none / 8)
 
 
@@ -106,7 +106,7 @@ def test_efficiency_model_lands_in_the_published_band():
     # More exposed tensor-parallel traffic costs time; data-axis traffic hides behind compute.
     tp = cost.Layout(data=32, tensor=8, zero=1)
     e = cost.estimate("7b", tp, "h100", global_batch=512)
-    assert e.time["exposed"] >= cost.efficiency_for(sk.hardware.lookup("h100")).exposed_tensor * e.time["tensor-reduce"]
+    assert e.time["exposed"] >= cost.efficiency_for(cost.hardware.lookup("h100")).exposed_tensor * e.time["tensor-reduce"]
 
 
 def test_search_folds_identical_layouts():

@@ -24,7 +24,7 @@ from models.transformer.config import SIZES, Config
 from models.transformer.layouts import LAYOUTS, Layout, axis_rules, make_plan
 from models.transformer.model import (PipelineSpec, Transformer, abstract_model, apply_rotary,
                                       flops_per_token, loss_fn, param_count, rotary)
-from shardkit import hardware
+from shardkit.cost import hardware
 
 CFG = SIZES["test"]  # d_model 32, 2 layers, 4 heads / 2 kv heads, seq 16
 

@@ -175,7 +175,7 @@ def _run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from shardkit import hardware
+    from shardkit.cost import hardware
 
     from .layouts import make_plan
     from .model import PipelineSpec, Transformer, flops_per_token, loss_fn

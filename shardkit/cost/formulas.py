@@ -1,8 +1,7 @@
-"""The cost model's formulas: model shapes, layouts, per-device memory, collective bytes and
-flops of a layout (``estimate``); ``_steptime`` turns them into seconds. ``sk.cost`` is the
-public face.
+"""The cost model's formulas: per-device memory, collective bytes and flops of a layout
+(``estimate``); ``steptime`` turns them into seconds. ``sk.cost`` is the public face.
 
-Sources (see FORMULAS.md): ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054),
+Sources: ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054),
 Megatron tensor parallelism and activation memory (Shoeybi et al. 2019, arXiv:1909.08053;
 Korthikanti et al. 2022, arXiv:2205.05198), pipeline bubbles (Huang et al. 2019; Narayanan et
 al. 2021, arXiv:2104.04473), collective times and rooflines (the JAX scaling book, "How to
@@ -13,213 +12,15 @@ gathers the gathered result.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from ..precision import Precision
 from . import hardware as hw_lib
-from ._steptime import Efficiency, _links, times  # noqa: F401 (re-exported)
-from .precision import Precision
-
-RECIPE_SIZES: dict[str, dict] = {
-    "125m": dict(vocab=50304, d_model=768, layers=12, heads=12, kv_heads=12, d_ff=2048, seq=1024, tie=True),
-    "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
-    "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
-}
-ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
-         "pipe-relayout")
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """A model as the cost model sees it.
-
-    Attributes:
-        name: label for tables.
-        params: parameter count Ψ.
-        flops_per_token: training flops per token (forward + backward), e.g. 6Ψ + attention.
-        layers: repeated blocks (what a pipeline splits); 1 for a plain pytree.
-        layer_params: parameters inside the repeated blocks (the rest: embeddings, head).
-        d_model, heads, d_ff, vocab: widths for tensor-parallel traffic and activation memory
-            (0 when unknown: no TP traffic, activations from ``act_bytes_per_token``).
-        seq: tokens per example.
-        act_bytes_per_token: saved activation bytes per token per layer, overriding
-            Korthikanti's formula (for non-transformer models).
-        tie: the embedding doubles as the output head (its gradient has two parts, which
-            ``sk.pipeline`` reduces apart: the head's inside, the lookup's outside).
-    """
-
-    name: str
-    params: float
-    flops_per_token: float
-    layers: int = 1
-    layer_params: float = 0.0
-    d_model: int = 0
-    heads: int = 0
-    d_ff: int = 0
-    vocab: int = 0
-    seq: int = 1
-    act_bytes_per_token: float | None = None
-    tie: bool = False
-
-
-def model_shape(model: Any, *, flops_per_token: float | None = None, seq: int | None = None) -> ModelShape:
-    """A ``ModelShape`` from a recipe size name, a recipe ``Config`` (anything with
-    ``d_model``/``layers``/``heads``), a ``ModelShape``, or a parameter pytree.
-
-    Raises:
-        ValueError: an unknown size name.
-    """
-    if isinstance(model, ModelShape):
-        return dataclasses.replace(model, seq=seq or model.seq)
-    if isinstance(model, str):
-        cfg = _recipe_config(model)
-        return _from_config(cfg, model, seq)
-    if hasattr(model, "d_model") and hasattr(model, "layers"):
-        return _from_config(model, getattr(model, "name", "config"), seq)
-    import jax
-
-    n = float(sum(math.prod(getattr(x, "shape", ())) for x in jax.tree.leaves(model)))
-    return ModelShape("pytree", n, flops_per_token or 6.0 * n, seq=seq or 1)
-
-
-def _recipe_config(name: str):
-    try:
-        from models.transformer.config import SIZES
-
-        if name in SIZES:
-            return SIZES[name]
-    except ImportError:
-        pass
-    if name not in RECIPE_SIZES:
-        raise ValueError(f"unknown model size {name!r}; known: {', '.join(RECIPE_SIZES)}, or pass a "
-                         "Config, a ModelShape, or a parameter pytree with flops_per_token=")
-    return dict(RECIPE_SIZES[name])
-
-
-def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
-    get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
-    D, L, H, F, V = get("d_model"), get("layers"), get("heads"), get("d_ff"), get("vocab")
-    K = get("kv_heads") or H
-    Q = get("head_dim") or D // H
-    tie = get("tie", get("tie_embeddings", True))
-    T = seq or get("seq")
-    per_layer = 2 * D * H * Q + 2 * D * K * Q + 3 * D * F + 2 * D
-    rest = V * D * (1 if tie else 2) + D
-    # Training flops per token: 6 x matmul weights + attention 12·L·H·Q·T (PaLM, app. B).
-    n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * V
-    fpt = 6.0 * n_matmul + 12.0 * L * H * Q * T
-    return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
-                      tie=bool(tie))
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run a step: mesh axis sizes (outermost first: pipe, data, fsdp, tensor),
-    ZeRO stage over the data axes, microbatches, pipeline schedule and remat policy.
-
-    Attributes:
-        data, fsdp, tensor, pipe: axis sizes. ``fsdp`` always shards weights (ZeRO-3 over it);
-            ``zero`` adds the ``data`` axis to ZeRO's sharding.
-        zero: 0, 1, 2 or 3.
-        microbatches: gradient-accumulation steps, or pipeline microbatches.
-        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"`` (with ``pipe > 1``).
-        repeats: layer chunks per stage for ``"circular"``.
-        remat: ``"none"``, ``"dots"`` (selective) or ``"full"``.
-        sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
-    """
-
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    pipe: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str = "gpipe"
-    repeats: int = 1
-    remat: str = "none"
-    sequence_parallel: bool = False
-
-    @property
-    def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe
-
-    @property
-    def mesh(self) -> str:
-        """The ``sk.make_mesh`` spec (axes of size 1 left out)."""
-        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "tensor")]
-        return ",".join(f"{n}={s}" for n, s in axes if s > 1) or "data=1"
-
-    def axis_stride(self, axis: str) -> int:
-        """Devices between neighbours along ``axis`` (inner axes are the fast ones)."""
-        order = ("pipe", "data", "fsdp", "tensor")
-        return math.prod(getattr(self, a) for a in order[order.index(axis) + 1:])
-
-    def __str__(self) -> str:
-        extra = f",{self.schedule}" + (f"x{self.repeats}" if self.repeats > 1 else "") if self.pipe > 1 else ""
-        sp = ",sp" if self.sequence_parallel else ""
-        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{sp}"
-
-
-@dataclasses.dataclass
-class Estimate:
-    """Estimated per-device cost of one training step.
-
-    Attributes:
-        memory: bytes by kind: ``params``, ``opt_state``, ``grads``, ``activations``,
-            ``batch``, ``arguments``, ``temporaries``, ``peak``.
-        collectives: bytes by role (``grad-reduce``, ``param-gather``, ``tensor-reduce``,
-            ``tensor-gather``, ``pipe-permute``), counted as ``sk.Report`` counts them.
-        flops: executed flops (with recomputation, and a GPipe/circular pipeline's idle ticks,
-            which compute too); ``model_flops``: the useful ones.
-        time: seconds by part: ``compute`` (at the hardware's achievable matmul efficiency),
-            one entry per collective role (its full time), ``bubble``, ``exposed`` (the
-            communication left on the critical path) and ``step`` = compute + bubble + exposed
-            (``_steptime.times``).
-        hardware: the accelerator name; ``layout``: what was estimated; ``tokens``: per step.
-        memory_limit: bytes available per device.
-    """
-
-    memory: dict[str, float]
-    collectives: dict[str, float]
-    flops: float
-    model_flops: float
-    time: dict[str, float]
-    hardware: str
-    layout: Any = None
-    tokens: float = 0.0
-    memory_limit: float = float("inf")
-    devices: int = 1
-
-    @property
-    def step_time(self) -> float:
-        return self.time["step"]
-
-    @property
-    def mfu(self) -> float:
-        """Model flops utilisation: useful flops / (step time × peak) (PaLM's definition)."""
-        peak = hw_lib.lookup(self.hardware).peak_flops
-        return self.model_flops / (self.step_time * peak) if self.step_time else 0.0
-
-    @property
-    def fits(self) -> bool:
-        return self.memory["peak"] <= self.memory_limit
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_time if self.step_time else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        """Quantities under ``Report.comparison``'s names (``memory/peak``, ``collective/
-        grad-reduce``, ``flops``) plus ``time/...``."""
-        out = {f"memory/{k}": float(v) for k, v in self.memory.items()}
-        out.update({f"collective/{k}": float(v) for k, v in self.collectives.items()})
-        out["flops"] = float(self.flops)
-        out.update({f"time/{k}": float(v) for k, v in self.time.items()})
-        return out
-
+from .pipeline import pipeline_ticks
+from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
+from .steptime import Efficiency, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
              global_batch: int, seq: int | None = None, precision: str | Precision = "bf16",
@@ -237,9 +38,9 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     all-reduces per layer). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
-    vocab-parallel embedding/head; pipelines: see ``_pipeline_collectives`` (one gradient
+    vocab-parallel embedding/head; pipelines: see ``pipeline_collectives`` (one gradient
     reduction over data per step, not per microbatch).
-    Step time: ``_steptime.times`` with the hardware's ``Efficiency`` (not a pure roofline).
+    Step time: ``steptime.times`` with the hardware's ``Efficiency`` (not a pure roofline).
 
     Args:
         model: see ``model_shape``.
@@ -278,7 +79,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     L_dev = max(ms.layers // lo.pipe, 1)
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
-    act = _activation_bytes(ms, lo, b, T, bc) * L_dev
+    act = activation_bytes(ms, lo, b, T, bc) * L_dev
     one_f_one_b = lo.pipe > 1 and lo.schedule == "1f1b"
     if one_f_one_b:
         # sk.pipeline's 1F1B keeps a ring of <= p stage inputs (f32) and rebuilds one
@@ -330,7 +131,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
             counts["tensor-gather"] = n_gather
     if lo.pipe > 1:
-        _pipeline_collectives(col, counts, ms, lo, p_layers, p_dev - p_layers, tokens_mb, bc, bg,
+        pipeline_collectives(col, counts, ms, lo, p_layers, p_dev - p_layers, tokens_mb, bc, bg,
                               replicas)
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
@@ -341,8 +142,6 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
         # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
         # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
-        from ._pipecost import pipeline_ticks
-
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
         layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
         note = {"stages": lo.pipe, "microbatches": m, "repeats": lo.repeats, "schedule": lo.schedule}
@@ -353,9 +152,9 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
 
 
-def _pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float, rest: float,
+def pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float, rest: float,
                           tokens_mb: float, bc: int, bg: int, replicas: int) -> None:
-    """``sk.pipeline``'s traffic per device per step, as ``_stepcost._pipeline_traffic`` counts it
+    """``sk.pipeline``'s traffic per device per step, as ``fromstep``'s ``pipeline_traffic`` counts it
     leaf by leaf (elements: ``stage`` the device's layer weights, ``rest`` the others).
 
     Two activation permutes per tick of the schedule table (forward and its transpose; 1F1B's
@@ -366,8 +165,6 @@ def _pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float,
     gradient reduction over data per step (a tied embedding's two parts apart). Activations
     cross the pipe in f32, as the recipe's pipeline carries them; sequence parallelism shards
     them over ``tensor``."""
-    from ._pipecost import pipeline_ticks
-
     p, m, v = lo.pipe, lo.microbatches, lo.repeats
     note = {"stages": p, "microbatches": m, "repeats": v, "schedule": lo.schedule}
     ticks = pipeline_ticks(note)
@@ -390,7 +187,7 @@ def _pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float,
         col["grad-reduce"] += ms.vocab * ms.d_model / lo.tensor * bg
 
 
-def _activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
+def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
     """Saved activation bytes of one layer for one microbatch (Korthikanti et al. 2022,
     Table 2; the constants assume 16-bit activations, scaled to ``bc`` bytes)."""
     if ms.act_bytes_per_token is not None:
@@ -410,23 +207,5 @@ def _activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> fl
     else:
         per = sbh * (34 + 5 * a * s / h)
     return per * bc / 2
-
-
-def _tokens(batch) -> int:
-    """Tokens in a batch: integer leaves are token ids (every element a token), float leaves
-    carry features in their last dimension."""
-    import jax
-    import numpy as np
-
-    best = 1
-    for x in jax.tree.leaves(batch):
-        shape = tuple(getattr(x, "shape", ()))
-        if not shape:
-            continue
-        if np.issubdtype(np.dtype(x.dtype), np.integer):
-            best = max(best, math.prod(shape))
-        else:
-            best = max(best, math.prod(shape[:-1]) if len(shape) > 1 else shape[0])
-    return best
 
 

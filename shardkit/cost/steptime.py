@@ -1,6 +1,6 @@
 """Step time of a layout: collective times over the links a mesh axis spans, and the
 achievable-efficiency model (matmul efficiency below peak, exposed communication, latency)
-that turns flops and collective bytes into seconds. ``_costmodel.estimate`` calls ``times``.
+that turns flops and collective bytes into seconds. ``formulas.estimate`` and ``fromstep`` call ``times``.
 
 Sources: ring collective times and link regimes from the JAX scaling book ("How to Scale Your
 Model"); the efficiency figures from the published MFUs in FORMULAS.md.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from . import hardware as hw_lib
 
 if TYPE_CHECKING:
-    from ._costmodel import Layout
+    from .shapes import Layout
 
 # Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
 # ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
@@ -32,7 +32,7 @@ def register_links(name: str, node_size: int, intra_latency: float, inter_latenc
     LINKS[name.lower()] = (int(node_size), float(intra_latency), float(inter_latency))
 
 
-def _links(hw) -> tuple[int, float, float]:
+def links(hw) -> tuple[int, float, float]:
     return LINKS.get(hw.name.lower(), (8, 5e-6, 1.5e-5))
 
 
@@ -123,7 +123,7 @@ def _link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[f
     which is the scaling book's per-node figure when a whole node is in the group.
     """
     group = math.prod(getattr(layout, a) for a in axes)
-    node, intra_lat, inter_lat = _links(hw)
+    node, intra_lat, inter_lat = links(hw)
     live = [a for a in axes if getattr(layout, a) > 1]
     span = max((getattr(layout, a) * layout.axis_stride(a) for a in live), default=1)
     if span <= node:

@@ -1,5 +1,5 @@
-"""What ``sk.pipeline`` costs per device, for the step estimate (``_stepcost``) and the
-analytic model (``_costmodel``): its schedule's ticks, the buffers it holds beside the saved
+"""What ``sk.pipeline`` costs per device, for the step estimate (``fromstep``) and the
+analytic model (``formulas``): its schedule's ticks, the buffers it holds beside the saved
 residuals, the 1F1B loop's working set, and the collectives it issues. Everything is read off
 its trace note (``plan.note("pipeline", ...)``) and the leaves' specs; nothing is compiled.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from .. import _pipeline_schedules as sched
+
 
 def pipeline_ticks(note: dict) -> int:
     """Ticks of the schedule table ``sk.pipeline`` scans (``_pipeline_schedules``)."""
-    from . import _pipeline_schedules as sched
-
     p, m, v = note["stages"], note["microbatches"], note.get("repeats", 1)
     if note["schedule"] == "1f1b":
         return int(sched.one_f_one_b_table(p, m).op.shape[0])
@@ -49,8 +49,6 @@ def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> floa
     """Bytes ``sk.pipeline`` holds beside the saved residuals: GPipe/circular the (m + 1)
     output slots and their cotangent; 1F1B the rings of stage inputs and cotangents, and a
     second copy of the gradients (its custom_vjp returns them as residuals, then scales)."""
-    from . import _pipeline_schedules as sched
-
     pm = pipe["microbatches"]
     act_mb = act_elems_x4 / pm
     if pipe["schedule"] == "1f1b":
@@ -69,8 +67,6 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     the fresh stage gradient from its ``jax.vjp``, the stage's residuals for its microbatch
     (rebuilt by recomputing the forward) and one layer's share of them again in cotangents; the
     pipeline's input (all microbatches of a device's rows) stays alive throughout."""
-    from . import _pipeline_schedules as sched
-
     pm = pipe["microbatches"]
     act_mb = act_elems_x4 / pm
     tab = sched.one_f_one_b_table(pipe["stages"], pm)

@@ -95,7 +95,7 @@ def lookup(name_or_device: str | jax.Device) -> Hardware:
             return hw
     raise ValueError(
         f"no hardware entry for {name_or_device!r}; known: {', '.join(sorted(HARDWARE))}. "
-        "Add one with sk.hardware.register_hardware(Hardware(name, peak_flops, hbm_bytes, "
+        "Add one with sk.cost.hardware.register_hardware(Hardware(name, peak_flops, hbm_bytes, "
         "intra_node_bw, inter_node_bw, device_kinds=(...)))")
 
 

@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from .. import _pipeline_schedules as sched
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
 
@@ -61,7 +63,8 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
     computation once, a ``while`` body ``known_trip_count`` times its caller, others as called.
 
     A conditional runs one branch per call, which the text cannot tell; each branch counts
-    once per call unless ``branch_weights[n]`` gives, for conditionals of ``n`` branches, the
+    once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
+    whose line contains ``marker`` (a named scope, which HLO keeps in the op's metadata), the
     fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
@@ -89,7 +92,8 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
                 calls[name].append((callee, int(trip.group(1)) if (role == "body" and trip) else 1))
             for group in _BRANCHES.findall(line):
                 branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-                w = (branch_weights or {}).get(len(branches)) or [1.0] * len(branches)
+                w = next((ws for marker, ws in (branch_weights or {}).items()
+                          if marker in line and len(ws) == len(branches)), [1.0] * len(branches))
                 calls[name].extend(zip(branches, w))
 
     def visit(name: str, m: int, depth: int = 0):
@@ -152,8 +156,19 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
     return ids.transpose(perm) if perm else ids
 
 
+class HloParseError(ValueError):
+    """A compiled program holds a collective whose device groups this reader cannot parse."""
+
+
 def _device_groups(line: str, n_devices: int) -> list[list[int]]:
-    """The device groups a collective runs over, from any of HLO's three spellings."""
+    """The device groups a collective runs over, from any of HLO's spellings (mesh, iota,
+    source-target pairs, explicit lists; ``replica_groups={}`` means all devices, as HLO
+    defines it).
+
+    Raises:
+        HloParseError: none of them matches: guessing "all devices" would misattribute the
+            collective's traffic to the wrong mesh axes.
+    """
     if (m := _MESH.search(line)) is not None:
         names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
         sizes = [int(s) for _, s in names]
@@ -173,7 +188,11 @@ def _device_groups(line: str, n_devices: int) -> list[list[int]]:
         groups = [_ints(g) for g in re.findall(r"\{([0-9,\s]*)\}", m.group(1))]
         if groups and any(groups):
             return groups
-    return [list(range(n_devices))]
+        return [list(range(n_devices))]
+    if not re.search(r"replica_groups=|source_target_pairs=", line):
+        return [list(range(n_devices))]  # no groups attribute: HLO's default, all devices
+    raise HloParseError(f"cannot read the device groups of this collective: {line.strip()[:300]}\n"
+                        "Please report it with your jax version; explain() will not guess.")
 
 
 def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
@@ -268,10 +287,9 @@ def _split_tuple(text: str) -> list[str]:
 
 def pipeline_branch_weights(note: dict) -> dict[int, list[float]] | None:
     """1F1B's ``lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last])``: the fraction of
-    (tick, stage) cells of the schedule table with each op."""
+    (tick, stage) cells of the schedule table with each op, for the conditional inside
+    ``sched.ONE_F_ONE_B_SCOPE`` only."""
     if note.get("schedule") != "1f1b":
         return None
-    from . import _pipeline_schedules as sched
-
     op = sched.one_f_one_b_table(note["stages"], note["microbatches"]).op
-    return {5: [float(np.mean(op == k)) for k in range(5)]}
+    return {sched.ONE_F_ONE_B_SCOPE: [float(np.mean(op == k)) for k in range(5)]}

@@ -12,8 +12,9 @@ import sys
 from typing import Any
 
 from . import hardware as hw_lib
-from ._costmodel import Estimate, Layout, estimate, model_shape
-from ._steptime import _links
+from .formulas import estimate
+from .shapes import Estimate, Layout, model_shape
+from .steptime import efficiency_for, links
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -65,7 +66,6 @@ class SearchResult:
         """A ``rich`` table of the best ``top`` layouts."""
         from rich.table import Table
 
-        from ._steptime import efficiency_for
 
         eff = efficiency_for(hw_lib.lookup(self.hardware))
         t = Table(title=f"{self.model} on {self.devices} x {self.hardware}, global batch "
@@ -143,7 +143,7 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
     ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
     cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch,
-                    node_size=min(_links(hw)[0], 8 if hw.name.startswith(("h", "a")) else 16), **options)
+                    node_size=min(links(hw)[0], 8 if hw.name.startswith(("h", "a")) else 16), **options)
     if not cands:
         raise ValueError(
             f"no layout of {devices} devices splits a global batch of {global_batch} (model "
@@ -257,7 +257,7 @@ def plan_main(argv: list[str]) -> int:
         with open(a.json, "w") as f:
             json.dump({"rows": res.rows[:a.top], "weak_scaling": scaling}, f, indent=1)
     if a.png:
-        from . import viz
+        from .. import viz
 
         viz.save(viz.compare_layouts(res, top=min(a.top, 12)), a.png)
         console.print(f"saved {a.png}")

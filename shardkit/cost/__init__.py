@@ -1,36 +1,38 @@
-"""Analytic cost model: per-device memory, collective bytes, flops and step time of a layout.
+"""The cost model: what a layout costs per device — memory, collective bytes, flops, step time.
 
-Two ways in, one set of formulas (``_costmodel``):
+Two kinds of figures, always labelled:
 
-* ``estimate(model, layout, hardware=..., global_batch=...)`` for a model described by numbers
-  (a recipe config, or any parameter pytree plus a per-token flop count) on a layout that need
-  not exist — 256 H100s on a laptop. ``sk.search`` ranks many of these.
-* ``estimate_for_step(step, state, batch)`` for a real ``sk.train_step``: the same formulas,
-  fed with each leaf's resolved spec instead of the global shapes. ``step.explain()`` puts it
-  beside the compiled program's figures (``Report.comparison()``).
+* **compiled** — read from an XLA program: ``step.explain()`` compiles this exact step;
+  ``simulate``/``step.explain(mesh=...)`` compiles it for a mesh that does not exist here
+  (a subprocess with N simulated CPU devices, abstract inputs, nothing allocated).
+* **modelled** — one set of formulas (``formulas``), fed either by a ``ModelShape`` (``estimate``,
+  ``search``: thousands of layouts in seconds) or by a real step's leaves
+  (``estimate_for_step``). Step time is only ever modelled: ``steptime`` turns flops and
+  collective bytes into seconds with each accelerator's ``Efficiency`` and link table.
 
-Step times are not a pure roofline: each accelerator has an ``Efficiency`` (matmul efficiency
-below peak, the fraction of data-, tensor- and pipeline-axis collective time left exposed,
-a per-collective latency), set from published MFUs (FORMULAS.md); ``ROOFLINE`` switches it off.
+Modules: ``shapes`` (ModelShape, Layout, Estimate), ``formulas``, ``fromstep``, ``pipeline``
+(what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo`` (reading compiled programs),
+``rank`` (layout search), ``simulated`` (compiling for meshes that are not here).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import hardware as hw_lib
-from ._costmodel import (RECIPE_SIZES as RECIPE_SIZES, ROLES as ROLES, Estimate as Estimate,
-                         Layout as Layout, ModelShape as ModelShape,
-                         _activation_bytes as _activation_bytes, _tokens as _tokens,
-                         estimate as estimate, model_shape as model_shape)
-from ._steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROOFLINE,
-                        Efficiency as Efficiency, _links as _links, collective_time as collective_time,
-                        efficiency_for as efficiency_for, register_efficiency as register_efficiency,
-                        register_links as register_links, times as times)
+from . import hardware as hardware
+from .formulas import activation_bytes as activation_bytes, estimate as estimate
+from .shapes import (DECODER_SIZES as DECODER_SIZES, ROLES as ROLES, Estimate as Estimate,
+                     Layout as Layout, ModelShape as ModelShape, model_shape as model_shape,
+                     tokens_in as tokens_in)
+from .steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROOFLINE,
+                       Efficiency as Efficiency, collective_time as collective_time,
+                       efficiency_for as efficiency_for, register_efficiency as register_efficiency,
+                       register_links as register_links, times as times)
 
 __all__ = ["Efficiency", "Estimate", "Layout", "ModelShape", "estimate", "estimate_for_step",
-           "model_shape", "collective_time", "search", "weak_scaling", "plan_main", "RECIPE_SIZES",
-           "EFFICIENCY", "ROOFLINE", "register_efficiency", "register_links"]
+           "model_shape", "collective_time", "search", "weak_scaling", "plan_main", "DECODER_SIZES",
+           "EFFICIENCY", "ROOFLINE", "register_efficiency", "register_links", "hardware"]
+hw_lib = hardware
 
 
 def estimate_for_step(step, state, batch, *, pipeline: tuple[int, str, int] | None = None,
@@ -60,7 +62,7 @@ def estimate_for_step(step, state, batch, *, pipeline: tuple[int, str, int] | No
     Returns:
         An ``Estimate``; ``.as_dict()`` uses ``Report.comparison``'s quantity names.
     """
-    from ._stepcost import step_estimate
+    from .fromstep import step_estimate
 
     return step_estimate(step, state, batch, pipeline=pipeline, hardware=hardware,
                          flops_per_token=flops_per_token)
@@ -72,7 +74,7 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
     """Ranks every layout of ``model`` on ``devices`` accelerators by estimated step time.
 
     Enumerates ``data × fsdp × tensor × pipe`` factorizations of ``devices`` (tensor within a
-    node), ZeRO stages, microbatches and remat policies; see ``_search.search``.
+    node), ZeRO stages, microbatches and remat policies; see ``rank.search``.
 
     Args:
         model: a recipe size name (``"1b"``, ``"7b"``), a recipe ``Config``, a
@@ -90,7 +92,7 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
     Returns:
         A ``SearchResult``: ``.rows`` (ranked dicts), ``.best``, printable as a rich table.
     """
-    from ._search import search as _search
+    from .rank import search as _search
 
     return _search(model, devices, hardware, global_batch=global_batch, memory_limit=memory_limit,
                    seq=seq, precision=precision, top=top, **options)
@@ -100,21 +102,21 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
                  per_device_batch: float, devices=(8, 64, 256), **kw) -> list[dict]:
     """Predicted weak-scaling efficiency: tokens/s per device at N devices over that at the
     smallest N, growing the data axis (and the global batch) with N."""
-    from ._search import weak_scaling as _ws
+    from .rank import weak_scaling as _ws
 
     return _ws(model, layout, hardware, per_device_batch=per_device_batch, devices=devices, **kw)
 
 
 def plan_main(argv: list[str]) -> int:
     """``shardkit plan``: rank layouts of a bundled recipe size on N accelerators."""
-    from ._search import plan_main as _main
+    from .rank import plan_main as _main
 
     return _main(argv)
 
 
 def __getattr__(name):
     if name == "SearchResult":
-        from ._search import SearchResult
+        from .rank import SearchResult
 
         return SearchResult
     raise AttributeError(name)

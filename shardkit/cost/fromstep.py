@@ -13,12 +13,13 @@ import math
 import jax
 import numpy as np
 
+from ..plan import shard_shape
+from ..rules import entry_axes
 from . import hardware as hw_lib
-from ._costmodel import ROLES, Estimate, Layout, _tokens, times
-from ._pipecost import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
+from .shapes import ROLES, Estimate, Layout, tokens_in
+from .steptime import times
+from .pipeline import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, pipelined_uses)
-from .plan import shard_shape
-from .rules import entry_axes
 
 
 def _itemsize(dtype) -> int:
@@ -163,7 +164,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         working = max(working, layer_comp * (wire + bg))
     elif zero == 2 and n_data > 1:
         working = max(working, layer_comp * bg)
-    act_x4 = _tokens(batch) / n_data / m * width * 4  # a step microbatch's f32 activations
+    act_x4 = tokens_in(batch) / n_data / m * width * 4  # a step microbatch's f32 activations
     if pipe and pipe["schedule"] == "1f1b" and pipe.get("stage_residuals") is not None:
         lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
         rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
@@ -183,7 +184,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
 
-    tokens = _tokens(batch)
+    tokens = tokens_in(batch)
     tok_dev_mb = tokens / n_data / m
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)

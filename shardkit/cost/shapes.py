@@ -1,0 +1,237 @@
+"""What the cost model talks about: a model's shape (``ModelShape``), a layout (``Layout``), and
+the estimate of one step on it (``Estimate``), plus a few named decoder shapes for the
+``shardkit plan`` command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from . import hardware as hw_lib
+
+# Named decoder-only transformer shapes for ``shardkit plan --model NAME`` and ``sk.search("7b", ...)``
+# (GPT/LLaMA-style: RMS-norm, SwiGLU MLP with 3 matrices, grouped-query attention). "7b" is
+# LLaMA-7B (Touvron et al. 2023). Any other model: pass a ``ModelShape``, a config object with
+# these fields, or a parameter pytree.
+DECODER_SIZES: dict[str, dict] = {
+    "125m": dict(vocab=50304, d_model=768, layers=12, heads=12, kv_heads=12, d_ff=2048, seq=1024, tie=True),
+    "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
+    "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
+}
+ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
+         "pipe-relayout")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A model as the cost model sees it: everything the formulas need, nothing about where the
+    numbers came from.
+
+    Attributes:
+        name: label for tables.
+        params: parameter count Ψ.
+        flops_per_token: training flops per token (forward + backward), e.g. 6 × matmul
+            parameters + attention.
+        layers: repeated blocks (what a pipeline splits); 1 for a plain pytree.
+        layer_params: parameters inside the repeated blocks (the rest: embeddings, head, norms).
+        d_model, heads, d_ff, vocab: widths for tensor-parallel traffic and activation memory
+            (0 when unknown: no TP traffic, activations from ``act_bytes_per_token``).
+        seq: tokens per example.
+        act_bytes_per_token: saved activation bytes per token per layer, overriding
+            Korthikanti's formula (for non-transformer models).
+        embedding_params: parameters of tables looked up by index (no matmul flops: a lookup
+            gathers rows). A tied table is also the head (it is then a matmul too).
+        head: the model ends in a vocabulary projection (logits of width ``vocab``).
+        tie: the embedding doubles as the output head (its gradient has two parts, which
+            ``sk.pipeline`` reduces apart: the head's inside, the lookup's outside).
+    """
+
+    name: str
+    params: float
+    flops_per_token: float
+    layers: int = 1
+    layer_params: float = 0.0
+    d_model: int = 0
+    heads: int = 0
+    d_ff: int = 0
+    vocab: int = 0
+    seq: int = 1
+    act_bytes_per_token: float | None = None
+    embedding_params: float = 0.0
+    head: bool = False
+    tie: bool = False
+
+    @property
+    def matmul_params(self) -> float:
+        """Parameters used as matmul weights (a tied table counts: it is the head)."""
+        return self.params - (0.0 if self.tie else self.embedding_params)
+
+
+def model_shape(model: Any, *, flops_per_token: float | None = None, seq: int | None = None) -> ModelShape:
+    """A ``ModelShape`` from a name in ``DECODER_SIZES``, a transformer config (anything with
+    ``d_model``/``layers``/``heads``/``d_ff``/``vocab``, as a mapping or attributes), a
+    ``ModelShape``, or a parameter pytree (then give ``flops_per_token``: a pytree says nothing
+    about how its leaves are used; without it 6 × parameters is assumed, Kaplan et al. 2020).
+
+    Raises:
+        ValueError: an unknown size name.
+    """
+    if isinstance(model, ModelShape):
+        return dataclasses.replace(model, seq=seq or model.seq)
+    if isinstance(model, str):
+        if model not in DECODER_SIZES:
+            raise ValueError(f"unknown model size {model!r}; known: {', '.join(DECODER_SIZES)}, or pass a "
+                             "config, a ModelShape, or a parameter pytree with flops_per_token=")
+        return _from_config(DECODER_SIZES[model], model, seq)
+    if hasattr(model, "d_model") and hasattr(model, "layers"):
+        return _from_config(model, getattr(model, "name", "config"), seq)
+    import jax
+
+    n = float(sum(math.prod(getattr(x, "shape", ())) for x in jax.tree.leaves(model)))
+    return ModelShape("pytree", n, flops_per_token or 6.0 * n, seq=seq or 1)
+
+
+def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
+    get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+    D, L, H, F, V = get("d_model"), get("layers"), get("heads"), get("d_ff"), get("vocab")
+    K = get("kv_heads") or H
+    Q = get("head_dim") or D // H
+    tie = get("tie", get("tie_embeddings", True))
+    T = seq or get("seq")
+    per_layer = 2 * D * H * Q + 2 * D * K * Q + 3 * D * F + 2 * D
+    rest = V * D * (1 if tie else 2) + D
+    # Training flops per token: 6 x matmul weights + attention 12·L·H·Q·T (PaLM, app. B).
+    n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * V
+    fpt = 6.0 * n_matmul + 12.0 * L * H * Q * T
+    return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
+                      embedding_params=float(V * D), head=True, tie=bool(tie))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a step: mesh axis sizes (outermost first: pipe, data, fsdp, tensor),
+    ZeRO stage over the data axes, microbatches, pipeline schedule and remat policy.
+
+    Attributes:
+        data, fsdp, tensor, pipe: axis sizes. ``fsdp`` always shards weights (ZeRO-3 over it);
+            ``zero`` adds the ``data`` axis to ZeRO's sharding.
+        zero: 0, 1, 2 or 3.
+        microbatches: gradient-accumulation steps, or pipeline microbatches.
+        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"`` (with ``pipe > 1``).
+        repeats: layer chunks per stage for ``"circular"``.
+        remat: ``"none"``, ``"dots"`` (selective) or ``"full"``.
+        sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipe: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    repeats: int = 1
+    remat: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor * self.pipe
+
+    @property
+    def mesh(self) -> str:
+        """The ``sk.make_mesh`` spec (axes of size 1 left out)."""
+        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "tensor")]
+        return ",".join(f"{n}={s}" for n, s in axes if s > 1) or "data=1"
+
+    def axis_stride(self, axis: str) -> int:
+        """Devices between neighbours along ``axis`` (inner axes are the fast ones)."""
+        order = ("pipe", "data", "fsdp", "tensor")
+        return math.prod(getattr(self, a) for a in order[order.index(axis) + 1:])
+
+    def __str__(self) -> str:
+        extra = f",{self.schedule}" + (f"x{self.repeats}" if self.repeats > 1 else "") if self.pipe > 1 else ""
+        sp = ",sp" if self.sequence_parallel else ""
+        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{sp}"
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Estimated per-device cost of one training step.
+
+    Attributes:
+        memory: bytes by kind: ``params``, ``opt_state``, ``grads``, ``activations``,
+            ``batch``, ``arguments``, ``temporaries``, ``peak``.
+        collectives: bytes by role (``grad-reduce``, ``param-gather``, ``tensor-reduce``,
+            ``tensor-gather``, ``pipe-permute``), counted as ``sk.Report`` counts them.
+        flops: executed flops (with recomputation, and a GPipe/circular pipeline's idle ticks,
+            which compute too); ``model_flops``: the useful ones.
+        time: seconds by part: ``compute`` (at the hardware's achievable matmul efficiency),
+            one entry per collective role (its full time), ``bubble``, ``exposed`` (the
+            communication left on the critical path) and ``step`` = compute + bubble + exposed
+            (``steptime.times``).
+        hardware: the accelerator name; ``layout``: what was estimated; ``tokens``: per step.
+        memory_limit: bytes available per device.
+    """
+
+    memory: dict[str, float]
+    collectives: dict[str, float]
+    flops: float
+    model_flops: float
+    time: dict[str, float]
+    hardware: str
+    layout: Any = None
+    tokens: float = 0.0
+    memory_limit: float = float("inf")
+    devices: int = 1
+
+    @property
+    def step_time(self) -> float:
+        return self.time["step"]
+
+    @property
+    def mfu(self) -> float:
+        """Model flops utilisation: useful flops / (step time × peak) (PaLM's definition)."""
+        peak = hw_lib.lookup(self.hardware).peak_flops
+        return self.model_flops / (self.step_time * peak) if self.step_time else 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["peak"] <= self.memory_limit
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time if self.step_time else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Quantities under ``Report.comparison``'s names (``memory/peak``, ``collective/
+        grad-reduce``, ``flops``) plus ``time/...``."""
+        out = {f"memory/{k}": float(v) for k, v in self.memory.items()}
+        out.update({f"collective/{k}": float(v) for k, v in self.collectives.items()})
+        out["flops"] = float(self.flops)
+        out.update({f"time/{k}": float(v) for k, v in self.time.items()})
+        return out
+
+
+def tokens_in(batch) -> int:
+    """Tokens in a batch: integer leaves are token ids (every element a token), float leaves
+    carry features in their last dimension."""
+    import jax
+    import numpy as np
+
+    best = 1
+    for x in jax.tree.leaves(batch):
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape:
+            continue
+        if np.issubdtype(np.dtype(x.dtype), np.integer):
+            best = max(best, math.prod(shape))
+        else:
+            best = max(best, math.prod(shape[:-1]) if len(shape) > 1 else shape[0])
+    return best
+
+
+
