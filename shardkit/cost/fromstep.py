@@ -18,6 +18,7 @@ from ..rules import entry_axes
 from . import hardware as hw_lib
 from .shapes import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
+from .program import ProgramReading, read_program
 from .pipeline import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, pipelined_uses)
 
@@ -182,6 +183,18 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0
     mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
+    reading = None
+    if not pipe:
+        reading = _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp)
+        # The pass's own peak (its gradients live at its end), or, after it, the reduced
+        # gradients beside the unreduced ones (a collective writes a new buffer), a ZeRO-1/2
+        # update's new parameter shard before the gather, and the microbatch accumulator.
+        # XLA:CPU reduces with an all-reduce and slices the shard after (GPUs reduce-scatter).
+        reduced = (g_full if platform == "cpu" else mem["grads"]) if n_data > 1 else 0.0
+        shard_update = sum(zshard) * bp if zero in (1, 2) and n_data > 1 else 0.0
+        accumulate = mem["grads"] if m > 1 else 0.0
+        mem["temporaries"] = max(reading.peak, g_comp + reduced + shard_update) + accumulate
+        mem["activations"] = reading.residuals
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
 
     tokens = tokens_in(batch)
@@ -253,6 +266,10 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
     flops = busy = fpt * (matmul / total if total else 1.0) * tokens / n_data
+    if reading is not None and flops_per_token is None:
+        # The traced program's matmuls, not 6Ψ (a lookup table does no matmul).
+        flops = busy = reading.flops * m
+        fpt = reading.total_flops * m / max(tokens, 1)
     staged = sum(c for c, l, q in zip(comp, leaves, piped) if q and len(l.shape) >= 2)  # stage matmuls
     if pipe and pipe["schedule"] != "1f1b" and matmul:
         # GPipe/circular ticks run every device's layer group, idle ones too (on garbage the
@@ -324,3 +341,36 @@ def _hardware(hardware, mesh) -> hw_lib.Hardware:
         return hw_lib.lookup(mesh.devices.flat[0])
     except ValueError:
         return hw_lib.lookup("h100")
+
+
+def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> ProgramReading:
+    """``program.read_program`` on one microbatch of this step, with per-device sizes from the
+    plan (see ``program``'s docstring for the rules)."""
+    m, prec = step.microbatches, step.plan.precision
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]),
+                                                     np.float32 if np.dtype(x.dtype) == np.float64 else x.dtype)
+                      if getattr(x, "ndim", 0) else x, batch)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, prec.grads), state.params)
+    key = jax.random.key(0) if step._takes_rng else None
+    rows = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else 0
+    n_data = math.prod(sizes[a] for a in data_axes)
+    n_tensor = sizes.get("tensor", 1)
+
+    def size_of(aval, leaf):
+        item = _itemsize(aval.dtype)
+        if leaf is not None:
+            return comp[leaf] * item
+        nbytes = math.prod(aval.shape) * item
+        shape = list(aval.shape)
+        if rows and rows in shape and n_data > 1:
+            nbytes /= n_data
+        if sp and rows in shape:
+            return nbytes / n_tensor
+        return nbytes / n_tensor_of(shape, rows, tensor_dims, sizes)
+
+    def loss(p, b):
+        return step._loss(p, state.model_state, b, key, None)[0]
+
+    with step.plan.active():
+        return read_program(loss, params, mb, size_of=size_of, n_params=len(comp),
+                            canonical_dots=step.plan.mesh.devices.flat[0].platform == "cpu")

@@ -145,6 +145,9 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
 _DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+dot\(\s*(?:(\S+\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)")
 _NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
 _LHS_C = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_CONV = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+convolution\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)")
+_WINDOW = re.compile(r"window=\{size=([0-9x]+)")
+_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 
 
 def _ints(text: str | None) -> list[int]:
@@ -241,8 +244,8 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
 
 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None) -> float:
-    """Flops of every ``dot`` (2 × result elements × contracted size), counted through loop
-    trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
+    """Flops of every ``dot`` (2 × result elements × contracted size) and ``convolution`` (2 ×
+    result elements × window × input features per group), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
     runs one of its switch's branches, not all of them)."""
     comps, mult = _walk(hlo, branch_weights)
@@ -256,6 +259,9 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (d := _NAMED.match(line)) is not None:
                 shapes[d.group(1)] = d.group(2)
         for line in lines:
+            if (cv := _CONV.match(line)) is not None:
+                total += m * _conv_flops(line, cv, shapes)
+                continue
             d = _DOT.match(line)
             if d is None:
                 continue
@@ -266,6 +272,19 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
             total += m * 2.0 * math.prod(res) * k
     return total
+
+
+def _conv_flops(line: str, cv, shapes: dict) -> float:
+    """2 × result elements × window elements × the kernel's input-feature dimension (the
+    ``i`` of its dim labels: input features per group, or the batch for a weight gradient)."""
+    res = _ints(cv.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in cv.group(1) else []
+    rhs = shapes.get(cv.group(3), "")
+    rhs_dims = _ints(rhs.split("[", 1)[1].split("]", 1)[0]) if "[" in rhs else []
+    window, labels = _WINDOW.search(line), _DIM_LABELS.search(line)
+    if not res or not rhs_dims or labels is None or "i" not in labels.group(1):
+        raise HloParseError(f"cannot read this convolution's shapes: {line.strip()[:300]}")
+    size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
+    return 2.0 * math.prod(res) * size * rhs_dims[labels.group(1).index("i")]
 
 
 def _split_tuple(text: str) -> list[str]:

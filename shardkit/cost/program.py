@@ -1,0 +1,270 @@
+"""What the traced program says about a model: how each parameter is used, the matmul flops a
+device executes, and the bytes its backward pass keeps alive.
+
+Read off the jaxpr of one microbatch's ``value_and_grad`` — the user's own loss, whatever
+its architecture — instead of assuming a transformer. Three readings:
+
+* **uses**: a parameter consumed by a ``gather`` is a lookup table (no matmul flops), by a
+  ``dot_general``/``conv`` a matmul weight; a tied table is both.
+* **flops**: 2·M·N·K per ``dot_general`` (2 × output × kernel window × input features per
+  group for a convolution), through ``scan`` trip counts and into every nested jaxpr.
+* **liveness**: a simulation of the buffers the forward + backward pass holds, in program
+  order, with XLA's fusion rule of thumb: elementwise ops (and broadcasts, reshapes,
+  transposes, casts) fuse into their consumers and are never materialised unless a
+  non-fusible op (a matmul, a convolution, a gather/scatter, a loop) or the program's output
+  needs them; reductions fuse their inputs. A value is freed after its last use.
+
+Per-device sizes: a dimension equal to the microbatch's row count is split over the data
+axes; a value derived from a parameter has that parameter's compute layout (gathered over
+the data axes, split like its spec over the others); an activation is split over the
+tensor-like axes when one of its feature dimensions is a tensor-sharded weight dimension
+(Megatron's split). These are the only guesses: ``ProgramReading.notes`` lists what the
+reader could not see into (a ``while`` of unknown trip count, a custom call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax._src import core as jcore
+
+# Ops XLA fuses into their consumers (loop fusion): elementwise math, casts, broadcasts and
+# layout changes. Everything else materialises its result.
+_FUSIBLE = {
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log", "log1p",
+    "expm1", "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "pow", "integer_pow", "square", "erf",
+    "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "floor", "ceil", "round", "is_finite",
+    "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+    "copy", "copy_p", "stop_gradient", "nextafter", "rem", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "imag", "real", "conj", "reduce_precision",
+    "sharding_constraint", "pvary", "pcast", "iota",
+}
+# Elementwise ops XLA will not duplicate into several consumers (``IsExpensive``): with more
+# than one consumer their result is materialised once (a GELU's tanh, read by the forward
+# and by the backward).
+_EXPENSIVE = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "rsqrt", "sqrt", "cbrt",
+              "pow", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "div", "rem"}
+# Reductions fuse their (elementwise) inputs, then materialise their (smaller) result.
+_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+           "argmax", "argmin"}
+# Ops whose result is one of their inputs seen differently (no bytes of their own).
+_VIEW = {"reshape", "squeeze", "expand_dims", "convert_element_type", "sharding_constraint",
+         "pvary", "pcast", "copy", "copy_p", "transpose", "broadcast_in_dim"}
+_MATMUL = {"dot_general", "conv_general_dilated"}
+
+
+@dataclasses.dataclass
+class ProgramReading:
+    """What one microbatch's forward + backward pass does, per device.
+
+    Attributes:
+        lookup: per parameter leaf, whether it is indexed (``gather``: an embedding table).
+        matmul: per parameter leaf, whether it is a matmul/convolution operand.
+        flops: matmul + convolution flops one device executes for one microbatch (each op's
+            global flops over the largest split of its operands and result).
+        total_flops: the same on all devices together (each op counted once).
+        peak: the largest sum of live materialised buffers during the pass (bytes, one device),
+            arguments (parameters, batch) excluded; the gradients are live at its end.
+        residuals: bytes live when the backward pass starts (what the forward keeps for it).
+        notes: what the reader could not see into.
+    """
+
+    lookup: list[bool]
+    matmul: list[bool]
+    flops: float
+    total_flops: float
+    peak: float
+    residuals: float
+    notes: list[str]
+
+
+def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
+    """Nested jaxprs of an equation with the outer vars feeding their inputs and how many times
+    each runs (``scan``: its length; a ``cond``: each branch once, the caller takes the max)."""
+    p, name = eqn.params, eqn.primitive.name
+    if name == "scan":
+        return [(p["jaxpr"].jaxpr, list(eqn.invars), float(p["length"]))]
+    if name == "cond":
+        return [(b.jaxpr, list(eqn.invars[1:]), 1.0) for b in p["branches"]]
+    if name == "while":
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        body = p["body_jaxpr"].jaxpr
+        return [(body, list(eqn.invars[nc:nc + nb]) + list(eqn.invars[nc + nb:]), float("nan"))]
+    out = []
+    for sub in jcore.jaxprs_in_params(p):
+        sub = getattr(sub, "jaxpr", sub)
+        if len(sub.invars) == len(eqn.invars):
+            out.append((sub, list(eqn.invars), 1.0))
+        elif len(sub.invars) < len(eqn.invars):  # custom_vjp: consts first
+            out.append((sub, list(eqn.invars[len(eqn.invars) - len(sub.invars):]), 1.0))
+    return out
+
+
+def _transposed_operands(eqn) -> list:
+    """Operands of a ``dot_general`` that XLA:CPU copies into its canonical layout first
+    (lhs ``[batch..., M, K]``, rhs ``[batch..., K, N]``: batch dims leading, the lhs's contracted
+    dims last, the rhs's right after its batch dims); GPU/TPU matmul libraries take transposed
+    operands as they are."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    out = []
+    for v, c, b, lhs in ((eqn.invars[0], lc, lb, True), (eqn.invars[1], rc, rb, False)):
+        if isinstance(v, jcore.Literal):
+            continue
+        nb, nc, rank = len(b), len(c), v.aval.ndim
+        want_c = tuple(range(rank - nc, rank)) if lhs else tuple(range(nb, nb + nc))
+        if tuple(b) != tuple(range(nb)) or tuple(c) != want_c:
+            out.append(v)
+    return out
+
+
+def _bytes(aval) -> float:
+    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def _dot_flops(eqn) -> float:
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+    rhs = eqn.invars[1].aval  # conv: rhs = (out_features, in_features / groups, *window)
+    dn = eqn.params["dimension_numbers"]
+    rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
+    window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
+
+
+class _Reader:
+    """One pass over a (nested) jaxpr: parameter identity, flops, and the liveness simulation."""
+
+    def __init__(self, size_of: Callable, n_params: int, canonical_dots: bool):
+        self.size_of = size_of
+        self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
+        self.lookup = [False] * n_params
+        self.matmul = [False] * n_params
+        self.notes: list[str] = []
+
+    def run(self, jaxpr: jcore.Jaxpr, origin: dict, outputs_live: bool) -> tuple[float, float, float]:
+        """Flops (one device's, all devices') and peak live bytes of ``jaxpr`` (its inputs excluded); ``origin`` maps vars to
+        the parameter they view. With ``outputs_live`` the jaxpr's outputs stay to the end."""
+        eqns = jaxpr.eqns
+        fused: set = set()  # vars that XLA would not materialise
+        roots: dict = {}  # var -> the materialised vars it is computed from
+        last: dict = {}
+        size: dict = {}
+        born: dict = {}
+        flops, total, inner_peak = 0.0, 0.0, {}
+        consumers: dict = {}
+        jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+        for e in eqns:
+            for u in e.invars:
+                if not isinstance(u, jcore.Literal):
+                    consumers.setdefault(u, []).append(e.primitive.name)
+        for i, e in enumerate(eqns):
+            name = e.primitive.name
+            src = [origin.get(u) if not isinstance(u, jcore.Literal) else None for u in e.invars]
+            if name in _VIEW and src and src[0] is not None:
+                for v in e.outvars:
+                    origin[v] = src[0]
+            if name in _MATMUL:
+                # A device does the share of the most-split operand (or result): tokens split
+                # over data, features over tensor.
+                avals = [(u.aval, origin.get(u)) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
+                avals.append((e.outvars[0].aval, None))
+                total += _dot_flops(e)
+                flops += _dot_flops(e) / max(_bytes(a) / max(self.size_of(a, leaf), 1e-30)
+                                             for a, leaf in avals)
+                if self.canonical_dots and name == "dot_general":
+                    inner_peak[i] = sum(self.size_of(u.aval, origin.get(u)) for u in _transposed_operands(e))
+                for s in src[:2]:
+                    if s is not None:
+                        self.matmul[s] = True
+            elif name in ("gather", "dynamic_slice") and src and src[0] is not None:
+                self.lookup[src[0]] = True
+            subs = _sub_jaxprs(e)
+            sub_peak = 0.0
+            for sub, outer, times in subs:
+                inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
+                                if not isinstance(ov, jcore.Literal) and ov in origin}
+                f, t, pk = self.run(sub, inner_origin, outputs_live=False)
+                if math.isnan(times):
+                    self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
+                    times = 1.0
+                flops += f * times
+                total += t * times
+                sub_peak = max(sub_peak, pk)
+            if subs:
+                inner_peak[i] = inner_peak.get(i, 0.0) + sub_peak
+            # Materialised or fused?
+            outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
+            materialise = name not in _FUSIBLE or any(
+                c not in _FUSIBLE and c not in _REDUCE for v in outs for c in consumers.get(v, ())) or (
+                name in _EXPENSIVE and any(len(consumers.get(v, ())) > 1 for v in outs))
+            if not materialise and not any(v in jaxpr_out for v in outs):
+                for v in e.outvars:
+                    fused.add(v)
+                    roots[v] = set().union(*[roots.get(u, {u}) for u in e.invars
+                                             if not isinstance(u, jcore.Literal)]) if e.invars else set()
+                continue
+            for u in e.invars:
+                if isinstance(u, jcore.Literal):
+                    continue
+                for r in roots.get(u, {u}):
+                    last[r] = i
+            for v in e.outvars:
+                if isinstance(v, jcore.DropVar):
+                    continue
+                view = name in _VIEW and origin.get(v) is not None
+                size[v] = 0.0 if view and name != "convert_element_type" else self.size_of(v.aval, origin.get(v))
+                born[v] = i
+                last.setdefault(v, i)
+        end = len(eqns)
+        for v in jaxpr.outvars:
+            if isinstance(v, jcore.Literal):
+                continue
+            for r in roots.get(v, {v}):
+                last[r] = end if outputs_live else max(last.get(r, 0), end - 1)
+        # Sweep: a buffer is live from its producing equation through its last use.
+        delta = np.zeros(end + 2)
+        for v, b in size.items():
+            delta[born[v]] += b
+            delta[last.get(v, born[v]) + 1] -= b
+        live = np.cumsum(delta)[:end + 1]
+        peak = 0.0
+        for i in range(end + 1):
+            peak = max(peak, live[i] + inner_peak.get(i, 0.0))
+        self._live, self._born = live, born
+        return flops, total, float(peak)
+
+
+def read_program(fn: Callable, params, batch, *, size_of: Callable, n_params: int,
+                 canonical_dots: bool = False) -> ProgramReading:
+    """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
+
+    Args:
+        fn: ``(params, batch) -> scalar loss``.
+        params, batch: abstract inputs (``ShapeDtypeStruct``), global shapes.
+        size_of: ``(aval, leaf index or None) -> bytes`` on one device.
+        n_params: the number of parameter leaves (the first ``n_params`` inputs).
+        canonical_dots: count the copies XLA:CPU makes of non-canonical matmul operands.
+    """
+    grad_fn = jax.value_and_grad(fn)
+    closed = jax.make_jaxpr(grad_fn)(params, batch)
+    jaxpr = closed.jaxpr
+    origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+    reader = _Reader(size_of, n_params, canonical_dots)
+    flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
+    # The forward/backward boundary: the first equation that consumes the loss's cotangent
+    # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any
+    # gradient-shaped output is born is a fair stand-in for "what the forward keeps".
+    live = reader._live
+    grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
+    first_grad = min((reader._born.get(v, len(live)) for v in grads), default=len(live) - 1)
+    residuals = float(max(live[:max(first_grad, 1)], default=0.0))
+    return ProgramReading(reader.lookup, reader.matmul, flops, total, peak, residuals, reader.notes)
+
