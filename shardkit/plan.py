@@ -72,7 +72,8 @@ class Plan:
     batch_axes: Sequence[str] | str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.mesh, Mesh):
+        # An AbstractMesh (sizes and names, no devices) plans for a mesh that is not here (sk.cost.simulate).
+        if not isinstance(self.mesh, (Mesh, jax.sharding.AbstractMesh)):
             raise ValueError(f"Plan(mesh=...) needs a jax.sharding.Mesh (sk.make_mesh), got {type(self.mesh).__name__}")
         rules = self.rules
         if rules is not None and not isinstance(rules, PathRules):
