@@ -183,14 +183,18 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0
     mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
-    reading = None
+    reading = _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp)
     if not pipe:
-        reading = _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp)
         # The pass's own peak (its gradients live at its end), or, after it, the reduced
         # gradients beside the unreduced ones (a collective writes a new buffer), a ZeRO-1/2
         # update's new parameter shard before the gather, and the microbatch accumulator.
-        # XLA:CPU reduces with an all-reduce and slices the shard after (GPUs reduce-scatter).
-        reduced = (g_full if platform == "cpu" else mem["grads"]) if n_data > 1 else 0.0
+        # The reduced gradient is a new buffer (a collective does not write in place): a full
+        # copy without ZeRO-2; with it the shard — except on XLA:CPU for a gradient made
+        # outside a loop, which it all-reduces whole and slices after (a loop's stacked
+        # gradient is reduced slice by slice inside the loop).
+        whole = [(f if zero < 2 or (platform == "cpu" and not loop) else z)
+                 for f, z, loop in zip(full, zshard, reading.loop_use)]
+        reduced = sum(whole) * bg if n_data > 1 else 0.0
         shard_update = sum(zshard) * bp if zero in (1, 2) and n_data > 1 else 0.0
         accumulate = mem["grads"] if m > 1 else 0.0
         mem["temporaries"] = max(reading.peak, g_comp + reduced + shard_update) + accumulate
@@ -201,26 +205,35 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     tok_dev_mb = tokens / n_data / m
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
-    has_head = any("head" in l.path for l in leaves)
-    has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
-    # The table that token ids are looked up in; tied when no separate head leaf exists.
-    lookup = [not s and len(l.shape) == 2 and "embed" in l.path and has_dx for l, s in zip(leaves, stacked)]
+    # Tables the program indexes (a gather), and those of them it also multiplies with (tied:
+    # an embedding that is the output head too), read off the traced program.
+    lookup = [u and not s for u, s in zip(reading.lookup, stacked)]
+    tied = [u and mm for u, mm in zip(lookup, reading.matmul)]
     if n_data > 1:
         col["grad-reduce"] = m * _grad_reduce_elems(leaves, comp, lay.zero_specs if zero >= 2 else
                                                     [l.spec for l in leaves], data_axes, sizes) * bg
         # A tied embedding's two gradients (output head, lookup's scatter-add) are reduced
         # apart; under sequence parallelism the lookup ran on the whole (gathered) table.
         col["grad-reduce"] += m * bg * sum((math.prod(l.shape) if sp else c)
-                                           for l, c, t in zip(leaves, comp, lookup) if t and not has_head)
+                                           for l, c, t in zip(leaves, comp, tied) if t)
         counts["grad-reduce"] = m * L
-        if fsdp:  # gathered for the forward and again for the backward, every microbatch
+        if fsdp and not pipe:
+            # Gathered where used: a weight used inside a loop (a layer scan) for the forward
+            # and again for the backward, every microbatch; one used outside any loop once
+            # (XLA keeps the gathered copy for the backward).
+            uses = [2 if loop else 1 for loop in reading.loop_use]
+            col["param-gather"] = m * sum(u * c for u, s, c in zip(uses, stored, comp) if s < c) * wire
+            counts["param-gather"] = m * sum(u for u, s, c in zip(uses, stored, comp) if s < c)
+        elif fsdp:  # gathered for the forward and again for the backward, every microbatch
             col["param-gather"] = 2 * m * sum(c for s, c in zip(stored, comp) if s < c) * wire
             counts["param-gather"] = 2 * m * L
         elif zero in (1, 2):
             col["param-gather"] = sum(f for f, z in zip(full, zshard) if z < f) * bp
             counts["param-gather"] = 1
     act_bytes = tok_dev_mb * width * wire
-    for l, s, t, staged in zip(leaves, stacked, lookup, piped):
+    for l, s, t, tie, staged in zip(leaves, stacked, lookup, tied, piped):
+        if not pipe and not sp:
+            break  # the traced program's tensor-split contractions, below
         # One all-reduce of (tokens × width) per use of a tensor-sharded weight: the output of
         # a row-parallel one (forward), the input gradient of a column-parallel one (backward)
         # (Megatron; XLA does not merge the q/k/v or gate/up input-gradient reductions). A tied
@@ -233,7 +246,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         if staged:
             stack = pipelined_uses(pipe, stack)
         vocab_lookup = t and dims[0] == 0
-        uses = 2 if (vocab_lookup and not has_head) else 1
+        uses = 2 if (vocab_lookup and tie) else 1
         if staged and pipe["schedule"] == "1f1b" and dims[0] == int(s):
             uses += 1  # a row-parallel stage weight: 1F1B's recomputed forward reduces again
         if sp and vocab_lookup:
@@ -255,12 +268,15 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
             # for the weight gradients (Korthikanti et al. 2022, sec. 4.2.2): 3 per region.
             col["tensor-gather"] += 3 * m * stack * act_bytes
             counts["tensor-gather"] += 3 * m * stack
-    if sp and (has_head or any(lookup)):
+    if not pipe and not sp:
+        col["tensor-reduce"] = m * reading.tensor_reduce * wire
+        counts["tensor-reduce"] = m * reading.tensor_reduce_ops
+    if sp and any(lookup):
         col["tensor-gather"] += m * act_bytes  # the head's input, gathered off the sequence shards
         counts["tensor-gather"] += m
     p = pipe["stages"] if pipe else 1
     if pipe:
-        m = pipeline_traffic(col, counts, pipe, leaves, comp, piped, tokens / n_data / m * width,
+        m = pipeline_traffic(col, counts, pipe, tied, comp, piped, tokens / n_data / m * width,
                              wire=wire, bg=bg, n_data=n_data, batch=batch, step_m=m)
     matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
@@ -356,21 +372,18 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
     n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
 
-    def size_of(aval, leaf):
-        item = _itemsize(aval.dtype)
+    def split_of(aval, leaf):
         if leaf is not None:
-            return comp[leaf] * item
-        nbytes = math.prod(aval.shape) * item
+            return 1, math.prod(aval.shape) / comp[leaf]
         shape = list(aval.shape)
-        if rows and rows in shape and n_data > 1:
-            nbytes /= n_data
+        d = n_data if rows and rows in shape and n_data > 1 else 1
         if sp and rows in shape:
-            return nbytes / n_tensor
-        return nbytes / n_tensor_of(shape, rows, tensor_dims, sizes)
+            return d, n_tensor
+        return d, n_tensor_of(shape, rows, tensor_dims, sizes)
 
     def loss(p, b):
         return step._loss(p, state.model_state, b, key, None)[0]
 
     with step.plan.active():
-        return read_program(loss, params, mb, size_of=size_of, n_params=len(comp),
+        return read_program(loss, params, mb, split_of=split_of, n_params=len(comp),
                             canonical_dots=step.plan.mesh.devices.flat[0].platform == "cpu")

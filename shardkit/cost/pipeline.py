@@ -85,10 +85,11 @@ def pipelined_uses(pipe: dict, layers: int) -> float:
     return pipeline_ticks(pipe) * layers / (p * v) / pm
 
 
-def pipeline_traffic(col, counts, pipe, leaves, comp, piped, act_elems, *, wire, bg, n_data,
+def pipeline_traffic(col, counts, pipe, tied, comp, piped, act_elems, *, wire, bg, n_data,
                      batch, step_m) -> int:
     """Pipeline collectives, as ``sk.pipeline`` issues them (and XLA partitions them);
-    ``piped`` marks the leaves that are stage weights.
+    ``piped`` marks the leaves that are stage weights, ``tied`` the tables that are looked up
+    and multiplied with (an embedding that is also the head).
 
     * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
       its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
@@ -135,8 +136,7 @@ def pipeline_traffic(col, counts, pipe, leaves, comp, piped, act_elems, *, wire,
     counts["pipe-reduce"] = step_m
     if n_data > 1:
         if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
-            tied = has_dx and not any("head" in l.path for l in leaves)
-            embed = sum(c for c, l, s in zip(comp, leaves, piped) if tied and not s and "embed" in l.path)
+            embed = sum(c for c, t, s in zip(comp, tied, piped) if t and not s)
             col["grad-reduce"] = (stage + rest + embed) * bg * step_m
             counts["grad-reduce"] = 2 * step_m
         elif sched_ == "1f1b":

@@ -65,21 +65,28 @@ class ProgramReading:
     Attributes:
         lookup: per parameter leaf, whether it is indexed (``gather``: an embedding table).
         matmul: per parameter leaf, whether it is a matmul/convolution operand.
+        loop_use: per parameter leaf, whether a loop body (``scan``/``while``) uses it: XLA
+            then gathers a ZeRO-3 weight inside the loop, forward and backward (else once).
         flops: matmul + convolution flops one device executes for one microbatch (each op's
             global flops over the largest split of its operands and result).
         total_flops: the same on all devices together (each op counted once).
         peak: the largest sum of live materialised buffers during the pass (bytes, one device),
             arguments (parameters, batch) excluded; the gradients are live at its end.
         residuals: bytes live when the backward pass starts (what the forward keeps for it).
+        tensor_reduce: elements one device all-reduces over the tensor-like axes (the results
+            of matmuls that contract a tensor-split dimension); ``tensor_reduce_ops``: how many.
         notes: what the reader could not see into.
     """
 
     lookup: list[bool]
     matmul: list[bool]
+    loop_use: list[bool]
     flops: float
     total_flops: float
     peak: float
     residuals: float
+    tensor_reduce: float
+    tensor_reduce_ops: float
     notes: list[str]
 
 
@@ -142,12 +149,21 @@ def _dot_flops(eqn) -> float:
 class _Reader:
     """One pass over a (nested) jaxpr: parameter identity, flops, and the liveness simulation."""
 
-    def __init__(self, size_of: Callable, n_params: int, canonical_dots: bool):
-        self.size_of = size_of
+    def __init__(self, split_of: Callable, n_params: int, canonical_dots: bool):
+        self.split_of = split_of
+        self.in_loop = 0
+        self.loop_use = [False] * n_params
+        self.tensor_reduce = 0.0  # elements one device all-reduces over the tensor axes
+        self.tensor_reduce_ops = 0.0
         self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
         self.notes: list[str] = []
+        self._times = 1.0
+
+    def size_of(self, aval, leaf) -> float:
+        d, t = self.split_of(aval, leaf)
+        return _bytes(aval) / (d * t)
 
     def run(self, jaxpr: jcore.Jaxpr, origin: dict, outputs_live: bool) -> tuple[float, float, float]:
         """Flops (one device's, all devices') and peak live bytes of ``jaxpr`` (its inputs excluded); ``origin`` maps vars to
@@ -165,6 +181,13 @@ class _Reader:
             for u in e.invars:
                 if not isinstance(u, jcore.Literal):
                     consumers.setdefault(u, []).append(e.primitive.name)
+        if not outputs_live:
+            # A value that only reaches a nested jaxpr's output through reshapes and casts is
+            # written straight into the caller's buffer too.
+            for e in reversed(eqns):
+                if (e.primitive.name in _VIEW and e.outvars[0] in jaxpr_out and e.invars
+                        and not isinstance(e.invars[0], jcore.Literal) and len(consumers[e.invars[0]]) == 1):
+                    jaxpr_out.add(e.invars[0])
         for i, e in enumerate(eqns):
             name = e.primitive.name
             src = [origin.get(u) if not isinstance(u, jcore.Literal) else None for u in e.invars]
@@ -174,13 +197,23 @@ class _Reader:
             if name in _MATMUL:
                 # A device does the share of the most-split operand (or result): tokens split
                 # over data, features over tensor.
-                avals = [(u.aval, origin.get(u)) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
-                avals.append((e.outvars[0].aval, None))
+                ops = [self.split_of(u.aval, origin.get(u)) for u in e.invars[:2]
+                       if not isinstance(u, jcore.Literal)]
+                out_d, out_t = self.split_of(e.outvars[0].aval, None)
                 total += _dot_flops(e)
-                flops += _dot_flops(e) / max(_bytes(a) / max(self.size_of(a, leaf), 1e-30)
-                                             for a, leaf in avals)
+                flops += _dot_flops(e) / max(d * t for d, t in ops + [(out_d, out_t)])
+                if max(t for _, t in ops) > 1 and out_t == 1:
+                    # A tensor-split contraction leaves partial sums: XLA all-reduces the result
+                    # (Megatron's row-parallel forward, column-parallel input gradient).
+                    self.tensor_reduce += self._times * math.prod(e.outvars[0].aval.shape) / out_d
+                    self.tensor_reduce_ops += self._times
+                for s_ in src[:2]:
+                    if s_ is not None and self.in_loop:
+                        self.loop_use[s_] = True
                 if self.canonical_dots and name == "dot_general":
-                    inner_peak[i] = sum(self.size_of(u.aval, origin.get(u)) for u in _transposed_operands(e))
+                    # (a weight's copy is free to take the layout the dot wants: not counted)
+                    inner_peak[i] = sum(self.size_of(u.aval, None) for u in _transposed_operands(e)
+                                        if origin.get(u) is None)
                 for s in src[:2]:
                     if s is not None:
                         self.matmul[s] = True
@@ -191,10 +224,15 @@ class _Reader:
             for sub, outer, times in subs:
                 inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
                                 if not isinstance(ov, jcore.Literal) and ov in origin}
-                f, t, pk = self.run(sub, inner_origin, outputs_live=False)
                 if math.isnan(times):
                     self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
                     times = 1.0
+                loop = name in ("scan", "while")
+                self.in_loop += loop
+                outer_times, self._times = self._times, self._times * times
+                f, t, pk = self.run(sub, inner_origin, outputs_live=False)
+                self.in_loop -= loop
+                self._times = outer_times
                 flops += f * times
                 total += t * times
                 sub_peak = max(sub_peak, pk)
@@ -220,7 +258,11 @@ class _Reader:
                 if isinstance(v, jcore.DropVar):
                     continue
                 view = name in _VIEW and origin.get(v) is not None
-                size[v] = 0.0 if view and name != "convert_element_type" else self.size_of(v.aval, origin.get(v))
+                # A nested jaxpr's outputs are written into its caller's buffers (a scan's
+                # stacked outputs, a call's results): counted there, not here.
+                inner_out = not outputs_live and v in jaxpr_out
+                size[v] = 0.0 if (view and name != "convert_element_type") or inner_out else \
+                    self.size_of(v.aval, origin.get(v))
                 born[v] = i
                 last.setdefault(v, i)
         end = len(eqns)
@@ -242,14 +284,15 @@ class _Reader:
         return flops, total, float(peak)
 
 
-def read_program(fn: Callable, params, batch, *, size_of: Callable, n_params: int,
+def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
         fn: ``(params, batch) -> scalar loss``.
         params, batch: abstract inputs (``ShapeDtypeStruct``), global shapes.
-        size_of: ``(aval, leaf index or None) -> bytes`` on one device.
+        split_of: ``(aval, leaf index or None) -> (data split, tensor split)``: how many
+            devices share the value along the data axes and along the others.
         n_params: the number of parameter leaves (the first ``n_params`` inputs).
         canonical_dots: count the copies XLA:CPU makes of non-canonical matmul operands.
     """
@@ -257,8 +300,9 @@ def read_program(fn: Callable, params, batch, *, size_of: Callable, n_params: in
     closed = jax.make_jaxpr(grad_fn)(params, batch)
     jaxpr = closed.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
-    reader = _Reader(size_of, n_params, canonical_dots)
+    reader = _Reader(split_of, n_params, canonical_dots)
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
+
     # The forward/backward boundary: the first equation that consumes the loss's cotangent
     # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any
     # gradient-shaped output is born is a fair stand-in for "what the forward keeps".
@@ -266,5 +310,6 @@ def read_program(fn: Callable, params, batch, *, size_of: Callable, n_params: in
     grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
     first_grad = min((reader._born.get(v, len(live)) for v in grads), default=len(live) - 1)
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
-    return ProgramReading(reader.lookup, reader.matmul, flops, total, peak, residuals, reader.notes)
+    return ProgramReading(reader.lookup, reader.matmul, reader.loop_use, flops, total, peak, residuals,
+                          reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes)
 
