@@ -111,7 +111,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     bp, bc, bg = _itemsize(prec.params), _itemsize(prec.compute), _itemsize(prec.grads)
     # XLA:CPU runs 16-bit dots in f32, so the collectives beside them (TP all-reduces, ZeRO-3
     # gathers) move f32 there; on GPU/TPU they move the compute dtype.
-    platform = mesh.devices.flat[0].platform
+    platform = _platform(mesh)
     wire = 4 if platform == "cpu" else bc
     data_axes = tuple(a for a in plan.batch_axes if sizes[a] > 1)
     n_data = math.prod(sizes[a] for a in data_axes)
@@ -306,7 +306,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                     microbatches=m, schedule=pipe["schedule"] if pipe else "gpipe",
                     repeats=pipe["repeats"] if pipe else 1)
     t = times(col, counts, busy, hw, layout)
-    n_dev = mesh.devices.size
+    n_dev = mesh.size
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev)
 
@@ -348,13 +348,22 @@ def _strip(spec, axes):
     return P(*out)
 
 
+def _platform(mesh) -> str:
+    """The mesh's platform; an AbstractMesh (``sk.cost.simulate``) names it in ``abstract_device``."""
+    device = mesh.abstract_mesh.abstract_device
+    if device is None:
+        raise ValueError("the plan's AbstractMesh names no platform: give it abstract_device="
+                         "jax.sharding.AbstractDevice(...) (sk.cost.simulated.abstract_mesh does)")
+    return device.platform
+
+
 def _hardware(hardware, mesh) -> hw_lib.Hardware:
     if isinstance(hardware, hw_lib.Hardware):
         return hardware
     if hardware is not None:
         return hw_lib.lookup(hardware)
     try:
-        return hw_lib.lookup(mesh.devices.flat[0])
+        return hw_lib.lookup(mesh.abstract_mesh.abstract_device)
     except ValueError:
         return hw_lib.lookup("h100")
 
@@ -386,4 +395,4 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
 
     with step.plan.active():
         return read_program(loss, params, mb, split_of=split_of, n_params=len(comp),
-                            canonical_dots=step.plan.mesh.devices.flat[0].platform == "cpu")
+                            canonical_dots=_platform(step.plan.mesh) == "cpu")
