@@ -28,17 +28,19 @@ def shard_bytes(tree) -> int:
     """Bytes one device holds of a tree of jax Arrays or ShapeDtypeStructs with shardings
     (the largest per-device share, which is what limits memory)."""
     per_device: dict[Any, float] = defaultdict(float)
-    total_if_unsharded = 0
+    everywhere = 0  # unsharded leaves, and shards on an AbstractMesh (one on every device)
     for x in jax.tree.leaves(tree):
         sharding = getattr(x, "sharding", None)
         itemsize = np.dtype(x.dtype).itemsize if hasattr(x, "dtype") else 0
         if sharding is None:
-            total_if_unsharded += math.prod(x.shape) * itemsize
-            continue
-        shard = sharding.shard_shape(x.shape)
-        for d in sharding.device_set:
-            per_device[d] += math.prod(shard) * itemsize
-    return int(max(per_device.values(), default=0) + total_if_unsharded)
+            everywhere += math.prod(x.shape) * itemsize
+        elif isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+            everywhere += math.prod(sharding.shard_shape(x.shape)) * itemsize
+        else:
+            shard = sharding.shard_shape(x.shape)
+            for d in sharding.device_set:
+                per_device[d] += math.prod(shard) * itemsize
+    return int(max(per_device.values(), default=0) + everywhere)
 
 
 @dataclasses.dataclass
@@ -53,7 +55,10 @@ class Report:
             compiled program (``peak`` = arguments + outputs − aliased + temporaries).
         collectives: executed collectives per kind.
         flops: per-device flops from XLA's ``cost_analysis()`` (XLA counts a loop body once).
-        estimate: the analytic model's figures, when available (``sk.cost``).
+        estimate: the analytic model's figures (*modelled*), when available (``sk.cost``).
+        compiled_on: which program the compiled figures were read from (this process's mesh,
+            or a simulated mesh: ``sk.cost.simulate``).
+        notes: what else a reader must know about the figures (e.g. why there is no estimate).
     """
 
     title: str
@@ -65,6 +70,8 @@ class Report:
     matmul_flops: float = 0.0
     data_axes: tuple[str, ...] = ()
     pipe_axis: str | None = None
+    compiled_on: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def collective_bytes(self) -> dict[str, int]:
         return {c.kind: c.bytes for c in self.collectives}
@@ -131,8 +138,9 @@ class Report:
 
         mem = Table(title="per-device memory", title_justify="left")
         mem.add_column("kind"); mem.add_column("bytes", justify="right"); mem.add_column("", justify="right")
+        mem.add_column("from")
         for k, v in self.memory.items():
-            mem.add_row(k, f"{v:,}", _human(v))
+            mem.add_row(k, f"{v:,}", _human(v), "compiled" if k in _COMPILED_MEMORY else "shard sizes")
         col = Table(title="collectives executed per step (per device)", title_justify="left")
         for c in ("kind", "count", "ops in program", "bytes", ""):
             col.add_column(c, justify="left" if c == "kind" else "right")
@@ -140,10 +148,17 @@ class Report:
             col.add_row(c.kind, str(c.count), str(c.static_count), f"{c.bytes:,}", _human(c.bytes))
         if not self.collectives:
             col.add_row("(none)", "0", "0", "0", "")
-        parts = [f"[bold]{self.title}[/bold]", mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
+        where = f" for {self.compiled_on}" if self.compiled_on else ""
+        parts = [f"[bold]{self.title}[/bold]",
+                 f"compiled (read from XLA's program{where}): {', '.join(_COMPILED_MEMORY)} memory, "
+                 "collectives, flops; shard sizes: the state's, batch's and gradients' bytes in the "
+                 "plan's layout; modelled: the analytic estimate"
+                 + ("" if self.estimate else " (none here)"),
+                 *(f"note: {n}" for n in self.notes),
+                 mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
                  f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
         if self.estimate:
-            est = Table(title="analytic estimate vs compiled", title_justify="left")
+            est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
             for c in ("quantity", "estimate", "compiled", "ratio"):
                 est.add_column(c, justify="left" if c == "quantity" else "right")
             for r in self.comparison():
@@ -164,6 +179,9 @@ class Report:
 
     def _repr_html_(self) -> str:
         return self.render(html=True)
+
+
+_COMPILED_MEMORY = ("arguments", "outputs", "aliased", "temporaries", "peak")
 
 
 def _human(n: float) -> str:
@@ -232,6 +250,8 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     title = f"{plan!r}, microbatches={step.microbatches}"
     report = report_from_compiled(compiled, title, memory, plan.mesh, plan.batch_axes,
                                   pipeline=step.trace_notes.get("pipeline"))
+    report.compiled_on = (f"this process's mesh {','.join(f'{a}={n}' for a, n in plan.mesh.shape.items())} "
+                          f"({plan.mesh.size} {plan.mesh.devices.flat[0].platform} devices)")
     from . import cost
 
     report.estimate = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token).as_dict()

@@ -11,6 +11,7 @@ all-reduces for TP).
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -54,6 +55,13 @@ class TrainState:
 
 
 _CPU_MAX_IN_FLIGHT = 2
+
+
+def _in_flight_queue(plan: Plan):
+    """The queue that bounds steps in flight on XLA:CPU (see ``__call__``); None elsewhere.
+    An AbstractMesh names its platform in ``abstract_device`` (or nothing: it never runs)."""
+    device = plan.mesh.abstract_mesh.abstract_device
+    return collections.deque() if device is None or device.platform == "cpu" else None
 
 
 class NonFiniteError(FloatingPointError):
@@ -132,8 +140,7 @@ class TrainStep:
         self._jitted: dict = {}
         self._batch_shardings: dict = {}
         self.trace_notes: dict = {}
-        cpu = plan.mesh.devices.flat[0].platform == "cpu"
-        self._in_flight = collections.deque() if cpu else None
+        self._in_flight = _in_flight_queue(plan)
         functools.update_wrapper(self, fn)
 
     # ---- initialisation ---------------------------------------------------------------------
@@ -240,6 +247,25 @@ class TrainStep:
         self._require_init()
         return self._adapter.assemble(state.params, state.model_state)
 
+    def with_plan(self, plan: Plan) -> "TrainStep":
+        """This step — same loss, optimizer, options and the model structure ``init`` learned —
+        laid out by another ``plan``, e.g. one on a ``jax.sharding.AbstractMesh`` to compile
+        for a mesh that is not here (``sk.cost.simulate``).
+
+        Raises:
+            ShardingError: the plan's rules do not fit the model on its mesh.
+        """
+        self._require_init()
+        if not isinstance(plan, Plan):
+            raise ValueError(f"with_plan needs an sk.Plan, got {type(plan).__name__}")
+        new = copy.copy(self)
+        new.plan, new._in_flight = plan, _in_flight_queue(plan)
+        new._jitted, new._batch_shardings, new._state_shardings, new.trace_notes = {}, {}, None, {}
+        lay = self._layout
+        params = lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves])
+        new._layout = plan._layout(params, self._logical, self._adapter.param_prefix)
+        return new
+
     def _require_init(self):
         if self._adapter is None:
             raise RuntimeError("call step.init(model_or_init_fn) first: the step learns the model's structure there")
@@ -303,10 +329,22 @@ class TrainStep:
                 new_state)
         return new_state, metrics
 
-    def explain(self, state: TrainState, batch, *, flops_per_token: float | None = None):
+    def explain(self, state: TrainState, batch, *, flops_per_token: float | None = None,
+                mesh=None, **simulate):
         """An ``sk.Report``: per-device memory, executed collectives and flops of the compiled
         step, beside the analytic estimate (``flops_per_token``: the model's figure, for one
-        token's forward and backward; default 6 × parameters)."""
+        token's forward and backward; default 6 × parameters).
+
+        With ``mesh`` (``"data=64,tensor=8"``) the step is compiled for that mesh instead, on
+        simulated CPU devices in a subprocess, from abstract inputs: what this exact step
+        would cost there. ``**simulate`` goes to ``sk.cost.simulate`` (``zero=``,
+        ``batch_axes=``, ``timeout=``)."""
+        if mesh is not None:
+            from .cost.simulated import simulate as _simulate
+
+            return _simulate(self, state, batch, mesh, flops_per_token=flops_per_token, **simulate)
+        if simulate:
+            raise ValueError(f"explain() takes {sorted(simulate)} only with mesh=... (a simulated layout)")
         from .explain import explain_step
 
         return explain_step(self, state, batch, flops_per_token=flops_per_token)
