@@ -282,7 +282,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
     flops = busy = fpt * (matmul / total if total else 1.0) * tokens / n_data
-    if reading is not None and flops_per_token is None:
+    if not pipe and flops_per_token is None:
         # The traced program's matmuls, not 6Ψ (a lookup table does no matmul).
         flops = busy = reading.flops * m
         fpt = reading.total_flops * m / max(tokens, 1)

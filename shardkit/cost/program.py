@@ -113,6 +113,29 @@ def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
 
 
 def _transposed_operands(eqn) -> list:
+    if eqn.primitive.name == "conv_general_dilated":
+        return _transposed_conv_operands(eqn)
+    return _transposed_dot_operands(eqn)
+
+
+def _transposed_conv_operands(eqn) -> list:
+    """Operands of a convolution that XLA:CPU copies into its native layout first (input
+    batch-major with features last, kernel with its input and output features last) — the
+    weight-gradient convolution, which treats the batch as features, needs both copied."""
+    dn = eqn.params["dimension_numbers"]
+    if dn is None:
+        return []
+    out = []
+    for v, spec, want in ((eqn.invars[0], dn.lhs_spec, "lhs"), (eqn.invars[1], dn.rhs_spec, "rhs")):
+        rank = v.aval.ndim
+        spatial = tuple(range(1, rank - 1)) if want == "lhs" else tuple(range(rank - 2))
+        native = (0, rank - 1) + spatial if want == "lhs" else (rank - 1, rank - 2) + spatial
+        if tuple(spec) != native and not isinstance(v, jcore.Literal):
+            out.append(v)
+    return out
+
+
+def _transposed_dot_operands(eqn) -> list:
     """Operands of a ``dot_general`` that XLA:CPU copies into its canonical layout first
     (lhs ``[batch..., M, K]``, rhs ``[batch..., K, N]``: batch dims leading, the lhs's contracted
     dims last, the rhs's right after its batch dims); GPU/TPU matmul libraries take transposed
@@ -207,13 +230,19 @@ class _Reader:
                     # (Megatron's row-parallel forward, column-parallel input gradient).
                     self.tensor_reduce += self._times * math.prod(e.outvars[0].aval.shape) / out_d
                     self.tensor_reduce_ops += self._times
+                    # The all-reduce writes a second buffer beside the partial sums.
+                    reduce_copy = self.size_of(e.outvars[0].aval, None)
+                else:
+                    reduce_copy = 0.0
                 for s_ in src[:2]:
                     if s_ is not None and self.in_loop:
                         self.loop_use[s_] = True
-                if self.canonical_dots and name == "dot_general":
-                    # (a weight's copy is free to take the layout the dot wants: not counted)
+                if self.canonical_dots:
+                    # An activation is copied for the op; a weight takes the layout the op
+                    # wants for free (layout assignment picks it).
                     inner_peak[i] = sum(self.size_of(u.aval, None) for u in _transposed_operands(e)
                                         if origin.get(u) is None)
+                inner_peak[i] = inner_peak.get(i, 0.0) + reduce_copy
                 for s in src[:2]:
                     if s is not None:
                         self.matmul[s] = True
@@ -302,6 +331,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
     reader = _Reader(split_of, n_params, canonical_dots)
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
+
 
     # The forward/backward boundary: the first equation that consumes the loss's cotangent
     # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any
