@@ -64,6 +64,10 @@ for _hw in (
     Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",)),
     Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",)),
     Hardware("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, ("a100",)),
+    # Google Cloud A3 High (a3-highgpu-8g): H100 SXM over NVLink, but GPUDirect-TCPX between
+    # VMs, 4 GPU NICs x 200 Gb/s per 8 GPUs → 12.5 GB/s per GPU (Google Cloud, "Networking and
+    # GPU machines"). Same chip as "h100", so looked up by name only.
+    Hardware("h100-a3", 989e12, 80 * GB, 450 * GB, 12.5 * GB),
     # TPUs: ICI per chip = links × one-way per-link bandwidth (scaling book), DCN ~6.25 GB/s
     # per chip.
     Hardware("tpu-v4", 275e12, 32 * GB, 6 * 45 * GB, 6.25 * GB, ("tpu v4",)),
