@@ -59,6 +59,8 @@ class Report:
         compiled_on: which program the compiled figures were read from (this process's mesh,
             or a simulated mesh: ``sk.cost.simulate``).
         notes: what else a reader must know about the figures (e.g. why there is no estimate).
+        seconds: wall time spent on the figures, where measured (``simulate``: ``export``,
+            ``compile``, ``subprocess``).
     """
 
     title: str
@@ -72,6 +74,7 @@ class Report:
     pipe_axis: str | None = None
     compiled_on: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def collective_bytes(self) -> dict[str, int]:
         return {c.kind: c.bytes for c in self.collectives}
@@ -87,25 +90,35 @@ class Report:
         non-neighbours, i.e. circular's stage-major weight order), ``other`` (the rest, e.g.
         permutes XLA adds to reorder blocks between two shardings: nothing the estimate
         models, so ``comparison()`` lists it whenever it is not zero)."""
-        out = dict.fromkeys(("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather",
-                             "pipe-permute", "pipe-reduce", "pipe-relayout", "other"), 0.0)
+        out = dict.fromkeys(_ROLES, 0.0)
+        for role, t in self._with_roles():
+            out[role] += t.operand_bytes if role in ("pipe-reduce", "grad-reduce", "tensor-reduce") else t.bytes
+        return out
+
+    def role_counts(self) -> dict[str, int]:
+        """Executed collectives by role (as ``roles()`` names them), through loops."""
+        out = dict.fromkeys(_ROLES, 0)
+        for role, t in self._with_roles():
+            out[role] += t.count
+        return out
+
+    def _with_roles(self):
         pipe = self.pipe_axis
         for t in self.traffic:
             data = bool(set(t.axes) & set(self.data_axes))
             if pipe and t.kind == "all-reduce" and t.axes == (pipe,):
-                out["pipe-reduce"] += t.operand_bytes
+                yield "pipe-reduce", t
             elif pipe and ((t.kind == "collective-permute" and t.axes != (pipe,))
                            or (t.kind == "all-to-all" and pipe in t.axes)):
-                out["pipe-relayout"] += t.bytes
+                yield "pipe-relayout", t
             elif t.kind in ("all-reduce", "reduce-scatter"):
-                out["grad-reduce" if data else "tensor-reduce"] += t.operand_bytes
+                yield ("grad-reduce" if data else "tensor-reduce"), t
             elif t.kind == "all-gather":
-                out["param-gather" if data else "tensor-gather"] += t.bytes
+                yield ("param-gather" if data else "tensor-gather"), t
             elif t.kind == "collective-permute" and pipe:
-                out["pipe-permute"] += t.bytes
+                yield "pipe-permute", t
             else:
-                out["other"] += t.bytes
-        return out
+                yield "other", t
 
     def compiled(self) -> dict[str, float]:
         """Every compiled figure under the names the estimate uses (``memory/peak``,
@@ -181,6 +194,8 @@ class Report:
         return self.render(html=True)
 
 
+_ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute",
+          "pipe-reduce", "pipe-relayout", "other")
 _COMPILED_MEMORY = ("arguments", "outputs", "aliased", "temporaries", "peak")
 
 

@@ -30,7 +30,7 @@ from .steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROO
                        register_links as register_links, times as times)
 
 __all__ = ["Efficiency", "Estimate", "Layout", "ModelShape", "estimate", "estimate_for_step",
-           "model_shape", "collective_time", "search", "weak_scaling", "plan_main", "DECODER_SIZES",
+           "model_shape", "collective_time", "search", "simulate", "SimulationError", "weak_scaling", "plan_main", "DECODER_SIZES",
            "EFFICIENCY", "ROOFLINE", "register_efficiency", "register_links", "hardware"]
 hw_lib = hardware
 
@@ -87,10 +87,18 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
         precision: a ``sk.Precision`` preset.
         top: keep only the best ``top`` rows.
         **options: restrict the enumeration (``zero=(1, 3)``, ``remat=("none",)``,
-            ``microbatches=(1, 8)``, ``tensor=(1, 8)``, ``pipe=(1,)``, ``flops_per_token=``).
+            ``microbatches=(1, 8)``, ``tensor=(1, 8)``, ``pipe=(1,)``, ``flops_per_token=``),
+            or verify the best ones: ``verify=k`` compiles the top ``k`` layouts on simulated
+            meshes (``simulate``) and re-ranks them by compiled peak memory (layouts that do
+            not fit go last) and by the step time re-timed with their compiled collective
+            bytes; the step comes from ``build=layout -> (step, state, batch)`` (a step
+            planned on ``abstract_mesh(layout.mesh)``: the way to honour remat, schedules
+            and sequence parallelism), or ``step=, state=, batch=`` (re-planned on each
+            layout's mesh, ZeRO stage and microbatches); ``timeout=`` per compile.
 
     Returns:
-        A ``SearchResult``: ``.rows`` (ranked dicts), ``.best``, printable as a rich table.
+        A ``SearchResult``: ``.rows`` (ranked dicts), ``.best``, ``.verified``, printable as a
+        rich table (analytic and, with ``verify``, compiled columns).
     """
     from .rank import search as _search
 
@@ -119,5 +127,11 @@ def __getattr__(name):
         from .rank import SearchResult
 
         return SearchResult
+    # Imported on first use: ``python -m shardkit.cost.simulated`` (its subprocess) must not
+    # find the module already imported by the package.
+    if name in ("simulate", "SimulationError", "abstract_mesh"):
+        from . import simulated
+
+        return getattr(simulated, name)
     raise AttributeError(name)
 

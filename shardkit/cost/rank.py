@@ -9,12 +9,13 @@ import io
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from . import hardware as hw_lib
 from .formulas import estimate
 from .shapes import Estimate, Layout, model_shape
-from .steptime import efficiency_for, links
+from .steptime import efficiency_for, links, times
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -29,6 +30,8 @@ class SearchResult:
             for the data/fsdp split or ZeRO stage, within 0.5% in step time — e.g. ZeRO-3 over
             ``data`` vs ``fsdp`` over the same devices) appear once, the fastest first.
         equivalents: per estimate, the layouts folded into it.
+        verified: per estimate, what compiling it on a simulated mesh found (``search(...,
+            verify=k)``), or None where it was not compiled.
     """
 
     model: str
@@ -37,6 +40,7 @@ class SearchResult:
     global_batch: int
     estimates: list[Estimate]
     equivalents: list[list[str]] = dataclasses.field(default_factory=list)
+    verified: list["Verified | None"] = dataclasses.field(default_factory=list)
 
     @property
     def best(self) -> Estimate:
@@ -59,6 +63,10 @@ class SearchResult:
                    "memory": e.memory["peak"], "fits": e.fits,
                    "equivalent": self.equivalents[rank - 1] if rank <= len(self.equivalents) else []}
             row.update({f"t_{k}": v for k, v in e.time.items() if k != "step"})
+            v = self.verified[rank - 1] if rank <= len(self.verified) else None
+            if v is not None:
+                row.update({"compiled_memory": v.peak, "compiled_step_time": v.step_time,
+                            "compiled_fits": v.fits, "compiled_error": v.error})
             out.append(row)
         return out
 
@@ -71,8 +79,13 @@ class SearchResult:
         t = Table(title=f"{self.model} on {self.devices} x {self.hardware}, global batch "
                         f"{self.global_batch} — estimated (matmuls at {eff.matmul:.0%} of peak; "
                         f"exposed comm: data {eff.exposed_data:.0%}, tensor {eff.exposed_tensor:.0%})")
+        checked = any(v is not None for v in self.verified)
+        if checked:
+            t.caption = ("compiled: XLA:CPU's program for the layout on simulated devices (its buffers: "
+                         "16-bit dots in f32); step time re-timed with its collective bytes per role")
         for c in ("#", "mesh", "zero", "m", "remat", "pipe sched", "step (s)", "MFU", "tok/s/dev",
-                  "mem/dev (GB)", "fits", "bound by", "+same"):
+                  "mem/dev (GB)", "fits", "bound by", "+same") + (
+                      ("compiled mem (GB)", "compiled step (s)", "compiled fits") if checked else ()):
             t.add_column(c, justify="left" if c in ("mesh", "remat", "pipe sched", "bound by") else "right")
         for r in self.rows[:top]:
             parts = {k[2:]: v for k, v in r.items() if k.startswith("t_") and k not in ("t_bubble", "t_exposed")}
@@ -81,7 +94,7 @@ class SearchResult:
                       str(r["microbatches"]), r["remat"], r["schedule"], f"{r['step_time']:.3f}",
                       f"{r['mfu']:.1%}", f"{r['tokens_per_s'] / self.devices:,.0f}",
                       f"{r['memory'] / 1e9:.1f}", "yes" if r["fits"] else "[red]no[/red]", bound,
-                      str(len(r["equivalent"])) if r["equivalent"] else "")
+                      str(len(r["equivalent"])) if r["equivalent"] else "", *(_compiled_cells(r) if checked else ()))
         return t
 
     def __rich__(self):
@@ -139,7 +152,9 @@ def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_si
 
 def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *, global_batch: int,
            memory_limit: float | None = None, seq: int | None = None, precision: str = "bf16",
-           top: int | None = None, flops_per_token: float | None = None, **options) -> SearchResult:
+           top: int | None = None, flops_per_token: float | None = None, verify: int = 0,
+           build: Callable[[Layout], tuple] | None = None, step=None, state=None, batch=None,
+           timeout: float = 1800.0, **options) -> SearchResult:
     ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
     cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch,
@@ -153,9 +168,93 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
                      memory_limit=memory_limit) for lo in cands]
     ests.sort(key=lambda e: (not e.fits, e.step_time, e.memory["peak"], _complexity(e.layout)))
     kept, same = _dedupe(ests)
+    checked: list[Verified | None] = []
+    if verify:
+        kept, same, checked = _verify(kept, same, verify, _compiler(build, step, state, batch, timeout), hw)
     if top:
-        kept, same = kept[:top], same[:top]
-    return SearchResult(ms.name, devices, hw.name, global_batch, kept, same)
+        kept, same, checked = kept[:top], same[:top], checked[:top]
+    return SearchResult(ms.name, devices, hw.name, global_batch, kept, same, checked)
+
+
+@dataclasses.dataclass
+class Verified:
+    """What compiling one layout on a simulated mesh found (``search(..., verify=k)``).
+
+    Attributes:
+        report: the ``sk.Report`` of the compiled step (None if it could not be compiled).
+        peak: XLA's per-device peak bytes; ``fits``: within the search's memory limit.
+        time: step-time parts re-timed (``steptime.times``) with the compiled collective bytes
+            and counts per role and the estimate's flops.
+        error: why the layout could not be compiled (its rules or batch do not fit, or the
+            compiler failed), else "".
+    """
+
+    report: Any
+    peak: float
+    fits: bool
+    time: dict[str, float]
+    error: str = ""
+
+    @property
+    def step_time(self) -> float:
+        return self.time.get("step", float("nan"))
+
+
+def _compiler(build, step, state, batch, timeout: float) -> Callable[[Layout], Any]:
+    """``layout -> sk.Report``: ``build(layout)``'s ``(step, state, batch)`` compiled on its
+    plan's mesh, or the given step re-planned on the layout's mesh, ZeRO stage and microbatches."""
+    from .simulated import simulate
+
+    if build is not None:
+        def compile_built(lo: Layout):
+            s, st, b = build(lo)
+            if s.plan.mesh.size != lo.devices:
+                raise ValueError(f"build({lo}) returned a step planned on {dict(s.plan.mesh.shape)}, "
+                                 f"not on the layout's {lo.devices} devices ({lo.mesh})")
+            return simulate(s, st, b, s.plan.mesh, estimate=False, timeout=timeout)
+        return compile_built
+    if step is None or state is None or batch is None:
+        raise ValueError("search(verify=k) compiles the top k layouts: give build=layout -> (step, state, "
+                         "batch), or step=, state= and batch= (the step is re-planned on each layout's mesh)")
+    return lambda lo: simulate(step, state, batch, lo.mesh, zero=lo.zero, microbatches=lo.microbatches,
+                               estimate=False, timeout=timeout)
+
+
+def _verify(kept: list[Estimate], same: list[list[str]], k: int, compile_one, hw: hw_lib.Hardware):
+    """Compiles the best ``k`` layouts and re-ranks them: those whose compiled peak fits first,
+    by the step time re-timed with their compiled traffic; then the layouts not compiled, in
+    the analytic order; then compiled ones that do not fit, and those that failed to compile."""
+    from ..rules import ShardingError
+    from .simulated import SimulationError
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"verify must be a non-negative integer (layouts to compile), got {k!r}")
+    checked: list[Verified] = []
+    for e in kept[:k]:
+        try:
+            report = compile_one(e.layout)
+        except (ShardingError, SimulationError) as err:
+            checked.append(Verified(None, float("nan"), False, {}, f"{type(err).__name__}: {err}"))
+            continue
+        # The estimate's busy flops (``times`` divided them by the achievable matmul rate).
+        flops = e.time["compute"] * hw.peak_flops * efficiency_for(hw).matmul
+        peak = float(report.memory["peak"])
+        checked.append(Verified(report, peak, peak <= e.memory_limit,
+                                times(report.roles(), report.role_counts(), flops, hw, e.layout)))
+    rest = [(e, s, None) for e, s in zip(kept[k:], same[k:])]
+    mine = list(zip(kept[:k], same[:k], checked))
+    good = sorted((x for x in mine if x[2].fits), key=lambda x: x[2].step_time)
+    order = good + rest + [x for x in mine if not x[2].fits and not x[2].error] + [x for x in mine if x[2].error]
+    return [x[0] for x in order], [x[1] for x in order], [x[2] for x in order]
+
+
+def _compiled_cells(row: dict) -> tuple[str, str, str]:
+    if "compiled_memory" not in row:
+        return "", "", ""
+    if row["compiled_error"]:
+        return "[red]error[/red]", "", "[red]no[/red]"
+    return (f"{row['compiled_memory'] / 1e9:.1f}", f"{row['compiled_step_time']:.3f}",
+            "yes" if row["compiled_fits"] else "[red]no[/red]")
 
 
 def _complexity(lo: Layout) -> tuple:

@@ -140,7 +140,7 @@ def _groups(state) -> dict[str, list[int]]:
 
 
 def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_SAME,
-             estimate: bool = True, flops_per_token: float | None = None,
+             microbatches: int | None = None, estimate: bool = True, flops_per_token: float | None = None,
              timeout: float = 1800.0, max_devices: int = MAX_DEVICES) -> Report:
     """Compiles ``step`` for a mesh that is not here and reports what it costs per device.
 
@@ -151,6 +151,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         mesh: the target mesh, ``"data=64,tensor=8"`` (see ``abstract_mesh``).
         zero: a ZeRO stage for the target layout (default: the step's).
         batch_axes: the target plan's batch axes (default: the step's, re-derived if default).
+        microbatches: gradient-accumulation steps for the target layout (default: the step's).
         estimate: also compute the analytic estimate for the target layout.
         flops_per_token: passed to the estimate.
         timeout: seconds the compiling subprocess may take.
@@ -168,6 +169,10 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
     step._require_init()
     amesh = abstract_mesh(mesh, max_devices=max_devices)
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
+    if microbatches is not None:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        sim.microbatches = microbatches
     abs_state, abs_batch = abstract_inputs(sim, state, batch)
     t0 = time.perf_counter()
     exported = _export(sim, abs_state, abs_batch)
@@ -198,7 +203,9 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         compiled_on=f"simulated mesh {axes}: {amesh.size} XLA:CPU devices in a subprocess, abstract inputs",
         notes=[f"compiled figures are {_CPU_NOTE}",
                f"export {t_export:.1f} s; subprocess {out['seconds']['total']:.1f} s "
-               f"(compile {out['seconds']['compile']:.1f} s)"])
+               f"(compile {out['seconds']['compile']:.1f} s)"],
+        seconds={"export": t_export, "compile": out["seconds"]["compile"],
+                 "subprocess": out["seconds"]["total"]})
     if estimate:
         from .fromstep import step_estimate
 

@@ -1,0 +1,170 @@
+"""``sk.cost.simulate`` / ``step.explain(mesh=...)``: the step compiled for a mesh that is not
+here (a subprocess with N simulated CPU devices), and ``search(..., verify=k)``."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardkit as sk
+from shardkit.cost.simulated import SimulationError, abstract_mesh
+
+pytestmark = pytest.mark.subprocess
+
+D, H = 64, 256  # divisible by 64: ZeRO-3 on 64 devices shards every leaf evenly
+PSI = 2 * D * H
+
+
+def mlp_loss(p, b):
+    h = jax.nn.relu(sk.constrain(b["x"] @ p["w1"], ("batch", "mlp")))
+    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+
+def mlp_step(mesh: str, zero: int, microbatches: int = 1):
+    plan = sk.Plan(sk.make_mesh(mesh), rules=[(r"w1", (None, "tensor")), (r"w2", ("tensor", None))],
+                   axis_rules={"batch": "data", "mlp": "tensor"}, zero=zero)
+    step = sk.train_step(plan, optax.adam(1e-3), microbatches=microbatches)(mlp_loss)
+    state = step.init({"w1": jnp.ones((D, H)) * 0.01, "w2": jnp.ones((H, D)) * 0.01})
+    return step, state
+
+
+def batch_of(rows: int):
+    return {"x": np.ones((rows, D), np.float32), "y": np.ones((rows, D), np.float32)}
+
+
+@pytest.mark.parametrize("mesh,zero,microbatches", [("data=4,tensor=2", 1, 1), ("data=8,tensor=1", 3, 2)])
+def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches):
+    step, state = mlp_step(mesh, zero, microbatches)
+    batch = batch_of(32)
+    here = step.explain(state, batch)
+    there = step.explain(state, batch, mesh=mesh)
+    assert there.memory == here.memory
+    assert there.collectives == here.collectives
+    assert sorted(map(repr, there.traffic)) == sorted(map(repr, here.traffic))
+    assert (there.flops, there.matmul_flops) == (here.flops, here.matmul_flops)
+    assert there.roles() == here.roles() and there.role_counts() == here.role_counts()
+    assert there.estimate == here.estimate  # the analytic model sees the same layout
+    assert "simulated mesh" in there.compiled_on and "this process" in here.compiled_on
+
+
+def test_64_devices_zero3_and_zero1_state_bytes_follow_zero():
+    step, state = mlp_step("data=4,tensor=2", zero=1)
+    batch = batch_of(128)
+    r3 = sk.cost.simulate(step, state, batch, "data=64,tensor=1", zero=3)
+    # ZeRO-3 (Rajbhandari et al. 2020): params 4Ψ/N, Adam moments 8Ψ/N (+ its int32 count),
+    # gradients 4Ψ/N; the batch is split over 64 devices.
+    assert r3.memory["params"] == 4 * PSI // 64
+    assert r3.memory["opt_state"] == 8 * PSI // 64 + 4
+    assert r3.memory["grads"] == 4 * PSI // 64
+    assert r3.memory["batch"] == 2 * 2 * D * 4
+    # The compiled arguments are exactly that state, the batch and the step's scalars
+    # (step, skipped, streak: int32; the rng key's two uint32).
+    scalars = 3 * 4 + 2 * 4
+    assert r3.memory["arguments"] == sum(r3.memory[k] for k in ("params", "opt_state", "model_state", "batch")) + scalars
+    assert r3.compiled()["collective/param-gather"] > 0  # FSDP gathers the weights
+    r1 = sk.cost.simulate(step, state, batch, "data=16,tensor=4", zero=1)
+    assert r1.memory["params"] == 4 * PSI // 4  # split over tensor only
+    assert r1.memory["opt_state"] == 8 * PSI // 64 + 4  # and the moments over data too
+    assert r1.compiled()["collective/tensor-reduce"] > 0
+    assert "64 XLA:CPU devices" in r1.compiled_on
+    text = str(r1)
+    assert "simulated mesh data=16,tensor=4" in text and "modelled" in text and "shard sizes" in text
+
+
+def test_bad_mesh_specs_and_too_many_devices_are_clear_errors():
+    step, state = mlp_step("data=8,tensor=1", zero=0)
+    batch = batch_of(32)
+    with pytest.raises(ValueError, match="tensor"):
+        sk.cost.simulate(step, state, batch, "data=4,tensor=0")
+    with pytest.raises(ValueError, match="max_devices=4096"):
+        sk.cost.simulate(step, state, batch, "data=8192")
+    with pytest.raises(sk.ShardingError, match="not divisible by 64"):
+        step.explain(state, batch, mesh="data=64,tensor=1")  # 32 rows over 64 devices
+    with pytest.raises(sk.ShardingError, match="unknown mesh axis 'tensor'"):
+        step.explain(state, batch, mesh="data=8")  # the rules name tensor
+    with pytest.raises(ValueError, match="only with mesh="):
+        step.explain(state, batch, zero=3)
+    with pytest.raises(SimulationError, match="took more than"):
+        sk.cost.simulate(step, state, batch, "data=8,tensor=1", timeout=0.01)
+
+
+def test_a_pipelined_step_compiles_on_a_simulated_mesh():
+    L, W, m = 4, 32, 4
+
+    def loss(p, b):
+        def stage(w, x):
+            return jnp.tanh(x @ w)
+        y = sk.pipeline(lambda w, x: stage(w["w"], x), {"w": p["layers"]}, b["x"], microbatches=m)
+        return jnp.mean(y ** 2)
+
+    plan = sk.Plan(sk.make_mesh("data=4,pipe=2"), rules=[(r"layers", ("pipe",))], zero=1)
+    step = sk.train_step(plan, optax.sgd(0.1))(loss)
+    state = step.init({"layers": jnp.ones((L, W, W)) * 0.1})
+    batch = {"x": np.ones((128, W), np.float32)}
+    here = step.explain(state, batch)
+    there = step.explain(state, batch, mesh="data=16,pipe=4")
+    assert there.pipe_axis == "pipe" and there.roles()["pipe-permute"] > 0
+    assert there.memory["params"] == here.memory["params"] // 2  # 4 stages instead of 2
+    assert there.estimate is not None and there.estimate["memory/params"] == there.memory["params"]
+
+
+def test_a_plan_on_an_abstract_mesh_builds_without_devices():
+    mesh = abstract_mesh("data=32,tensor=8")
+    plan = sk.Plan(mesh, rules=[(r"w1", (None, "tensor")), (r"w2", ("tensor", None))],
+                   axis_rules={"batch": "data", "mlp": "tensor"}, zero=3)
+    step = sk.train_step(plan, optax.adam(1e-3))(mlp_loss)
+    state = step.abstract_state(lambda: {"w1": jnp.zeros((D, H)), "w2": jnp.zeros((H, D))})
+    assert np.prod(state.params["w1"].sharding.shard_shape((D, H))) == D * H // 256
+    report = sk.cost.simulate(step, state, batch_of(256), mesh, estimate=False)
+    assert report.memory["params"] == 4 * PSI // 256 and report.estimate is None
+
+
+def test_search_verify_replans_a_given_step_on_each_layout():
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())],
+                   axis_rules={"batch": ("data", "fsdp"), "mlp": "tensor"})
+    step = sk.train_step(plan, optax.adam(1e-3))(mlp_loss)
+    state = step.init({"w1": jnp.ones((D, H)), "w2": jnp.ones((H, D))})
+    res = sk.search(state.params, 8, "h100", global_batch=32, flops_per_token=6 * PSI, verify=2,
+                    step=step, state=state, batch=batch_of(32), pipe=(1,), remat=("none",), microbatches=(1,))
+    checked = [(e, v) for e, v in zip(res.estimates, res.verified) if v is not None]
+    assert len(checked) == 2 and all(not v.error and v.fits for _, v in checked)
+    for e, v in checked:  # compiled on the layout's mesh with its ZeRO stage
+        assert v.report.title.startswith(f"Plan(mesh='{e.layout.mesh}', zero={e.layout.zero}")
+    with pytest.raises(ValueError, match="build=layout"):
+        sk.search(state.params, 8, global_batch=32, verify=1)
+
+
+@pytest.mark.slow
+def test_search_verify_recompiles_and_reranks_the_top_layouts():
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import make_plan
+    from models.transformer.model import Transformer, loss_fn
+
+    cfg = SIZES["test"]
+    batch = {k: jax.ShapeDtypeStruct((16, cfg.seq), np.int32) for k in ("inputs", "targets")}
+
+    def build(lo):
+        plan = make_plan(abstract_mesh(lo.mesh), cfg, zero=lo.zero)
+        step = sk.train_step(plan, optax.adamw(1e-3), microbatches=lo.microbatches)(lambda m, b: loss_fn(m, b))
+        return step, step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), batch
+
+    opts = dict(global_batch=16, pipe=(1,), remat=("none",), microbatches=(1,), sequence_parallel=(False,))
+    plain = sk.search(cfg, 8, "h100", **opts)
+    res = sk.search(cfg, 8, "h100", verify=2, build=build, **opts)
+    top2 = {str(e.layout) for e in plain.estimates[:2]}
+    checked = [(e, v) for e, v in zip(res.estimates, res.verified) if v is not None]
+    assert {str(e.layout) for e, _ in checked} == top2  # the analytic top 2 were compiled
+    assert all(v.report is not None and v.peak > 0 and not v.error for _, v in checked)
+    # Re-ranked by the compiled traffic's step time, fitting ones first.
+    times = [v.step_time for _, v in checked]
+    assert times == sorted(times) and [e for e, _ in checked] == res.estimates[:2]
+    for e, v in checked:  # the compiled bytes per role feed the re-timed step
+        assert v.report.roles()["grad-reduce" if e.layout.data * e.layout.fsdp > 1 else "tensor-reduce"] > 0
+    assert res.rows[0]["compiled_memory"] == checked[0][1].peak and "compiled_step_time" in res.rows[1]
+    assert "compiled_memory" not in res.rows[2]
+    assert "compiled: XLA:CPU's program" in str(res)
+    # A memory limit below every compiled peak moves them all behind the uncompiled layouts.
+    tight = sk.search(cfg, 8, "h100", verify=1, build=build, memory_limit=1.0, **opts)
+    assert all(v is None for v in tight.verified[:-1])
+    assert tight.verified[-1] is not None and not tight.verified[-1].fits
