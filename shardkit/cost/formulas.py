@@ -18,7 +18,7 @@ import numpy as np
 
 from ..precision import Precision
 from . import hardware as hw_lib
-from .pipeline import pipeline_ticks
+from .pipeline import pipeline_ticks, pipeline_traffic
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
 from .steptime import Efficiency, times
 
@@ -38,7 +38,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     all-reduces per layer). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
-    vocab-parallel embedding/head; pipelines: see ``pipeline_collectives`` (one gradient
+    vocab-parallel embedding/head; pipelines: see ``pipeline.pipeline_traffic`` (one gradient
     reduction over data per step, not per microbatch).
     Step time: ``steptime.times`` with the hardware's ``Efficiency`` (not a pure roofline).
 
@@ -131,8 +131,14 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
             counts["tensor-gather"] = n_gather
     if lo.pipe > 1:
-        pipeline_collectives(col, counts, ms, lo, p_layers, p_dev - p_layers, tokens_mb, bc, bg,
-                              replicas)
+        # Activations cross the pipe in f32, as the recipe's pipeline carries them; sequence
+        # parallelism shards them over ``tensor``.
+        note = {"stages": lo.pipe, "microbatches": m, "repeats": lo.repeats, "schedule": lo.schedule}
+        tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
+        pipeline_traffic(col, counts, note, stage=p_layers, rest=p_dev - p_layers, tied=tied,
+                         act_mb=tokens_mb * ms.d_model * 4 / (lo.tensor if lo.sequence_parallel else 1),
+                         has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas)
+
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
     if one_f_one_b:  # the backward op recomputes its stage's forward from the saved input
@@ -150,41 +156,6 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
     t = times(col, counts, busy, hw, lo, efficiency, model_efficiency)
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
-
-
-def pipeline_collectives(col, counts, ms: ModelShape, lo: Layout, stage: float, rest: float,
-                          tokens_mb: float, bc: int, bg: int, replicas: int) -> None:
-    """``sk.pipeline``'s traffic per device per step, as ``fromstep``'s ``pipeline_traffic`` counts it
-    leaf by leaf (elements: ``stage`` the device's layer weights, ``rest`` the others).
-
-    Two activation permutes per tick of the schedule table (forward and its transpose; 1F1B's
-    table has 2(m + p − 1) ticks), + the last stage's m outputs and their cotangent (GPipe,
-    circular); the pipe-axis psums of the outputs (and, with an embedding in front, the input's
-    cotangent) or, 1F1B, of the loss params' gradients; circular's stage-major relayout of the
-    weights and their gradients (one all-to-all for p = 2, + a permute beyond); and the one
-    gradient reduction over data per step (a tied embedding's two parts apart). Activations
-    cross the pipe in f32, as the recipe's pipeline carries them; sequence parallelism shards
-    them over ``tensor``."""
-    p, m, v = lo.pipe, lo.microbatches, lo.repeats
-    note = {"stages": p, "microbatches": m, "repeats": v, "schedule": lo.schedule}
-    ticks = pipeline_ticks(note)
-    act_mb = tokens_mb * ms.d_model * 4 / (lo.tensor if lo.sequence_parallel else 1)
-    has_dx = ms.vocab > 0  # token ids in: the input's cotangent flows back to the embedding
-    col["pipe-permute"] = 2 * ticks * act_mb
-    counts["pipe-permute"] = 2 * ticks
-    if lo.schedule != "1f1b":
-        col["pipe-permute"] += 2 * m * act_mb
-        counts["pipe-permute"] += 2
-        if v > 1:
-            hops = 1 if p == 2 else 2
-            col["pipe-relayout"] = 2 * stage * bc * hops
-            counts["pipe-relayout"] = 2 * hops
-        col["pipe-reduce"] = m * act_mb * (2 if has_dx else 1)
-    else:
-        col["pipe-reduce"] = rest * bg + (m * act_mb if has_dx else 0.0)
-    counts["pipe-reduce"] = 1
-    if replicas > 1 and ms.tie and has_dx:
-        col["grad-reduce"] += ms.vocab * ms.d_model / lo.tensor * bg
 
 
 def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:

@@ -276,8 +276,13 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         counts["tensor-gather"] += m
     p = pipe["stages"] if pipe else 1
     if pipe:
-        m = pipeline_traffic(col, counts, pipe, tied, comp, piped, tokens / n_data / m * width,
-                             wire=wire, bg=bg, n_data=n_data, batch=batch, step_m=m)
+        # Activations cross the stages in f32 (see models/transformer).
+        act_mb = tokens / n_data / m * width * 4 / pipe["microbatches"]
+        pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
+                         rest=sum(c for c, q in zip(comp, piped) if not q),
+                         tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
+                         act_mb=act_mb, has_dx=any(lookup), wire=wire, bg=bg, n_data=n_data, step_m=m)
+        m = pipe["microbatches"]
     matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total

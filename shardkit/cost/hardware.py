@@ -33,6 +33,7 @@ class Hardware:
         intra_node_bw: bytes/s per chip, one direction, over the fast links (NVLink / ICI).
         inter_node_bw: bytes/s per chip, one direction, across nodes/slices (InfiniBand / DCN).
         device_kinds: lower-case substrings of ``jax.Device.device_kind`` that identify it.
+        hbm_bandwidth: bytes/s of device memory (what memory-bound kernels run at; 0: unknown).
     """
 
     name: str
@@ -41,6 +42,7 @@ class Hardware:
     intra_node_bw: float
     inter_node_bw: float
     device_kinds: tuple[str, ...] = ()
+    hbm_bandwidth: float = 0.0
 
 
 HARDWARE: dict[str, Hardware] = {}
@@ -59,21 +61,24 @@ def register_hardware(hw: Hardware, *, overwrite: bool = False) -> Hardware:
     return HARDWARE[key]
 
 
-# GPUs: InfiniBand ~400 GB/s per 8-GPU node (8 × 400 Gb/s) → 50 GB/s per GPU.
+# GPUs: InfiniBand ~400 GB/s per 8-GPU node (8 × 400 Gb/s) → 50 GB/s per GPU. HBM bandwidths
+# from the data sheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80 GB SXM 2.039; TPU v4 1.2, v5e
+# 0.819, v5p 2.765, v6e 1.64).
+TB = 1e12
 for _hw in (
-    Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",)),
-    Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",)),
-    Hardware("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, ("a100",)),
+    Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",), 3.35 * TB),
+    Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",), 4.8 * TB),
+    Hardware("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, ("a100",), 2.039 * TB),
     # Google Cloud A3 High (a3-highgpu-8g): H100 SXM over NVLink, but GPUDirect-TCPX between
     # VMs, 4 GPU NICs x 200 Gb/s per 8 GPUs → 12.5 GB/s per GPU (Google Cloud, "Networking and
     # GPU machines"). Same chip as "h100", so looked up by name only.
-    Hardware("h100-a3", 989e12, 80 * GB, 450 * GB, 12.5 * GB),
+    Hardware("h100-a3", 989e12, 80 * GB, 450 * GB, 12.5 * GB, (), 3.35 * TB),
     # TPUs: ICI per chip = links × one-way per-link bandwidth (scaling book), DCN ~6.25 GB/s
     # per chip.
-    Hardware("tpu-v4", 275e12, 32 * GB, 6 * 45 * GB, 6.25 * GB, ("tpu v4",)),
-    Hardware("tpu-v5e", 197e12, 16 * GB, 4 * 45 * GB, 6.25 * GB, ("tpu v5 lite", "tpu v5e")),
-    Hardware("tpu-v5p", 459e12, 95 * GB, 6 * 90 * GB, 6.25 * GB, ("tpu v5p", "tpu v5")),
-    Hardware("tpu-v6e", 918e12, 32 * GB, 4 * 90 * GB, 6.25 * GB, ("tpu v6 lite", "tpu v6e")),
+    Hardware("tpu-v4", 275e12, 32 * GB, 6 * 45 * GB, 6.25 * GB, ("tpu v4",), 1.2 * TB),
+    Hardware("tpu-v5e", 197e12, 16 * GB, 4 * 45 * GB, 6.25 * GB, ("tpu v5 lite", "tpu v5e"), 0.819 * TB),
+    Hardware("tpu-v5p", 459e12, 95 * GB, 6 * 90 * GB, 6.25 * GB, ("tpu v5p", "tpu v5"), 2.765 * TB),
+    Hardware("tpu-v6e", 918e12, 32 * GB, 4 * 90 * GB, 6.25 * GB, ("tpu v6 lite", "tpu v6e"), 1.64 * TB),
 ):
     register_hardware(_hw)
 

@@ -7,7 +7,6 @@ its trace note (``plan.note("pipeline", ...)``) and the leaves' specs; nothing i
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from .. import _pipeline_schedules as sched
 
@@ -85,59 +84,58 @@ def pipelined_uses(pipe: dict, layers: int) -> float:
     return pipeline_ticks(pipe) * layers / (p * v) / pm
 
 
-def pipeline_traffic(col, counts, pipe, tied, comp, piped, act_elems, *, wire, bg, n_data,
-                     batch, step_m) -> int:
-    """Pipeline collectives, as ``sk.pipeline`` issues them (and XLA partitions them);
-    ``piped`` marks the leaves that are stage weights, ``tied`` the tables that are looked up
-    and multiplied with (an embedding that is also the head).
+def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied: float,
+                     act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
+    """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and
+    ``counts`` by role: the one formula set both estimators use, fed by a ``ModelShape``
+    (``formulas.estimate``) or by a real step's leaf sums (``fromstep``).
+
+    Args:
+        pipe: the pipeline's note (stages, microbatches, repeats, schedule; ``data_axes``:
+            the data axes the shard_map made manual — absent means manual).
+        stage, rest: elements of one device's stage weights and of the other parameters.
+        tied: elements of a table that is looked up before the pipeline and is also its
+            head (reduced apart from the head's part).
+        act_mb: bytes of one pipeline microbatch's activations crossing a stage boundary.
+        has_dx: the pipeline's input is differentiable (it came from an embedding).
+        wire: bytes per element of the weights on the wire; bg: of gradients.
+        n_data: devices along the data axes; step_m: the step's own microbatches.
 
     * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
       its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
       GPipe/circular also move the last stage's m outputs and their cotangent once.
     * ``pipe-relayout``: circular (v > 1) reorders the weights stage-major (forward) and the
-      gradients back (backward).
+      gradients back (backward): XLA swaps halves with one all-to-all for p = 2, and adds a
+      permute for p > 2.
     * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
       m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
-      input's). The input is taken as differentiable when the batch holds integer tokens
-      (it then came from an embedding).
+      input's).
     * ``grad-reduce`` over the data axes: ``sk.pipeline`` makes the data axes manual and
       reduces the stage weights' gradient once per pipeline call, after the loop, like the
-      params outside the stacks (1F1B: the loss params, in the same psum). A tied embedding
-      (integer-token batch, no separate head) is reduced twice: the input's cotangent leaves
-      the pipeline data-sharded and its lookup gradient is reduced apart from the head's.
-      When the data axes
-      stayed compiler-managed (the trace note's ``data_axes`` is empty: a pipeline with
-      ``rng``), XLA reduces it where it is produced instead — every tick of the transposed scan
-      (GPipe/circular, ticks × a layer group), every backward op of 1F1B (m × the stage) —
-      and 1F1B's loss params m times on the last stage (m/p per device).
-
-    Returns the microbatch count to time the step with (the pipeline's).
+      params outside the stacks (1F1B: the loss params, in the same psum); a tied table twice.
+      When the data axes stayed compiler-managed (a pipeline with ``rng``), XLA reduces where
+      the gradient is produced instead — every tick of the transposed scan (GPipe/circular,
+      ticks × a layer group), every backward op of 1F1B (m × the stage) — and 1F1B's loss
+      params m times on the last stage (m/p per device).
     """
     p, pm, v, sched_ = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1), pipe["schedule"]
     ticks = pipeline_ticks(pipe)
-    act_mb = act_elems / pm * 4  # the pipelines carry f32 activations (see models/transformer)
-    stage = sum(c for c, s in zip(comp, piped) if s)  # one stage's layer weights (elements)
-    rest = sum(c for c, s in zip(comp, piped) if not s)
     col["pipe-permute"] = 2 * ticks * act_mb * step_m
     counts["pipe-permute"] = 2 * ticks * step_m
-    has_dx = any(np.issubdtype(np.dtype(x.dtype), np.integer) for x in jax.tree.leaves(batch))
     if sched_ != "1f1b":
         col["pipe-permute"] += 2 * pm * act_mb * step_m
         counts["pipe-permute"] += 2 * step_m
         if v > 1:
-            # The stage-major weight order (device s holds groups s, s+p, ...) is a relayout of
-            # the contiguous layer sharding, forward (weights) and backward (gradients): XLA
-            # swaps halves with one all-to-all for p = 2, and adds a permute for p > 2.
-            col["pipe-relayout"] = 2 * stage * wire * (1 if p == 2 else 2) * step_m
-            counts["pipe-relayout"] = 2 * (1 if p == 2 else 2) * step_m
+            hops = 1 if p == 2 else 2
+            col["pipe-relayout"] = 2 * stage * wire * hops * step_m
+            counts["pipe-relayout"] = 2 * hops * step_m
         col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
     else:
         col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
     counts["pipe-reduce"] = step_m
     if n_data > 1:
         if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
-            embed = sum(c for c, t, s in zip(comp, tied, piped) if t and not s)
-            col["grad-reduce"] = (stage + rest + embed) * bg * step_m
+            col["grad-reduce"] = (stage + rest + tied) * bg * step_m
             counts["grad-reduce"] = 2 * step_m
         elif sched_ == "1f1b":
             col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
@@ -145,4 +143,3 @@ def pipeline_traffic(col, counts, pipe, tied, comp, piped, act_elems, *, wire, b
         else:
             col["grad-reduce"] = (ticks * stage / v + rest) * bg * step_m
             counts["grad-reduce"] = (ticks + 1) * step_m
-    return pm

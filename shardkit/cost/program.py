@@ -267,6 +267,7 @@ class _Reader:
                 sub_peak = max(sub_peak, pk)
             if subs:
                 inner_peak[i] = inner_peak.get(i, 0.0) + sub_peak
+
             # Materialised or fused?
             outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
             materialise = name not in _FUSIBLE or any(
@@ -305,6 +306,7 @@ class _Reader:
         for v, b in size.items():
             delta[born[v]] += b
             delta[last.get(v, born[v]) + 1] -= b
+
         live = np.cumsum(delta)[:end + 1]
         peak = 0.0
         for i in range(end + 1):

@@ -218,6 +218,9 @@ def run_child(module: bytes, request: dict, *, timeout: float) -> dict:
     """Runs ``python -m shardkit.cost.simulated`` on a serialized module and returns its JSON."""
     n = math.prod(s for _, s in request["mesh"])
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
+    # The child imports this very shardkit, installed or not (e.g. a script's sys.path insert).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     # The parent's device-count flag would fight the child's.
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if not f.startswith("--xla_force_host_platform_device_count"))

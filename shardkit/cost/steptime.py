@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 from . import hardware as hw_lib
 
 if TYPE_CHECKING:
-    from .shapes import Layout
+    from .shapes import Layout, ModelShape
 
 # Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
 # ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
 LINKS: dict[str, tuple[int, float, float]] = {
     "h100": (8, 5e-6, 1.5e-5), "h200": (8, 5e-6, 1.5e-5), "a100": (8, 5e-6, 1.5e-5),
+    "h100-a3": (8, 5e-6, 1.5e-5),
     "tpu-v4": (4096, 2e-6, 5e-5), "tpu-v5e": (256, 2e-6, 5e-5), "tpu-v5p": (8960, 2e-6, 5e-5),
     "tpu-v6e": (256, 2e-6, 5e-5),
 }
@@ -95,6 +96,60 @@ def efficiency_for(hw: hw_lib.Hardware) -> Efficiency:
     return EFFICIENCY.get(hw.name.lower(), Efficiency())
 
 
+def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, global_batch: int,
+                      flash: bool = True, gated: bool = True, dropout: bool = False) -> float:
+    """Seconds per step per device of a transformer's non-matmul kernels (norms, residual adds,
+    the MLP's activation, dropout, an unfused attention's softmax, the loss over the vocabulary),
+    which run at the memory's speed, not the tensor cores': the roofline's memory-bound side
+    (Williams et al. 2009, "Roofline"), the share of a transformer's runtime Ivanov et al. 2021
+    ("Data Movement Is All You Need", MLSys) measure at ~40% for BERT-large although it is
+    ~0.2% of the flops. It falls as 1/d_model against the matmuls, which is why per-GPU
+    throughput rises with model size (Megatron-LM's weak-scaling tables).
+
+    Bytes per token and layer in one forward pass, 16-bit activations, counted per kernel as
+    reads + writes of the tensors Korthikanti et al. 2022 (arXiv:2205.05198, sec. 4) list: two
+    norms 8h, two residual adds 12h, two dropout masks 2h (``dropout``); the MLP activation 4·d_ff
+    (GELU: read, write) or 6·d_ff (``gated``: SwiGLU reads two inputs); an unfused attention's
+    score tensors 13·a·s (QKᵀ written, scale-mask-softmax read + written, dropout read + written
+    + mask, read by the AV matmul), none under ``flash`` (FlashAttention keeps them on chip,
+    Dao et al. 2022). Tensor parallelism splits the MLP and attention terms by t; the norms,
+    residuals and masks are replicated unless ``layout.sequence_parallel``. Backward reads each
+    saved input and the incoming gradient and writes the outgoing one (2x forward), recompute
+    (``remat`` "full" or "dots") runs the forward kernels again: 3 or 4 forward passes in all.
+    The loss reads and writes f32 logits ~4 times (16·V/t bytes per token, vocabulary-parallel),
+    spread over the pipeline stages like the head's flops. Pass the result to
+    ``times(..., memory_seconds=)``, or fold it into ``estimate(..., efficiency=)`` as
+    compute/(compute + memory).
+
+    Args:
+        ms: the model (``d_model``, ``heads``, ``d_ff``, ``vocab``, ``seq``, ``layers``).
+        layout: the layout.
+        hw: the hardware (needs ``hbm_bandwidth``).
+        global_batch: sequences per step.
+        flash: attention scores never reach memory (FlashAttention-style kernel).
+        gated: the MLP is gated (SwiGLU: two inputs to the activation).
+        dropout: dropout on the residual branches and attention probabilities.
+
+    Raises:
+        ValueError: ``hw`` has no ``hbm_bandwidth``, or ``ms`` has no ``d_model``.
+    """
+    if hw.hbm_bandwidth <= 0:
+        raise ValueError(f"hardware {hw.name!r} has no hbm_bandwidth; register it with "
+                         "Hardware(..., hbm_bandwidth=bytes_per_s)")
+    if not ms.d_model or not ms.layers:
+        raise ValueError(f"model {ms.name!r} has no d_model/layers: the memory-bound term needs a "
+                         "transformer's widths")
+    lo = layout
+    h, t, s = ms.d_model, lo.tensor, ms.seq
+    replicated = (20 + (2 if dropout else 0)) * h
+    split = (6 if gated else 4) * ms.d_ff + (0 if flash else 13 * max(ms.heads, 1) * s)
+    per_layer = replicated / (t if lo.sequence_parallel else 1) + split / t
+    passes = 4 if lo.remat in ("full", "dots") else 3
+    tokens = global_batch * s / (lo.data * lo.fsdp)  # each replica's tokens, seen by every stage
+    per_token = passes * per_layer * ms.layers / lo.pipe + 16 * ms.vocab / t / lo.pipe
+    return tokens * per_token / hw.hbm_bandwidth
+
+
 def collective_time(kind: str, nbytes: float, group: int, bandwidth: float, latency: float) -> float:
     """Seconds for one device's share of a ring collective (scaling book, "Sharded Matrices").
 
@@ -133,9 +188,40 @@ def _link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[f
     return min(hw.intra_node_bw, k * hw.inter_node_bw), inter_lat, group
 
 
+def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, ...], float], ...]]:
+    """Per role, the collectives it runs: (kind, mesh axes, share of the role's bytes).
+
+    Data axes follow what each one shards. ``fsdp`` always shards weights (and so gradients and
+    optimizer state); ``data`` joins it from ZeRO-1 (optimizer state), ZeRO-2 (gradients) and
+    ZeRO-3 (weights). Weights are gathered over the axes that shard them: both under ZeRO-3,
+    ``fsdp`` alone below it (``data`` replicas hold whole fsdp shards), ``data`` for ZeRO-1/2's
+    one gather of the updated weights. Gradients are reduce-scattered over the axes that shard
+    them and all-reduced over the rest: with ``fsdp`` > 1, ``data`` > 1 and ZeRO < 3 that is a
+    reduce-scatter over ``fsdp`` of the whole gradient, then a reduction over ``data`` of the
+    1/fsdp shard (all-reduce below ZeRO-2), as hybrid sharding runs it (Zhao et al. 2023,
+    "PyTorch FSDP", arXiv:2304.11277; Rajbhandari et al. 2020). Tensor-parallel reductions are
+    all-reduces, or reduce-scatters under sequence parallelism, whose all-gathers are
+    ``tensor-gather`` (Korthikanti et al. 2022, sec. 4.2.2).
+    """
+    lo = layout
+    both = tuple(a for a in ("data", "fsdp") if getattr(lo, a) > 1)
+    if lo.fsdp > 1 and lo.data > 1 and lo.zero < 3:
+        grad = (("reduce-scatter", ("fsdp",), 1.0),
+                ("all-reduce" if lo.zero < 2 else "reduce-scatter", ("data",), 1.0 / lo.fsdp))
+    else:
+        grad = (("all-reduce" if lo.zero < 2 and lo.fsdp == 1 else "reduce-scatter", both, 1.0),)
+    gather_axes = both if lo.zero == 3 else ("fsdp",) if lo.fsdp > 1 else ("data",)
+    return {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
+            "tensor-reduce": (("reduce-scatter" if lo.sequence_parallel else "all-reduce", ("tensor",), 1.0),),
+            "tensor-gather": (("all-gather", ("tensor",), 1.0),),
+            "pipe-permute": (("permute", ("pipe",), 1.0),),
+            "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
+            "pipe-relayout": (("all-to-all", ("pipe",), 1.0),)}
+
+
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,
           hw: hw_lib.Hardware, layout: Layout, efficiency: float = 1.0,
-          model: Efficiency | None = None) -> dict[str, float]:
+          model: Efficiency | None = None, memory_seconds: float = 0.0) -> dict[str, float]:
     """Step time: compute at the achievable matmul efficiency, plus what communication and the
     pipeline bubble add on top (``Efficiency``).
 
@@ -145,26 +231,24 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     compute lasts. Tensor-parallel collectives show for ``exposed_tensor`` and sit inside each
     pipeline stage, so the bubble stretches them with the compute: the bubble adds (p − 1)/(v·m)
     of the stage time (Narayanan et al. 2021, the bubble/ideal form). Pipeline permutes and
-    psums show for ``exposed_pipe``. ``efficiency`` scales the matmul efficiency further.
+    psums show for ``exposed_pipe``. ``efficiency`` scales the matmul efficiency further;
+    ``memory_seconds`` (``memory_bound_time``) adds the non-matmul kernels' time to compute.
+    Which collective each role is, over which axes, follows ``_collective_stages``.
     Time parts: ``compute``, one per role (full collective time), ``bubble``, ``exposed``
     (communication time on the critical path), ``step``.
     """
     eff = model or efficiency_for(hw)
-    data_axes = tuple(a for a in ("data", "fsdp") if getattr(layout, a) > 1)
-    t = {"compute": flops / (hw.peak_flops * eff.matmul * efficiency)}
-    spec = {"grad-reduce": ("all-reduce" if layout.zero < 2 and layout.fsdp == 1 else "reduce-scatter", data_axes),
-            "param-gather": ("all-gather", data_axes), "tensor-reduce": ("all-reduce", ("tensor",)),
-            "tensor-gather": ("all-gather", ("tensor",)), "pipe-permute": ("permute", ("pipe",)),
-            "pipe-reduce": ("all-reduce", ("pipe",)), "pipe-relayout": ("all-to-all", ("pipe",))}
-    for role, (kind, axes) in spec.items():
+    t = {"compute": flops / (hw.peak_flops * eff.matmul * efficiency) + memory_seconds}
+    for role, stages in _collective_stages(layout).items():
         nbytes, n = collectives.get(role, 0.0), max(counts.get(role, 1.0), 1.0)
-        if not axes or nbytes <= 0:
-            t[role] = 0.0
-            continue
-        bw, lat, group = _link(hw, layout, axes)
-        if kind == "permute":
-            group = 2
-        t[role] = n * (collective_time(kind, nbytes / n, group, bw, lat) + eff.latency)
+        t[role] = 0.0
+        for kind, axes, share in stages:
+            if nbytes <= 0 or math.prod(getattr(layout, a) for a in axes) <= 1:
+                continue
+            bw, lat, group = _link(hw, layout, axes)
+            if kind == "permute":
+                group = 2
+            t[role] += n * (collective_time(kind, nbytes * share / n, group, bw, lat) + eff.latency)
     p, v, m = layout.pipe, layout.repeats, layout.microbatches
     bubble = (p - 1) / (v * m) if p > 1 else 0.0
     tensor = eff.exposed_tensor * (t["tensor-reduce"] + t["tensor-gather"])
