@@ -7,8 +7,11 @@ Columns: XLA's per-device peak (arguments + outputs − aliased + temporaries), 
 analytic estimate of the same peak (modelled) and their ratio, the executed collective bytes
 per role, and the wall time (export in this process, compile in the child, total).
 
-    python bench/simulate.py [--size 1b] [--layouts fsdp=32,tensor=8:3 data=32,tensor=8:1]
-                             [--batch 256] [--seq 2048]
+    python bench/simulate.py [--size 1b] [--batch 256] [--seq 2048]
+                             [--layouts fsdp=32,tensor=8:3 data=32,tensor=8:1 data=8,pipe=4,tensor=8:1:1f1b]
+
+A layout is ``MESH:ZERO[:SCHEDULE]``; with a ``pipe`` axis the recipe runs ``sk.pipeline``
+with 2 × stages microbatches and that schedule (default gpipe).
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ import shardkit as sk  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1b", help="transformer size (models/transformer/config.py SIZES)")
-    ap.add_argument("--layouts", nargs="+", default=["fsdp=32,tensor=8:3", "data=32,tensor=8:1"],
-                    help="MESH:ZERO, e.g. fsdp=32,tensor=8:3")
+    ap.add_argument("--layouts", nargs="+",
+                    default=["fsdp=32,tensor=8:3", "data=32,tensor=8:1", "data=8,pipe=4,tensor=8:1:1f1b"],
+                    help="MESH:ZERO[:SCHEDULE], e.g. fsdp=32,tensor=8:3")
     ap.add_argument("--batch", type=int, default=256, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the size's)")
     ap.add_argument("--precision", default="bf16")
@@ -43,7 +47,7 @@ def main() -> None:
 
     from models.transformer.config import SIZES
     from models.transformer.layouts import make_plan
-    from models.transformer.model import Transformer, flops_per_token, loss_fn
+    from models.transformer.model import PipelineSpec, Transformer, flops_per_token, loss_fn
 
     cfg = SIZES[a.size] if a.seq is None else SIZES[a.size].replace(seq=a.seq)
     batch = {k: jax.ShapeDtypeStruct((a.batch, cfg.seq), np.int32) for k in ("inputs", "targets")}
@@ -55,21 +59,26 @@ def main() -> None:
         t.add_column(c, justify="left" if c == "mesh" else "right")
     rows = []
     for spec in a.layouts:
-        mesh_spec, _, zero = spec.partition(":")
+        parts = spec.split(":")
+        mesh_spec, zero, schedule = parts[0], (parts[1:2] or ["0"])[0], (parts[2:3] or ["gpipe"])[0]
         mesh = sk.cost.abstract_mesh(mesh_spec)
-        plan = make_plan(mesh, cfg, zero=int(zero or 0), precision=a.precision)
-        step = sk.train_step(plan, optax.adamw(3e-4), clip_norm=1.0)(lambda m, b: loss_fn(m, b))
+        stages = mesh.shape.get("pipe", 1)
+        pipe = PipelineSpec(2 * stages, schedule, 2 if schedule == "circular" else 1) if stages > 1 else None
+        # As the recipe's train.py: 1F1B keeps the vocabulary whole beside data and tensor axes.
+        vocab_parallel = not (pipe and schedule == "1f1b" and mesh.shape.get("tensor", 1) > 1)
+        plan = make_plan(mesh, cfg, zero=int(zero), precision=a.precision, vocab_parallel=vocab_parallel)
+        step = sk.train_step(plan, optax.adamw(3e-4), clip_norm=1.0)(lambda m, b, pipe=pipe: loss_fn(m, b, pipe))
         state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         t0 = time.perf_counter()
         r = sk.cost.simulate(step, state, batch, mesh, flops_per_token=flops_per_token(cfg))
         wall = time.perf_counter() - t0
         export_s, compile_s = r.seconds["export"], r.seconds["compile"]
         m, est, roles = r.memory, r.estimate or {}, r.roles()
-        row = {"mesh": mesh_spec, "zero": plan.zero, "devices": mesh.size, "memory": m,
+        row = {"mesh": mesh_spec, "zero": plan.zero, "schedule": schedule if pipe else "", "devices": mesh.size, "memory": m,
                "estimate_peak": est.get("memory/peak"), "roles": roles, "export_s": export_s,
                "compile_s": compile_s, "total_s": wall}
         rows.append(row)
-        t.add_row(mesh_spec, str(plan.zero), str(mesh.size), f"{m['peak'] / gib:.2f}",
+        t.add_row(mesh_spec + (f" {schedule}" if pipe else ""), str(plan.zero), str(mesh.size), f"{m['peak'] / gib:.2f}",
                   f"{m['arguments'] / gib:.2f}", f"{m['temporaries'] / gib:.2f}",
                   f"{est['memory/peak'] / gib:.2f}" if est else "-",
                   f"{est['memory/peak'] / m['peak']:.2f}" if est else "-",
