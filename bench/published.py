@@ -31,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shardkit import cost  # noqa: E402
+from shardkit.cost import steptime  # noqa: E402
 
 SOURCES = {
     "megatron21": "Narayanan et al. 2021 (arXiv:2104.04473), Table 1; configs from the authors' "
@@ -80,9 +81,12 @@ class Run:
         zero: ZeRO stage whose traffic the framework's optimizer has (Megatron's distributed
             optimizer reduce-scatters gradients and gathers parameters: 2).
         sequence_parallel: Megatron sequence parallelism.
-        flash: the attention kernel skips masked blocks (executed attention flops halved).
+        flash: a FlashAttention-style kernel: skips masked blocks (executed attention flops
+            halved) and keeps the scores on chip.
+        dropout: dropout on residual branches and attention probabilities (Megatron's GPT, 0.1).
         value, unit: the published figure: ``"tflops/gpu"``, ``"tokens/s/gpu"`` or ``"s/step"``.
-        fit: for a calibration row, whether the refit uses it (``note`` says why not).
+        fit: for a calibration row, whether the refit uses it (``note``/``PIPELINE_NOTE`` say
+            why not); ignored on validation rows.
         note: assumptions and mapping choices.
     """
 
@@ -113,6 +117,7 @@ class Run:
     flash: bool
     value: float
     unit: str
+    dropout: bool = False
     fit: bool = True
     note: str = ""
 
@@ -129,7 +134,7 @@ class Run:
 def _megatron21(key, h, l, a, t, p, gpus, batch, mbs, v, tflops, role="validation"):
     return Run(f"megatron21-{key}", "megatron21", role, "a100", "gpt", h, l, a, a, 4 * h, 51200,
                2048, True, 2048, batch, t, p, gpus // (t * p), 1, mbs, v, "full", 0, False, False,
-               tflops, "tflops/gpu",
+               tflops, "tflops/gpu", dropout=True, fit=p == 1,
                note="fp16, full recompute (--recompute-method uniform), interleaved 1F1B with "
                     f"{l // p // v if p > 1 else l} layers per virtual stage" if v > 1 else
                     "fp16, full recompute (--recompute-method uniform)" + (", 1F1B" if p > 1 else ""))
@@ -139,7 +144,7 @@ def _korthikanti(key, h, l, a, p, gpus, batch, mbs, v, seconds, selective):
     mode = "seqsel" if selective else "full"
     return Run(f"korthikanti22-{key}-{mode}", "korthikanti22", "validation", "a100", "gpt", h, l,
                a, a, 4 * h, 51200, 2048, True, 2048, batch, 8, p, gpus // (8 * p), 1, mbs, v,
-               "selective" if selective else "full", 0, selective, False, seconds, "s/step",
+               "selective" if selective else "full", 0, selective, False, seconds, "s/step", dropout=True,
                note="sequence parallelism + selective recompute (attention core recomputed: "
                     "~2-3% flops, not modelled)" if selective else "full recompute, no SP")
 
@@ -152,6 +157,14 @@ def _mcore24(key, a, h, l, t, p, gpus, batch, tflops):
                note="distributed optimizer, overlapped DP/TP comms; microbatch, interleaving and "
                     "recompute not published (assumed 1, none, none)"
                     + ("; pipelined: not fitted (microbatches and chunks unknown)" if p > 1 else ""))
+
+
+PIPELINE_NOTE = (
+    "Pipelined calibration rows are not fitted: the formulas count sk.pipeline's pipeline traffic "
+    "(f32 activations, every tensor rank sending the whole activation, the m outputs psummed "
+    "over the pipe axis), 10-60x the bytes Megatron sends (16-bit activations scattered over the "
+    "tensor ranks, Narayanan et al. 2021 sec. 4.1; the loss on the last stage); fitting the "
+    "matmul efficiency to them would absorb that traffic into it.")
 
 
 def _maxtext(nodes, tflops):
@@ -183,6 +196,8 @@ RUNS: tuple[Run, ...] = (
     _megatron21("145.6b", 12288, 80, 96, 8, 8, 1536, 2304, 2, 2, 148),
     _megatron21("310.1b", 16384, 96, 128, 8, 16, 1920, 2160, 1, 2, 155),
     _megatron21("529.6b", 20480, 105, 128, 8, 35, 2520, 2520, 1, 3, 163),
+    # The A100 constant was set from this row (52% of peak); pipelined, so not refitted (see
+    # ``PIPELINE_NOTE``).
     _megatron21("1t", 25600, 128, 160, 8, 64, 3072, 3072, 1, 1, 163, role="calibration"),
     # Korthikanti et al. 2022, A100 80 GB (Selene), s = 2048, V = 51,200: full recompute, then
     # sequence parallelism + selective recompute.
@@ -308,63 +323,178 @@ def in_source_unit(run: Run, seconds: float) -> float:
     return source_flops(run) / (run.devices * seconds) / 1e12
 
 
-def evaluate(run: Run, **estimate_kw) -> dict:
-    """The estimate of one run next to its published figure."""
-    est = cost.estimate(model(run), layout(run), run.hardware, global_batch=run.global_batch,
-                        precision="bf16", **estimate_kw)
+def memory_seconds(run: Run, **estimate_kw) -> float:
+    """``steptime.memory_bound_time`` of the run: its non-matmul kernels at HBM speed."""
+    return steptime.memory_bound_time(model(run), layout(run), cost.hardware.lookup(run.hardware),
+                                      global_batch=run.global_batch, flash=run.flash,
+                                      gated=run.arch == "llama", dropout=run.dropout)
+
+
+def evaluate(run: Run, memory: bool = True, **estimate_kw) -> dict:
+    """The estimate of one run next to its published figure. ``memory`` adds the non-matmul
+    kernels' time (``memory_seconds``) to compute, through ``estimate``'s ``efficiency`` (the
+    factor compute/(compute + memory) is the same time as ``times(..., memory_seconds=)``)."""
+    kw = dict(global_batch=run.global_batch, precision="bf16", **estimate_kw)
+    ms, lo = model(run), layout(run)
+    est = cost.estimate(ms, lo, run.hardware, **kw)
+    extra = memory_seconds(run) if memory else 0.0
+    if extra:
+        compute = est.time["compute"]
+        est = cost.estimate(ms, lo, run.hardware, efficiency=compute / (compute + extra), **kw)
     published = published_seconds(run)
     t = est.time
-    return {"key": run.key, "role": run.role, "fit": run.fit, "source": run.source,
-            "hardware": run.hardware, "devices": run.devices, "layout": str(layout(run)),
-            "unit": run.unit, "published": run.value,
+    return {"key": run.key, "role": run.role, "fit": run.fit and run.role == "calibration",
+            "source": run.source,
+            "hardware": run.hardware, "devices": run.devices, "layout": str(lo),
+            "pipelined": run.pipe > 1, "unit": run.unit, "published": run.value,
             "estimated": in_source_unit(run, est.step_time),
             "error": published / est.step_time - 1.0,
-            "published_s": published, "estimated_s": est.step_time,
+            "published_s": published, "estimated_s": est.step_time, "memory_s": extra,
             "compute_s": t["compute"], "bubble_s": t["bubble"], "exposed_s": t["exposed"],
             "pipe_s": sum(t[k] for k in ("pipe-permute", "pipe-reduce", "pipe-relayout")),
             "note": run.note}
 
 
-def summary(rows: list[dict]) -> dict:
-    """Mean and max |error| and the bias (mean error) of a set of rows."""
-    errs = [r["error"] for r in rows]
+def megatron_p2p_seconds(run: Run, estimated: dict) -> float:
+    """Diagnostic, not the model: the step time if the pipeline sent what Megatron sends instead
+    of what the formulas count for ``sk.pipeline``. Per microbatch and model chunk, one
+    activation forward and one gradient backward across each stage boundary, 16-bit, scattered
+    over the t tensor ranks (Narayanan et al. 2021, sec. 4.1 "scatter/gather"; interleaving sends
+    v times as many, sec. 2.2.2), over the inter-node links (every pipe boundary here crosses
+    nodes). Pipeline traffic enters ``steptime.times``'s step linearly (``exposed_pipe`` of it),
+    so it is swapped in place."""
+    if run.pipe == 1:
+        return estimated["estimated_s"]
+    hw = cost.hardware.lookup(run.hardware)
+    eff = cost.efficiency_for(hw)
+    messages = 2 * run.virtual * run.microbatches
+    nbytes = run.microbatch * run.seq * run.d_model * 2 / run.tensor
+    node, _, inter_latency = steptime.links(hw)
+    if run.data * run.fsdp * run.tensor < node:
+        raise ValueError(f"{run.key}: the diagnostic assumes pipe neighbours on different nodes")
+    p2p = messages * (steptime.collective_time("permute", nbytes, 2, hw.inter_node_bw, inter_latency)
+                      + eff.latency)
+    return estimated["estimated_s"] + eff.exposed_pipe * (p2p - estimated["pipe_s"])
+
+
+def fit_matmul(hardware: str, runs=RUNS, lo: float = 0.2, hi: float = 1.0) -> tuple[float, int]:
+    """The ``Efficiency.matmul`` of ``hardware`` that minimises the mean squared log error of
+    step time over its calibration rows marked ``fit`` (the memory-bound term on), and how many
+    rows there were. Golden-section search: the error is monotone in the constant per row, so
+    the squared log error is unimodal."""
+    rows = [r for r in runs if r.role == "calibration" and r.fit and r.hardware == hardware]
+    if not rows:
+        raise ValueError(f"no calibration rows to fit for {hardware!r}")
+    base = cost.EFFICIENCY[hardware]
+
+    def loss(x: float) -> float:
+        m = dataclasses.replace(base, matmul=x)
+        return sum(math.log1p(evaluate(r, model_efficiency=m)["error"]) ** 2 for r in rows)
+
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    for _ in range(60):
+        c, d = b - g * (b - a), a + g * (b - a)
+        if loss(c) < loss(d):
+            b = d
+        else:
+            a = c
+    return (a + b) / 2, len(rows)
+
+
+def summary(rows: list[dict], key: str = "error") -> dict:
+    """Mean and max |error|, the bias (mean error) and the count within ±15% of a set of rows."""
+    errs = [r[key] for r in rows]
+    if not errs:
+        return {"n": 0}
     return {"n": len(errs), "mean_abs": sum(map(abs, errs)) / len(errs),
             "max_abs": max(map(abs, errs)), "bias": sum(errs) / len(errs),
             "within_15pct": sum(abs(e) <= 0.15 for e in errs)}
 
 
+def results(runs=RUNS) -> dict:
+    """Every row evaluated (memory-bound term on), with the two comparisons beside it: the
+    estimate without the memory-bound term (what ``sk.cost.estimate`` gives by default today)
+    and the Megatron-p2p diagnostic; and the summaries per role and subset."""
+    bad = {r.key: check(r) for r in runs if check(r)}
+    if bad:
+        raise ValueError(f"inconsistent rows: {bad}")
+    rows = []
+    for run in runs:
+        row = evaluate(run)
+        row["error_default"] = evaluate(run, memory=False)["error"]
+        row["error_p2p"] = row["published_s"] / megatron_p2p_seconds(run, row) - 1.0
+        rows.append(row)
+    out = {"rows": rows, "summary": {}}
+    for role in ("calibration", "validation"):
+        sel = [r for r in rows if r["role"] == role]
+        out["summary"][role] = {
+            "all": summary(sel), "default": summary(sel, "error_default"),
+            "unpipelined": summary([r for r in sel if not r["pipelined"]]),
+            "pipelined": summary([r for r in sel if r["pipelined"]]),
+            "pipelined_p2p": summary([r for r in sel if r["pipelined"]], "error_p2p"),
+            "fitted": summary([r for r in sel if r["fit"]]) if role == "calibration" else None}
+    return out
+
+
+def config(run: Run) -> str:
+    """The published configuration in a few characters: degrees, pipeline schedule, recompute."""
+    axes = " ".join(f"{n}{getattr(run, a)}" for n, a in (("t", "tensor"), ("p", "pipe"), ("d", "data"),
+                                                          ("fsdp", "fsdp")) if getattr(run, a) > 1)
+    pipe = (f" 1F1B{f' v{run.virtual}' if run.virtual > 1 else ''} m{run.microbatches}"
+            if run.pipe > 1 else "")
+    return f"{axes or 'd1'}{pipe} {run.recompute}{' sp' if run.sequence_parallel else ''}"
+
+
+def _line(name: str, s: dict) -> str:
+    if not s or not s.get("n"):
+        return f"  {name}: -"
+    return (f"  {name}: n={s['n']}  mean |error| {s['mean_abs']:.1%}  max |error| {s['max_abs']:.1%}"
+            f"  bias {s['bias']:+.1%}  within ±15%: {s['within_15pct']}/{s['n']}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "published.json"))
+    p.add_argument("--fit", action="store_true",
+                   help="refit each chip's Efficiency.matmul on its calibration rows marked fit")
     args = p.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 
-    bad = {r.key: check(r) for r in RUNS if check(r)}
-    if bad:
-        raise ValueError(f"inconsistent rows: {bad}")
-    rows = [evaluate(r) for r in RUNS]
-    console = Console(width=160)
-    out = {"sources": SOURCES, "conventions": CONVENTIONS, "rows": rows}
+    console = Console(width=200)
+    out = results()
+    out.update(sources=SOURCES, conventions=CONVENTIONS, pipeline_note=PIPELINE_NOTE)
     for role in ("calibration", "validation"):
-        sel = [r for r in rows if r["role"] == role]
-        table = Table(title=f"{role} ({len(sel)} runs): estimated vs published")
-        for c in ("run", "hw", "GPUs", "layout", "unit", "published", "estimated", "error",
-                  "compute s", "bubble s", "exposed s"):
-            table.add_column(c, justify="left" if c in ("run", "hw", "layout", "unit") else "right")
+        sel = [r for r in out["rows"] if r["role"] == role]
+        table = Table(title=f"{role} ({len(sel)} runs): sk.cost.estimate + memory_bound_time vs published")
+        for c in ("run", "hw", "GPUs", "config", "unit", "published", "estimated", "error",
+                  "no mem. term", "mem/compute", "pipe/step", "Megatron p2p (diag.)"):
+            table.add_column(c, justify="left" if c in ("run", "hw", "config", "unit") else "right")
+        runs = {r.key: r for r in RUNS}
         for r in sel:
-            fmt = "{:.2f}" if r["unit"] == "s/step" else "{:,.0f}" if r["unit"] == "tokens/s/gpu" else "{:.1f}"
-            table.add_row(r["key"] + ("" if r["fit"] or role == "validation" else " *"), r["hardware"],
-                          str(r["devices"]), r["layout"], r["unit"], fmt.format(r["published"]),
-                          fmt.format(r["estimated"]), f"{r['error']:+.1%}", f"{r['compute_s']:.3g}",
-                          f"{r['bubble_s']:.3g}", f"{r['exposed_s']:.3g}")
+            fmt = ("{:.2f}" if r["unit"] == "s/step" else "{:,.0f}" if r["unit"] == "tokens/s/gpu"
+                   else "{:.1f}")
+            mark = "" if role == "validation" else " (fit)" if r["fit"] else " *"
+            table.add_row(r["key"] + mark, r["hardware"], str(r["devices"]), config(runs[r["key"]]), r["unit"],
+                          fmt.format(r["published"]), fmt.format(r["estimated"]), f"{r['error']:+.1%}",
+                          f"{r['error_default']:+.1%}", f"{r['memory_s'] / r['compute_s']:.0%}",
+                          f"{r['pipe_s'] / r['estimated_s']:.0%}",
+                          f"{r['error_p2p']:+.1%}" if r["pipelined"] else "")
         console.print(table)
-        s = summary(sel)
-        out[role] = s
-        console.print(f"{role}: n={s['n']}  mean |error| {s['mean_abs']:.1%}  max |error| "
-                      f"{s['max_abs']:.1%}  bias {s['bias']:+.1%}  within ±15%: "
-                      f"{s['within_15pct']}/{s['n']}")
-    console.print("* calibration rows shown but not fitted (see their note)")
+        s = out["summary"][role]
+        console.print(f"{role}:")
+        for name in ("all", "default", "unpipelined", "pipelined", "pipelined_p2p", "fitted"):
+            if s.get(name):
+                console.print(_line(name, s[name]))
+    console.print("* calibration rows shown, not fitted (see their note). error = estimated/published"
+                  " throughput - 1; 'no mem. term' = sk.cost.estimate alone; 'Megatron p2p' = the "
+                  "pipeline sending what Megatron sends (a diagnostic, not the model)")
+    if args.fit:
+        for chip in sorted({r.hardware for r in RUNS if r.role == "calibration" and r.fit}):
+            value, n = fit_matmul(chip)
+            console.print(f"refit {chip}: matmul {value:.3f} on {n} calibration rows "
+                          f"(steptime.EFFICIENCY has {cost.EFFICIENCY[chip].matmul:.3f})")
     path = pathlib.Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

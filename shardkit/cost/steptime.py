@@ -1,9 +1,11 @@
 """Step time of a layout: collective times over the links a mesh axis spans, and the
-achievable-efficiency model (matmul efficiency below peak, exposed communication, latency)
-that turns flops and collective bytes into seconds. ``formulas.estimate`` and ``fromstep`` call ``times``.
+achievable-efficiency model (matmul efficiency below peak, exposed communication, latency,
+memory-bound kernels) that turns flops and collective bytes into seconds. ``formulas.estimate``
+and ``fromstep`` call ``times``.
 
 Sources: ring collective times and link regimes from the JAX scaling book ("How to Scale Your
-Model"); the efficiency figures from the published MFUs in FORMULAS.md.
+Model"); the efficiency constants from published runs (``Efficiency``), checked against other
+published runs by ``bench/published.py``.
 """
 
 from __future__ import annotations
@@ -42,17 +44,23 @@ class Efficiency:
     """How far below the roofline a real training step runs on one kind of accelerator.
 
     A pure roofline (every matmul at dense peak, data-axis traffic fully hidden) predicts
-    100% MFU for compute-bound layouts; published runs reach 41-48% (Megatron-LM on H100 at
-    scale), 33-39% (torchtitan, Llama-3.1-8B on 8 H100s, bf16), 46.2% (PaLM, TPU v4) and
-    64-70% (MaxText, TPU v5p) — FORMULAS.md. The gap has three parts, each a number here:
+    100% MFU for compute-bound layouts; published runs reach 41-48% (Megatron-LM's H100
+    weak-scaling table, 2024), 33-39% (torchtitan, Llama-3.1-8B on 8 H100s, bf16), 52% (Megatron,
+    1T parameters on 3072 A100s, Narayanan et al. 2021), 46.2% (PaLM, TPU v4, Chowdhery et al.
+    2022) and 64-70% (MaxText, TPU v5p). The gap has these parts, each a number here (and the
+    non-matmul kernels' memory traffic, ``memory_bound_time``):
 
     Attributes:
-        matmul: fraction of dense peak the step's compute reaches with no communication at
-            all (large bf16 GEMMs reach ~0.7 of peak on H100; layer norms, softmax, optimizer
-            and other memory-bound kernels pull a whole step lower). It is the MFU ceiling:
-            set from the best published end-to-end MFU on that chip plus a margin (MaxText's
-            70% on v5p bounds TPUs from below; on H100 no published run passes ~50%, and
-            ~0.62 leaves room for the communication and bubble the model adds explicitly).
+        matmul: fraction of dense peak the step's matmuls reach with no communication at all.
+            H100: 0.52, fitted (``python bench/published.py --fit``, least squares in log step
+            time) on the unpipelined rows of Megatron-LM's H100 table (1.7B-32B, fully
+            specified, with ``memory_bound_time``); its pipelined rows and torchtitan's
+            (power-capped H100s of unknown peak) are shown beside it, not fitted. A100: 0.60,
+            set from the 1T run's 52% of peak plus a margin; that run is pipelined, and the
+            formulas count ``sk.pipeline``'s pipeline traffic, not Megatron's, so it is not
+            refitted. TPUs: set from PaLM's and MaxText's MFUs plus a margin, not checked.
+            On published runs the constants never saw, unpipelined ones land 9% off on
+            average with the memory-bound term (``bench/published.py``, BENCHMARKS.md).
         exposed_data: fraction of data-axis collective time (gradient reduction, ZeRO/FSDP
             gathers) left on the critical path although XLA's latency-hiding scheduler
             overlaps it with compute: the last layer's reduction and the first gather have
@@ -67,7 +75,7 @@ class Efficiency:
             launch, NCCL/ICI setup).
     """
 
-    matmul: float = 0.62
+    matmul: float = 0.52
     exposed_data: float = 0.15
     exposed_tensor: float = 0.7
     exposed_pipe: float = 1.0
@@ -76,9 +84,10 @@ class Efficiency:
 
 ROOFLINE = Efficiency(matmul=1.0, exposed_data=0.0, exposed_tensor=1.0, exposed_pipe=1.0, latency=0.0)
 EFFICIENCY: dict[str, Efficiency] = {
-    "h100": Efficiency(0.62, 0.15, 0.7, 1.0, 2e-5),
-    "h200": Efficiency(0.64, 0.15, 0.7, 1.0, 2e-5),  # same compute, faster HBM
-    "a100": Efficiency(0.60, 0.15, 0.7, 1.0, 2e-5),  # Megatron: 52% at 1T params on 3072 A100s
+    "h100": Efficiency(0.52, 0.15, 0.7, 1.0, 2e-5),  # fitted on Megatron-LM's H100 table
+    "h100-a3": Efficiency(0.52, 0.15, 0.7, 1.0, 2e-5),
+    "h200": Efficiency(0.52, 0.15, 0.7, 1.0, 2e-5),  # H100's compute; its faster HBM is memory_bound_time's
+    "a100": Efficiency(0.60, 0.15, 0.7, 1.0, 2e-5),  # Megatron: 52% of peak, 1T params, 3072 A100s
     "tpu-v4": Efficiency(0.65, 0.10, 0.5, 1.0, 1e-5),  # PaLM 46.2% at 6144 chips
     "tpu-v5e": Efficiency(0.65, 0.10, 0.5, 1.0, 1e-5),
     "tpu-v5p": Efficiency(0.75, 0.10, 0.5, 1.0, 1e-5),  # MaxText 64-70% end to end
