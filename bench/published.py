@@ -94,6 +94,8 @@ class Run:
     source: str
     role: str
     hardware: str
+    gpus: int
+    params_b: float
     arch: str
     d_model: int
     layers: int
@@ -102,8 +104,6 @@ class Run:
     d_ff: int
     vocab: int
     seq: int
-    tie: bool
-    positions: int
     global_batch: int
     tensor: int
     pipe: int
@@ -112,12 +112,15 @@ class Run:
     microbatch: int
     virtual: int
     recompute: str
-    zero: int
-    sequence_parallel: bool
-    flash: bool
     value: float
     unit: str
+    tie: bool = False
+    positions: int = 0
+    zero: int = 0
+    sequence_parallel: bool = False
+    flash: bool = False
     dropout: bool = False
+    aggregate_pflops: float = 0.0
     fit: bool = True
     note: str = ""
 
@@ -131,29 +134,32 @@ class Run:
         return self.global_batch // (self.data * self.fsdp * self.microbatch)
 
 
-def _megatron21(key, h, l, a, t, p, gpus, batch, mbs, v, tflops, role="validation"):
-    return Run(f"megatron21-{key}", "megatron21", role, "a100", "gpt", h, l, a, a, 4 * h, 51200,
-               2048, True, 2048, batch, t, p, gpus // (t * p), 1, mbs, v, "full", 0, False, False,
-               tflops, "tflops/gpu", dropout=True, fit=p == 1,
-               note="fp16, full recompute (--recompute-method uniform), interleaved 1F1B with "
-                    f"{l // p // v if p > 1 else l} layers per virtual stage" if v > 1 else
-                    "fp16, full recompute (--recompute-method uniform)" + (", 1F1B" if p > 1 else ""))
+def _megatron21(key, params_b, h, l, a, t, p, gpus, batch, mbs, v, tflops, pflops,
+                role="validation"):
+    # Megatron's GPT: GELU MLP of 4h, learned positions, tied embedding, dropout 0.1; fp16.
+    chunks = f", interleaved 1F1B, {l // p // v} layers per virtual stage" if v > 1 else (
+        ", 1F1B" if p > 1 else "")
+    return Run(f"megatron21-{key}", "megatron21", role, "a100", gpus, params_b, "gpt", h, l, a, a,
+               4 * h, 51200, 2048, batch, t, p, gpus // (t * p), 1, mbs, v, "full", tflops,
+               "tflops/gpu", tie=True, positions=2048, dropout=True, aggregate_pflops=pflops,
+               fit=p == 1, note=f"fp16, full recompute (--recompute-method uniform){chunks}")
 
 
-def _korthikanti(key, h, l, a, p, gpus, batch, mbs, v, seconds, selective):
+def _korthikanti(key, params_b, h, l, a, p, gpus, batch, mbs, v, seconds, selective):
     mode = "seqsel" if selective else "full"
-    return Run(f"korthikanti22-{key}-{mode}", "korthikanti22", "validation", "a100", "gpt", h, l,
-               a, a, 4 * h, 51200, 2048, True, 2048, batch, 8, p, gpus // (8 * p), 1, mbs, v,
-               "selective" if selective else "full", 0, selective, False, seconds, "s/step", dropout=True,
+    return Run(f"korthikanti22-{key}-{mode}", "korthikanti22", "validation", "a100", gpus,
+               params_b, "gpt", h, l, a, a, 4 * h, 51200, 2048, batch, 8, p, gpus // (8 * p), 1,
+               mbs, v, "selective" if selective else "full", seconds, "s/step", tie=True,
+               positions=2048, sequence_parallel=selective, dropout=True,
                note="sequence parallelism + selective recompute (attention core recomputed: "
                     "~2-3% flops, not modelled)" if selective else "full recompute, no SP")
 
 
-def _mcore24(key, a, h, l, t, p, gpus, batch, tflops):
-    d = gpus // (t * p)
-    return Run(f"mcore24-{key}", "mcore24", "calibration", "h100", "gpt", h, l, a, a, 4 * h, 131072,
-               4096, False, 0, batch, t, p, d, 1, 1, 1, "none", 2, t > 1, True, tflops,
-               "tflops/gpu", fit=p == 1,
+def _mcore24(key, params_b, a, h, l, t, p, d, gpus, batch, tflops, pflops):
+    # Untied embedding (the published sizes count two V x h tables), flash attention (TE).
+    return Run(f"mcore24-{key}", "mcore24", "calibration", "h100", gpus, params_b, "gpt", h, l, a,
+               a, 4 * h, 131072, 4096, batch, t, p, d, 1, 1, 1, "none", tflops, "tflops/gpu",
+               zero=2, sequence_parallel=t > 1, flash=True, aggregate_pflops=pflops, fit=p == 1,
                note="distributed optimizer, overlapped DP/TP comms; microbatch, interleaving and "
                     "recompute not published (assumed 1, none, none)"
                     + ("; pipelined: not fitted (microbatches and chunks unknown)" if p > 1 else ""))
@@ -168,55 +174,59 @@ PIPELINE_NOTE = (
 
 
 def _maxtext(nodes, tflops):
-    return Run(f"maxtext24-llama2-7b-{nodes}node", "maxtext24", "validation", "h100-a3", "llama",
-               4096, 32, 32, 32, 11008, 32000, 4096, False, 0, 4 * 8 * nodes, 1, 1, nodes, 8, 4,
-               1, "none", 0, False, True, tflops, "tflops/gpu",
+    return Run(f"maxtext24-llama2-7b-{nodes}node", "maxtext24", "validation", "h100-a3", 8 * nodes,
+               6.74, "llama", 4096, 32, 32, 32, 11008, 32000, 4096, 4 * 8 * nodes, 1, 1, nodes, 8,
+               4, 1, "none", tflops, "tflops/gpu", flash=True,
                note="ici_fsdp=8, dcn_data=nodes, per_device_batch 4, remat minimal_flash (saves "
                     "the matmuls), cudnn flash attention; A3 High VMs (GPUDirect-TCPX)")
 
 
 def _torchtitan(gpus, tps, compiled):
     return Run(f"torchtitan24-llama3.1-8b-{gpus}gpu-{'compile' if compiled else 'eager'}",
-               "torchtitan24", "calibration", "h100", "llama", 4096, 32, 32, 8, 14336, 128256, 8192,
-               False, 0, 2 * gpus, 1, 1, 1, gpus, 2, 1, "op-sac", 3, False, True, tps,
-               "tokens/s/gpu", fit=False,
+               "torchtitan24", "calibration", "h100", gpus, 8.03, "llama", 4096, 32, 32, 8, 14336,
+               128256, 8192, 2 * gpus, 1, 1, 1, gpus, 2, 1, "op-sac", tps, "tokens/s/gpu", zero=3,
+               flash=True, fit=False,
                note="FSDP2, local batch 2, selective (per-op) checkpointing; H100 96 GB HBM2e at "
                     "500 W whose peak lies between the SXM and NVL figures (the source): shown, "
                     "not fitted against the 989 TFLOP/s SXM peak")
 
 
 RUNS: tuple[Run, ...] = (
-    # Narayanan et al. 2021, Table 1 (A100 80 GB, Selene: 8 GPUs per node, 8 x 200 Gb/s HDR IB).
-    _megatron21("1.7b", 2304, 24, 24, 1, 1, 32, 512, 16, 1, 137),
-    _megatron21("3.6b", 3072, 30, 32, 2, 1, 64, 512, 16, 1, 138),
-    _megatron21("7.5b", 4096, 36, 32, 4, 1, 128, 512, 16, 1, 142),
-    _megatron21("18.4b", 6144, 40, 48, 8, 1, 256, 1024, 8, 1, 135),
-    _megatron21("39.1b", 8192, 48, 64, 8, 2, 512, 1536, 4, 1, 138),
-    _megatron21("76.1b", 10240, 60, 80, 8, 4, 1024, 1792, 2, 3, 140),
-    _megatron21("145.6b", 12288, 80, 96, 8, 8, 1536, 2304, 2, 2, 148),
-    _megatron21("310.1b", 16384, 96, 128, 8, 16, 1920, 2160, 1, 2, 155),
-    _megatron21("529.6b", 20480, 105, 128, 8, 35, 2520, 2520, 1, 3, 163),
+    # Narayanan et al. 2021, Table 1 (A100 80 GB, Selene: 8 GPUs per node, 8 x 200 Gb/s HDR IB):
+    # size, hidden, layers, heads, TP, PP, GPUs, batch, microbatch and chunks (the artifact),
+    # TFLOP/s per GPU, aggregate PFLOP/s.
+    _megatron21("1.7b", 1.7, 2304, 24, 24, 1, 1, 32, 512, 16, 1, 137, 4.4),
+    _megatron21("3.6b", 3.6, 3072, 30, 32, 2, 1, 64, 512, 16, 1, 138, 8.8),
+    _megatron21("7.5b", 7.5, 4096, 36, 32, 4, 1, 128, 512, 16, 1, 142, 18.2),
+    _megatron21("18.4b", 18.4, 6144, 40, 48, 8, 1, 256, 1024, 8, 1, 135, 34.6),
+    _megatron21("39.1b", 39.1, 8192, 48, 64, 8, 2, 512, 1536, 4, 1, 138, 70.8),
+    _megatron21("76.1b", 76.1, 10240, 60, 80, 8, 4, 1024, 1792, 2, 3, 140, 143.8),
+    _megatron21("145.6b", 145.6, 12288, 80, 96, 8, 8, 1536, 2304, 2, 2, 148, 227.1),
+    _megatron21("310.1b", 310.1, 16384, 96, 128, 8, 16, 1920, 2160, 1, 2, 155, 297.4),
+    _megatron21("529.6b", 529.6, 20480, 105, 128, 8, 35, 2520, 2520, 1, 3, 163, 410.2),
     # The A100 constant was set from this row (52% of peak); pipelined, so not refitted (see
     # ``PIPELINE_NOTE``).
-    _megatron21("1t", 25600, 128, 160, 8, 64, 3072, 3072, 1, 1, 163, role="calibration"),
-    # Korthikanti et al. 2022, A100 80 GB (Selene), s = 2048, V = 51,200: full recompute, then
-    # sequence parallelism + selective recompute.
-    *(_korthikanti(k, h, l, a, p, g, b, mb, v, times[sel], sel) for sel in (False, True)
-      for k, h, l, a, p, g, b, mb, v, times in (
-          ("22b", 6144, 48, 64, 1, 8, 4, 4, 1, (1.42, 1.10)),
-          ("175b", 12288, 96, 96, 8, 64, 64, 1, 3, (18.13, 13.75)),
-          ("530b", 20480, 105, 128, 35, 280, 280, 1, 3, (49.05, 37.83)),
-          ("1t", 25600, 128, 160, 64, 512, 512, 1, 1, (94.42, 71.49)))),
-    # Megatron-Core on H100 (2024), V = 131,072, s = 4096, data-parallel size 48.
-    _mcore24("1.7b", 16, 2048, 24, 1, 1, 48, 192, 408.8),
-    _mcore24("7.1b", 32, 4096, 30, 2, 1, 96, 192, 465.9),
-    _mcore24("16b", 48, 6144, 32, 4, 1, 192, 192, 489.1),
-    _mcore24("32b", 56, 7168, 48, 8, 1, 384, 192, 459.6),
-    _mcore24("70b", 64, 8192, 84, 8, 2, 768, 384, 419.7),
-    _mcore24("119b", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
-    _mcore24("177b", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
-    _mcore24("314b", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
-    _mcore24("462b", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+    _megatron21("1t", 1008.0, 25600, 128, 160, 8, 64, 3072, 3072, 1, 1, 163, 502.0,
+                role="calibration"),
+    # Korthikanti et al. 2022, A100 80 GB (Selene), s = 2048, V = 51,200, TP 8: full recompute,
+    # then sequence parallelism + selective recompute.
+    *(_korthikanti(k, n, h, l, a, p, g, b, mb, v, times[sel], sel) for sel in (False, True)
+      for k, n, h, l, a, p, g, b, mb, v, times in (
+          ("22b", 22.0, 6144, 48, 64, 1, 8, 4, 4, 1, (1.42, 1.10)),
+          ("175b", 175.0, 12288, 96, 96, 8, 64, 64, 1, 3, (18.13, 13.75)),
+          ("530b", 530.0, 20480, 105, 128, 35, 280, 280, 1, 3, (49.05, 37.83)),
+          ("1t", 1000.0, 25600, 128, 160, 64, 512, 512, 1, 1, (94.42, 71.49)))),
+    # Megatron-Core on H100 (2024), V = 131,072, s = 4096: size, heads, hidden, layers, TP, PP,
+    # DP, GPUs, batch, TFLOP/s per GPU, aggregate PFLOP/s.
+    _mcore24("1.7b", 1.7, 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 19.6),
+    _mcore24("7.1b", 7.1, 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 44.7),
+    _mcore24("16b", 16, 48, 6144, 32, 4, 1, 48, 192, 192, 489.1, 93.9),
+    _mcore24("32b", 32, 56, 7168, 48, 8, 1, 48, 384, 192, 459.6, 176.5),
+    _mcore24("70b", 70, 64, 8192, 84, 8, 2, 48, 768, 384, 419.7, 322.3),
+    _mcore24("119b", 119, 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5, 645.9),
+    _mcore24("177b", 177, 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8, 997.2),
+    _mcore24("314b", 314, 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4, 1457.4),
+    _mcore24("462b", 462, 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 2825.6),
     # torchtitan, Llama 3.1 8B, bf16 rows only (Float8 rows use another peak).
     _torchtitan(8, 5762, False), _torchtitan(8, 6667, True),
     _torchtitan(128, 5605, False), _torchtitan(128, 6514, True),
@@ -242,6 +252,13 @@ def check(run: Run) -> list[str]:
                    f"pipe ({run.pipe})")
     if run.heads % run.tensor:
         bad.append(f"heads {run.heads} over tensor {run.tensor}")
+    if run.devices != run.gpus:
+        bad.append(f"TP x PP x DP x FSDP = {run.devices} != {run.gpus} GPUs")
+    if abs(model(run).params / 1e9 / run.params_b - 1) > 0.03:
+        bad.append(f"{model(run).params / 1e9:.1f}B parameters from the dims, published "
+                   f"{run.params_b}B")
+    if run.aggregate_pflops and abs(run.value * run.gpus / 1e3 / run.aggregate_pflops - 1) > 0.01:
+        bad.append(f"{run.value} TFLOP/s x {run.gpus} GPUs != {run.aggregate_pflops} PFLOP/s")
     if run.source not in SOURCES or run.hardware not in cost.hardware.HARDWARE:
         bad.append(f"source {run.source!r} / hardware {run.hardware!r}")
     return bad
