@@ -168,8 +168,8 @@ def _mcore24(key, params_b, a, h, l, t, p, d, gpus, batch, tflops, pflops):
 PIPELINE_NOTE = (
     "Pipelined calibration rows are not fitted: the formulas count sk.pipeline's pipeline traffic "
     "(f32 activations, every tensor rank sending the whole activation, the m outputs psummed "
-    "over the pipe axis), 10-60x the bytes Megatron sends (16-bit activations scattered over the "
-    "tensor ranks, Narayanan et al. 2021 sec. 4.1; the loss on the last stage); fitting the "
+    "over the pipe axis), 30-60x the time of Megatron's sends here (16-bit activations scattered "
+    "over the tensor ranks, Narayanan et al. 2021 sec. 4.1; the loss on the last stage); fitting the "
     "matmul efficiency to them would absorb that traffic into it.")
 
 

@@ -1,0 +1,159 @@
+"""The step-time model against published runs (``bench/published.py``): the table's
+configurations are consistent, the calibration rows give back the constants ``steptime`` holds,
+and the validation error is the one BENCHMARKS.md reports (so neither drifts silently). Also the
+two ``steptime`` mechanisms the comparison rests on: ``memory_bound_time`` and the collectives
+each data/tensor axis runs.
+"""
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+import sys
+
+import pytest
+
+from shardkit import cost
+from shardkit.cost import steptime
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_published", ROOT / "bench" / "published.py")
+published = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = published  # dataclasses resolve annotations through sys.modules
+_spec.loader.exec_module(published)
+
+# Calibration rows the refit uses must each land within this of their published throughput
+# (the spread of Megatron-LM's H100 table around one matmul efficiency: +24% at 1.7B, -16% at 32B).
+CALIBRATION_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def results():
+    return published.results()
+
+
+def test_every_row_is_consistent():
+    keys = [r.key for r in published.RUNS]
+    assert len(keys) == len(set(keys))
+    for run in published.RUNS:
+        assert published.check(run) == [], run.key  # TP x PP x DP = GPUs, batch splits, sizes, ...
+        assert run.global_batch % (run.data * run.fsdp * run.microbatch) == 0
+        assert run.devices == run.gpus
+    roles = {r.role for r in published.RUNS}
+    assert roles == {"calibration", "validation"}
+    val = [r for r in published.RUNS if r.role == "validation"]
+    assert len(val) >= 6 and len({r.hardware for r in val}) >= 2
+
+
+def test_check_reports_a_bad_row():
+    good = published.RUNS[0]
+    bad = dataclasses.replace(good, gpus=good.gpus + 8, global_batch=good.global_batch + 1)
+    problems = published.check(bad)
+    assert any("GPUs" in p for p in problems) and any("global batch" in p for p in problems)
+
+
+def test_published_figures_convert_both_ways():
+    for run in published.RUNS:
+        seconds = published.published_seconds(run)
+        assert seconds > 0
+        assert published.in_source_unit(run, seconds) == pytest.approx(run.value, rel=1e-9)
+    # Narayanan et al. 2021: 1T at 163 TFLOP/s on 3072 A100s, 96·B·s·l·h²(1 + s/6h + V/16lh).
+    one_t = next(r for r in published.RUNS if r.key == "megatron21-1t")
+    B, s, l, h, V = 3072, 2048, 128, 25600, 51200
+    flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert published.published_seconds(one_t) == pytest.approx(flops / (3072 * 163e12))
+
+
+def test_megatron_model_flops_follow_narayanan():
+    """Megatron's GPT built by hand: 72·l·h²(1 + s/6h + V/12lh) per token (no recompute)."""
+    run = next(r for r in published.RUNS if r.key == "megatron21-145.6b")
+    ms = published.model(run)
+    h, l, s, V = 12288, 80, 2048, 51200
+    assert ms.flops_per_token == pytest.approx(72 * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
+    layout = published.layout(run)
+    assert (layout.tensor, layout.pipe, layout.data, layout.remat) == (8, 8, 24, "full")
+    assert (layout.schedule, layout.repeats, layout.microbatches) == ("circular", 2, 48)
+
+
+def test_calibration_gives_back_the_constants():
+    chips = {r.hardware for r in published.RUNS if r.role == "calibration" and r.fit}
+    assert chips == {"h100"}
+    value, n = published.fit_matmul("h100")
+    assert n == 4
+    assert value == pytest.approx(cost.EFFICIENCY["h100"].matmul, abs=0.01)
+    with pytest.raises(ValueError, match="no calibration rows"):
+        published.fit_matmul("a100")
+
+
+def test_fitted_calibration_rows_within_tolerance(results):
+    fitted = [r for r in results["rows"] if r["role"] == "calibration" and r["fit"]]
+    assert fitted
+    for r in fitted:
+        assert abs(r["error"]) <= CALIBRATION_TOLERANCE, (r["key"], r["error"])
+
+
+def _doc_numbers():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    section = text[text.index("## Step time vs published runs"):]
+    found = {}
+    for name in ("Validation", "Unpipelined", "Pipelined", "Without the memory-bound term"):
+        m = re.search(re.escape(name) + r" \((\d+) runs\): mean \|error\| ([\d.]+)%, max ([\d.]+)%",
+                      section)
+        assert m, f"BENCHMARKS.md's section lacks the '{name} (N runs): mean |error| X%, max Y%' line"
+        found[name] = (int(m.group(1)), float(m.group(2)) / 100, float(m.group(3)) / 100)
+    return found
+
+
+def test_validation_error_is_what_benchmarks_md_says(results):
+    doc = _doc_numbers()
+    val = results["summary"]["validation"]
+    for name, s in (("Validation", val["all"]), ("Unpipelined", val["unpipelined"]),
+                    ("Pipelined", val["pipelined"]), ("Without the memory-bound term", val["default"])):
+        n, mean_abs, max_abs = doc[name]
+        assert n == s["n"], name
+        assert mean_abs == pytest.approx(s["mean_abs"], abs=0.006), name
+        assert max_abs == pytest.approx(s["max_abs"], abs=0.006), name
+
+
+def test_memory_bound_time_scales_as_its_byte_count():
+    h100 = cost.hardware.lookup("h100")
+    ms = cost.model_shape("7b")
+    lo = cost.Layout(data=8)
+    one = steptime.memory_bound_time(ms, lo, h100, global_batch=8)
+    assert steptime.memory_bound_time(ms, lo, h100, global_batch=16) == pytest.approx(2 * one)
+    # Per token: 3 passes x (20h + 6·d_ff) per layer + 16·V for the loss, at HBM speed.
+    per_token = 3 * (20 * ms.d_model + 6 * ms.d_ff) * ms.layers + 16 * ms.vocab
+    assert one == pytest.approx(ms.seq * per_token / h100.hbm_bandwidth)
+    unfused = steptime.memory_bound_time(ms, lo, h100, global_batch=8, flash=False)
+    assert unfused - one == pytest.approx(ms.seq * 3 * 13 * ms.heads * ms.seq * ms.layers / h100.hbm_bandwidth)
+    full = steptime.memory_bound_time(ms, cost.Layout(data=8, remat="full"), h100, global_batch=8)
+    assert full > one
+    tp = steptime.memory_bound_time(ms, cost.Layout(data=1, tensor=8), h100, global_batch=8)
+    sp = steptime.memory_bound_time(ms, cost.Layout(data=1, tensor=8, sequence_parallel=True), h100,
+                                    global_batch=8)
+    assert sp < tp < 8 * one  # TP splits the MLP/attention terms; SP the replicated ones too
+    with pytest.raises(ValueError, match="hbm_bandwidth"):
+        steptime.memory_bound_time(ms, lo, cost.hardware.Hardware("x", 1e12, 1e9, 1e9, 1e8),
+                                   global_batch=8)
+
+
+def test_collectives_follow_the_axes_that_shard():
+    """Hybrid sharding (fsdp in a node, data across nodes, ZeRO < 3): gradients are
+    reduce-scattered over fsdp, then their 1/fsdp shard all-reduced over data; weights are
+    gathered over fsdp only. Under sequence parallelism the TP reduction is a reduce-scatter."""
+    h100 = cost.hardware.lookup("h100")
+    eff = cost.efficiency_for(h100)
+    lo = cost.Layout(data=4, fsdp=8)
+    V = 8e9
+    t = cost.times({"grad-reduce": V, "param-gather": V}, {"grad-reduce": 1, "param-gather": 1},
+                   1e15, h100, lo)
+    node, intra, inter = steptime.links(h100)
+    rs = cost.collective_time("reduce-scatter", V, 8, h100.intra_node_bw, intra)
+    ar = cost.collective_time("all-reduce", V / 8, 4, h100.inter_node_bw, inter)
+    assert t["grad-reduce"] == pytest.approx(rs + ar + 2 * eff.latency)
+    ag = cost.collective_time("all-gather", V, 8, h100.intra_node_bw, intra)
+    assert t["param-gather"] == pytest.approx(ag + eff.latency)
+    sp = cost.Layout(tensor=8, sequence_parallel=True)
+    t_sp = cost.times({"tensor-reduce": V}, {"tensor-reduce": 1}, 1e15, h100, sp)
+    t_ar = cost.times({"tensor-reduce": V}, {"tensor-reduce": 1}, 1e15, h100, cost.Layout(tensor=8))
+    assert t_ar["tensor-reduce"] > 1.9 * t_sp["tensor-reduce"]
