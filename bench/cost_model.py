@@ -10,6 +10,8 @@ Writes bench/results/cost_model.json.
     python bench/cost_model.py            # everything (~3-4 min on 2 cores)
     python bench/cost_model.py --no-compile   # the search part only
     python bench/cost_model.py --robustness   # the transformer on two configs the tests do not use
+    python bench/cost_model.py --families     # model families the formulas were not written for
+                                              # (tests/families.py: MLP with a lookup, CNN, scanned GPT)
 """
 
 from __future__ import annotations
@@ -134,14 +136,29 @@ def robustness_cases():
                                  only=("pp_1f1b", "pp_gpipe", "pp_circular", "dp_pp_tp", "tp", "hybrid"))
 
 
-def compare(console: Console, robustness: bool = False) -> list[dict]:
+def family_cases():
+    """The families of ``tests/families.py`` on DP, ZeRO-1/2/3, TP and a 3-axis hybrid, at the
+    tests' sizes and at 8x their batch (activations then outweigh the weights)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import families as F
+
+    for rows in (None, 256):
+        for fam in F.FAMILIES:
+            for mesh, zero in F.LAYOUTS:
+                step, state, batch = F.build(fam, mesh, zero, rows=rows)
+                yield f"{fam} {mesh} zero={zero}" + (f" batch={rows}" if rows else ""), step.explain(state, batch)
+
+
+def compare(console: Console, robustness: bool = False, families: bool = False) -> list[dict]:
     rows = []
     t = Table(title="estimate / compiled, per device (8 simulated CPU devices)")
     t.add_column("layout")
     short = [q.split("/")[-1] for q in QUANTITIES]
     for s in short:
         t.add_column(s, justify="right")
-    for cases in ((robustness_cases(),) if robustness else (mlp_cases(), pipeline_cases(), transformer_cases())):
+    groups = ((robustness_cases(),) if robustness else (family_cases(),) if families
+              else (mlp_cases(), pipeline_cases(), transformer_cases()))
+    for cases in groups:
         for name, report in cases:
             got = {r["quantity"]: r for r in report.comparison()}
             row = {"layout": name}
@@ -188,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the compiled comparison")
     p.add_argument("--robustness", action="store_true",
                    help="only the comparison on two transformer configs the tests do not use")
+    p.add_argument("--families", action="store_true",
+                   help="only the comparison on model families the formulas were not written for")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_model.json"))
     a = p.parse_args(argv)
     console = Console(width=170)
@@ -195,6 +214,9 @@ def main(argv=None) -> int:
     if a.robustness:
         result["robustness"] = compare(console, robustness=True)
         a.out = a.out.replace(".json", "_robustness.json")
+    elif a.families:
+        result["families"] = compare(console, families=True)
+        a.out = a.out.replace(".json", "_families.json")
     else:
         if not a.no_compile:
             result["comparison"] = compare(console)

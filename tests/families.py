@@ -38,8 +38,14 @@ def mlp_params(d=128, h=512, vocab=256, blocks=4, seed=0):
     return p
 
 
+def _last(v, x):
+    """``v`` shaped to broadcast along the last axis of ``x`` (the tests forbid implicit rank
+    promotion)."""
+    return v.reshape((1,) * (x.ndim - 1) + (-1,))
+
+
 def _rms(x, scale):
-    return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+    return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * _last(scale, x)
 
 
 def mlp_loss(p, batch):
@@ -85,9 +91,11 @@ def cnn_loss(p, batch):
     convs = sorted(k for k in p if k.startswith("conv"))
     for i, name in enumerate(convs):
         c = p[name]
-        x = jax.nn.relu(_conv(x, c["w"], 2 if i == 1 else 1) + c["b"])
+        y = _conv(x, c["w"], 2 if i == 1 else 1)
+        x = jax.nn.relu(y + _last(c["b"], y))
     feats = jnp.mean(x, axis=(1, 2))
-    logits = feats @ p["head"]["w"] + p["head"]["b"]
+    logits = feats @ p["head"]["w"]
+    logits = logits + _last(p["head"]["b"], logits)
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][:, None], -1))
 
@@ -120,13 +128,13 @@ def gpt_params(d=64, heads=8, layers=3, vocab=128, seq=32, seed=0):
 def _ln(x, g):
     mu = jnp.mean(x, -1, keepdims=True)
     var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
-    return (x - mu) * lax.rsqrt(var + 1e-5) * g
+    return (x - mu) * lax.rsqrt(var + 1e-5) * _last(g, x)
 
 
 def gpt_loss(p, batch):
     tokens = batch["tokens"]
     T = tokens.shape[1]
-    x = jnp.take(p["embed"], tokens, axis=0) + p["pos"][:T]
+    x = jnp.take(p["embed"], tokens, axis=0) + p["pos"][None, :T]
     x = sk.constrain(x, ("batch", None, None))
     mask = jnp.tril(jnp.ones((T, T), bool))
 

@@ -246,7 +246,7 @@ class _Reader:
                 for s in src[:2]:
                     if s is not None:
                         self.matmul[s] = True
-            elif name in ("gather", "dynamic_slice") and src and src[0] is not None:
+            elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
             subs = _sub_jaxprs(e)
             sub_peak = 0.0
