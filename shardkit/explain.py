@@ -249,11 +249,11 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     of ``sk.cost.estimate_for_step`` beside them."""
     compiled = step.lower(state, batch).compile()
     plan = step.plan
-    grad_specs = step._specs("grads")
+    grad_specs = step.specs("grads")
     grads = jax.tree.map(
         lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.precision.grads, sharding=plan.sharding(s)),
         state.params, grad_specs)
-    placed, _ = step._place_batch(batch)
+    placed, _ = step.place_batch(batch)
     # Parameter and optimizer-state bytes as the compiled executable lays out its arguments.
     (state_sh, batch_sh), _ = compiled.input_shardings
     as_compiled = lambda tree, sh: jax.tree.map(  # noqa: E731

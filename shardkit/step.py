@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from . import _model
 from .plan import ParamLayout, Plan, collecting_notes
@@ -269,6 +269,41 @@ class TrainStep:
     def _require_init(self):
         if self._adapter is None:
             raise RuntimeError("call step.init(model_or_init_fn) first: the step learns the model's structure there")
+
+    # ---- what analysis reads (sk.cost, explain) ------------------------------------------------
+
+    @property
+    def layout(self) -> ParamLayout:
+        """Each parameter leaf's path, shape, resolved spec and ZeRO shard (after ``init``)."""
+        self._require_init()
+        return self._layout
+
+    def specs(self, kind: str):
+        """PartitionSpecs of the parameters as ``kind`` lays them out: ``"params"`` (stored),
+        ``"grads"`` (reduced gradients) or ``"update"`` (the optimizer's shard)."""
+        self._require_init()
+        if kind not in ("params", "grads", "update"):
+            raise ValueError(f"specs(kind={kind!r}): kind is 'params', 'grads' or 'update'")
+        return self._specs(kind)
+
+    def microbatch_loss(self, state: TrainState) -> Callable:
+        """``(params, microbatch) -> loss``: the loss exactly as the step differentiates it
+        (parameters in the gradient dtype, cast to compute; a fixed key when the loss takes
+        ``rng``), for tracing — e.g. ``jax.make_jaxpr`` of its gradient."""
+        self._require_init()
+        key = jax.random.key(0) if self._takes_rng else None
+        return lambda params, batch: self._loss(params, state.model_state, batch, key, None)[0]
+
+    def step_function(self) -> Callable:
+        """The un-jitted ``(state, batch) -> (state, metrics)`` the step compiles (to trace it
+        under other shardings, e.g. ``jax.export`` for a simulated mesh)."""
+        self._require_init()
+        return self._step
+
+    def place_batch(self, batch):
+        """``(batch on the plan's batch shardings, the shardings)``: host arrays put on the
+        devices (each host's slice under multi-host), arrays already there left as they are."""
+        return self._place_batch(batch)
 
     # ---- the compiled step ------------------------------------------------------------------
 

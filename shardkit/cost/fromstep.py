@@ -23,6 +23,16 @@ from .pipeline import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeli
                        pipeline_traffic, pipelined_uses)
 
 
+def _microbatch(step, state, batch):
+    """Abstract ``(one microbatch, parameters in the gradient dtype)``, as the step's loss
+    sees them."""
+    m, prec = step.microbatches, step.plan.precision
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]),
+                                                     np.float32 if np.dtype(x.dtype) == np.float64 else x.dtype)
+                      if getattr(x, "ndim", 0) else x, batch)
+    return mb, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, prec.grads), state.params)
+
+
 def _itemsize(dtype) -> int:
     return int(np.dtype(dtype).itemsize)
 
@@ -54,23 +64,12 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
     device's rows of it when data is manual): both are divided out.
 
     Returns (all residuals, those saved inside the pipeline)."""
-    try:
-        from jax._src.ad_checkpoint import saved_residuals
-    except ImportError:  # pragma: no cover - private API moved
-        return 0.0, 0.0
-    m = step.microbatches
-    prec = step.plan.precision
-    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]),
-                                                     np.float32 if np.dtype(x.dtype) == np.float64 else x.dtype)
-                      if getattr(x, "ndim", 0) else x, batch)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, prec.grads), state.params)
-    key = jax.random.key(0) if step._takes_rng else None
+    # jax's own residual report (private in jax 0.10: if it moves, this fails loudly).
+    from jax._src.ad_checkpoint import saved_residuals
 
-    def loss(p, b):
-        return step._loss(p, state.model_state, b, key, None)[0]
-
+    mb, params = _microbatch(step, state, batch)
     with step.plan.active():
-        res = saved_residuals(loss, params, mb)
+        res = saved_residuals(step.microbatch_loss(state), params, mb)
     b_mb = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else 0
     n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
@@ -105,8 +104,7 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
 
 
 def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per_token=None) -> Estimate:
-    step._require_init()
-    plan, lay = step.plan, step._layout
+    plan, lay = step.plan, step.layout
     mesh, sizes, prec, zero, m = plan.mesh, dict(plan.mesh.shape), plan.precision, plan.zero, step.microbatches
     bp, bc, bg = _itemsize(prec.params), _itemsize(prec.compute), _itemsize(prec.grads)
     # XLA:CPU runs 16-bit dots in f32, so the collectives beside them (TP all-reduces, ZeRO-3
@@ -376,12 +374,7 @@ def _hardware(hardware, mesh) -> hw_lib.Hardware:
 def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> ProgramReading:
     """``program.read_program`` on one microbatch of this step, with per-device sizes from the
     plan (see ``program``'s docstring for the rules)."""
-    m, prec = step.microbatches, step.plan.precision
-    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]),
-                                                     np.float32 if np.dtype(x.dtype) == np.float64 else x.dtype)
-                      if getattr(x, "ndim", 0) else x, batch)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, prec.grads), state.params)
-    key = jax.random.key(0) if step._takes_rng else None
+    mb, params = _microbatch(step, state, batch)
     rows = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else 0
     n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
@@ -395,9 +388,6 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
             return d, n_tensor
         return d, n_tensor_of(shape, rows, tensor_dims, sizes)
 
-    def loss(p, b):
-        return step._loss(p, state.model_state, b, key, None)[0]
-
     with step.plan.active():
-        return read_program(loss, params, mb, split_of=split_of, n_params=len(comp),
+        return read_program(step.microbatch_loss(state), params, mb, split_of=split_of, n_params=len(comp),
                             canonical_dots=_platform(step.plan.mesh) == "cpu")

@@ -6,7 +6,6 @@ its trace note (``plan.note("pipeline", ...)``) and the leaves' specs; nothing i
 
 from __future__ import annotations
 
-import jax
 
 from .. import _pipeline_schedules as sched
 

@@ -118,7 +118,7 @@ def _export(step, state, batch) -> jax.export.Exported:
     batch_leaves, batch_tree = jax.tree.flatten(batch)
 
     def flat(state_leaves, batch_leaves):
-        new_state, metrics = step._step(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
+        new_state, metrics = step.step_function()(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
         return jax.tree.leaves(new_state), jax.tree.leaves(metrics)
 
     fn = jax.jit(flat, in_shardings=([x.sharding for x in state_leaves], [x.sharding for x in batch_leaves]),
@@ -166,7 +166,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         ShardingError: the rules, batch or ZeRO stage do not fit the target mesh.
         SimulationError: the subprocess failed or timed out (with its stderr).
     """
-    step._require_init()
+    step.layout  # raises before init
     amesh = abstract_mesh(mesh, max_devices=max_devices)
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
     if microbatches is not None:
@@ -189,7 +189,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
     }
     out = run_child(exported.serialize(), request, timeout=timeout)
     grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.precision.grads, sharding=plan.sharding(s)),
-                         abs_state.params, sim._specs("grads"))
+                         abs_state.params, sim.specs("grads"))
     # In explain()'s order: the state's kinds, grads (bookkeeping), then the compiled figures.
     memory = {k: out["memory"].pop(k) for k in ("params", "opt_state", "model_state")}
     memory["grads"] = shard_bytes(grads)
