@@ -9,9 +9,12 @@ sequence, global batch, TP/PP/DP/FSDP, microbatch, schedule, recompute, hardware
 published figure in the source's own unit and flop-counting convention. The published figure is
 turned into seconds per step with that convention (``published_seconds``); the estimate's step
 time is turned back into the source's unit, and the error is estimated / published − 1 (positive:
-the model is too optimistic).
+the model is too optimistic). The estimate includes ``steptime.memory_bound_time`` (passed in
+through ``estimate(..., efficiency=)``); the tables also show ``sk.cost.estimate`` alone and, for
+pipelined runs, a diagnostic with the pipeline traffic Megatron sends (``megatron_p2p_seconds``).
 
-    python bench/published.py            # both tables, validation summary, JSON
+    python bench/published.py            # both tables, summaries, JSON (~2 s)
+    python bench/published.py --fit      # + refit Efficiency.matmul on the calibration rows
     python bench/published.py --json PATH
 
 Writes bench/results/published.json.
@@ -67,6 +70,8 @@ class Run:
         source: a key of ``SOURCES`` (paper/report and table).
         role: ``"calibration"`` (the current constants were set from it) or ``"validation"``.
         hardware: the ``sk.cost`` hardware entry it ran on.
+        gpus: GPUs as published (``check`` compares TP x PP x DP x FSDP with it).
+        params_b: model size as published, billions (``check`` compares the dims' count).
         arch: ``"gpt"`` (GELU MLP of 4h, 2 matrices; Megatron's GPT) or ``"llama"`` (SwiGLU, 3
             matrices, RoPE, RMS norm, grouped-query attention).
         d_model, layers, heads, kv_heads, d_ff, vocab, seq: model dims and sequence length.
@@ -85,6 +90,8 @@ class Run:
             halved) and keeps the scores on chip.
         dropout: dropout on residual branches and attention probabilities (Megatron's GPT, 0.1).
         value, unit: the published figure: ``"tflops/gpu"``, ``"tokens/s/gpu"`` or ``"s/step"``.
+        aggregate_pflops: the published whole-job PFLOP/s, where the table has it (a check on
+            the transcription of ``value`` and ``gpus``).
         fit: for a calibration row, whether the refit uses it (``note``/``PIPELINE_NOTE`` say
             why not); ignored on validation rows.
         note: assumptions and mapping choices.
