@@ -22,6 +22,11 @@ from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes,
                     resolve, spec_axes, validate)
 
 _DATA_LIKE = ("replica", "data", "fsdp")
+# A leaf ZeRO cannot shard is replicated without an error when it has fewer elements than this
+# per data device (so its replica costs a device no more than a shard of that size would):
+# Adafactor's placeholders, PRNG keys, a 10-class head's bias. Larger ones are errors under
+# Plan(strict=True).
+_SMALL_PER_DEVICE = 128
 STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
 _NOTES: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("shardkit_trace_notes", default=None)
@@ -52,16 +57,27 @@ class Plan:
     Attributes:
         mesh: the device mesh (``sk.make_mesh``).
         rules: ``PathRules`` or a list of ``(regex, spec)``; consulted first.
-        axis_rules: ``AxisRules`` or a dict mapping logical axis names (from Flax metadata and
-            ``sk.constrain``) to mesh axes. Mesh axis names map to themselves by default. A
-            standard axis (``STANDARD_AXES``) the mesh lacks is dropped, so one table serves
-            every layout; any other unknown axis is an error.
+        axis_rules: ``AxisRules``, a dict or ``(name, mesh axes)`` pairs mapping logical axis
+            names (from Flax metadata and ``sk.constrain``) to mesh axes; a name listed more
+            than once is an ordered list of fallbacks (see ``AxisRules``). Mesh axis names map
+            to themselves by default. A standard axis (``STANDARD_AXES``) the mesh lacks is
+            dropped, so one table serves every layout; any other unknown axis is an error.
         zero: 0 (data parallel), 1 (optimizer state sharded over the data axes), 2 (+ gradients
             reduce-scattered), 3 (+ parameters sharded, FSDP).
         precision: a preset name or ``sk.Precision``.
         batch_axes: mesh axes the batch's leading dimension is split over; default: the
             data-like axes (``replica``, ``data``, ``fsdp``) present in the mesh; ``()``
             replicates the batch. ZeRO shards state over these axes too.
+        strict: what happens to a leaf ZeRO should shard but cannot (no dimension divisible
+            by any data axis): every optimizer-state leaf from ZeRO-1 on (whatever its shape:
+            Adam moments, Adafactor's factored moments, preconditioners), and the parameters
+            themselves under ZeRO-3. With ``True`` (the default) all such leaves are listed in
+            one ``ShardingError`` before compiling; with ``False`` they are kept replicated
+            over the data axes and ``describe(params, opt_state=...)`` notes each. Scalars and
+            one-element leaves (step counts) are replicated by design, and leaves with fewer
+            than 128 elements per data device (a PRNG key, a 10-class head's bias) are
+            replicated with a note even under ``strict``: a replica costs each device less
+            than a 128-element shard. Gradients under ZeRO-2 follow the parameters' ZeRO shard.
     """
 
     mesh: Mesh
@@ -70,6 +86,7 @@ class Plan:
     zero: int = 0
     precision: Precision | str = "fp32"
     batch_axes: Sequence[str] | str | None = None
+    strict: bool = True
 
     def __post_init__(self):
         # An AbstractMesh (sizes and names, no devices) plans for a mesh that is not here (sk.cost.simulate).
@@ -96,16 +113,17 @@ class Plan:
         object.__setattr__(self, "precision", Precision.resolve(self.precision))
         object.__setattr__(self, "batch_axes", batch_axes)
         # One AxisRules table serves many meshes: a standard axis the mesh lacks is dropped
-        # (size 1); any other unknown name is a typo and an error.
-        mapping = {a: (a,) for a in names}
-        typos = []
-        for logical, axes in (axis_rules.mapping if axis_rules else {}).items():
-            typos += [f"{logical!r} -> {a!r}" for a in axes if a not in names and a not in STANDARD_AXES]
-            mapping[logical] = tuple(a for a in axes if a in names)
+        # (size 1) when specs are resolved; any other unknown name is a typo and an error.
+        entries = list(axis_rules.entries) if axis_rules else []
+        typos = [f"{logical!r} -> {a!r}" for logical, axes in entries for a in axes
+                 if a not in names and a not in STANDARD_AXES]
         if typos:
             raise ValueError(f"AxisRules map to mesh axes that are neither in the mesh {dict(self.mesh.shape)} "
                              f"nor standard axis names {STANDARD_AXES}: {', '.join(typos)}")
-        object.__setattr__(self, "_axis_table", AxisRules(mapping))
+        # Mesh axis names map to themselves unless the table says otherwise.
+        named = {logical for logical, _ in entries}
+        table = AxisRules([(a, (a,)) for a in names if a not in named] + entries)
+        object.__setattr__(self, "_axis_table", table)
 
     # ---- resolution -------------------------------------------------------------------------
 
@@ -118,32 +136,47 @@ class Plan:
     def batch_size_multiple(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
-    def _layout(self, tree, logical: dict, prefix: str = "", what: str = "parameter") -> ParamLayout:
+    def _layout(self, tree, logical: dict, prefix: str = "", what: str = "parameter",
+                check: bool = True) -> ParamLayout:
         paths, shapes, dtypes, treedef = leaf_info(tree)
         rule_paths = [prefix + p for p in paths]
         names = [logical.get(p) for p in rule_paths]
-        leaves = resolve(rule_paths, shapes, dtypes, names, self.rules, self._axis_table, what)
+        leaves = resolve(rule_paths, shapes, dtypes, names, self.rules, self._axis_table, what,
+                         dict(self.mesh.shape))
         validate(leaves, self.mesh, what)
-        zero, notes = zip(*[self._zero_spec(l) for l in leaves]) if leaves else ((), ())
-        leaves = [dataclasses.replace(l, note=n) for l, n in zip(leaves, notes)]
-        return ParamLayout(treedef, leaves, list(zero))
+        if what != "parameter":  # ZeRO shards parameters and their optimizer state only
+            return ParamLayout(treedef, leaves, [l.spec for l in leaves])
+        placed = [self._zero_spec(l.shape, l.spec) for l in leaves]
+        leaves = [dataclasses.replace(l, note=n) for l, (_, n, _) in zip(leaves, placed)]
+        if check and self.zero == 3:
+            self._refuse_replicated([(f"parameter {l.path}", l.shape, l.source)
+                                     for l, (_, _, bad) in zip(leaves, placed) if bad], "parameter")
+        return ParamLayout(treedef, leaves, [s for s, _, _ in placed])
 
-    def _zero_spec(self, leaf: LeafLayout) -> tuple[P, str]:
-        """Adds the unused data axes to the largest dimension they divide (ZeRO's shard)."""
-        used = set(spec_axes(leaf.spec))
-        free = tuple(a for a in self.data_axes if a not in used and self.mesh.shape[a] > 1)
-        if not free or not leaf.shape:
-            return leaf.spec, ""
-        entries = list(leaf.spec) + [None] * (len(leaf.shape) - len(leaf.spec))
+    def _free_data_axes(self, spec: P) -> tuple[str, ...]:
+        used = set(spec_axes(spec))
+        return tuple(a for a in self.data_axes if a not in used and self.mesh.shape[a] > 1)
+
+    def _zero_spec(self, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
+        """Adds the unused data axes to the largest dimension they divide (ZeRO's shard).
+
+        Returns ``(spec, note, refused)``: ``refused`` when the leaf is big enough that
+        replicating it over the data axes counts (``_replicable`` says when not) and no
+        dimension is divisible by any of them.
+        """
+        free = self._free_data_axes(spec)
+        if not free or not shape:
+            return spec, "", False
+        entries = list(spec) + [None] * (len(shape) - len(spec))
         sizes = dict(self.mesh.shape)
         # Try all free axes together, then each alone (largest first), on the largest dim.
         options = [free] + [(a,) for a in sorted(free, key=lambda a: -sizes[a])] if len(free) > 1 else [free]
-        dims = sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d])
+        dims = sorted(range(len(shape)), key=lambda d: -shape[d])
         for axes in options:
             n = math.prod(sizes[a] for a in axes)
             for d in dims:
                 cur = entry_axes(entries[d])
-                if leaf.shape[d] % (n * math.prod(sizes[a] for a in cur)) == 0:
+                if shape[d] % (n * math.prod(sizes[a] for a in cur)) == 0:
                     # After the dim's own axes: a ZeRO shard is then a slice of the device's
                     # tensor shard, where the gradient's reduce-scatter over data leaves it
                     # (data-major order would need collective-permutes to reorder the blocks).
@@ -152,17 +185,46 @@ class Plan:
                     while entries and entries[-1] is None:
                         entries.pop()
                     note = "" if axes == free else f"ZeRO shards over {axes} only (no dim divisible by all of {free})"
-                    return P(*entries), note
-        return leaf.spec, f"ZeRO cannot shard it: no dim divisible by {free}; kept replicated over them"
+                    return P(*entries), note, False
+        axes_txt = ", ".join(f"{a}={sizes[a]}" for a in free)
+        small = self._replicable(shape, free)
+        why = (f"{math.prod(shape)} elements, fewer than {_SMALL_PER_DEVICE} per data device" if small
+               else "Plan(strict=False)")
+        return spec, f"ZeRO cannot shard it: no dim divisible by {axes_txt}; kept replicated over them ({why})", not small
+
+    def data_devices(self, axes: Sequence[str] | None = None) -> int:
+        """How many devices the data axes (or ``axes``) span."""
+        return math.prod(self.mesh.shape[a] for a in (self.data_axes if axes is None else axes))
+
+    def _replicable(self, shape: tuple[int, ...], free: tuple[str, ...]) -> bool:
+        """Whether a leaf ZeRO cannot shard is small enough to replicate without asking: fewer
+        than ``_SMALL_PER_DEVICE`` elements per data device, so a replica costs each device no
+        more than a shard of that many elements would."""
+        return math.prod(shape) < self.data_devices(free) * _SMALL_PER_DEVICE
+
+    def _refuse_replicated(self, offenders: list[tuple[str, tuple[int, ...], str]], what: str) -> None:
+        """Under ``strict``, one error naming every leaf ZeRO would have to replicate."""
+        if not offenders or not self.strict:
+            return
+        sizes = dict(self.mesh.shape)
+        axes_txt = " x ".join(f"{a}={sizes[a]}" for a in self.data_axes if sizes[a] > 1)
+        problems = [f"{path} shape={shape} ({source}): no dim is divisible by {axes_txt} or any one of them"
+                    for path, shape, source in offenders]
+        raise ShardingError(
+            f"{len(problems)} {what} leaf/leaves cannot be sharded over the data axes {axes_txt} "
+            f"(ZeRO-{self.zero}) and would be replicated on every data device:", problems,
+            fix="make a dimension of each a multiple of the data axes' size (or change the mesh), or pass "
+                "Plan(..., strict=False) to keep them replicated; plan.describe(params, opt_state=...) lists them")
 
     def param_layout(self, model) -> ParamLayout:
         u = _model.unpack(model)
         return self._layout(u.params, u.logical, u.adapter.param_prefix)
 
     def leaf_layouts(self, model) -> list[LeafLayout]:
-        """Per leaf of the model's parameters and state: path, shape, spec, and which rule decided it."""
+        """Per leaf of the model's parameters and state: path, shape, spec, and which rule
+        decided it (a parameter ZeRO cannot shard is listed with its note, never raised)."""
         u = _model.unpack(model)
-        lay = self._layout(u.params, u.logical, u.adapter.param_prefix)
+        lay = self._layout(u.params, u.logical, u.adapter.param_prefix, check=False)
         rows = [dataclasses.replace(l, spec=(z if self.zero == 3 else l.spec))
                 for l, z in zip(lay.leaves, lay.zero_specs)]
         if jax.tree.leaves(u.model_state):
@@ -195,26 +257,87 @@ class Plan:
         lay = self._layout(model_state, logical or {}, what="model-state leaf")
         return lay.tree([l.spec for l in lay.leaves])
 
-    def opt_state_specs(self, opt_state, params, layout: ParamLayout | None = None):
-        """Optimizer-state specs: a leaf that mirrors a parameter (same path suffix and shape)
-        follows it, sharded over the data axes from ZeRO-1 on; other leaves are replicated.
+    def opt_state_layouts(self, opt_state, params, layout: ParamLayout | None = None,
+                          check: bool = False) -> list[LeafLayout]:
+        """Per optimizer-state leaf: path, shape, spec, what decided it and any note.
+
+        A leaf is matched to the parameter whose path is the longest suffix of its own path
+        (``0/mu/mlp/w1`` → ``mlp/w1``). Then, in order:
+
+        * a scalar, one-element or empty leaf (step counts, placeholders) is replicated;
+        * a leaf of the parameter's shape (Adam's moments, momentum, ``MultiSteps``'
+          accumulated gradients) follows the parameter's spec;
+        * a leaf of the parameter's shape with one dimension removed or set to 1 (Adafactor's
+          factored moments) keeps the parameter's axes on the dimensions it shares with it;
+          where two dimensions could have been removed (a square matrix) it keeps only the axes
+          both readings agree on;
+        * any other leaf (preconditioners, low-rank states, states under no parameter's path)
+          starts replicated.
+
+        From ZeRO-1 on, every leaf then gets the data axes it does not use yet on the largest
+        dimension they divide, as parameters do under ZeRO-3 (all axes together, else the
+        largest one alone). A leaf no dimension of which any data axis divides is an error
+        under ``strict`` (raised by ``opt_state_specs``), unless it has fewer than
+        ``_SMALL_PER_DEVICE`` elements per data device; otherwise it is replicated with a note.
+
+        Args:
+            opt_state: the optimizer state (arrays or ``ShapeDtypeStruct``s, e.g.
+                ``jax.eval_shape(tx.init, params)``).
+            params: the parameters it was built from (a tree, NNX module or Linen variables).
+            layout: the parameters' resolved layout, when the caller has it.
+            check: raise (under ``strict``) instead of returning leaves ZeRO must replicate.
         """
+        return self._opt_layout(opt_state, params, layout, check)[1]
+
+    def _opt_layout(self, opt_state, params, layout, check):
         lay = layout or self.param_layout(params)
-        ppaths, pshapes, _, _ = leaf_info(_model.unpack(params).params if layout is None else params)
+        ppaths = leaf_info(_model.unpack(params).params if layout is None else params)[0]
         by_path = {p: i for i, p in enumerate(ppaths)}
         flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-        specs = []
+        rows, offenders = [], []
         for keypath, leaf in flat:
             parts = [str(_key(k)) for k in keypath]
-            shape = tuple(getattr(leaf, "shape", ()))
-            spec = P()
-            for i in range(len(parts) + 1):
-                j = by_path.get("/".join(parts[i:]))
-                if j is not None and pshapes[j] == shape and shape:
-                    spec = lay.zero_specs[j] if self.zero >= 1 else lay.leaves[j].spec
-                    break
-            specs.append(spec)
-        return jax.tree_util.tree_unflatten(treedef, specs)
+            path, shape = "/".join(parts), tuple(getattr(leaf, "shape", ()))
+            dtype = getattr(leaf, "dtype", None)
+            if math.prod(shape) <= 1:  # step counts, placeholders: nothing to split
+                kind = "scalar" if not shape else "one element" if math.prod(shape) else "empty"
+                rows.append(LeafLayout(path, shape, dtype, P(), kind))
+                continue
+            # The longest suffix of the path that is a parameter's path; an NNX Variable adds a
+            # trailing "value" key to an optimizer state built from an nnx.State.
+            tails = [parts] + ([parts[:-1]] if len(parts) > 1 and parts[-1] == "value" else [])
+            j = next((by_path[s] for t in tails for s in ("/".join(t[i:]) for i in range(len(t))) if s in by_path),
+                     None)
+            base, source = P(), "own shape"
+            if j is not None:
+                param = lay.leaves[j]
+                if param.shape == shape:
+                    base, source = param.spec, f"follows parameter {param.path}"
+                else:
+                    base, how = _factored_spec(shape, param.shape, param.spec)
+                    source = f"{how} of parameter {param.path}" if how else f"own shape (under parameter {param.path})"
+            if self.zero == 0:
+                rows.append(LeafLayout(path, shape, dtype, base, source))
+                continue
+            spec, note, refused = self._zero_spec(shape, base)
+            rows.append(LeafLayout(path, shape, dtype, spec, source, note))
+            if refused:
+                offenders.append((f"opt_state/{path}", shape, source))
+        if check:
+            self._refuse_replicated(offenders, "optimizer-state")
+        return treedef, rows
+
+    def opt_state_specs(self, opt_state, params, layout: ParamLayout | None = None):
+        """Optimizer-state specs, leaf by leaf as ``opt_state_layouts`` places them: a
+        parameter's moments follow it, factored moments the dimensions they keep, and from
+        ZeRO-1 on every leaf is sharded over the data axes.
+
+        Raises:
+            ShardingError: under ``strict``, every leaf ZeRO cannot shard (no dimension
+                divisible by the data axes) and not small enough to replicate, in one error.
+        """
+        treedef, rows = self._opt_layout(opt_state, params, layout, check=True)
+        return jax.tree_util.tree_unflatten(treedef, [r.spec for r in rows])
 
     def batch_specs(self, batch, microbatches: int = 1):
         """Batch specs: each leaf's leading dimension over ``batch_axes``.
@@ -264,7 +387,7 @@ class Plan:
 
     def logical_spec(self, names: Sequence[str | None]) -> P:
         """The PartitionSpec for logical axis names, through this plan's AxisRules."""
-        return self._axis_table.spec(names)
+        return self._axis_table.spec(names, mesh_sizes=dict(self.mesh.shape))
 
     def constrain(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         """``with_sharding_constraint`` on ``x`` by logical axis names; axes that do not divide
@@ -272,7 +395,7 @@ class Plan:
         microbatch of decoding), so the constraint never fails a compile."""
         if len(names) != x.ndim:
             raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
-        spec = self.logical_spec(names)
+        spec = self._axis_table.spec(names, x.shape, dict(self.mesh.shape), lenient=True)
         # Inside a shard_map (e.g. sk.pipeline's stages) some axes are manual: constrain only
         # over the others, on the context's abstract mesh.
         context = jax.sharding.get_abstract_mesh()
@@ -303,13 +426,26 @@ class Plan:
 
     # ---- presentation -------------------------------------------------------------------------
 
-    def describe(self, model):
+    def describe(self, model, opt_state=None):
         """A table of each leaf's path, shape, spec, per-device shape and deciding rule (a
-        ``rich`` Table; ``print()`` renders it as text, notebooks as HTML)."""
+        ``rich`` Table; ``print()`` renders it as text, notebooks as HTML).
+
+        Args:
+            model: the parameters (a tree, NNX module or Linen variables).
+            opt_state: the optimizer state built from them (e.g. ``jax.eval_shape(tx.init,
+                params)``): its leaves are listed too, under ``opt_state/``. Leaves ZeRO
+                cannot shard are listed with a note here instead of raising.
+        """
         t = _Table(title=f"{self} — per-leaf sharding")
         for col in ("path", "shape", "dtype", "spec", "per device", "source"):
             t.add_column(col)
-        for l in self.leaf_layouts(model):
+        rows = self.leaf_layouts(model)
+        if opt_state is not None:
+            u = _model.unpack(model)
+            lay = self._layout(u.params, u.logical, u.adapter.param_prefix, check=False)
+            rows += [dataclasses.replace(l, path=f"opt_state/{l.path}")
+                     for l in self.opt_state_layouts(opt_state, u.params, lay)]
+        for l in rows:
             t.add_row(l.path, str(l.shape), str(getattr(l.dtype, "name", l.dtype)), str(l.spec),
                       str(shard_shape(l.shape, l.spec, self.mesh)), l.source + (f" — {l.note}" if l.note else ""))
         return t
@@ -342,6 +478,33 @@ class _Table(_RichTable):
 
     def _repr_html_(self) -> str:
         return self._export(html=True)
+
+
+def _factored_spec(shape: tuple[int, ...], pshape: tuple[int, ...], pspec: P) -> tuple[P, str]:
+    """The spec of a factored moment of a parameter (its shape with one dimension removed or
+    set to 1) and how it was recognised; ``(P(), "")`` when ``shape`` is not one.
+
+    The moment keeps the parameter's axes on the dimensions it shares with it. When several
+    dimensions could be the one summarised (a square matrix), only the axes every reading
+    agrees on are kept: which one it is cannot be told from shapes, and guessing is wrong for
+    half of them.
+    """
+    entries = list(pspec) + [None] * (len(pshape) - len(pspec))
+    readings, dims = [], []
+    for d in range(len(pshape)):
+        if len(shape) == len(pshape) - 1 and shape == pshape[:d] + pshape[d + 1:]:
+            readings.append(entries[:d] + entries[d + 1:])
+            dims.append(d)
+        elif len(shape) == len(pshape) and pshape[d] != 1 and shape == pshape[:d] + (1,) + pshape[d + 1:]:
+            readings.append(entries[:d] + [None] + entries[d + 1:])
+            dims.append(d)
+    if not readings:
+        return P(), ""
+    kept = [r[0] if all(x == r[0] for x in r) else None for r in zip(*readings)]
+    while kept and kept[-1] is None:
+        kept.pop()
+    which = f"dim {dims[0]}" if len(dims) == 1 else "dim " + " or ".join(map(str, dims))
+    return P(*kept), f"factored moment ({which} summarised)"
 
 
 def _key(k):

@@ -7,6 +7,7 @@ error. Replication is something a rule says (``(r".*", ())``), never a fallback.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -110,43 +111,113 @@ class PathRules:
 class AxisRules:
     """Maps logical axis names (``"embed"``, ``"mlp"``, ``"batch"``) to mesh axes.
 
+    A name listed once is a fixed mapping: its dimension goes to those mesh axes, and a clash
+    with another dimension or a size they do not divide is reported by validation. A name listed
+    more than once (pairs, as Flax/MaxText tables write ``("embed", "fsdp"), ("embed", "data")``)
+    is an ordered list of fallbacks, resolved as ``flax.linen.logical_to_mesh_axes`` orders its
+    rules, with two checks Flax leaves out: the first entry whose mesh axes are in the mesh,
+    are not used by another dimension of the same spec, and divide the dimension wins. Fixed
+    names are placed first (they have no alternative), then fallback entries in table order. If
+    no entry of a name fits, resolution fails naming every entry and why; ``(name, None)`` as
+    the last entry replicates that dimension on purpose.
+
     Args:
-        mapping: logical name → a mesh axis, a tuple of mesh axes, or None (replicated).
+        mapping: a dict, or ``(name, mesh axes)`` pairs (names may repeat), where mesh axes is
+            a mesh axis, a tuple of mesh axes, or None (replicated).
+
+    Attributes:
+        entries: the ``(name, mesh axes)`` pairs in table order.
+        mapping: each name's first entry (its only one unless the name repeats).
     """
 
     def __init__(self, mapping: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]]):
         items = mapping.items() if isinstance(mapping, Mapping) else mapping
-        self.mapping: dict[str, tuple[str, ...]] = {}
-        for name, axes in items:
+        self.entries: list[tuple[str, tuple[str, ...]]] = []
+        for i, item in enumerate(items):
+            try:
+                name, axes = item
+            except (TypeError, ValueError):
+                raise ValueError(f"AxisRules entry {i} is {item!r}; each entry is a (logical name, mesh axes) pair") from None
             if axes is None:
-                self.mapping[name] = ()
+                axes = ()
             elif isinstance(axes, str):
-                self.mapping[name] = (axes,)
+                axes = (axes,)
             elif isinstance(axes, Sequence) and all(isinstance(a, str) for a in axes):
-                self.mapping[name] = tuple(axes)
+                axes = tuple(axes)
             else:
                 raise ValueError(f"AxisRules[{name!r}] = {axes!r}; map a logical axis to a mesh axis name, a tuple of names, or None")
+            self.entries.append((name, axes))
+        self.mapping: dict[str, tuple[str, ...]] = {}
+        for name, axes in self.entries:
+            self.mapping.setdefault(name, axes)
+        counts = collections.Counter(name for name, _ in self.entries)
+        self.fallbacks: frozenset[str] = frozenset(n for n, c in counts.items() if c > 1)
 
-    def spec(self, names: Sequence[str | None]) -> P:
-        """The PartitionSpec for a leaf whose dimensions carry these logical names.
+    def spec(self, names: Sequence[str | None], shape: Sequence[int] | None = None,
+             mesh_sizes: Mapping[str, int] | None = None, *, lenient: bool = False) -> P:
+        """The PartitionSpec for an array whose dimensions carry these logical names.
+
+        Args:
+            names: one logical name (or None) per dimension.
+            shape: the array's shape; without it a fallback's divisibility is not checked.
+            mesh_sizes: the mesh's axis sizes; without them every axis counts as present.
+            lenient: a repeated name none of whose entries fits is left unsharded instead of
+                raising (activations, whose shapes vary).
 
         Raises:
-            ShardingError: a name has no mapping.
+            ShardingError: a name has no entry, or a repeated name has no entry that fits.
         """
         missing = [n for n in names if n is not None and n not in self.mapping]
         if missing:
             raise ShardingError(
                 f"logical axis name(s) {missing} have no AxisRules entry",
                 fix=f"add them to AxisRules, e.g. {{{missing[0]!r}: None}} to replicate that dimension")
-        entries = []
-        for n in names:
-            axes = () if n is None else self.mapping[n]
-            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        dims = {n: d for d, n in enumerate(names) if n is not None}
+        repeated = [n for n in dims if list(names).count(n) > 1]
+        if repeated:
+            raise ShardingError(f"logical axis name(s) {repeated} name more than one dimension of {tuple(names)}")
+        # A standard axis the mesh lacks is dropped (the Plan has already rejected typos).
+        present = (lambda axes: axes) if mesh_sizes is None else (
+            lambda axes: tuple(a for a in axes if a in mesh_sizes))
+        result: list[tuple[str, ...] | None] = [None if n is None or n in self.fallbacks else present(self.mapping[n])
+                                                for n in names]
+        used = {a for axes in result if axes for a in axes}
+        tried: dict[str, list[str]] = {n: [] for n in dims if n in self.fallbacks}
+        for name, axes in self.entries:
+            if name not in tried or result[dims[name]] is not None:
+                continue
+            d, here = dims[name], present(axes)
+            if axes and not here:
+                tried[name].append(f"{axes} not in the mesh")
+                continue
+            taken = [a for a in here if a in used]
+            if taken:
+                owner = next(names[i] for i, r in enumerate(result) if r and taken[0] in r)
+                tried[name].append(f"{axes}: {taken[0]!r} is used by {owner!r}")
+                continue
+            n = math.prod(mesh_sizes[a] for a in here) if mesh_sizes is not None else 1
+            if shape is not None and shape[d] % n:
+                tried[name].append(f"{axes} (= {n}) does not divide {shape[d]}")
+                continue
+            result[dims[name]] = here
+            used.update(here)
+        # A name all of whose entries name axes this mesh lacks is replicated, as a fixed name is.
+        unplaced = [n for n in tried if result[dims[n]] is None
+                    and not all(t.endswith("not in the mesh") for t in tried[n])]
+        if unplaced and not lenient:
+            details = "; ".join(f"{n!r} (dim {dims[n]}" + (f", size {shape[dims[n]]}" if shape is not None else "")
+                                + f"): {', '.join(tried[n])}" for n in unplaced)
+            raise ShardingError(
+                f"no AxisRules entry fits logical axis {details}",
+                fix=f"add ({unplaced[0]!r}, None) as its last entry to replicate it on purpose, or a mesh axis that fits")
+        entries = [None if not axes else axes[0] if len(axes) == 1 else axes for axes in result]
         while entries and entries[-1] is None:
             entries.pop()
         return P(*entries)
 
     def __repr__(self) -> str:
+        if self.fallbacks:
+            return f"AxisRules({self.entries!r})"
         return f"AxisRules({self.mapping!r})"
 
 
@@ -184,8 +255,12 @@ def path_str(keypath) -> str:
 
 def resolve(paths: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any],
             logical: Sequence[Sequence[str | None] | None], path_rules: PathRules | None,
-            axis_rules: AxisRules | None, what: str = "parameter") -> list[LeafLayout]:
-    """Resolves every leaf's spec (path rules, then logical names); raises on unmatched leaves."""
+            axis_rules: AxisRules | None, what: str = "parameter",
+            mesh_sizes: Mapping[str, int] | None = None) -> list[LeafLayout]:
+    """Resolves every leaf's spec (path rules, then logical names); raises on unmatched leaves.
+
+    ``mesh_sizes`` lets ``AxisRules`` fallbacks check that their axes exist and divide.
+    """
     out, unmatched, bad_logical = [], [], []
     for path, shape, dtype, names in zip(paths, shapes, dtypes, logical):
         hit = path_rules.match(path) if path_rules is not None else None
@@ -198,9 +273,9 @@ def resolve(paths: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Seq
                 out.append(LeafLayout(path, shape, dtype, None, "logical"))
                 continue
             try:
-                spec = axis_rules.spec(names)
+                spec = axis_rules.spec(names, shape, mesh_sizes)
             except ShardingError as e:
-                bad_logical.append(f"{path} {shape}: {e.headline}")
+                bad_logical.append(f"{path} {shape}: {e.headline}" + (f" ({e.fix})" if e.fix else ""))
                 out.append(LeafLayout(path, shape, dtype, None, "logical"))
                 continue
             out.append(LeafLayout(path, shape, dtype, spec, f"logical {tuple(names)}"))
