@@ -22,10 +22,9 @@ from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes,
                     resolve, spec_axes, validate)
 
 _DATA_LIKE = ("replica", "data", "fsdp")
-# A leaf ZeRO cannot shard is replicated without an error when it has fewer elements than this
-# per data device (so its replica costs a device no more than a shard of that size would):
-# Adafactor's placeholders, PRNG keys, a 10-class head's bias. Larger ones are errors under
-# Plan(strict=True).
+# A leaf ZeRO cannot shard is replicated without an error when its ZeRO shard would hold fewer
+# elements than this (a PRNG key, a 10-class head's bias, an optimizer's coefficient vector):
+# its replica is noise next to any weight matrix. Larger ones are errors under Plan(strict=True).
 _SMALL_PER_DEVICE = 128
 STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
@@ -76,8 +75,8 @@ class Plan:
             over the data axes and ``describe(params, opt_state=...)`` notes each. Scalars and
             one-element leaves (step counts) are replicated by design, and leaves with fewer
             than 128 elements per data device (a PRNG key, a 10-class head's bias) are
-            replicated with a note even under ``strict``: a replica costs each device less
-            than a 128-element shard. Gradients under ZeRO-2 follow the parameters' ZeRO shard.
+            replicated with a note even under ``strict``: their replica is noise next to any
+            weight matrix. Gradients under ZeRO-2 follow the parameters' ZeRO shard.
     """
 
     mesh: Mesh
@@ -153,18 +152,15 @@ class Plan:
                                      for l, (_, _, bad) in zip(leaves, placed) if bad], "parameter")
         return ParamLayout(treedef, leaves, [s for s, _, _ in placed])
 
-    def _free_data_axes(self, spec: P) -> tuple[str, ...]:
-        used = set(spec_axes(spec))
-        return tuple(a for a in self.data_axes if a not in used and self.mesh.shape[a] > 1)
-
     def _zero_spec(self, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
         """Adds the unused data axes to the largest dimension they divide (ZeRO's shard).
 
         Returns ``(spec, note, refused)``: ``refused`` when the leaf is big enough that
-        replicating it over the data axes counts (``_replicable`` says when not) and no
-        dimension is divisible by any of them.
+        replicating it over the data axes counts (``_SMALL_PER_DEVICE``) and no dimension is
+        divisible by any of them.
         """
-        free = self._free_data_axes(spec)
+        used = set(spec_axes(spec))
+        free = tuple(a for a in self.data_axes if a not in used and self.mesh.shape[a] > 1)
         if not free or not shape:
             return spec, "", False
         entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -187,20 +183,10 @@ class Plan:
                     note = "" if axes == free else f"ZeRO shards over {axes} only (no dim divisible by all of {free})"
                     return P(*entries), note, False
         axes_txt = ", ".join(f"{a}={sizes[a]}" for a in free)
-        small = self._replicable(shape, free)
+        small = math.prod(shape) < math.prod(sizes[a] for a in free) * _SMALL_PER_DEVICE
         why = (f"{math.prod(shape)} elements, fewer than {_SMALL_PER_DEVICE} per data device" if small
                else "Plan(strict=False)")
         return spec, f"ZeRO cannot shard it: no dim divisible by {axes_txt}; kept replicated over them ({why})", not small
-
-    def data_devices(self, axes: Sequence[str] | None = None) -> int:
-        """How many devices the data axes (or ``axes``) span."""
-        return math.prod(self.mesh.shape[a] for a in (self.data_axes if axes is None else axes))
-
-    def _replicable(self, shape: tuple[int, ...], free: tuple[str, ...]) -> bool:
-        """Whether a leaf ZeRO cannot shard is small enough to replicate without asking: fewer
-        than ``_SMALL_PER_DEVICE`` elements per data device, so a replica costs each device no
-        more than a shard of that many elements would."""
-        return math.prod(shape) < self.data_devices(free) * _SMALL_PER_DEVICE
 
     def _refuse_replicated(self, offenders: list[tuple[str, tuple[int, ...], str]], what: str) -> None:
         """Under ``strict``, one error naming every leaf ZeRO would have to replicate."""
@@ -257,8 +243,7 @@ class Plan:
         lay = self._layout(model_state, logical or {}, what="model-state leaf")
         return lay.tree([l.spec for l in lay.leaves])
 
-    def opt_state_layouts(self, opt_state, params, layout: ParamLayout | None = None,
-                          check: bool = False) -> list[LeafLayout]:
+    def opt_state_layouts(self, opt_state, params, layout: ParamLayout | None = None) -> list[LeafLayout]:
         """Per optimizer-state leaf: path, shape, spec, what decided it and any note.
 
         A leaf is matched to the parameter whose path is the longest suffix of its own path
@@ -277,17 +262,16 @@ class Plan:
         From ZeRO-1 on, every leaf then gets the data axes it does not use yet on the largest
         dimension they divide, as parameters do under ZeRO-3 (all axes together, else the
         largest one alone). A leaf no dimension of which any data axis divides is an error
-        under ``strict`` (raised by ``opt_state_specs``), unless it has fewer than
-        ``_SMALL_PER_DEVICE`` elements per data device; otherwise it is replicated with a note.
+        under ``strict`` (raised by ``opt_state_specs``; listed here with its note), unless
+        it has fewer than 128 elements per data device; otherwise it is replicated with a note.
 
         Args:
             opt_state: the optimizer state (arrays or ``ShapeDtypeStruct``s, e.g.
                 ``jax.eval_shape(tx.init, params)``).
             params: the parameters it was built from (a tree, NNX module or Linen variables).
             layout: the parameters' resolved layout, when the caller has it.
-            check: raise (under ``strict``) instead of returning leaves ZeRO must replicate.
         """
-        return self._opt_layout(opt_state, params, layout, check)[1]
+        return self._opt_layout(opt_state, params, layout, check=False)[1]
 
     def _opt_layout(self, opt_state, params, layout, check):
         lay = layout or self.param_layout(params)

@@ -114,12 +114,13 @@ class AxisRules:
     A name listed once is a fixed mapping: its dimension goes to those mesh axes, and a clash
     with another dimension or a size they do not divide is reported by validation. A name listed
     more than once (pairs, as Flax/MaxText tables write ``("embed", "fsdp"), ("embed", "data")``)
-    is an ordered list of fallbacks, resolved as ``flax.linen.logical_to_mesh_axes`` orders its
-    rules, with two checks Flax leaves out: the first entry whose mesh axes are in the mesh,
-    are not used by another dimension of the same spec, and divide the dimension wins. Fixed
-    names are placed first (they have no alternative), then fallback entries in table order. If
-    no entry of a name fits, resolution fails naming every entry and why; ``(name, None)`` as
-    the last entry replicates that dimension on purpose.
+    is an ordered list of fallbacks, tried in table order as ``flax.linen.logical_to_mesh_axes``
+    tries its rules: the first entry whose mesh axes are not used by another dimension of the
+    same spec (Flax's check), are in the mesh and divide the dimension (checks Flax leaves out)
+    wins. Fixed names are placed first (they have no alternative), then fallback entries in
+    table order. If no entry of a name fits, resolution fails naming every entry and why;
+    ``(name, None)`` as the last entry replicates that dimension on purpose. A name all of whose
+    entries name standard axes the mesh lacks is replicated, as a fixed name would be.
 
     Args:
         mapping: a dict, or ``(name, mesh axes)`` pairs (names may repeat), where mesh axes is

@@ -172,3 +172,72 @@ def test_axis_rules_drop_standard_axes_the_mesh_lacks_but_catch_typos():
     assert plan.logical_spec(("batch", "mlp")) == P("data")
     with pytest.raises(ValueError, match=r"neither in the mesh .* 'mlp' -> 'tensr'"):
         sk.Plan(mesh, axis_rules={"mlp": "tensr"})
+
+
+# ---- AxisRules: a repeated logical name is an ordered list of fallbacks ----------------------
+
+def logical_params(shapes_and_names):
+    """Linen-style boxed leaves carrying logical names, as ShapeDtypeStructs."""
+    import flax.linen as nn
+
+    return {k: nn.LogicallyPartitioned(S(shape, f32), names) for k, (shape, names) in shapes_and_names.items()}
+
+
+MAXTEXT_LIKE = [("embed", "fsdp"), ("embed", "data"), ("mlp", "tensor")]
+
+
+@pytest.mark.parametrize("mesh_spec,expected", [
+    # the first entry for 'embed' wins (the last one used to: data, absent here, so P(None, 'tensor'))
+    ("fsdp=4,tensor=2", {"up": P("fsdp", "tensor"), "down": P("tensor", "fsdp")}),
+    # no fsdp axis here: the next entry for 'embed' wins
+    ("data=4,tensor=2", {"up": P("data", "tensor"), "down": P("tensor", "data")}),
+    ("data=2,fsdp=2,tensor=2", {"up": P("fsdp", "tensor"), "down": P("tensor", "fsdp")}),
+])
+def test_axis_rules_fallbacks_follow_the_mesh(mesh_spec, expected):
+    p = logical_params({"up": ((16, 64), ("embed", "mlp")), "down": ((64, 16), ("mlp", "embed"))})
+    assert sk.Plan(sk.make_mesh(mesh_spec), axis_rules=MAXTEXT_LIKE).param_specs(p) == expected
+
+
+def test_axis_rules_fallback_skips_an_axis_another_dim_uses():
+    mesh = sk.make_mesh("data=2,fsdp=4")
+    # 'mlp' is fixed to fsdp, so 'embed' cannot take it: its next entry, data, wins
+    rules = [("mlp", "fsdp"), ("embed", "fsdp"), ("embed", "data"), ("embed", None)]
+    p = logical_params({"up": ((16, 64), ("embed", "mlp")), "norm": ((16,), ("embed",))})
+    assert sk.Plan(mesh, axis_rules=rules).param_specs(p) == {"up": P("data", "fsdp"), "norm": P("fsdp")}
+    # two fallback names compete in table order: 'embed' is listed first and takes fsdp
+    rules = [("embed", "fsdp"), ("embed", "data"), ("mlp", "fsdp"), ("mlp", "data")]
+    assert sk.Plan(mesh, axis_rules=rules).param_specs(p) == {"up": P("fsdp", "data"), "norm": P("fsdp")}
+
+
+def test_axis_rules_fallback_skips_an_axis_that_does_not_divide():
+    mesh = sk.make_mesh("data=2,fsdp=4")
+    rules = [("embed", "fsdp"), ("embed", "data"), ("embed", None)]
+    p = logical_params({"a": ((6, 8), ("embed", None)), "b": ((8, 8), ("embed", None)), "c": ((7,), ("embed",))})
+    assert sk.Plan(mesh, axis_rules=rules).param_specs(p) == {"a": P("data"), "b": P("fsdp"), "c": P()}
+    # without the explicit (name, None), a dim nothing fits is an error naming every entry and why
+    with pytest.raises(sk.ShardingError) as err:
+        sk.Plan(mesh, axis_rules=rules[:2]).param_specs(p)
+    msg = str(err.value)
+    assert ("c (7,): no AxisRules entry fits logical axis 'embed' (dim 0, size 7): ('fsdp',) (= 4) does not "
+            "divide 7, ('data',) (= 2) does not divide 7 (add ('embed', None) as its last entry") in msg
+    assert "a (6, 8)" not in msg and "1 parameter(s)" in msg
+
+
+def test_axis_rules_fallbacks_for_activations():
+    mesh = sk.make_mesh("data=2,fsdp=4")
+    plan = sk.Plan(mesh, axis_rules=[("batch", ("data", "fsdp")), ("embed", "fsdp"), ("embed", "data"),
+                                     ("embed", None)])
+    assert plan.logical_spec(("embed",)) == P("fsdp")
+    assert plan.logical_spec(("batch", "embed")) == P(("data", "fsdp"))  # fsdp and data taken by batch
+    assert plan.axis_rules.mapping["embed"] == ("fsdp",)  # a name's first entry
+    assert plan.axis_rules.fallbacks == frozenset({"embed"})
+
+
+def test_axis_rules_single_entries_are_unchanged():
+    # A name listed once is fixed: a clash is still reported by validation, not resolved away.
+    mesh = sk.make_mesh("data=2,fsdp=4")
+    p = logical_params({"w": ((8, 8), ("embed", "mlp"))})
+    with pytest.raises(sk.ShardingError, match=r"w shape=\(8, 8\) .*'fsdp' used more than once"):
+        sk.Plan(mesh, axis_rules={"embed": "fsdp", "mlp": "fsdp"}).param_specs(p)
+    with pytest.raises(ValueError, match=r"AxisRules entry 0 is 'embed'; each entry is a \(logical name, mesh axes\) pair"):
+        sk.AxisRules(["embed"])
