@@ -9,8 +9,8 @@ sequence, global batch, TP/PP/DP/FSDP, microbatch, schedule, recompute, hardware
 published figure in the source's own unit and flop-counting convention. The published figure is
 turned into seconds per step with that convention (``published_seconds``); the estimate's step
 time is turned back into the source's unit, and the error is estimated / published − 1 (positive:
-the model is too optimistic). The estimate includes ``steptime.memory_bound_time`` (passed in
-through ``estimate(..., efficiency=)``); the tables also show ``sk.cost.estimate`` alone and, for
+the model is too optimistic). The estimate includes ``steptime.memory_bound_time`` (``estimate`` adds it
+for every transformer shape); the tables also show the estimate without it and, for
 pipelined runs, a diagnostic with the pipeline traffic Megatron sends (``megatron_p2p_seconds``).
 
     python bench/published.py            # both tables, summaries, JSON (~2 s)
@@ -288,11 +288,11 @@ def model(run: Run) -> cost.ModelShape:
         return cost.ModelShape(run.key, float(params), 72.0 * l * h * h + attention + 6.0 * h * V,
                                l, float(l * per_layer), h, run.heads, 4 * h, V, s,
                                embedding_params=float(V * h + run.positions * h), head=True,
-                               tie=run.tie)
+                               tie=run.tie, gated=False, flash_attention=run.flash, dropout=run.dropout)
     cfg = types.SimpleNamespace(d_model=h, layers=l, heads=run.heads, kv_heads=run.kv_heads,
                                 d_ff=run.d_ff, vocab=V, seq=s, tie=run.tie, head_dim=None)
     ms = cost.model_shape(cfg)
-    return dataclasses.replace(ms, name=run.key,
+    return dataclasses.replace(ms, name=run.key, flash_attention=run.flash, dropout=run.dropout,
                                flops_per_token=ms.flops_per_token - 12.0 * l * h * s + attention)
 
 
@@ -347,24 +347,14 @@ def in_source_unit(run: Run, seconds: float) -> float:
     return source_flops(run) / (run.devices * seconds) / 1e12
 
 
-def memory_seconds(run: Run, **estimate_kw) -> float:
-    """``steptime.memory_bound_time`` of the run: its non-matmul kernels at HBM speed."""
-    return steptime.memory_bound_time(model(run), layout(run), cost.hardware.lookup(run.hardware),
-                                      global_batch=run.global_batch, flash=run.flash,
-                                      gated=run.arch == "llama", dropout=run.dropout)
-
-
 def evaluate(run: Run, memory: bool = True, **estimate_kw) -> dict:
     """The estimate of one run next to its published figure. ``memory`` adds the non-matmul
-    kernels' time (``memory_seconds``) to compute, through ``estimate``'s ``efficiency`` (the
-    factor compute/(compute + memory) is the same time as ``times(..., memory_seconds=)``)."""
+    kernels' time (``steptime.memory_bound_time``) to compute; ``False`` shows the estimate
+    without it."""
     kw = dict(global_batch=run.global_batch, precision="bf16", **estimate_kw)
     ms, lo = model(run), layout(run)
-    est = cost.estimate(ms, lo, run.hardware, **kw)
-    extra = memory_seconds(run) if memory else 0.0
-    if extra:
-        compute = est.time["compute"]
-        est = cost.estimate(ms, lo, run.hardware, efficiency=compute / (compute + extra), **kw)
+    est = cost.estimate(ms, lo, run.hardware, memory_bound=memory, **kw)
+    extra = est.time["memory-bound"]
     published = published_seconds(run)
     t = est.time
     return {"key": run.key, "role": run.role, "fit": run.fit and run.role == "calibration",
@@ -512,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
             if s.get(name):
                 console.print(_line(name, s[name]))
     console.print("* calibration rows shown, not fitted (see their note). error = estimated/published"
-                  " throughput - 1; 'no mem. term' = sk.cost.estimate alone; 'Megatron p2p' = the "
+                  " throughput - 1; 'no mem. term' = sk.cost.estimate(..., memory_bound=False); 'Megatron p2p' = the "
                   "pipeline sending what Megatron sends (a diagnostic, not the model)")
     if args.fit:
         for chip in sorted({r.hardware for r in RUNS if r.role == "calibration" and r.fit}):

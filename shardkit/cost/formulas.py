@@ -20,12 +20,13 @@ from ..precision import Precision
 from . import hardware as hw_lib
 from .pipeline import pipeline_ticks, pipeline_traffic
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
-from .steptime import Efficiency, times
+from .steptime import Efficiency, memory_bound_time, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
              global_batch: int, seq: int | None = None, precision: str | Precision = "bf16",
              memory_limit: float | None = None, efficiency: float = 1.0,
-             flops_per_token: float | None = None, model_efficiency: Efficiency | None = None) -> Estimate:
+             flops_per_token: float | None = None, model_efficiency: Efficiency | None = None,
+             memory_bound: bool = True) -> Estimate:
     """Estimates one training step of ``model`` on ``layout`` (no devices needed).
 
     Memory follows ZeRO (Rajbhandari et al. 2020): parameters sharded by tensor × pipe, and by
@@ -54,6 +55,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         model_efficiency: the ``Efficiency`` to time with (default: the hardware's entry in
             ``EFFICIENCY``; ``ROOFLINE`` gives the pure roofline).
         flops_per_token: overrides the model's figure.
+        memory_bound: add the time of a transformer's non-matmul kernels at HBM speed
+            (``steptime.memory_bound_time``; ``time["memory-bound"]``, inside ``compute``).
 
     Raises:
         ValueError: the batch does not split over the data axes and microbatches.
@@ -154,7 +157,12 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         extra = pipeline_ticks(note) / (lo.repeats * m) - 1
         flops = busy * (1 + extra * layer_share)
     limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
-    t = times(col, counts, busy, hw, lo, efficiency, model_efficiency)
+    # A transformer's non-matmul kernels run at HBM speed (steptime.memory_bound_time); the
+    # matmul efficiencies were fitted with this term on.
+    memory_s = (memory_bound_time(ms, lo, hw, global_batch=global_batch, flash=ms.flash_attention,
+                                  gated=ms.gated, dropout=ms.dropout)
+                if memory_bound and ms.d_model and ms.layers > 1 and hw.hbm_bandwidth > 0 else 0.0)
+    t = times(col, counts, busy, hw, lo, efficiency, model_efficiency, memory_seconds=memory_s)
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
 
 

@@ -47,6 +47,9 @@ class ModelShape:
         head: the model ends in a vocabulary projection (logits of width ``vocab``).
         tie: the embedding doubles as the output head (its gradient has two parts, which
             ``sk.pipeline`` reduces apart: the head's inside, the lookup's outside).
+        gated, flash_attention, dropout: what the transformer's memory-bound kernels read
+            and write (``steptime.memory_bound_time``): a gated (SwiGLU) MLP, attention
+            scores kept on chip, dropout masks.
     """
 
     name: str
@@ -63,6 +66,9 @@ class ModelShape:
     embedding_params: float = 0.0
     head: bool = False
     tie: bool = False
+    gated: bool = True
+    flash_attention: bool = True
+    dropout: bool = False
 
     @property
     def matmul_params(self) -> float:
@@ -80,14 +86,20 @@ def model_shape(model: Any, *, flops_per_token: float | None = None, seq: int | 
         ValueError: an unknown size name.
     """
     if isinstance(model, ModelShape):
-        return dataclasses.replace(model, seq=seq or model.seq)
+        ms = dataclasses.replace(model, seq=seq or model.seq)
+        return dataclasses.replace(ms, flops_per_token=flops_per_token) if flops_per_token else ms
     if isinstance(model, str):
         if model not in DECODER_SIZES:
             raise ValueError(f"unknown model size {model!r}; known: {', '.join(DECODER_SIZES)}, or pass a "
                              "config, a ModelShape, or a parameter pytree with flops_per_token=")
-        return _from_config(DECODER_SIZES[model], model, seq)
-    if hasattr(model, "d_model") and hasattr(model, "layers"):
-        return _from_config(model, getattr(model, "name", "config"), seq)
+        ms = _from_config(DECODER_SIZES[model], model, seq)
+        return dataclasses.replace(ms, flops_per_token=flops_per_token) if flops_per_token else ms
+    is_config = (isinstance(model, Mapping) and "d_model" in model and "layers" in model) or (
+        hasattr(model, "d_model") and hasattr(model, "layers"))
+    if is_config:
+        name = model.get("name", "config") if isinstance(model, Mapping) else getattr(model, "name", "config")
+        ms = _from_config(model, name, seq)
+        return dataclasses.replace(ms, flops_per_token=flops_per_token) if flops_per_token else ms
     import jax
 
     n = float(sum(math.prod(getattr(x, "shape", ())) for x in jax.tree.leaves(model)))

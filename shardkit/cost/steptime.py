@@ -127,8 +127,8 @@ def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, gl
     (``remat`` "full" or "dots") runs the forward kernels again: 3 or 4 forward passes in all.
     The loss reads and writes f32 logits ~4 times (16·V/t bytes per token, vocabulary-parallel),
     spread over the pipeline stages like the head's flops. Pass the result to
-    ``times(..., memory_seconds=)``, or fold it into ``estimate(..., efficiency=)`` as
-    compute/(compute + memory).
+    ``times(..., memory_seconds=)``; ``formulas.estimate`` does so for every transformer
+    ``ModelShape`` (its ``gated``, ``flash_attention`` and ``dropout`` say which kernels run).
 
     Args:
         ms: the model (``d_model``, ``heads``, ``d_ff``, ``vocab``, ``seq``, ``layers``).
@@ -247,7 +247,8 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     (communication time on the critical path), ``step``.
     """
     eff = model or efficiency_for(hw)
-    t = {"compute": flops / (hw.peak_flops * eff.matmul * efficiency) + memory_seconds}
+    t = {"compute": flops / (hw.peak_flops * eff.matmul * efficiency) + memory_seconds,
+         "memory-bound": memory_seconds}
     for role, stages in _collective_stages(layout).items():
         nbytes, n = collectives.get(role, 0.0), max(counts.get(role, 1.0), 1.0)
         t[role] = 0.0
