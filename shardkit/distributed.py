@@ -136,7 +136,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         timeout_s: how long to wait for every process to connect before failing.
         heartbeat_timeout_s: a peer silent this long is declared dead and every survivor is
             terminated (non-zero exit, JAX logs which task stopped). Also bounds the hang of a
-            survivor blocked in a collective with the dead peer.
+            survivor blocked in a collective with the dead peer. If the coordinator (process 0,
+            which hosts JAX's coordination service) dies, every survivor terminates itself
+            (SIGABRT) within ``heartbeat_timeout_s + 1`` seconds: its heartbeat to the service
+            goes out every half timeout with a half-timeout deadline, and a failed one is an
+            error after 1 s. A coordinator process that dies on a live host closes its socket,
+            and the survivors stop at once.
         shutdown_timeout_s: how long process exit waits for the others at the final barrier.
         env: the environment to detect from (default ``os.environ``).
 
@@ -144,7 +149,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         The ``ClusterSpec`` used, or None for a single-process run.
 
     Raises:
-        ValueError: only some of the three values are known, or they are inconsistent.
+        ValueError: only some of the three values are known, they are inconsistent, or a timeout
+            is not a whole number of seconds >= 1.
         RuntimeError: JAX already started, or the processes could not connect in time.
     """
     given = (coordinator_address, num_processes, process_id)
@@ -168,6 +174,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if spec.num_processes < 1 or not 0 <= spec.process_id < spec.num_processes:
         raise ValueError(f"process_id={spec.process_id} is not in [0, num_processes={spec.num_processes}) "
                          f"(from {spec.source})")
+    timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
+                "shutdown_timeout_s": shutdown_timeout_s}
+    bad = [f"{k}={v!r}" for k, v in timeouts.items() if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
+    if bad:  # JAX takes whole seconds; 0 would not bound anything
+        raise ValueError(f"{', '.join(bad)}: timeouts are whole seconds >= 1 (e.g. heartbeat_timeout_s=60)")
     if ":" not in spec.coordinator_address:
         raise ValueError(f"coordinator_address {spec.coordinator_address!r} needs a port: 'host:port'")
     if jax.distributed.is_initialized():

@@ -5,7 +5,9 @@ Process 0 prints ``loss <step> <float.hex>``. ``--save DIR`` checkpoints the fin
 ``--restore DIR`` resumes from that checkpoint (saved by any number of processes) up to
 ``--steps`` and prints ``resumed <step> <float.hex>``.
 ``--die-rank R --die-at S``: process R kills itself (SIGKILL) before step S; the others keep
-stepping, so the test sees how fast they notice.
+stepping, so the test sees how fast they notice. ``--die-signal STOP`` freezes it instead (SIGSTOP:
+its sockets stay open and nothing answers, like a hung or unreachable host); it prints
+``dying <time> <pid>`` first, so whoever runs it can time the survivors and end it.
 """
 
 import argparse
@@ -24,6 +26,7 @@ p.add_argument("--save", default=None)
 p.add_argument("--restore", default=None)
 p.add_argument("--die-rank", type=int, default=None)
 p.add_argument("--die-at", type=int, default=3)
+p.add_argument("--die-signal", choices=["KILL", "STOP"], default="KILL")
 p.add_argument("--heartbeat", type=int, default=10)
 a = p.parse_args()
 
@@ -44,8 +47,8 @@ if distributed.is_main():
 for i in range(a.steps if a.die_rank is None else 10**6):
     if a.die_rank is not None and i == a.die_at:
         if jax.process_index() == a.die_rank:
-            print(f"dying {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            print(f"dying {time.time():.3f} {os.getpid()}", flush=True)
+            os.kill(os.getpid(), getattr(signal, f"SIG{a.die_signal}"))
         time.sleep(0.2)
     state, metrics = step(state, tiny.batch(i, rows))
     loss = float(metrics["loss"])
