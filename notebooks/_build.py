@@ -82,6 +82,16 @@ NOTEBOOKS = {
                  'for r in rows:\n    print(f"{r[0]:7s} {r[1]:26s} est {r[2]:12,.0f}  compiled {r[3]:12,.0f}  ratio {r[4]:.2f}")'),
         ("code", 'from shardkit import viz\nviz.memory_bars({k: {**{q: v for q, v in r.memory.items()}} for k, r in reports.items()}, title="compiled per-device memory")'),
         ("code", 'viz.estimate_vs_compiled(reports["ZeRO-3"].comparison(), title="ZeRO-3: estimate / compiled")'),
+        ("md", "## The same step on 64 devices\n\nThis machine has 8 devices. `step.explain(state, batch, "
+               "mesh=...)` compiles the *same step* (your loss, optimizer, rules) for a mesh that is not "
+               "here: a subprocess with 64 simulated XLA:CPU devices compiles it from abstract inputs "
+               "(nothing is allocated) and XLA reports the memory. The figures are compiled; the "
+               "estimate beside them is modelled, and the report says which is which. ZeRO-3's share "
+               "per device falls with N: 12Ψ/64."),
+        ("code", 'plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], axis_rules={"batch": "data", "mlp": None}, zero=3)\n'
+                 'step = sk.train_step(plan, optax.adam(1e-3))(loss)\nstate = step.init(init)\n'
+                 'big = step.explain(state, {"x": jnp.ones((512, D))}, mesh="data=64")\n'
+                 'psi = 2 * L * D * F\nprint(f"params per device {big.memory[\'params\']:,} = 4Ψ/64 = {4 * psi / 64:,.0f}")\nbig'),
     ],
     "04_tensor_parallel_collectives": [
         ("md", "# 04 — Tensor-parallel collectives\n\nMegatron: the first weight split by "
@@ -96,6 +106,13 @@ NOTEBOOKS = {
         ("md", "Per layer: one forward all-reduce (row-parallel `w2`) and one backward (`w1`'s "
                "input gradient), each of (tokens per device × d_model):"),
         ("code", 'tokens = B // 4\nprint("expected", 2 * L * tokens * D * 4, "bytes; compiled", report.roles()["tensor-reduce"])'),
+        ("md", "The analytic estimate reads the same reductions off the traced program (every matmul "
+               "that contracts a tensor-split dimension leaves partial sums), so it holds on a model "
+               "it was not written for. On a 64-device `data=8,tensor=8` mesh, compiled in a "
+               "subprocess, each device reduces the same bytes per token, over 8 devices now:"),
+        ("code", 'big = step.explain(step.init(init), {"x": jnp.ones((8 * B // 4, D))}, mesh="data=8,tensor=8")\n'
+                 'for t in big.traffic:\n    print(f"{t.kind:15s} over {t.axes}: group {t.group}, {t.count} executions, {t.bytes:,} bytes")\n'
+                 '[r for r in big.comparison() if r["quantity"] == "collective/tensor-reduce"]'),
     ],
     "05_pipeline_schedules": [
         ("md", "# 05 — Pipeline schedules and bubbles\n\nGPipe's bubble is (p−1)/(m+p−1) of the "
@@ -117,12 +134,21 @@ NOTEBOOKS = {
         ("code", 'for m in (4, 8, 16, 32):\n    lo = sk.cost.Layout(data=16, pipe=4, zero=1, microbatches=m)\n'
                  '    e = sk.cost.estimate("1b", lo, "h100", global_batch=512, memory_limit=1e12)\n'
                  '    print(f"m={m:3d} bubble {e.time[\'bubble\'] / e.step_time:.1%} of the step, step {e.step_time:.3f}s, MFU {e.mfu:.1%}")'),
+        ("md", "And what a pipelined step costs per device on a mesh that is not here: the small "
+               "pipeline above on `data=4,pipe=4` (16 simulated devices), compiled:"),
+        ("code", 'import optax\nplan = sk.Plan(mesh, rules=[(r"W", ("pipe", None, None)), (r".*", ())])\n'
+                 'step = sk.train_step(plan, optax.sgd(0.1))(lambda p, b: jnp.mean(sk.pipeline(layer, p["W"], b["x"], microbatches=4) ** 2))\n'
+                 'state = step.init({"W": W})\nr = step.explain(state, {"x": jnp.ones((16, 16))}, mesh="data=4,pipe=4")\n'
+                 'print(r.compiled_on); r.roles()'),
     ],
     "06_layouts_7b_256_gpus": [
-        ("md", "# 06 — Exploring layouts for a 7B transformer on 256 H100s\n\nAll analytic "
-               "(seconds on a laptop). Compute runs at an achievable fraction of peak "
-               "(`sk.cost.EFFICIENCY`: ~62% on H100); most data-axis traffic overlaps with "
-               "compute, most TP traffic and the pipeline bubble do not."),
+        ("md", "# 06 — Exploring layouts for a 7B transformer on 256 H100s\n\nThe search is "
+               "analytic (seconds on a laptop): matmuls at an achievable fraction of peak "
+               "(`sk.cost.EFFICIENCY`: 52% on H100, fitted on Megatron-LM's H100 runs), a "
+               "transformer's memory-bound kernels at HBM speed, most data-axis traffic overlapped "
+               "with compute, most TP traffic and the pipeline bubble not (BENCHMARKS.md compares it "
+               "with 22 published runs it was not fitted to). Then the best layouts are *compiled* "
+               "for 256 simulated devices to check their memory with XLA itself."),
         ("code", SETUP),
         ("code", 'result = sk.search("7b", devices=256, hardware="h100", global_batch=512)\nresult.table(12)'),
         ("code", 'sk.viz.compare_layouts(result, top=10)'),
@@ -133,6 +159,22 @@ NOTEBOOKS = {
                  '    print(f"{r[\'devices\']:4d} {r[\'layout\']:44s} {r[\'tokens_per_s_per_device\']:9,.0f} tok/s/GPU  eff {r[\'efficiency\']:.1%}")'),
         ("md", "The same question with pure data parallelism only (ZeRO-1), to see why it does not fit:"),
         ("code", 'sk.search("7b", devices=256, global_batch=512, tensor=[1], pipe=[1], fsdp=[1], zero=(1,)).table(5)'),
+        ("md", "## Checking the winner with the compiler\n\n`sk.search(..., verify=k, build=...)` compiles "
+               "the analytic top k for 256 simulated devices (a subprocess; abstract inputs, nothing "
+               "allocated) and re-ranks them by compiled memory and traffic. `build(layout)` returns "
+               "the step to compile: here the transformer recipe at the 1B size (the 7B's compile "
+               "takes minutes on a laptop; the 1B's about 10 s per layout)."),
+        ("code", 'import jax, numpy as np, optax\nfrom flax import nnx\n'
+                 'from models.transformer.config import SIZES\nfrom models.transformer.layouts import make_plan\n'
+                 'from models.transformer.model import Transformer, loss_fn\n'
+                 'cfg = SIZES["1b"]\n\ndef build(lo):\n'
+                 '    plan = make_plan(sk.cost.abstract_mesh(lo.mesh), cfg, zero=lo.zero, precision="bf16")\n'
+                 '    step = sk.train_step(plan, optax.adamw(3e-4))(lambda m, b: loss_fn(m, b, None))\n'
+                 '    state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))\n'
+                 '    batch = {k: jax.ShapeDtypeStruct((256, cfg.seq), np.int32) for k in ("inputs", "targets")}\n'
+                 '    return step, state, batch\n\n'
+                 'checked = sk.search("1b", devices=256, global_batch=256, pipe=[1], remat=("none",), verify=2, build=build)\n'
+                 'checked.table(4)'),
     ],
 }
 

@@ -32,6 +32,9 @@ def test_notebooks_exist_and_match_the_builder():
             f"{p.name} is out of date: run python notebooks/_build.py")
 
 
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
