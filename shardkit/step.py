@@ -92,12 +92,18 @@ def _split_output(out, adapter: _model.Adapter, has_model_state: bool):
     return loss, aux, updates
 
 
-def _global_view(batch):
-    """Shapes of the global batch: on several hosts each passes its own rows as host arrays."""
-    n = jax.process_count()
-    if n == 1:
+def _global_view(batch, plan: Plan):
+    """Shapes of the global batch: on several hosts each passes the rows its devices hold, as
+    host arrays — a share of the batch axes' blocks (all of them when the batch axes stay inside
+    each host, e.g. a tensor axis spanning the hosts), as ``make_array_from_process_local_data``
+    reads it."""
+    if jax.process_count() == 1:
         return batch
-    grow = lambda x: (jax.ShapeDtypeStruct((x.shape[0] * n,) + x.shape[1:], x.dtype)  # noqa: E731
+    n = plan.batch_size_multiple
+    spec = plan.batch_specs(jax.ShapeDtypeStruct((n,), jnp.float32))
+    local = {idx[0].indices(n)[:2] for idx in plan.sharding(spec).addressable_devices_indices_map((n,)).values()}
+    blocks = len({start for start, _ in local})
+    grow = lambda x: (jax.ShapeDtypeStruct((x.shape[0] * n // blocks,) + x.shape[1:], x.dtype)  # noqa: E731
                       if not isinstance(x, jax.Array) and getattr(x, "ndim", 0) else x)
     return jax.tree.map(grow, batch)
 
@@ -312,7 +318,7 @@ class TrainStep:
         key = (treedef, tuple(tuple(getattr(x, "shape", ())) for x in leaves))
         shardings = self._batch_shardings.get(key)
         if shardings is None:  # validated once per batch structure and shape
-            shardings = self.plan.shardings(self.plan.batch_specs(_global_view(batch), self.microbatches))
+            shardings = self.plan.shardings(self.plan.batch_specs(_global_view(batch, self.plan), self.microbatches))
             self._batch_shardings[key] = shardings
 
         def put(x, s):

@@ -76,7 +76,7 @@ def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES) -> AbstractMesh:
 
 def simulated_plan(plan: Plan, mesh: AbstractMesh, *, zero: int | None = None,
                    batch_axes=_SAME) -> Plan:
-    """``plan`` on another mesh: same rules, axis rules and precision; ``zero`` and
+    """``plan`` on another mesh: same rules, axis rules, precision and strictness; ``zero`` and
     ``batch_axes`` kept unless given. Batch axes the plan derived by default (the mesh's
     data-like axes) are derived again for the new mesh."""
     if batch_axes is _SAME:
@@ -84,7 +84,7 @@ def simulated_plan(plan: Plan, mesh: AbstractMesh, *, zero: int | None = None,
         batch_axes = None if plan.batch_axes == default else plan.batch_axes
     return Plan(mesh, rules=plan.rules, axis_rules=plan.axis_rules,
                 zero=plan.zero if zero is None else zero, precision=plan.precision,
-                batch_axes=batch_axes)
+                batch_axes=batch_axes, strict=plan.strict)
 
 
 @contextlib.contextmanager
