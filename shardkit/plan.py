@@ -16,16 +16,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _model
+from . import _model, _zero
 from .precision import Precision
 from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes, leaf_info,
-                    resolve, spec_axes, validate)
+                    resolve, validate)
 
 _DATA_LIKE = ("replica", "data", "fsdp")
-# A leaf ZeRO cannot shard is replicated without an error when its ZeRO shard would hold fewer
-# elements than this (a PRNG key, a 10-class head's bias, an optimizer's coefficient vector):
-# its replica is noise next to any weight matrix. Larger ones are errors under Plan(strict=True).
-_SMALL_PER_DEVICE = 128
 STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
 _NOTES: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("shardkit_trace_notes", default=None)
@@ -145,62 +141,12 @@ class Plan:
         validate(leaves, self.mesh, what)
         if what != "parameter":  # ZeRO shards parameters and their optimizer state only
             return ParamLayout(treedef, leaves, [l.spec for l in leaves])
-        placed = [self._zero_spec(l.shape, l.spec) for l in leaves]
+        placed = [_zero.zero_spec(self, l.shape, l.spec) for l in leaves]
         leaves = [dataclasses.replace(l, note=n) for l, (_, n, _) in zip(leaves, placed)]
         if check and self.zero == 3:
-            self._refuse_replicated([(f"parameter {l.path}", l.shape, l.source)
+            _zero.refuse_replicated(self, [(f"parameter {l.path}", l.shape, l.source)
                                      for l, (_, _, bad) in zip(leaves, placed) if bad], "parameter")
         return ParamLayout(treedef, leaves, [s for s, _, _ in placed])
-
-    def _zero_spec(self, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
-        """Adds the unused data axes to the largest dimension they divide (ZeRO's shard).
-
-        Returns ``(spec, note, refused)``: ``refused`` when the leaf is big enough that
-        replicating it over the data axes counts (``_SMALL_PER_DEVICE``) and no dimension is
-        divisible by any of them.
-        """
-        used = set(spec_axes(spec))
-        free = tuple(a for a in self.data_axes if a not in used and self.mesh.shape[a] > 1)
-        if not free or not shape:
-            return spec, "", False
-        entries = list(spec) + [None] * (len(shape) - len(spec))
-        sizes = dict(self.mesh.shape)
-        # Try all free axes together, then each alone (largest first), on the largest dim.
-        options = [free] + [(a,) for a in sorted(free, key=lambda a: -sizes[a])] if len(free) > 1 else [free]
-        dims = sorted(range(len(shape)), key=lambda d: -shape[d])
-        for axes in options:
-            n = math.prod(sizes[a] for a in axes)
-            for d in dims:
-                cur = entry_axes(entries[d])
-                if shape[d] % (n * math.prod(sizes[a] for a in cur)) == 0:
-                    # After the dim's own axes: a ZeRO shard is then a slice of the device's
-                    # tensor shard, where the gradient's reduce-scatter over data leaves it
-                    # (data-major order would need collective-permutes to reorder the blocks).
-                    new = cur + axes
-                    entries[d] = new[0] if len(new) == 1 else new
-                    while entries and entries[-1] is None:
-                        entries.pop()
-                    note = "" if axes == free else f"ZeRO shards over {axes} only (no dim divisible by all of {free})"
-                    return P(*entries), note, False
-        axes_txt = ", ".join(f"{a}={sizes[a]}" for a in free)
-        small = math.prod(shape) < math.prod(sizes[a] for a in free) * _SMALL_PER_DEVICE
-        why = (f"{math.prod(shape)} elements, fewer than {_SMALL_PER_DEVICE} per data device" if small
-               else "Plan(strict=False)")
-        return spec, f"ZeRO cannot shard it: no dim divisible by {axes_txt}; kept replicated over them ({why})", not small
-
-    def _refuse_replicated(self, offenders: list[tuple[str, tuple[int, ...], str]], what: str) -> None:
-        """Under ``strict``, one error naming every leaf ZeRO would have to replicate."""
-        if not offenders or not self.strict:
-            return
-        sizes = dict(self.mesh.shape)
-        axes_txt = " x ".join(f"{a}={sizes[a]}" for a in self.data_axes if sizes[a] > 1)
-        problems = [f"{path} shape={shape} ({source}): no dim is divisible by {axes_txt} or any one of them"
-                    for path, shape, source in offenders]
-        raise ShardingError(
-            f"{len(problems)} {what} leaf/leaves cannot be sharded over the data axes {axes_txt} "
-            f"(ZeRO-{self.zero}) and would be replicated on every data device:", problems,
-            fix="make a dimension of each a multiple of the data axes' size (or change the mesh), or pass "
-                "Plan(..., strict=False) to keep them replicated; plan.describe(params, opt_state=...) lists them")
 
     def param_layout(self, model) -> ParamLayout:
         u = _model.unpack(model)
@@ -271,45 +217,7 @@ class Plan:
             params: the parameters it was built from (a tree, NNX module or Linen variables).
             layout: the parameters' resolved layout, when the caller has it.
         """
-        return self._opt_layout(opt_state, params, layout, check=False)[1]
-
-    def _opt_layout(self, opt_state, params, layout, check):
-        lay = layout or self.param_layout(params)
-        ppaths = leaf_info(_model.unpack(params).params if layout is None else params)[0]
-        by_path = {p: i for i, p in enumerate(ppaths)}
-        flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-        rows, offenders = [], []
-        for keypath, leaf in flat:
-            parts = [str(_key(k)) for k in keypath]
-            path, shape = "/".join(parts), tuple(getattr(leaf, "shape", ()))
-            dtype = getattr(leaf, "dtype", None)
-            if math.prod(shape) <= 1:  # step counts, placeholders: nothing to split
-                kind = "scalar" if not shape else "one element" if math.prod(shape) else "empty"
-                rows.append(LeafLayout(path, shape, dtype, P(), kind))
-                continue
-            # The longest suffix of the path that is a parameter's path; an NNX Variable adds a
-            # trailing "value" key to an optimizer state built from an nnx.State.
-            tails = [parts] + ([parts[:-1]] if len(parts) > 1 and parts[-1] == "value" else [])
-            j = next((by_path[s] for t in tails for s in ("/".join(t[i:]) for i in range(len(t))) if s in by_path),
-                     None)
-            base, source = P(), "own shape"
-            if j is not None:
-                param = lay.leaves[j]
-                if param.shape == shape:
-                    base, source = param.spec, f"follows parameter {param.path}"
-                else:
-                    base, how = _factored_spec(shape, param.shape, param.spec)
-                    source = f"{how} of parameter {param.path}" if how else f"own shape (under parameter {param.path})"
-            if self.zero == 0:
-                rows.append(LeafLayout(path, shape, dtype, base, source))
-                continue
-            spec, note, refused = self._zero_spec(shape, base)
-            rows.append(LeafLayout(path, shape, dtype, spec, source, note))
-            if refused:
-                offenders.append((f"opt_state/{path}", shape, source))
-        if check:
-            self._refuse_replicated(offenders, "optimizer-state")
-        return treedef, rows
+        return _zero.opt_layout(self, opt_state, params, layout, check=False)[1]
 
     def opt_state_specs(self, opt_state, params, layout: ParamLayout | None = None):
         """Optimizer-state specs, leaf by leaf as ``opt_state_layouts`` places them: a
@@ -320,7 +228,7 @@ class Plan:
             ShardingError: under ``strict``, every leaf ZeRO cannot shard (no dimension
                 divisible by the data axes) and not small enough to replicate, in one error.
         """
-        treedef, rows = self._opt_layout(opt_state, params, layout, check=True)
+        treedef, rows = _zero.opt_layout(self, opt_state, params, layout, check=True)
         return jax.tree_util.tree_unflatten(treedef, [r.spec for r in rows])
 
     def batch_specs(self, batch, microbatches: int = 1):
@@ -462,40 +370,6 @@ class _Table(_RichTable):
 
     def _repr_html_(self) -> str:
         return self._export(html=True)
-
-
-def _factored_spec(shape: tuple[int, ...], pshape: tuple[int, ...], pspec: P) -> tuple[P, str]:
-    """The spec of a factored moment of a parameter (its shape with one dimension removed or
-    set to 1) and how it was recognised; ``(P(), "")`` when ``shape`` is not one.
-
-    The moment keeps the parameter's axes on the dimensions it shares with it. When several
-    dimensions could be the one summarised (a square matrix), only the axes every reading
-    agrees on are kept: which one it is cannot be told from shapes, and guessing is wrong for
-    half of them.
-    """
-    entries = list(pspec) + [None] * (len(pshape) - len(pspec))
-    readings, dims = [], []
-    for d in range(len(pshape)):
-        if len(shape) == len(pshape) - 1 and shape == pshape[:d] + pshape[d + 1:]:
-            readings.append(entries[:d] + entries[d + 1:])
-            dims.append(d)
-        elif len(shape) == len(pshape) and pshape[d] != 1 and shape == pshape[:d] + (1,) + pshape[d + 1:]:
-            readings.append(entries[:d] + [None] + entries[d + 1:])
-            dims.append(d)
-    if not readings:
-        return P(), ""
-    kept = [r[0] if all(x == r[0] for x in r) else None for r in zip(*readings)]
-    while kept and kept[-1] is None:
-        kept.pop()
-    which = f"dim {dims[0]}" if len(dims) == 1 else "dim " + " or ".join(map(str, dims))
-    return P(*kept), f"factored moment ({which} summarised)"
-
-
-def _key(k):
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return k
 
 
 def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[int, ...]:
