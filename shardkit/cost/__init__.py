@@ -17,7 +17,7 @@ Modules: ``shapes`` (ModelShape, Layout, Estimate), ``formulas``, ``fromstep``, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import hardware as hardware
 from .formulas import activation_bytes as activation_bytes, estimate as estimate
@@ -33,6 +33,9 @@ __all__ = ["Efficiency", "Estimate", "Layout", "ModelShape", "estimate", "estima
            "model_shape", "collective_time", "search", "simulate", "SimulationError", "weak_scaling", "plan_main", "DECODER_SIZES",
            "EFFICIENCY", "ROOFLINE", "register_efficiency", "register_links", "hardware"]
 hw_lib = hardware
+
+if TYPE_CHECKING:
+    from .rank import SearchResult
 
 
 def estimate_for_step(step, state, batch, *, pipeline: tuple[int, str, int] | None = None,
