@@ -293,6 +293,8 @@ class _Reader:
                 inner_out = not outputs_live and v in jaxpr_out
                 size[v] = 0.0 if (view and name != "convert_element_type") or inner_out else \
                     self.size_of(v.aval, origin.get(v))
+                if self.canonical_dots and name in _MATMUL and np.dtype(v.aval.dtype).itemsize == 2:
+                    size[v] *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
                 born[v] = i
                 last.setdefault(v, i)
         end = len(eqns)
@@ -325,7 +327,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         split_of: ``(aval, leaf index or None) -> (data split, tensor split)``: how many
             devices share the value along the data axes and along the others.
         n_params: the number of parameter leaves (the first ``n_params`` inputs).
-        canonical_dots: count the copies XLA:CPU makes of non-canonical matmul operands.
+        canonical_dots: XLA:CPU's matmuls: count the copies it makes of non-canonical operands,
+            and its f32 results of 16-bit matmuls.
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
