@@ -1,23 +1,30 @@
 """Checkpoints on Orbax: save a sharded ``TrainState`` from every host, restore it onto any plan.
 
-A checkpoint is a plain Orbax ``CheckpointManager`` directory: one subdirectory per step with two
+A checkpoint is a plain Orbax ``CheckpointManager`` directory: one subdirectory per step with three
 items, ``state`` (the whole ``TrainState`` as a ``StandardSave`` pytree: every host writes its own
-shards, nothing is gathered) and ``extra`` (a JSON dict: data-iterator position, config). Restores
-always go through an abstract target carrying the *new* plan's shardings, so a checkpoint saved on
-``data=8`` ZeRO-0 loads onto ``fsdp=4,tensor=2`` ZeRO-3 (Orbax reads each device's slice), and
-never silently onto the mesh it was saved with.
+shards, nothing is gathered), ``extra`` (a JSON dict: data-iterator position, config) and
+``checksums`` (JSON: one checksum per array, and one of ``extra``). Restores always go through an
+abstract target carrying the *new* plan's shardings, so a checkpoint saved on ``data=8`` ZeRO-0
+loads onto ``fsdp=4,tensor=2`` ZeRO-3 (Orbax reads each device's slice), and never silently onto
+the mesh it was saved with.
 
 Safety comes from Orbax's atomic commit (a save is written to ``<step>.orbax-checkpoint-tmp-*``
-and renamed when complete; ``max_to_keep`` deletes old steps only after that), plus checks here:
-non-finite states are refused, and a checkpoint whose tree or shapes differ from the target is
-reported leaf by leaf before anything is read.
+and renamed when complete; old steps are deleted only after that), plus checks here: non-finite
+states are refused, a checkpoint whose tree or shapes differ from the target is reported leaf by
+leaf before anything is read, and every array read back is checked against its checksum before
+``restore`` returns (Orbax and TensorStore verify their index, not array data: a flipped bit in a
+chunk would otherwise come back as a wrong number). ``fallback=True`` goes back to the newest
+intact step and never touches the damaged one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterable
@@ -27,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .plan import Plan
@@ -38,6 +46,45 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read as asked (the message says why and what to do)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A saved step is damaged: an array's checksum differs, a file is missing or truncated, an
+    array is missing, or its metadata is unreadable.
+
+    Attributes:
+        directory: the checkpoint directory.
+        step: the damaged step (left exactly as it is on disk).
+        problems: ``((leaf path, what is wrong), ...)``; the path is ``""`` when the damage is to
+            something all arrays share (the step's index or metadata).
+    """
+
+    def __init__(self, directory: str, step: int, problems: list[tuple[str, str]], steps: list[int]):
+        self.directory, self.step, self.problems = directory, step, tuple(problems)
+        lines = "\n".join(f"  {leaf or '(the whole step)'}: {what}" for leaf, what in problems)
+        older = [s for s in steps if s < step]
+        alt = (f"restore(..., fallback=True) / resume(..., fallback=True) go back to the newest intact step "
+               f"(older complete steps: {older})" if older else "no older step to fall back to: start without resuming")
+        super().__init__(
+            f"checkpoint step {step} in {directory} is corrupt:\n{lines}\n{alt}. shardkit never deletes or "
+            f"changes a damaged step: inspect {os.path.join(directory, str(step))}, then delete it yourself.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreInfo:
+    """What the last ``restore``/``resume`` of a ``Checkpointer`` read.
+
+    Attributes:
+        step: the step whose state (and extra) was returned.
+        verified: True if every array matched its saved checksum; False for a checkpoint written
+            before checksums existed (or with ``checksums=False``), restored unverified.
+        skipped: ``((step, problems), ...)`` for newer steps that ``fallback=True`` passed over
+            because they are corrupt (newest first); empty when the asked-for step was intact.
+    """
+
+    step: int
+    verified: bool
+    skipped: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()
 
 
 def _key_str(k) -> str:
@@ -104,6 +151,255 @@ def tree_mismatches(saved: dict[str, Any], expected: dict[str, Any]) -> list[str
     return lines
 
 
+# ---- integrity: one layout-independent checksum per array ------------------------------------
+#
+# A checksum keyed by the shards a save wrote can only be checked by a restore that reads the
+# same shards, but a restore onto another mesh reads other slices. So each array gets one
+# additive checksum instead (Bellare & Micciancio, "A New Paradigm for Collision-free Hashing:
+# Incrementality at Reduced Cost", EUROCRYPT 1997): the sum, mod 2**32, of a bijective mix of
+# each 32-bit word keyed by its global position, in two independent lanes. Sums do not depend on
+# the order of addition, so every device sums the words it holds, XLA adds the partial sums
+# across devices and hosts (8 bytes per array cross the network, never the array), and the value
+# is the same for any layout. One changed word always changes both lanes (each term is a
+# bijection of the word); random damage to several words goes unnoticed with probability ~2**-64.
+
+_RECORD = "checksums"  # the Orbax item beside "state" and "extra"
+_FORMAT = "shardkit.checksums/1"
+_U32 = np.uint32
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser (Appleby, 2011): a bijection spreading each bit over all."""
+    h = h ^ (h >> 16)
+    h = h * _U32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _U32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _bits(dtype) -> int | None:
+    """Bits per element of a dtype the checksum covers, or None (e.g. PRNG key arrays)."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    if dtype == np.bool_:
+        return 8
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return 8 * dtype.itemsize
+    for kind, info in ((jnp.integer, jnp.iinfo), (jnp.floating, jnp.finfo)):
+        if jnp.issubdtype(dtype, kind):
+            bits = info(dtype).bits
+            return bits if bits <= 8 or bits in (16, 32, 64) else None
+    return None
+
+
+def _words(x):
+    """The bits of ``x`` as uint32, shape ``x.shape + (words per element,)``, value-exact."""
+    dtype = np.dtype(x.dtype)
+    if dtype == np.bool_:
+        return x.astype(jnp.uint32)[..., None]
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return _words(jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)).reshape(x.shape + (-1,))
+    bits = _bits(dtype)
+    if bits < 8:  # int4 / float4 have no byte to reinterpret; their values convert exactly
+        return _words(x.astype(jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else jnp.int32))
+    word = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}[bits]
+    return lax.bitcast_convert_type(x, word).astype(jnp.uint32).reshape(x.shape + (-1,))
+
+
+def _leaf_digest(x):
+    """``uint32[2]``: the two lanes of ``x``'s checksum (traced on the global, sharded array)."""
+    w = _words(x)
+    flat, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for d in reversed(range(x.ndim)):
+        flat = flat + lax.broadcasted_iota(jnp.uint32, x.shape, d) * _U32(stride % 2**32)
+        stride *= x.shape[d]
+    pos = flat[..., None] * _U32(w.shape[-1]) + lax.broadcasted_iota(jnp.uint32, w.shape, x.ndim)
+    a = _fmix32(w ^ (pos * _U32(0x9E3779B1) + _U32(0x7F4A7C15)))
+    b = _fmix32(w * _U32(0x27D4EB2F) + ((pos * _U32(0xCC9E2D51)) ^ _U32(0x165667B1)))
+    return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+
+
+_digest_fns: dict[Any, Any] = {}
+
+
+def _digest_fn(out_sharding):
+    if out_sharding not in _digest_fns:
+        kw = {} if out_sharding is None else {"out_shardings": out_sharding}
+        _digest_fns[out_sharding] = jax.jit(lambda xs: jnp.stack([_leaf_digest(x) for x in xs]), **kw)
+    return _digest_fns[out_sharding]
+
+
+def array_checksums(tree) -> dict[str, str | None]:
+    """``{leaf path: 16 hex digits}``: each array's checksum, the same for any sharding of it.
+
+    One jitted pass per device set: each device reads its own shards once (no copy, nothing
+    gathered) and only the 8-byte partial sums are combined across devices and hosts. Every
+    process must call it (a collective on multi-host arrays). Leaves of a dtype it cannot read
+    bitwise (e.g. typed PRNG keys) map to None.
+    """
+    out: dict[str, str | None] = {}
+    groups: dict[Any, list[tuple[str, Any]]] = {}
+    for name, x in leaf_paths(tree).items():
+        if _bits(getattr(x, "dtype", None)) is None:
+            out[name] = None
+            continue
+        s = getattr(x, "sharding", None)
+        key = s.mesh if isinstance(s, NamedSharding) else frozenset(s.device_set) if s is not None else None
+        groups.setdefault(key, []).append((name, x))
+    for key, members in groups.items():
+        rep = NamedSharding(key, P()) if isinstance(key, jax.sharding.Mesh) else None
+        sums = _digest_fn(rep)([x for _, x in members])
+        if not sums.is_fully_addressable:  # replicated on every device: read this host's copy
+            sums = sums.addressable_data(0)
+        sums = np.asarray(sums)
+        out.update((name, f"{int(a):08x}{int(b):08x}") for (name, _), (a, b) in zip(members, sums))
+    return out
+
+
+def _extra_digest(extra: dict) -> str:
+    return hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()
+
+
+def _make_record(state, extra: dict) -> dict:
+    sums = array_checksums(state)
+    leaves = {name: {"shape": list(np.shape(x)), "dtype": str(x.dtype), "checksum": sums[name]}
+              for name, x in leaf_paths(state).items()}
+    return {"format": _FORMAT, "leaves": leaves, "extra": _extra_digest(extra)}
+
+
+def _agree(flag: bool) -> list[int]:
+    """Processes whose ``flag`` is set: all processes must take the same branch after a read."""
+    if jax.process_count() == 1:
+        return [0] if flag else []
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).reshape(-1)
+    return [int(p) for p in np.flatnonzero(flags)]
+
+
+def _first_line(e: BaseException | str) -> str:
+    text = e if isinstance(e, str) else (str(e) or repr(e))
+    return text.strip().splitlines()[0][:500] if text.strip() else type(e).__name__
+
+
+# ---- what a failed read means ------------------------------------------------------------------
+
+_READ_ERROR = re.compile(r'\b([A-Z][A-Z_]{3,}): (?:.*?)(?:Error reading|Metadata at) "([^"/]+)/([^"]*)"[^\n]*')
+
+
+def _what_failed(status: str, message: str, chunk: str) -> str:
+    low = message.lower()
+    if status == "DATA_LOSS" or "checksum" in low:
+        return "checksum mismatch (found by the storage layer)"
+    if status == "OUT_OF_RANGE" or "truncated" in low:
+        return "truncated"
+    if status == "NOT_FOUND":
+        return "missing array" if chunk.startswith(".z") or chunk == "zarr.json" else "missing file"
+    if "zstd" in low or "decompress" in low:
+        return "corrupt data (does not decompress)"
+    return "unreadable"
+
+
+def _file_damage(path: str, end: int) -> str | None:
+    if not os.path.exists(path):
+        return "missing file"
+    if os.path.getsize(path) < end:
+        return "truncated"
+    return None
+
+
+def _location(item_dir: str, loc: str) -> tuple[str, int]:
+    """The file and end offset of an OCDBT location ``kind:<base>:<file>:<offset>:<length>``."""
+    paths, offset, length = loc.split(":", 1)[1].rsplit(":", 2)
+    base, rel = paths.split(":", 1)
+    return os.path.join(item_dir, base, rel), int(offset) + int(length)
+
+
+def _scan_files(item_dir: str, names: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """Missing or truncated files of an Orbax (OCDBT) item, per array, without reading array data.
+
+    Walks the item's B-tree with TensorStore's ``ocdbt.dump`` (which verifies the index's own
+    CRC-32C) and checks that every file a value points into exists and is long enough.
+
+    Args:
+        item_dir: e.g. ``<dir>/<step>/state``.
+        names: maps Orbax's dotted array names (``params.w1``) to leaf paths (``params/w1``).
+
+    Returns:
+        ``[(leaf path, what is wrong), ...]``; ``""`` as the path for damage to the index itself.
+    """
+    names = names or {}
+    if not os.path.exists(os.path.join(item_dir, "manifest.ocdbt")):
+        return []
+    import tensorstore as ts
+
+    problems: dict[str, str] = {}
+    try:
+        base = ts.KvStore.open({"driver": "file", "path": item_dir.rstrip("/") + "/"}).result()
+        versions = ts.ocdbt.dump(base).result().get("versions") or []
+    except Exception as e:  # noqa: BLE001 - any failure here is damage to the manifest
+        return [("", f"its index (manifest.ocdbt) is unreadable: {_first_line(e)}")]
+    todo = [(versions[-1]["root"]["location"], b"")] if versions and versions[-1]["root"].get("location") else []
+    while todo:
+        loc, prefix = todo.pop()
+        path, end = _location(item_dir, loc)
+        rel = os.path.relpath(path, item_dir)
+        damage = _file_damage(path, end)
+        try:
+            node = None if damage else ts.ocdbt.dump(base, loc).result()
+        except Exception as e:  # noqa: BLE001
+            damage = f"unreadable: {_first_line(e)}"
+        if damage:
+            problems.setdefault("", f"its index (B-tree node in {rel}) is {damage}; no array can be read")
+            continue
+        for entry in node.get("entries", []):
+            if "location" in entry:  # an inner node: its children's keys drop the common prefix
+                todo.append((entry["location"], prefix + entry.get("subtree_common_prefix", b"")))
+            elif "indirect_value" in entry:
+                path, end = _location(item_dir, entry["indirect_value"])
+                damage = _file_damage(path, end)
+                if damage:
+                    array = (prefix + entry["key"]).split(b"/")[0].decode(errors="replace")
+                    problems.setdefault(names.get(array, array), f"{damage} ({os.path.relpath(path, item_dir)})")
+    return sorted(problems.items())
+
+
+def _read_problems(item_dir: str, error: BaseException, names: dict[str, str], context: str) -> list[tuple[str, str]]:
+    """Why Orbax could not read an item: every array with a missing/truncated file, else the
+    array and status TensorStore names in the error chain, else ``context`` and the error."""
+    try:
+        found = _scan_files(item_dir, names)
+    except Exception as e:  # noqa: BLE001 - the diagnosis must never hide the original error
+        log.info("could not scan %s for damaged files: %s", item_dir, e)
+        found = []
+    if found:
+        return found
+    seen, e = [], error
+    while e is not None and len(seen) < 20:
+        seen.append(e)
+        m = _READ_ERROR.search(str(e))
+        if m:
+            status, array, chunk = m.groups()
+            return [(names.get(array, array), f"{_what_failed(status, m.group(0), chunk)} ({m.group(0)[:300]})")]
+        e = e.__cause__ or e.__context__
+    return [("", f"{context} ({type(error).__name__}: {_first_line(error)})")]
+
+
+class _KeepIntact:
+    """Orbax preservation policy: the ``keep`` newest steps not known to be corrupt, plus every
+    step known to be corrupt (evidence is never deleted, and it holds no place in ``keep``)."""
+
+    def __init__(self, keep: int | None, corrupt: set[int]):
+        self.keep, self.corrupt = keep, corrupt
+
+    def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
+        intact = sorted((c.step for c in checkpoints if c.step not in self.corrupt), reverse=True)
+        kept = set(intact if self.keep is None else intact[: self.keep])
+        return [c.step in kept or c.step in self.corrupt for c in checkpoints]
+
+
 def abstract_target(plan: Plan, like, shardings=None):
     """``like`` as a tree of ``jax.ShapeDtypeStruct`` with shardings on ``plan.mesh``.
 
@@ -157,20 +453,29 @@ class Checkpointer:
     Attributes:
         directory: the absolute checkpoint directory (one subdirectory per step).
         keep: how many complete checkpoints to keep (None: all). The newest complete one is
-            never deleted: old steps go only after a new save has committed.
+            never deleted: old steps go only after a new save has committed. Steps a restore
+            found corrupt are never deleted and do not count (so they cannot push the last
+            intact step out).
         every: ``save`` writes only when ``step % every == 0`` (None: every call); ``force=True``
             overrides (preemption and final saves).
         async_save: write in a background thread; ``save`` returns once the arrays are copied
             off the devices, so the state may be donated to the next step right away.
+        checksums: record a checksum per array with every save (restores verify them whenever
+            present, whatever this is set to).
+        last_restore: a ``RestoreInfo`` (step, verified, corrupt steps skipped) for the last
+            ``restore``/``resume``, or None.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, every: int | None = None,
-                 async_save: bool = True):
+                 async_save: bool = True, checksums: bool = True):
         for name, v in (("keep", keep), ("every", every)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"Checkpointer({name}={v!r}): use a positive integer, or None")
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep, self.every, self.async_save = keep, every, bool(async_save)
+        self.checksums = bool(checksums)
+        self.last_restore: RestoreInfo | None = None
+        self._corrupt: set[int] = set()  # steps a restore found damaged: kept, never counted in `keep`
         self._mngr: ocp.CheckpointManager | None = None
         self._writer = False
 
@@ -195,9 +500,10 @@ class Checkpointer:
         if partial and jax.process_index() == 0:
             log.warning("removing %d interrupted save(s) in %s: %s", len(partial), self.directory, ", ".join(partial))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, create=create, cleanup_tmp_directories=create,
-            enable_async_checkpointing=self.async_save)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
+            preservation_policy=_KeepIntact(self.keep, self._corrupt), create=create,
+            cleanup_tmp_directories=create, enable_async_checkpointing=self.async_save)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler(),
+                    _RECORD: ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._writer = create
         return self._mngr
@@ -216,11 +522,12 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None (no directory or no complete save)."""
-        m = self._reader()
-        return None if m is None else m.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Steps of all complete checkpoints, oldest first (interrupted saves are not listed)."""
+        """Steps of all complete checkpoints, oldest first (interrupted saves are not listed;
+        complete steps a restore found corrupt are, since they are still on disk)."""
         m = self._reader()
         return [] if m is None else sorted(m.all_steps())
 
@@ -261,7 +568,8 @@ class Checkpointer:
 
         Returns:
             True if a checkpoint was written (started, if async); False if ``every`` skips this
-            step or ``step`` is already saved (an existing checkpoint is never overwritten).
+            step or ``step`` is already saved (an existing checkpoint is never overwritten, a
+            corrupt one included: a warning says so).
 
         Raises:
             CheckpointError: non-finite values (each leaf named), or ``extra`` is not JSON.
@@ -283,19 +591,27 @@ class Checkpointer:
                 f"save(extra=...) must be JSON-serialisable (dicts, lists, str, numbers): {e}") from None
         mngr = self._manager(create=True)
         if step in mngr.all_steps():
+            if step in self._corrupt:
+                log.warning("not saving step %d: %s holds a corrupt checkpoint of that step, kept for inspection "
+                            "(never overwritten); move it away to save this step", step,
+                            os.path.join(self.directory, str(step)))
             return False
         if not allow_nonfinite:
             bad = nonfinite_leaves(state)
             if bad:
-                latest = mngr.latest_step()
+                latest = self.latest_step()
                 keep_txt = (f"checkpoint step {latest} is left as it was" if latest is not None
                             else "nothing was written")
                 raise CheckpointError(
                     f"refusing to save step {step}: non-finite values (NaN/inf) in\n  " + "\n  ".join(bad) +
                     f"\n{keep_txt}. Restore it and lower the learning rate / enable clip_norm or "
                     "skip_nonfinite, or pass allow_nonfinite=True to save anyway (e.g. to debug).")
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
-        saved = mngr.save(step, args=args, force=True, custom_metadata=_describe_layout(state))
+        items = {"state": ocp.args.StandardSave(state), "extra": ocp.args.JsonSave(extra)}
+        if self.checksums:
+            items[_RECORD] = ocp.args.JsonSave(_make_record(state, extra))
+        meta = _describe_layout(state)
+        meta["shardkit"]["checksums"] = self.checksums
+        saved = mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta)
         if not self.async_save:
             mngr.wait_until_finished()
         return bool(saved)
@@ -321,12 +637,14 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; complete steps: {steps}")
         return mngr, int(step)
 
-    def restore(self, plan: Plan, like, step: int | None = None, *, shardings=None):
-        """Restores checkpoint ``step`` (default: the latest) onto ``plan``.
+    def restore(self, plan: Plan, like, step: int | None = None, *, shardings=None, fallback: bool = False):
+        """Restores checkpoint ``step`` (default: the latest) onto ``plan``, verified.
 
         The layout comes only from ``like``/``plan``, never from the checkpoint, so any saved mesh
         and ZeRO stage restore onto any new one (each device reads just its slice). Dtypes follow
-        ``like`` (values are cast if the precision changed).
+        ``like`` (values are cast if the precision changed, after verification). Every array is
+        checked against the checksum saved with it before anything is returned; a checkpoint
+        written without checksums restores unverified, with a logged warning.
 
         Args:
             plan: the plan of the run being resumed; ``like``'s shardings must be on its mesh.
@@ -335,66 +653,214 @@ class Checkpointer:
             step: which checkpoint (default: the newest complete one).
             shardings: optional ``NamedSharding`` tree (``step.state_shardings(like)``) used
                 instead of ``like``'s own.
+            fallback: if ``step`` is corrupt, log a warning and try the next older step, and so
+                on, until one is intact. Damaged steps are left as they are on disk.
+                ``self.last_restore`` tells which step came back and which were skipped.
 
         Returns:
             The restored state, with ``like``'s tree structure and shardings.
 
         Raises:
+            CorruptCheckpointError: the step is damaged (each array and what is wrong listed);
+                with ``fallback``, when no step is intact (every step's problems listed).
             CheckpointError: no such directory or step, the checkpoint's tree/shapes do not match
-                ``like`` (every differing leaf listed), ``like`` is not on ``plan.mesh``, or the
-                checkpoint is unreadable.
+                ``like`` (every differing leaf listed), or ``like`` is not on ``plan.mesh``.
         """
         if not isinstance(plan, Plan):
             raise ValueError(f"restore(plan, ...) needs an sk.Plan, got {type(plan).__name__}")
         target = abstract_target(plan, like, shardings)
         mngr, step = self._require_step(step)
+        return self._first_intact(mngr, step, target, fallback, with_extra=False)[0]
+
+    def resume(self, plan: Plan, like, *, shardings=None, fallback: bool = False) -> tuple[Any, dict | None]:
+        """The newest checkpoint restored onto ``plan`` and its ``extra``, read from the same
+        step; ``(like, None)`` when the directory holds none yet (a first run).
+
+        With ``fallback=True`` a corrupt newest step is skipped (warning logged) for the newest
+        intact one, whose state *and* extra are returned; ``self.last_restore.step`` is that step.
+
+        Raises:
+            CheckpointError: as ``restore``.
+        """
+        if self.latest_step() is None:
+            return like, None
+        if not isinstance(plan, Plan):
+            raise ValueError(f"resume(plan, ...) needs an sk.Plan, got {type(plan).__name__}")
+        target = abstract_target(plan, like, shardings)
+        mngr, step = self._require_step(None)
+        return self._first_intact(mngr, step, target, fallback, with_extra=True)
+
+    def extra(self, step: int | None = None) -> dict:
+        """The ``extra`` dict saved with checkpoint ``step`` (default: the latest), verified
+        against its checksum when the step has one.
+
+        Raises:
+            CorruptCheckpointError: it is unreadable or differs from what was saved.
+        """
+        mngr, step = self._require_step(step)
+        return self._read_extra(mngr, step, self._read_record(mngr, step))
+
+    def _first_intact(self, mngr, step: int, target, fallback: bool, with_extra: bool):
+        candidates = [step] + ([s for s in sorted(mngr.all_steps(), reverse=True) if s < step] if fallback else [])
+        skipped: list[CorruptCheckpointError] = []
+        for s in candidates:
+            try:
+                state, extra, verified = self._load(mngr, s, target, with_extra)
+            except CorruptCheckpointError as e:
+                self._corrupt.add(s)
+                if not fallback:
+                    raise
+                log.warning("%s\nfalling back to an older step.", e)
+                skipped.append(e)
+                continue
+            self.last_restore = RestoreInfo(s, verified, tuple((e.step, e.problems) for e in skipped))
+            if skipped:
+                log.warning("restored checkpoint step %d of %s; corrupt newer step(s) %s skipped and left untouched",
+                            s, self.directory, [e.step for e in skipped])
+            return state, extra
+        raise CheckpointError(
+            f"no intact checkpoint in {self.directory}: every complete step is corrupt "
+            f"(each is left as it is on disk):\n" + "\n".join(
+                f"  step {e.step}: " + "; ".join(f"{leaf or '(the whole step)'}: {what}" for leaf, what in e.problems)
+                for e in skipped) + "\nStart without resuming, or point --checkpoint-dir elsewhere.")
+
+    def _damaged(self, step: int, problems: list[tuple[str, str]]) -> CorruptCheckpointError:
+        steps = self._mngr.all_steps() if self._mngr is not None else []
+        return CorruptCheckpointError(self.directory, step, problems, sorted(steps))
+
+    def _read_record(self, mngr, step: int) -> dict | None:
+        """The step's checksum record; None for a step saved without one (it says which)."""
+        step_dir = os.path.join(self.directory, str(step))
+        try:
+            meta = (mngr.metadata(step).custom_metadata or {}).get("shardkit", {})
+        except Exception:  # noqa: BLE001 - unreadable step metadata: the item itself decides
+            meta = {}
+        if not os.path.isdir(os.path.join(step_dir, _RECORD)):
+            if meta.get("checksums"):
+                raise self._damaged(step, [("", f"missing file: its checksum record ({_RECORD}/) is gone")])
+            return None
+        try:
+            record = mngr.restore(step, args=ocp.args.Composite(**{_RECORD: ocp.args.JsonRestore()}))[_RECORD]
+        except Exception as e:  # noqa: BLE001 - any Orbax/JSON failure: the record is damaged
+            raise self._damaged(step, [("", f"its checksum record is unreadable ({_first_line(e)})")]) from e
+        if not (isinstance(record, dict) and record.get("format") == _FORMAT and isinstance(record.get("leaves"), dict)):
+            raise self._damaged(step, [("", f"its checksum record is not a {_FORMAT} record")])
+        return record
+
+    def _read_extra(self, mngr, step: int, record: dict | None) -> dict:
+        try:
+            out = mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            raise self._damaged(step, [("extra", f"unreadable ({_first_line(e)})")]) from e
+        extra = dict(out.extra or {})
+        if record is not None and record.get("extra") not in (None, _extra_digest(extra)):
+            raise self._damaged(step, [("extra", "checksum mismatch")])
+        return extra
+
+    def _load(self, mngr, step: int, target, with_extra: bool) -> tuple[Any, dict | None, bool]:
+        """Reads one step into ``target`` and verifies it; CorruptCheckpointError if damaged."""
+        record = self._read_record(mngr, step)
+        expected = leaf_paths(target)
+        names = {name.replace("/", "."): name for name in expected}
+        # Missing or short files (and a damaged index) are found from the index alone, before
+        # Orbax reads anything through it.
+        item = os.path.join(self.directory, str(step), "state")
+        try:
+            problems = _scan_files(item, names)
+        except Exception as e:  # noqa: BLE001 - the scan is a diagnosis; the reads below decide
+            log.info("could not scan %s for damaged files: %s", item, e)
+            problems = []
+        failed = _agree(bool(problems))
+        if failed:
+            raise self._damaged(step, problems or [("", f"process(es) {failed} found damaged files (see their error)")])
         try:
             saved = mngr.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any Orbax/tensorstore failure means unreadable
-            raise self._corrupt(step, e) from e
+            raise self._damaged(step, _read_problems(item, e, names, "its state metadata is unreadable")) from e
         if saved is None:
-            raise self._corrupt(step, "its 'state' item has no metadata")
-        saved_tree = getattr(saved, "tree", saved)
-        diff = tree_mismatches(leaf_paths(saved_tree), leaf_paths(target))
+            raise self._damaged(step, [("", "missing file: its state item has no metadata")])
+        saved = leaf_paths(getattr(saved, "tree", saved))
+        if record is not None:
+            lost = _record_vs_metadata(record["leaves"], saved)
+            if lost:
+                raise self._damaged(step, lost)
+        diff = tree_mismatches(saved, expected)
         if diff:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} does not match the model being restored "
                 f"({len(diff)} leaves differ):\n" + "\n".join(diff) +
                 "\nRestore with the model/optimizer config it was saved with, or start a new directory.")
+        read = target if record is None else _in_saved_dtypes(target, record["leaves"])
+        error = None
         try:
-            out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        except Exception as e:  # noqa: BLE001
-            raise self._corrupt(step, e) from e
-        return out.state
+            state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(read))).state
+        except Exception as e:  # noqa: BLE001 - diagnosed below
+            error = e
+        failed = _agree(error is not None)
+        if failed:
+            problems = (_read_problems(item, error, names, "unreadable") if error is not None
+                        else [("", f"process(es) {failed} could not read it (see their error)")])
+            raise self._damaged(step, problems) from error
+        if record is None:
+            log.warning("checkpoint step %d in %s has no checksums (saved before shardkit wrote them, or with "
+                        "checksums=False): restored unverified", step, self.directory)
+        else:
+            problems = _verify(state, record["leaves"])
+            failed = _agree(bool(problems))
+            if failed and not problems:
+                problems = [("", f"process(es) {failed} read arrays that differ from their checksums (see their error)")]
+            if problems:
+                raise self._damaged(step, problems)
+            state = jax.tree.map(_cast_to, state, target)
+        extra = self._read_extra(mngr, step, record) if with_extra else None
+        return state, extra, record is not None
 
-    def resume(self, plan: Plan, like, *, shardings=None) -> tuple[Any, dict | None]:
-        """The newest checkpoint restored onto ``plan`` and its ``extra``, read from the same
-        step; ``(like, None)`` when the directory holds none yet (a first run).
 
-        Raises:
-            CheckpointError: as ``restore``.
-        """
-        step = self.latest_step()
-        if step is None:
-            return like, None
-        return self.restore(plan, like, step, shardings=shardings), self.extra(step)
+def _record_vs_metadata(record: dict, saved: dict) -> list[tuple[str, str]]:
+    """Arrays the checksum record lists (= what was saved) that the state's metadata lacks or
+    shapes differently, and the reverse: damage to the metadata, not another model."""
+    out = []
+    for name in sorted(set(record) | set(saved)):
+        if name not in saved:
+            out.append((name, f"missing array: saved as {tuple(record[name]['shape'])} {record[name]['dtype']}, "
+                              "absent from the step's state metadata"))
+        elif name not in record:
+            out.append((name, "not in the step's checksum record (the record or the metadata is damaged)"))
+        elif tuple(record[name]["shape"]) != tuple(saved[name].shape):
+            out.append((name, f"metadata says shape {tuple(saved[name].shape)}, saved as {tuple(record[name]['shape'])}"))
+    return out
 
-    def extra(self, step: int | None = None) -> dict:
-        """The ``extra`` dict saved with checkpoint ``step`` (default: the latest)."""
-        mngr, step = self._require_step(step)
-        try:
-            out = mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001
-            raise self._corrupt(step, e) from e
-        return dict(out.extra or {})
 
-    def _corrupt(self, step: int, cause) -> CheckpointError:
-        others = [s for s in self.all_steps() if s != step]
-        alt = f"restore another step (step={others[-1]}; complete: {others})" if others else "start without resuming"
-        if not isinstance(cause, str):
-            cause = f"{type(cause).__name__}: {(str(cause) or repr(cause)).splitlines()[0]}"
-        return CheckpointError(
-            f"checkpoint step {step} in {self.directory} is unreadable ({cause}); {alt}, or delete that step directory")
+def _in_saved_dtypes(target, record: dict):
+    """``target`` with each checksummed leaf in the dtype it was saved in: the checksum covers
+    those bits, so a cast (a new precision) happens only after verification."""
+    def one(path, t):
+        entry = record.get("/".join(_key_str(k) for k in path))
+        if entry is None or entry["checksum"] is None or entry["dtype"] == str(t.dtype):
+            return t
+        return jax.ShapeDtypeStruct(t.shape, jnp.dtype(entry["dtype"]), sharding=t.sharding)
+    return jax.tree_util.tree_map_with_path(one, target)
+
+
+def _cast_to(x, t):
+    if x.dtype == t.dtype:
+        return x
+    return jax.jit(lambda a: a.astype(t.dtype), out_shardings=t.sharding)(x)
+
+
+def _verify(state, record: dict) -> list[tuple[str, str]]:
+    """``[(leaf, "checksum mismatch ...")]`` for every restored array whose checksum differs."""
+    got = array_checksums(state)
+    problems, unverified = [], []
+    for name, value in got.items():
+        want = record[name]["checksum"]
+        if want is None:
+            unverified.append(name)
+        elif value != want:
+            problems.append((name, f"checksum mismatch (saved {want}, read {value})"))
+    if unverified:
+        log.info("no checksum for %s (dtypes without a bitwise view): restored unverified", ", ".join(unverified))
+    return problems
 
 
 def _describe_layout(state) -> dict:
@@ -466,5 +932,5 @@ class PreemptionGuard:
         self.close()
 
 
-__all__ = ["Checkpointer", "CheckpointError", "PreemptionGuard", "abstract_target", "leaf_paths",
-           "nonfinite_leaves", "tree_mismatches"]
+__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "PreemptionGuard", "RestoreInfo",
+           "abstract_target", "array_checksums", "leaf_paths", "nonfinite_leaves", "tree_mismatches"]

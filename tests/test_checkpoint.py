@@ -1,6 +1,10 @@
 """Checkpoints: reshard on restore, safety (kill -9, non-finite, mismatches), preemption."""
 
+import hashlib
+import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardkit.checkpoint import Checkpointer, CheckpointError, PreemptionGuard
+from shardkit.checkpoint import (Checkpointer, CheckpointError, CorruptCheckpointError, PreemptionGuard, RestoreInfo,
+                                 array_checksums)
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 sys.path.insert(0, SCRIPTS)
@@ -60,6 +67,7 @@ def test_reshard_dp_to_fsdp_tensor_zero3_and_back(tmp_path):
     like = step_b.init(tiny.init_params, seed=1)
     restored = ckpt.restore(plan_b, like=like)
     assert_same(restored, saved)
+    assert ckpt.last_restore.verified  # the checksums do not depend on the layout
     assert restored.params["w1"].sharding == like.params["w1"].sharding
     assert restored.opt_state[0].mu["w1"].sharding.spec == like.opt_state[0].mu["w1"].sharding.spec
     assert ckpt.extra()["data_position"] == 3
@@ -161,15 +169,16 @@ def test_every_keep_force_and_no_overwrite(tmp_path, dp):
         Checkpointer(tmp_path, keep=0)
 
 
-def test_corrupt_checkpoint_is_a_clear_error(tmp_path, dp):
+def test_missing_state_metadata_is_a_corrupt_step(tmp_path, dp):
     plan, _, state = dp
     ckpt = Checkpointer(tmp_path, async_save=False)
     ckpt.save(state, step=1)
     ckpt.save(state, step=2)
     os.remove(tmp_path / "2" / "state" / "_METADATA")
-    with pytest.raises(CheckpointError, match=r"step 2 .* unreadable.*restore another step \(step=1"):
+    with pytest.raises(CorruptCheckpointError, match=r"(?s)step 2 .* corrupt.*metadata.*older complete steps: \[1\]"):
         Checkpointer(tmp_path).restore(plan, like=state)
     assert_same(Checkpointer(tmp_path).restore(plan, like=state, step=1), host(state))
+    assert_same(Checkpointer(tmp_path).restore(plan, like=state, fallback=True), host(state))
 
 
 def test_readable_with_plain_orbax(tmp_path, dp):
@@ -300,3 +309,282 @@ def test_resume_returns_like_when_empty_and_latest_with_extra(tmp_path):
     ckpt.wait()
     restored, extra = ckpt.resume(plan, like=state)
     assert extra == {"data": {"offset": 8}} and int(restored.step) == 1
+
+
+# ---- integrity: damaged steps are named, fallback restores the previous one exactly -------------
+
+WIDE = 512  # hidden width: every chunk is > 1 KiB, so OCDBT stores it in a data file (not inline)
+
+
+def init_wide(key):
+    return tiny.init_params(key, d_hid=WIDE)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1 and 2 of the wide MLP (data=8 ZeRO-0) in one directory, and host copies of both."""
+    plan, step = tiny.make_step("data=8", zero=0)
+    state = step.init(init_wide, seed=0)
+    directory = tmp_path_factory.mktemp("saved")
+    states = {}
+    with Checkpointer(directory, keep=None, async_save=False) as ckpt:
+        for i in (1, 2):
+            state, _ = step(state, tiny.batch(i - 1))
+            states[i] = host(state)
+            ckpt.save(state, extra={"data_position": i})
+    return plan, step, directory, states
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """A fresh copy of the saved directory (tests damage it) and a target to restore into."""
+    plan, step, directory, states = saved
+    shutil.copytree(directory, tmp_path / "ckpt")
+    return plan, step.abstract_state(init_wide), tmp_path / "ckpt", states
+
+
+def _chunk(item_dir, key: bytes) -> tuple[str, int, int]:
+    """(file, offset, length) of one stored chunk, e.g. ``b"params.w1/3.0"``, from the step's index."""
+    from shardkit.checkpoint import _location
+
+    base = ts.KvStore.open({"driver": "file", "path": f"{item_dir}/"}).result()
+    todo = [(ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"], b"")]
+    while todo:
+        loc, prefix = todo.pop()
+        for entry in ts.ocdbt.dump(base, loc).result()["entries"]:
+            if "location" in entry:
+                todo.append((entry["location"], prefix + entry.get("subtree_common_prefix", b"")))
+            elif prefix + entry["key"] == key:
+                assert "indirect_value" in entry, f"{key} is stored inline; widen the model"
+                path, end = _location(str(item_dir), entry["indirect_value"])
+                length = int(entry["indirect_value"].rsplit(":", 1)[1])
+                return path, end - length, length
+    raise AssertionError(f"no chunk {key} in {item_dir}")
+
+
+def _flip(path, at: int, n: int = 64):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _fingerprint(directory) -> dict:
+    """Every file under ``directory`` and its SHA-256: proof that nothing was changed."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _assert_falls_back_to_step_1(plan, like, directory, states, caplog, leaf):
+    """Step 2 is refused naming ``leaf``; fallback gives step 1 bit for bit and touches nothing."""
+    before = _fingerprint(directory / "2")
+    with pytest.raises(CorruptCheckpointError) as e:
+        Checkpointer(directory).restore(plan, like=like)
+    assert e.value.step == 2 and f"checkpoint step 2 in {directory} is corrupt" in str(e.value)
+    assert leaf in [p for p, _ in e.value.problems], e.value.problems
+    ckpt = Checkpointer(directory)
+    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint"):
+        state, extra = ckpt.resume(plan, like=like, fallback=True)
+    assert_same(state, states[1])
+    assert extra == {"data_position": 1}
+    assert ckpt.last_restore.step == 1 and ckpt.last_restore.verified
+    assert [s for s, _ in ckpt.last_restore.skipped] == [2]
+    assert "restored checkpoint step 1" in caplog.text and "[2] skipped" in caplog.text
+    assert _fingerprint(directory / "2") == before
+    return e.value
+
+
+@pytest.mark.parametrize("key, where", [
+    (b"params.w1/3.0", "start"), (b"params.w1/3.0", "middle"), (b"params.w1/3.0", "end"),
+    (b"opt_state.0.mu.w2/0.0", "middle"), (b"opt_state.0.nu.w1/7.0", "end"), (b"params.w2/5.0", "middle")])
+def test_bit_flips_name_the_array_and_fallback_restores_exactly(copy, caplog, key, where):
+    plan, like, directory, states = copy
+    path, offset, length = _chunk(directory / "2" / "state", key)
+    _flip(path, {"start": offset, "middle": offset + length // 2 - 32, "end": offset + length - 64}[where])
+    leaf = key.split(b"/")[0].decode().replace(".", "/")
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, leaf)
+    what = dict(error.problems)[leaf]
+    # A broken compressed frame fails to decode; anything else decodes to wrong numbers.
+    assert what.startswith(("checksum mismatch", "corrupt data")), what
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax leaves a read coroutine behind
+def test_flip_in_the_index_is_caught_by_its_crc(copy, caplog):
+    plan, like, directory, states = copy
+    base = ts.KvStore.open({"driver": "file", "path": f"{directory}/2/state/"}).result()
+    root = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+    from shardkit.checkpoint import _location
+
+    path, end = _location(str(directory / "2" / "state"), root)
+    _flip(path, end // 2, 8)
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "")
+    assert "index" in error.problems[0][1] and "CRC" in error.problems[0][1], error.problems
+
+
+def test_truncated_chunk_file(copy, caplog):
+    plan, like, directory, states = copy
+    path, offset, length = _chunk(directory / "2" / "state", b"params.w1/3.0")
+    os.truncate(path, offset + length // 2)
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "params/w1")
+    assert dict(error.problems)["params/w1"].startswith("truncated")
+
+
+def test_deleted_data_file(copy, caplog):
+    plan, like, directory, states = copy
+    path, _, _ = _chunk(directory / "2" / "state", b"opt_state.0.mu.w1/0.0")
+    os.remove(path)
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "opt_state/0/mu/w1")
+    assert dict(error.problems)["opt_state/0/mu/w1"].startswith("missing file")
+
+
+def test_array_missing_from_metadata(copy, caplog):
+    plan, like, directory, states = copy
+    meta_path = directory / "2" / "state" / "_METADATA"
+    meta = json.loads(meta_path.read_text())
+    del meta["tree_metadata"]["('params', 'w2')"]
+    meta_path.write_text(json.dumps(meta))
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "params/w2")
+    assert dict(error.problems)["params/w2"].startswith("missing array")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax leaves a read coroutine behind
+def test_array_entries_deleted_from_the_store(copy, caplog):
+    plan, like, directory, states = copy
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{directory}/2/state/"}).result()
+    kv.delete_range(ts.KvStore.KeyRange(b"params.b1/", b"params.b10")).result()
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "params/b1")
+    assert dict(error.problems)["params/b1"].startswith("missing array")
+
+
+def test_missing_checksum_record_and_tampered_extra(copy, caplog):
+    plan, like, directory, states = copy
+    shutil.rmtree(directory / "2" / "checksums")
+    error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "")
+    assert "checksum record" in error.problems[0][1]
+    shutil.copytree(directory / "1" / "checksums", directory / "2" / "checksums")  # a wrong record: every array differs
+    with pytest.raises(CorruptCheckpointError, match="params/w1: checksum mismatch"):
+        Checkpointer(directory).restore(plan, like=like)
+    (directory / "1" / "extra" / "metadata").write_text('{"data_position": 7}')  # valid JSON, wrong value
+    with pytest.raises(CorruptCheckpointError, match="step 1 .*\n  extra: checksum mismatch"):
+        Checkpointer(directory).extra(step=1)
+
+
+def test_every_step_corrupt_lists_each(copy):
+    plan, like, directory, _ = copy
+    for s in (1, 2):
+        path, offset, length = _chunk(directory / str(s) / "state", b"params.w2/1.0")
+        _flip(path, offset + length // 2)
+    with pytest.raises(CheckpointError, match=r"(?s)no intact checkpoint.*step 2: params/w2: .*step 1: params/w2: "):
+        Checkpointer(directory).restore(plan, like=like, fallback=True)
+
+
+def test_keep_never_deletes_a_corrupt_step_nor_counts_it(copy, caplog):
+    """keep=2 after falling back over two corrupt steps: the intact step 1 stays until two newer
+    intact steps exist (Orbax's newest-2 rule would leave one), the corrupt ones are never touched,
+    and a save of a corrupt step's number is refused with a warning instead of overwriting it."""
+    plan, like, directory, states = copy
+    shutil.copytree(directory / "2", directory / "3")  # a third step, then damage 2 and 3
+    for s in (2, 3):
+        path, offset, length = _chunk(directory / str(s) / "state", b"params.w1/0.0")
+        _flip(path, offset + length // 2)
+    evidence = {s: _fingerprint(directory / str(s)) for s in (2, 3)}
+    ckpt = Checkpointer(directory, keep=2, async_save=False)
+    state, _ = ckpt.resume(plan, like=like, fallback=True)
+    assert ckpt.last_restore.step == 1 and [s for s, _ in ckpt.last_restore.skipped] == [3, 2]
+    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint"):
+        assert not ckpt.save(state, step=2)
+    assert "not saving step 2" in caplog.text
+    assert ckpt.save(state, step=4)
+    assert ckpt.all_steps() == [1, 2, 3, 4]
+    assert ckpt.save(state, step=5)
+    assert ckpt.all_steps() == [2, 3, 4, 5]
+    assert {s: _fingerprint(directory / str(s)) for s in (2, 3)} == evidence
+    assert_same(ckpt.restore(plan, like=like, step=5), states[1])
+
+
+def test_checkpoint_without_checksums_restores_unverified(saved, tmp_path, caplog):
+    """A step written the way shardkit wrote them before checksums (plain Orbax, two items)."""
+    plan, step, _, states = saved
+    state = jax.device_put(states[2], jax.tree.map(lambda x: x.sharding, step.abstract_state(init_wide)))
+    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=True), item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
+    mngr.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave({"data_position": 2})),
+              custom_metadata={"shardkit": {"mesh": {"data": 8}, "process_count": 1}})
+    mngr.wait_until_finished()
+    mngr.close()
+    ckpt = Checkpointer(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint"):
+        restored, extra = ckpt.resume(plan, like=step.abstract_state(init_wide), fallback=True)
+    assert_same(restored, states[2])
+    assert extra == {"data_position": 2} and not ckpt.last_restore.verified
+    assert "step 2" in caplog.text and "no checksums" in caplog.text and "restored unverified" in caplog.text
+
+
+def test_checksums_are_layout_independent_and_precision_change_is_verified_first(saved):
+    plan, step, directory, states = saved
+    plan3, step3 = tiny.make_step("fsdp=4,tensor=2", zero=3)
+    like = step3.abstract_state(init_wide)
+    ckpt = Checkpointer(directory)
+    restored = ckpt.restore(plan3, like=like)
+    assert ckpt.last_restore == RestoreInfo(step=2, verified=True)
+    assert array_checksums(restored) == array_checksums(ckpt.restore(plan, like=step.abstract_state(init_wide)))
+    half = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == jnp.float32 else x.dtype,
+                                                       sharding=x.sharding), like)
+    low = ckpt.restore(plan3, like=half)
+    assert low.params["w1"].dtype == jnp.bfloat16 and ckpt.last_restore.verified
+    np.testing.assert_array_equal(np.asarray(low.params["w1"]), states[2].params["w1"].astype(jnp.bfloat16))
+
+
+def test_array_checksum_sees_one_word_and_ignores_layout():
+    import shardkit as sk
+
+    x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    sums = set()
+    for spec in ("data=8", "fsdp=4,tensor=2"):
+        mesh = sk.make_mesh(spec)
+        for pspec in (P(), P(mesh.axis_names[0]), P(None, mesh.axis_names[-1])):
+            sums.add(array_checksums({"x": jax.device_put(x, NamedSharding(mesh, pspec))})["x"])
+    assert len(sums) == 1
+    y = x.copy()
+    y.view(np.uint32)[17, 3] ^= 1  # one bit
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # same values, other places
+    for other in (y, swapped, x.astype(jnp.bfloat16)):
+        assert array_checksums({"x": jnp.asarray(other)})["x"] not in sums
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_two_processes_checksum_their_shards_and_fall_back_together(tmp_path):
+    """2 processes x 4 devices save (each hashes only its shards), 1 process verifies on another
+    layout; after a flip in a chunk process 1 wrote, both processes fall back to step 1."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def launch(*args):
+        res = subprocess.run(["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch",
+                              "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
+                              os.path.join(SCRIPTS, "ckpt_mp.py"), *args],
+                             capture_output=True, text=True, cwd=root, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    launch("--save", str(tmp_path))
+    plan, step = tiny.make_step("data=8", zero=0)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.restore(plan, like=step.abstract_state(init_wide))
+    assert ckpt.all_steps() == [1, 2] and ckpt.last_restore.verified
+    path, offset, length = _chunk(tmp_path / "2" / "state", b"params.w1/7.0")  # rows 14-15: process 1's
+    assert "ocdbt.process_1" in path
+    _flip(path, offset + length // 2)
+    with pytest.raises(CorruptCheckpointError, match="params/w1: checksum mismatch"):
+        Checkpointer(tmp_path).restore(plan, like=step.abstract_state(init_wide))
+    out = launch("--restore", str(tmp_path))
+    for p in (0, 1):
+        assert f"restored 1 skipped [2] verified True position 1 process {p}" in out, out
