@@ -7,7 +7,11 @@ import shardkit as sk
 
 def open_and_resume(directory: str | None, resume: bool, plan: sk.Plan, state: sk.TrainState, console):
     """Opens ``directory`` (None: no checkpoints) and, with ``resume``, restores its newest
-    checkpoint onto ``plan`` — whatever mesh and ZeRO stage it was saved with.
+    intact checkpoint onto ``plan`` — whatever mesh and ZeRO stage it was saved with.
+
+    A newest step that fails verification (a flipped bit, a truncated or missing file) is
+    skipped for the one before it, and the console says which steps were skipped and why; the
+    damaged steps stay on disk untouched for inspection.
 
     Returns:
         ``(checkpointer or None, state, first step, data position or None)``; the position is
@@ -16,9 +20,14 @@ def open_and_resume(directory: str | None, resume: bool, plan: sk.Plan, state: s
     ckpt = sk.Checkpointer(directory, keep=3) if directory else None
     if not resume:
         return ckpt, state, 0, None
-    state, extra = ckpt.resume(plan, like=state)
+    state, extra = ckpt.resume(plan, like=state, fallback=True)
     if extra is None:
         console.print(f"no checkpoint in {directory} yet: starting from step 0")
         return ckpt, state, 0, None
-    console.print(f"resumed from step {extra['step']} of {ckpt.directory}")
+    info = ckpt.last_restore
+    for step, problems in info.skipped:
+        console.print(f"checkpoint step {step} is corrupt, skipped (left on disk): "
+                      + "; ".join(f"{leaf or 'the whole step'}: {what}" for leaf, what in problems))
+    note = "" if info.verified else " (unverified: saved without checksums)"
+    console.print(f"resumed from step {extra['step']} of {ckpt.directory}{note}")
     return ckpt, state, extra["step"], extra["data"]

@@ -208,49 +208,106 @@ def _words(x):
     return lax.bitcast_convert_type(x, word).astype(jnp.uint32).reshape(x.shape + (-1,))
 
 
-def _leaf_digest(x):
-    """``uint32[2]``: the two lanes of ``x``'s checksum (traced on the global, sharded array)."""
+def _leaf_digest(x, starts=None, shape=None):
+    """``uint32[2]``: the two lanes of the checksum of ``x``, a block of an array of ``shape``
+    starting at ``starts`` (default: all of it)."""
+    shape = x.shape if shape is None else shape
     w = _words(x)
     flat, stride = jnp.zeros(x.shape, jnp.uint32), 1
     for d in reversed(range(x.ndim)):
-        flat = flat + lax.broadcasted_iota(jnp.uint32, x.shape, d) * _U32(stride % 2**32)
-        stride *= x.shape[d]
+        i = lax.broadcasted_iota(jnp.uint32, x.shape, d)
+        if starts is not None:
+            i = i + starts[d].astype(jnp.uint32)
+        flat = flat + i * _U32(stride % 2**32)
+        stride *= shape[d]
     pos = flat[..., None] * _U32(w.shape[-1]) + lax.broadcasted_iota(jnp.uint32, w.shape, x.ndim)
     a = _fmix32(w ^ (pos * _U32(0x9E3779B1) + _U32(0x7F4A7C15)))
     b = _fmix32(w * _U32(0x27D4EB2F) + ((pos * _U32(0xCC9E2D51)) ^ _U32(0x165667B1)))
     return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
 
 
+def _spec_axes(spec, ndim: int) -> list[tuple[str, ...]]:
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return [() if e is None else tuple(e) if isinstance(e, (tuple, list)) else (e,) for e in entries]
+
+
+def _evenly_sharded(x) -> bool:
+    s = x.sharding
+    if len(s.spec) > x.ndim:
+        return False
+    return all(n % int(np.prod([s.mesh.shape[a] for a in axes])) == 0
+               for n, axes in zip(x.shape, _spec_axes(s.spec, x.ndim)))
+
+
 _digest_fns: dict[Any, Any] = {}
 
 
-def _digest_fn(out_sharding):
-    if out_sharding not in _digest_fns:
-        kw = {} if out_sharding is None else {"out_shardings": out_sharding}
-        _digest_fns[out_sharding] = jax.jit(lambda xs: jnp.stack([_leaf_digest(x) for x in xs]), **kw)
-    return _digest_fns[out_sharding]
+def _sharded_digest_fn(mesh, specs: tuple, shapes: tuple):
+    """One program for a group of arrays on ``mesh``: every device sums the words of the blocks
+    it holds, except replicas of a block other than the first (a replicated array is hashed
+    once, not once per device), then one ``psum`` of 8 bytes per array."""
+    key = (mesh, specs, shapes)
+    if key in _digest_fns:
+        return _digest_fns[key]
+
+    def body(*blocks):
+        sums = []
+        for x, spec, shape in zip(blocks, specs, shapes):
+            axes = _spec_axes(spec, len(shape))
+            starts = []
+            for dim_axes, size in zip(axes, x.shape):
+                index = jnp.int32(0)
+                for a in dim_axes:
+                    index = index * mesh.shape[a] + lax.axis_index(a)
+                starts.append(index * size)
+            used = {a for dim_axes in axes for a in dim_axes}
+            replica = [lax.axis_index(a) for a in mesh.axis_names if a not in used and mesh.shape[a] > 1]
+            digest = lambda x=x, starts=starts, shape=shape: _leaf_digest(x, starts, shape)  # noqa: E731
+            if replica:
+                first = jnp.all(jnp.stack(replica) == 0)
+                sums.append(lax.cond(first, digest, lambda: jnp.zeros(2, jnp.uint32)))
+            else:
+                sums.append(digest())
+        return lax.psum(jnp.stack(sums), tuple(mesh.axis_names))
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
+    _digest_fns[key] = fn
+    return fn
+
+
+def _plain_digest_fn():
+    if None not in _digest_fns:
+        _digest_fns[None] = jax.jit(lambda xs: jnp.stack([_leaf_digest(x) for x in xs]))
+    return _digest_fns[None]
 
 
 def array_checksums(tree) -> dict[str, str | None]:
     """``{leaf path: 16 hex digits}``: each array's checksum, the same for any sharding of it.
 
-    One jitted pass per device set: each device reads its own shards once (no copy, nothing
-    gathered) and only the 8-byte partial sums are combined across devices and hosts. Every
-    process must call it (a collective on multi-host arrays). Leaves of a dtype it cannot read
-    bitwise (e.g. typed PRNG keys) map to None.
+    Each device reads the shards it holds once, in place (no copy, nothing gathered; one copy
+    of a replicated shard); only 8-byte partial sums cross devices and hosts. Every process
+    must call it (a collective on multi-host arrays). Leaves of a dtype it cannot read bitwise
+    (e.g. typed PRNG keys) map to None.
     """
     out: dict[str, str | None] = {}
-    groups: dict[Any, list[tuple[str, Any]]] = {}
+    sharded: dict[Any, list[tuple[str, Any]]] = {}
+    other: dict[Any, list[tuple[str, Any]]] = {}
     for name, x in leaf_paths(tree).items():
         if _bits(getattr(x, "dtype", None)) is None:
             out[name] = None
             continue
         s = getattr(x, "sharding", None)
-        key = s.mesh if isinstance(s, NamedSharding) else frozenset(s.device_set) if s is not None else None
-        groups.setdefault(key, []).append((name, x))
-    for key, members in groups.items():
-        rep = NamedSharding(key, P()) if isinstance(key, jax.sharding.Mesh) else None
-        sums = _digest_fn(rep)([x for _, x in members])
+        if isinstance(s, NamedSharding) and _evenly_sharded(x):
+            sharded.setdefault(s.mesh, []).append((name, x))
+        else:  # numpy leaves, single-device or uneven shardings: let XLA place the sums
+            other.setdefault(frozenset(s.device_set) if s is not None else None, []).append((name, x))
+    pending = []
+    for mesh, members in sharded.items():
+        fn = _sharded_digest_fn(mesh, tuple(x.sharding.spec for _, x in members),
+                                tuple(tuple(x.shape) for _, x in members))
+        pending.append((members, fn(*[x for _, x in members])))
+    pending += [(members, _plain_digest_fn()([x for _, x in members])) for members in other.values()]
+    for members, sums in pending:
         if not sums.is_fully_addressable:  # replicated on every device: read this host's copy
             sums = sums.addressable_data(0)
         sums = np.asarray(sums)
