@@ -4,7 +4,7 @@ Synthetic ImageNet-shaped batches (224x224x3, 1000 classes), AdamW, one ``data=N
 same model and batch for every ZeRO stage. Memory columns, per device:
 - ``state``: persistent bytes (parameters + optimizer state + BatchNorm statistics), read from
   each array's sharding; ``formula``: shardkit's f32 form of the ZeRO paper's (Rajbhandari et
-  al., SC'20, FORMULAS.md) for Adam: 12Ψ (DP), 4Ψ + 8Ψ/N (ZeRO-1/2), 12Ψ/N (ZeRO-3);
+  al., SC'20, arXiv:1910.02054) for Adam: 12Ψ (DP), 4Ψ + 8Ψ/N (ZeRO-1/2), 12Ψ/N (ZeRO-3);
 - ``peak``: XLA's compiled estimate (arguments + outputs − donated + temporaries), which adds
   activations and transient gradients.
 Images/s are CPU figures from simulated devices sharing this machine's cores: compare the

@@ -34,7 +34,7 @@ PIPE_COLLECTIVES = ("collective/grad-reduce", "collective/param-gather", "collec
 
 @pytest.mark.parametrize("zero,expect", [(0, 12.0), (1, 4 + 8 / 64), (2, 4 + 8 / 64), (3, 12 / 64)])
 def test_zero_persistent_state_per_param(zero, expect):
-    """FORMULAS.md: shardkit's bf16 policy keeps 12Ψ (DP), 4Ψ + 8Ψ/N (ZeRO-1/2), 12Ψ/N (ZeRO-3)."""
+    """ZeRO (Rajbhandari et al. 2020), shardkit's bf16 policy: keeps 12Ψ (DP), 4Ψ + 8Ψ/N (ZeRO-1/2), 12Ψ/N (ZeRO-3)."""
     ms = cost.ModelShape("m", params=7.5e9, flops_per_token=6 * 7.5e9, layers=1, layer_params=7.5e9)
     e = cost.estimate(ms, cost.Layout(data=64, zero=zero), "h100", global_batch=64)
     per_param = (e.memory["params"] + e.memory["opt_state"]) / 7.5e9
@@ -93,7 +93,7 @@ def test_search_ranks_fitting_layouts_by_time():
 
 
 def test_efficiency_model_lands_in_the_published_band():
-    """FORMULAS.md: Megatron 41-48% MFU on H100 at scale, MaxText 64-70% on TPU v5p; a
+    """Published MFUs: Megatron-LM 41-48% on H100 at scale, MaxText 64-70% on TPU v5p; a
     roofline would say ~100%. Weak scaling 8 -> 256 H100s stays below 100%."""
     best = sk.search("7b", devices=256, hardware="h100", global_batch=512, top=3).best
     assert 0.40 <= best.mfu <= 0.70

@@ -183,5 +183,5 @@ class ResNet(nnx.Module):
 
 
 def param_count(model: nnx.Module) -> int:
-    """Number of trainable parameters (Ψ in FORMULAS.md)."""
+    """Number of trainable parameters (Ψ in the ZeRO paper, Rajbhandari et al. 2020)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

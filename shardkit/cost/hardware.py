@@ -1,8 +1,9 @@
 """Accelerator figures: peak dense bf16 flop/s, HBM, link bandwidths; a measured CPU peak.
 
 One table, shared by the recipes' MFU and the cost model. Figures per chip, dense (no
-sparsity), from the vendors' data sheets and the JAX scaling book ("How to Scale Your
-Model"); see FORMULAS.md. Add your own with ``register_hardware``.
+sparsity), from the vendors' data sheets (NVIDIA H100/H200/A100, Google Cloud TPU system
+architecture pages) and the JAX scaling book ("How to Scale Your Model", Austin et al. 2025).
+Add your own with ``register_hardware``.
 
 On CPU there is no data sheet: ``measure_cpu_peak`` times a large float32 matmul. Simulated
 CPU devices (``sk.use_cpu_devices``) share the host's cores, so each gets an equal share of
