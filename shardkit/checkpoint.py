@@ -20,6 +20,7 @@ intact step and never touches the damaged one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -239,38 +240,84 @@ def _evenly_sharded(x) -> bool:
                for n, axes in zip(x.shape, _spec_axes(s.spec, x.ndim)))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Digest:
+    """One array's checksum: ``total`` (any layout), and for a ``NamedSharding`` array the
+    checksum of each block (``"0:8,0:512"``) and blocks whose copies on two hosts differ."""
+
+    total: str
+    blocks: dict[str, str] | None = None
+    disagreements: tuple[str, ...] = ()
+
+
+def _hex(lanes) -> str:
+    return f"{int(lanes[0]):08x}{int(lanes[1]):08x}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_layout(mesh, spec, shape: tuple) -> tuple[tuple[str, bool, bool, int], ...]:
+    """Per device of ``mesh`` (in ``mesh.devices`` order): ``(block, first copy of the block,
+    first copy on its process, process)`` for an array of ``shape`` sharded as ``spec``."""
+    axes = _spec_axes(spec, len(shape))
+    out, seen, seen_here = [], set(), set()
+    for coords in np.ndindex(mesh.devices.shape):
+        at = dict(zip(mesh.axis_names, coords))
+        parts = []
+        for n, dim_axes in zip(shape, axes):
+            index, count = 0, 1
+            for ax in dim_axes:
+                index, count = index * mesh.shape[ax] + at[ax], count * mesh.shape[ax]
+            parts.append(f"{index * (n // count)}:{(index + 1) * (n // count)}")
+        block, proc = ",".join(parts), mesh.devices[coords].process_index
+        out.append((block, block not in seen, (block, proc) not in seen_here, proc))
+        seen.add(block)
+        seen_here.add((block, proc))
+    return tuple(out)
+
+
+def _combine(layout, rows: np.ndarray) -> _Digest:
+    """``rows[device] = (lane a, lane b)`` as computed by each device of ``layout`` (zeros where
+    it computed nothing) -> the array's checksum, its blocks', and every block whose copy on
+    some process differs from the first copy (each process hashed what it read)."""
+    first = {block: rows[i] for i, (block, is_first, _, _) in enumerate(layout) if is_first}
+    total = np.sum(np.stack(list(first.values())).astype(np.uint64), axis=0) % 2**32
+    differ = [f"block [{block}] as read by process {proc}" for i, (block, is_first, here, proc) in enumerate(layout)
+              if here and not is_first and tuple(rows[i]) != tuple(first[block])]
+    return _Digest(_hex(total), {block: _hex(v) for block, v in first.items()}, tuple(differ))
+
+
 _digest_fns: dict[Any, Any] = {}
 
 
 def _sharded_digest_fn(mesh, specs: tuple, shapes: tuple):
-    """One program for a group of arrays on ``mesh``: every device sums the words of the blocks
-    it holds, except replicas of a block other than the first (a replicated array is hashed
-    once, not once per device), then one ``psum`` of 8 bytes per array."""
+    """One program for a group of arrays on ``mesh``: each device hashes its block of each
+    array if it holds the first copy of that block on its process (a block replicated on 8
+    devices of a host is hashed once there), and returns its sums: ``uint32[devices, n, 2]``."""
     key = (mesh, specs, shapes)
     if key in _digest_fns:
         return _digest_fns[key]
+    masks = [np.array([here for _, _, here, _ in _block_layout(mesh, spec, shape)]).reshape(mesh.devices.shape)
+             for spec, shape in zip(specs, shapes)]
 
     def body(*blocks):
+        at = tuple(lax.axis_index(ax) for ax in mesh.axis_names)
         sums = []
-        for x, spec, shape in zip(blocks, specs, shapes):
-            axes = _spec_axes(spec, len(shape))
+        for x, spec, shape, mask in zip(blocks, specs, shapes, masks):
             starts = []
-            for dim_axes, size in zip(axes, x.shape):
+            for dim_axes, size in zip(_spec_axes(spec, len(shape)), x.shape):
                 index = jnp.int32(0)
-                for a in dim_axes:
-                    index = index * mesh.shape[a] + lax.axis_index(a)
+                for ax in dim_axes:
+                    index = index * mesh.shape[ax] + lax.axis_index(ax)
                 starts.append(index * size)
-            used = {a for dim_axes in axes for a in dim_axes}
-            replica = [lax.axis_index(a) for a in mesh.axis_names if a not in used and mesh.shape[a] > 1]
-            digest = lambda x=x, starts=starts, shape=shape: _leaf_digest(x, starts, shape)  # noqa: E731
-            if replica:
-                first = jnp.all(jnp.stack(replica) == 0)
-                sums.append(lax.cond(first, digest, lambda: jnp.zeros(2, jnp.uint32)))
-            else:
+            digest = functools.partial(_leaf_digest, x, starts, shape)
+            if mask.all():
                 sums.append(digest())
-        return lax.psum(jnp.stack(sums), tuple(mesh.axis_names))
+            else:
+                sums.append(lax.cond(jnp.asarray(mask)[at], digest, lambda: jnp.zeros(2, jnp.uint32)))
+        return jnp.stack(sums)[None]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(tuple(mesh.axis_names)),
+                               check_vma=False))
     _digest_fns[key] = fn
     return fn
 
@@ -281,15 +328,8 @@ def _plain_digest_fn():
     return _digest_fns[None]
 
 
-def array_checksums(tree) -> dict[str, str | None]:
-    """``{leaf path: 16 hex digits}``: each array's checksum, the same for any sharding of it.
-
-    Each device reads the shards it holds once, in place (no copy, nothing gathered; one copy
-    of a replicated shard); only 8-byte partial sums cross devices and hosts. Every process
-    must call it (a collective on multi-host arrays). Leaves of a dtype it cannot read bitwise
-    (e.g. typed PRNG keys) map to None.
-    """
-    out: dict[str, str | None] = {}
+def _digests(tree) -> dict[str, _Digest | None]:
+    out: dict[str, _Digest | None] = {}
     sharded: dict[Any, list[tuple[str, Any]]] = {}
     other: dict[Any, list[tuple[str, Any]]] = {}
     for name, x in leaf_paths(tree).items():
@@ -299,20 +339,38 @@ def array_checksums(tree) -> dict[str, str | None]:
         s = getattr(x, "sharding", None)
         if isinstance(s, NamedSharding) and _evenly_sharded(x):
             sharded.setdefault(s.mesh, []).append((name, x))
-        else:  # numpy leaves, single-device or uneven shardings: let XLA place the sums
+        else:  # numpy leaves, single-device or uneven shardings: one sum, placed by XLA
             other.setdefault(frozenset(s.device_set) if s is not None else None, []).append((name, x))
     pending = []
     for mesh, members in sharded.items():
-        fn = _sharded_digest_fn(mesh, tuple(x.sharding.spec for _, x in members),
-                                tuple(tuple(x.shape) for _, x in members))
-        pending.append((members, fn(*[x for _, x in members])))
-    pending += [(members, _plain_digest_fn()([x for _, x in members])) for members in other.values()]
-    for members, sums in pending:
-        if not sums.is_fully_addressable:  # replicated on every device: read this host's copy
+        specs, shapes = tuple(x.sharding.spec for _, x in members), tuple(tuple(x.shape) for _, x in members)
+        pending.append((mesh, members, specs, shapes, _sharded_digest_fn(mesh, specs, shapes)(*[x for _, x in members])))
+    plain = [(members, _plain_digest_fn()([x for _, x in members])) for members in other.values()]
+    for mesh, members, specs, shapes, rows in pending:
+        if rows.is_fully_addressable:
+            rows = np.asarray(rows)
+        else:  # a few bytes per device and array: every process sees every device's sums
+            from jax.experimental import multihost_utils
+
+            rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+        for i, ((name, _), spec, shape) in enumerate(zip(members, specs, shapes)):
+            out[name] = _combine(_block_layout(mesh, spec, shape), rows[:, i])
+    for members, sums in plain:
+        if not sums.is_fully_addressable:
             sums = sums.addressable_data(0)
-        sums = np.asarray(sums)
-        out.update((name, f"{int(a):08x}{int(b):08x}") for (name, _), (a, b) in zip(members, sums))
+        out.update((name, _Digest(_hex(v))) for (name, _), v in zip(members, np.asarray(sums)))
     return out
+
+
+def array_checksums(tree) -> dict[str, str | None]:
+    """``{leaf path: 16 hex digits}``: each array's checksum, the same for any sharding of it.
+
+    Each device reads the shards it holds in place (no copy, nothing gathered), once per host
+    for a block several of its devices hold; only 8 bytes per device and array cross hosts.
+    Every process must call it (a collective on multi-host arrays). Leaves of a dtype it cannot
+    read bitwise (e.g. typed PRNG keys) map to None.
+    """
+    return {name: None if d is None else d.total for name, d in _digests(tree).items()}
 
 
 def _extra_digest(extra: dict) -> str:
@@ -320,9 +378,13 @@ def _extra_digest(extra: dict) -> str:
 
 
 def _make_record(state, extra: dict) -> dict:
-    sums = array_checksums(state)
-    leaves = {name: {"shape": list(np.shape(x)), "dtype": str(x.dtype), "checksum": sums[name]}
-              for name, x in leaf_paths(state).items()}
+    digests = _digests(state)
+    leaves = {}
+    for name, x in leaf_paths(state).items():
+        d = digests[name]
+        leaves[name] = {"shape": list(np.shape(x)), "dtype": str(x.dtype), "checksum": d and d.total}
+        if d is not None and d.blocks is not None:
+            leaves[name]["blocks"] = d.blocks
     return {"format": _FORMAT, "leaves": leaves, "extra": _extra_digest(extra)}
 
 
@@ -906,15 +968,22 @@ def _cast_to(x, t):
 
 
 def _verify(state, record: dict) -> list[tuple[str, str]]:
-    """``[(leaf, "checksum mismatch ...")]`` for every restored array whose checksum differs."""
-    got = array_checksums(state)
+    """``[(leaf, what)]`` for every restored array that differs from its checksum, naming the
+    blocks that differ when the restore reads the blocks the save wrote, and for every block
+    a host read differently from the others."""
     problems, unverified = [], []
-    for name, value in got.items():
-        want = record[name]["checksum"]
-        if want is None:
+    for name, got in _digests(state).items():
+        entry = record[name]
+        if entry["checksum"] is None or got is None:
             unverified.append(name)
-        elif value != want:
-            problems.append((name, f"checksum mismatch (saved {want}, read {value})"))
+            continue
+        if got.total != entry["checksum"]:
+            saved = entry.get("blocks") or {}
+            bad = [b for b, v in (got.blocks or {}).items() if b in saved and saved[b] != v]
+            where = f" in block{'s' if len(bad) > 1 else ''} " + ", ".join(f"[{b}]" for b in bad) if bad else ""
+            problems.append((name, f"checksum mismatch{where} (saved {entry['checksum']}, read {got.total})"))
+        if got.disagreements:
+            problems.append((name, "checksum mismatch: " + "; ".join(got.disagreements) + " differs from the first copy"))
     if unverified:
         log.info("no checksum for %s (dtypes without a bitwise view): restored unverified", ", ".join(unverified))
     return problems

@@ -585,6 +585,9 @@ def test_two_processes_checksum_their_shards_and_fall_back_together(tmp_path):
     _flip(path, offset + length // 2)
     with pytest.raises(CorruptCheckpointError, match="params/w1: checksum mismatch"):
         Checkpointer(tmp_path).restore(plan, like=step.abstract_state(init_wide))
+    plan8, step8 = tiny.make_step("fsdp=8", zero=3)  # the saved layout: the damaged block is named
+    with pytest.raises(CorruptCheckpointError, match=r"params/w1: checksum mismatch in block \[14:16,0:512\]"):
+        Checkpointer(tmp_path).restore(plan8, like=step8.abstract_state(init_wide))
     out = launch("--restore", str(tmp_path))
     for p in (0, 1):
         assert f"restored 1 skipped [2] verified True position 1 process {p}" in out, out
@@ -614,3 +617,19 @@ def test_recipe_resume_skips_a_corrupt_step_and_continues_bit_identically(tmp_pa
         return [json.loads(line)["loss"] for line in open(tmp_path / name) if '"loss"' in line]
 
     assert losses("b.jsonl") == losses("a.jsonl")[3:]
+
+
+def test_combine_names_a_block_one_host_read_differently():
+    """Each host hashes its own copy of a replicated block; a copy that differs from the first
+    is reported even when the first copy (the one summed into the total) is right."""
+    from shardkit.checkpoint import _combine
+
+    # 4 devices on 2 processes holding 2 blocks, each block on both processes.
+    layout = (("0:2", True, True, 0), ("2:4", True, True, 0), ("0:2", False, True, 1), ("2:4", False, True, 1))
+    rows = np.array([[1, 2], [3, 4], [1, 2], [3, 4]], np.uint32)
+    same = _combine(layout, rows)
+    assert same.total == f"{4:08x}{6:08x}" and same.blocks == {"0:2": f"{1:08x}{2:08x}", "2:4": f"{3:08x}{4:08x}"}
+    assert same.disagreements == ()
+    rows[3] = [3, 5]
+    assert _combine(layout, rows).disagreements == ("block [2:4] as read by process 1",)
+    assert _combine(layout, rows).total == same.total
