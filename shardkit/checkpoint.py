@@ -166,6 +166,7 @@ def tree_mismatches(saved: dict[str, Any], expected: dict[str, Any]) -> list[str
 
 _RECORD = "checksums"  # the Orbax item beside "state" and "extra"
 _FORMAT = "shardkit.checksums/1"
+_MAX_BLOCKS = 256  # per array in the record: beyond that, naming the block is not worth the bytes
 _U32 = np.uint32
 
 
@@ -383,7 +384,7 @@ def _make_record(state, extra: dict) -> dict:
     for name, x in leaf_paths(state).items():
         d = digests[name]
         leaves[name] = {"shape": list(np.shape(x)), "dtype": str(x.dtype), "checksum": d and d.total}
-        if d is not None and d.blocks is not None:
+        if d is not None and d.blocks is not None and len(d.blocks) <= _MAX_BLOCKS:
             leaves[name]["blocks"] = d.blocks
     return {"format": _FORMAT, "leaves": leaves, "extra": _extra_digest(extra)}
 
@@ -421,12 +422,12 @@ def _what_failed(status: str, message: str, chunk: str) -> str:
     return "unreadable"
 
 
-def _file_damage(path: str, end: int) -> str | None:
-    if not os.path.exists(path):
+def _file_damage(path: str, end: int, sizes: dict[str, int]) -> str | None:
+    if path not in sizes:
+        sizes[path] = os.path.getsize(path) if os.path.exists(path) else -1
+    if sizes[path] < 0:
         return "missing file"
-    if os.path.getsize(path) < end:
-        return "truncated"
-    return None
+    return "truncated" if sizes[path] < end else None
 
 
 def _location(item_dir: str, loc: str) -> tuple[str, int]:
@@ -455,6 +456,7 @@ def _scan_files(item_dir: str, names: dict[str, str] | None = None) -> list[tupl
     import tensorstore as ts
 
     problems: dict[str, str] = {}
+    sizes: dict[str, int] = {}
     try:
         base = ts.KvStore.open({"driver": "file", "path": item_dir.rstrip("/") + "/"}).result()
         versions = ts.ocdbt.dump(base).result().get("versions") or []
@@ -465,7 +467,7 @@ def _scan_files(item_dir: str, names: dict[str, str] | None = None) -> list[tupl
         loc, prefix = todo.pop()
         path, end = _location(item_dir, loc)
         rel = os.path.relpath(path, item_dir)
-        damage = _file_damage(path, end)
+        damage = _file_damage(path, end, sizes)
         try:
             node = None if damage else ts.ocdbt.dump(base, loc).result()
         except Exception as e:  # noqa: BLE001
@@ -478,23 +480,16 @@ def _scan_files(item_dir: str, names: dict[str, str] | None = None) -> list[tupl
                 todo.append((entry["location"], prefix + entry.get("subtree_common_prefix", b"")))
             elif "indirect_value" in entry:
                 path, end = _location(item_dir, entry["indirect_value"])
-                damage = _file_damage(path, end)
+                damage = _file_damage(path, end, sizes)
                 if damage:
                     array = (prefix + entry["key"]).split(b"/")[0].decode(errors="replace")
                     problems.setdefault(names.get(array, array), f"{damage} ({os.path.relpath(path, item_dir)})")
     return sorted(problems.items())
 
 
-def _read_problems(item_dir: str, error: BaseException, names: dict[str, str], context: str) -> list[tuple[str, str]]:
-    """Why Orbax could not read an item: every array with a missing/truncated file, else the
-    array and status TensorStore names in the error chain, else ``context`` and the error."""
-    try:
-        found = _scan_files(item_dir, names)
-    except Exception as e:  # noqa: BLE001 - the diagnosis must never hide the original error
-        log.info("could not scan %s for damaged files: %s", item_dir, e)
-        found = []
-    if found:
-        return found
+def _read_problems(error: BaseException, names: dict[str, str], context: str) -> list[tuple[str, str]]:
+    """Why Orbax could not read an item (whose files ``_scan_files`` found whole): the array and
+    status TensorStore names in the error chain, else ``context`` and the error."""
     seen, e = [], error
     while e is not None and len(seen) < 20:
         seen.append(e)
@@ -780,10 +775,10 @@ class Checkpointer:
             The restored state, with ``like``'s tree structure and shardings.
 
         Raises:
-            CorruptCheckpointError: the step is damaged (each array and what is wrong listed);
-                with ``fallback``, when no step is intact (every step's problems listed).
-            CheckpointError: no such directory or step, the checkpoint's tree/shapes do not match
-                ``like`` (every differing leaf listed), or ``like`` is not on ``plan.mesh``.
+            CorruptCheckpointError: the step is damaged (each array and what is wrong listed).
+            CheckpointError: with ``fallback``, no step is intact (every step's problems listed);
+                no such directory or step, the checkpoint's tree/shapes do not match ``like``
+                (every differing leaf listed), or ``like`` is not on ``plan.mesh``.
         """
         if not isinstance(plan, Plan):
             raise ValueError(f"restore(plan, ...) needs an sk.Plan, got {type(plan).__name__}")
@@ -895,7 +890,7 @@ class Checkpointer:
         try:
             saved = mngr.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any Orbax/tensorstore failure means unreadable
-            raise self._damaged(step, _read_problems(item, e, names, "its state metadata is unreadable")) from e
+            raise self._damaged(step, _read_problems(e, names, "its state metadata is unreadable")) from e
         if saved is None:
             raise self._damaged(step, [("", "missing file: its state item has no metadata")])
         saved = leaf_paths(getattr(saved, "tree", saved))
@@ -917,7 +912,7 @@ class Checkpointer:
             error = e
         failed = _agree(error is not None)
         if failed:
-            problems = (_read_problems(item, error, names, "unreadable") if error is not None
+            problems = (_read_problems(error, names, "unreadable") if error is not None
                         else [("", f"process(es) {failed} could not read it (see their error)")])
             raise self._damaged(step, problems) from error
         if record is None:
