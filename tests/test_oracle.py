@@ -1,0 +1,343 @@
+"""``sk.train_step`` against an independent oracle: a plain-JAX + Optax train step written here.
+
+Why: every other "1-device reference" in the tests is ``sk.train_step`` itself on one device, so a
+bug shared by every layout (clipping, ``grad_norm``, microbatch averaging, fp16 unscaling and
+skipping, weight-decay masking) passes them all. The oracle below uses no shardkit code: it
+differentiates the same loss with ``jax.value_and_grad``, averages microbatches in a Python loop
+over the slices shardkit documents (microbatch ``i`` holds rows ``i, i+m, i+2m, ...``), clips with
+``optax.clip_by_global_norm``, masks weight decay with ``optax.adamw(mask=...)`` and, for fp16,
+runs a dynamic loss scaler written out from ``shardkit/precision.py``'s documentation (scale the
+loss, unscale the gradients, skip a step whose loss or gradients are not finite and keep params
+and optimizer state, grow the scale by ``growth_factor`` after ``growth_interval`` finite steps,
+back off by ``backoff_factor`` on a skipped one, never below 1). ``grad_norm`` is the global norm
+of the unscaled gradients *before* clipping; ``loss_scale`` is the scale the step used.
+
+Tolerances:
+- fp32, every layout vs the oracle, over ``STEPS`` steps: loss, aux and ``grad_norm`` per step to
+  a relative ``1e-5``; parameters and Adam moments after the steps to a relative ``1e-5`` (plus an
+  absolute ``1e-7``, far below the ``LR`` an Adam step moves a weight). The two programs compute
+  the same thing; only the order of f32 reductions differs (f32 unit roundoff 6e-8).
+- bf16 / fp16 compute vs the fp32 oracle: a *derived* first-order bound, not a tuned number. A
+  16-bit run rounds a known set of values once each (inputs, targets, weights, the hidden
+  activation, and in the backward pass the hidden activation's cotangent and each weight's
+  gradient; matmuls accumulate in f32), each by a relative at most the unit roundoff ``u``
+  (2^-8 for bf16, 2^-11 for fp16: ~3 significant digits). To first order in ``u`` an output ``f``
+  then moves by at most ``u * sum_q |df/d(delta_q)|``, where ``delta_q`` is a relative
+  perturbation of rounded value ``q``. The oracle computes those sensitivities in f32 with
+  autodiff, per step, at the 16-bit run's own parameters (so drift between the runs does not
+  enter): ``|loss_16 - loss_32| <= u * sum|dL/d delta|`` and, gradient element by element,
+  ``|g_16 - g_32| <= u * b`` with ``b = sum_q |dg/d delta_q|``; hence
+  ``|grad_norm_16 - grad_norm_32| <= u * ||b||`` and, for SGD (an update linear in the gradient;
+  clipping is a projection, so it does not enlarge the error), ``||p_16 - p_32|| <= LR * u * ||b||``
+  for one step from the same parameters and momentum. Adam is not used there: it divides by
+  ``sqrt(v)``, so a gradient element near zero whose sign rounding flips moves by ``2 * LR``
+  whatever ``u`` is. Second-order terms (``O(u^2)``) and f32 reduction order are covered by a
+  factor ``SLACK`` = 1.5 on these bounds.
+- fp16 overflow: the skipped step leaves params and optimizer state bitwise equal; the scale,
+  ``finite`` and ``skipped`` sequences equal the hand-written scaler's exactly.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardkit as sk
+
+D, F, B, STEPS = 16, 32, 32, 3
+LR, WD, CLIP = 1e-2, 0.1, 0.5
+SLACK = 1.5
+U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "mlp": "tensor"}
+
+
+# ---- the model: an MLP with biases and an RMS-norm scale, written for any compute dtype ---------
+
+def init_params():
+    rng = np.random.RandomState(0)
+    return {"w1": (rng.randn(D, F) / np.sqrt(D)).astype(np.float32),
+            "b1": (0.1 * rng.randn(F)).astype(np.float32),
+            "w2": (rng.randn(F, D) / np.sqrt(F)).astype(np.float32),
+            "b2": (0.1 * rng.randn(D)).astype(np.float32),
+            "scale": (1.0 + 0.1 * rng.randn(D)).astype(np.float32)}
+
+
+def decay_mask(params):
+    """Weight decay on the matrices only: biases and the norm scale are left alone."""
+    return {k: v.ndim == 2 for k, v in params.items()}
+
+
+def _same(name, v):
+    return v
+
+
+def forward(p, x, constrain=lambda v, names: v, point=_same):
+    """``(B, D) -> (B, D)``. Matmuls take operands in the parameters' dtype and accumulate in
+    f32; everything else runs in f32. ``point`` marks the one activation a 16-bit run rounds."""
+    a_BxF = jnp.dot(x, p["w1"], preferred_element_type=jnp.float32) + p["b1"][None, :]
+    h_BxF = point("h", jax.nn.gelu(constrain(a_BxF, ("batch", "mlp"))).astype(p["w2"].dtype))
+    z_BxD = jnp.dot(h_BxF, p["w2"], preferred_element_type=jnp.float32) + p["b2"][None, :]
+    z_BxD = constrain(z_BxD, ("batch", None))
+    rms_Bx1 = jnp.sqrt(jnp.mean(z_BxD * z_BxD, axis=-1, keepdims=True) + 1e-6)
+    return z_BxD / rms_Bx1 * p["scale"][None, :]
+
+
+def loss_fn(p, batch, constrain=lambda v, names: v, point=_same):
+    err = forward(p, batch["x"], constrain, point) - batch["y"].astype(jnp.float32)
+    return jnp.mean(err * err), {"mae": jnp.mean(jnp.abs(err))}
+
+
+def sk_loss(p, batch):
+    """What shardkit trains: the same loss, with activation constraints for the tensor axis."""
+    return loss_fn(p, batch, sk.constrain)
+
+
+def make_batches(n=STEPS, seed=1):
+    rng = np.random.RandomState(seed)
+    w = rng.randn(D, D).astype(np.float32) / np.sqrt(D)
+    out = []
+    for _ in range(n):
+        x = rng.randn(B, D).astype(np.float32)
+        out.append({"x": x, "y": np.tanh(2.0 * x @ w).astype(np.float32)})
+    return out
+
+
+def adamw():
+    return optax.adamw(LR, weight_decay=WD, mask=decay_mask)
+
+
+def sgdw():
+    return optax.chain(optax.add_decayed_weights(WD, mask=decay_mask), optax.sgd(LR, momentum=0.9))
+
+
+# ---- the oracle --------------------------------------------------------------------------------
+
+def _global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree)))
+
+
+def _microbatches(batch, m):
+    """Shardkit's documented split: microbatch ``i`` takes rows ``i, i+m, i+2m, ...``."""
+    return [{k: v[i::m] for k, v in batch.items()} for i in range(m)]
+
+
+@functools.cache
+def _oracle_grad(compute_name):
+    compute = {"fp32": jnp.float32, "fp16": jnp.float16}[compute_name]
+
+    def scaled(p, mb, scale):
+        p_c = jax.tree.map(lambda v: v.astype(compute), p)
+        mb_c = jax.tree.map(lambda v: v.astype(compute), mb)
+        loss, aux = loss_fn(p_c, mb_c)
+        loss = loss.astype(jnp.float32)
+        return loss * scale, (loss, aux)
+    return jax.jit(jax.value_and_grad(scaled, has_aux=True))
+
+
+class Scaler:
+    """fp16 dynamic loss scaling as ``sk.Precision`` documents it, in plain Python."""
+
+    def __init__(self, init_scale, growth_interval, growth_factor=2.0, backoff_factor=0.5):
+        self.scale, self.good = float(init_scale), 0
+        self.interval, self.growth, self.backoff = growth_interval, growth_factor, backoff_factor
+
+    def adjust(self, finite):
+        if not finite:
+            self.scale, self.good = max(self.scale * self.backoff, 1.0), 0
+        elif self.good + 1 >= self.interval:
+            self.scale, self.good = self.scale * self.growth, 0
+        else:
+            self.good += 1
+
+
+def oracle_step(params, opt_state, batch, tx, microbatches, clip, compute="fp32", scaler=None):
+    """One train step: mean over microbatches, unscale, skip if not finite, clip, update."""
+    grad = _oracle_grad(compute)
+    scale = scaler.scale if scaler else 1.0
+    losses, auxes, grads = [], [], []
+    for mb in _microbatches(batch, microbatches):
+        (_, (loss, aux)), g = grad(params, mb, jnp.float32(scale))
+        losses.append(loss), auxes.append(aux), grads.append(g)
+    m = len(grads)
+    g = jax.tree.map(lambda *gs: sum(gs) / m, *grads)
+    g = jax.tree.map(lambda v: v / scale, g)
+    loss = sum(losses) / m
+    aux = jax.tree.map(lambda *a: sum(a) / m, *auxes)
+    norm = _global_norm(g)
+    finite = bool(jnp.isfinite(loss)) and all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
+    record = {"loss": float(loss), "grad_norm": float(norm), "mae": float(aux["mae"]), "finite": finite,
+              "loss_scale": scale}
+    if scaler:
+        scaler.adjust(finite)
+    if scaler and not finite:
+        return params, opt_state, record
+    if clip is not None:
+        g, _ = optax.clip_by_global_norm(clip).update(g, optax.EmptyState())
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, record
+
+
+def oracle_run(batches, tx, microbatches, clip, compute="fp32", scaler=None):
+    params = jax.tree.map(jnp.asarray, init_params())
+    opt_state = tx.init(params)
+    records = []
+    for batch in batches:
+        params, opt_state, rec = oracle_step(params, opt_state, batch, tx, microbatches, clip, compute, scaler)
+        records.append(rec)
+    return records, params, opt_state
+
+
+@functools.cache
+def fp32_oracle(microbatches):
+    """The oracle's AdamW run, computed once per microbatch count and shared by the layouts."""
+    return oracle_run(make_batches(), adamw(), microbatches, CLIP)
+
+
+# ---- shardkit ----------------------------------------------------------------------------------
+
+def megatron_rules(mesh):
+    """Megatron MLP: w1 split by columns and w2 by rows over 'tensor'; FSDP on the embed dim."""
+    ax = lambda a: a if a in mesh.axis_names else None  # noqa: E731
+    return [(r"w1", (ax("fsdp"), ax("tensor"))), (r"b1", (ax("tensor"),)),
+            (r"w2", (ax("tensor"), ax("fsdp"))), (r".*", ())]
+
+
+def shardkit_run(mesh_spec, zero, microbatches, tx, batches, precision="fp32", clip=CLIP, keep_history=False):
+    mesh = sk.make_mesh(mesh_spec)
+    plan = sk.Plan(mesh, rules=megatron_rules(mesh), axis_rules=AXIS_RULES, zero=zero, precision=precision)
+    step = sk.train_step(plan, tx, microbatches=microbatches, clip_norm=clip)(sk_loss)
+    state = step.init(init_params())
+    host = lambda s: (jax.tree.map(np.asarray, s.params), jax.tree.map(np.asarray, s.opt_state))  # noqa: E731
+    history, metrics = [host(state)] if keep_history else [], []
+    for batch in batches:
+        state, m = step(state, batch)
+        metrics.append(jax.tree.map(np.asarray, m))
+        if keep_history:
+            history.append(host(state))
+    return metrics, state, history
+
+
+# ---- first-order error bound of a 16-bit run (see the module docstring) ------------------------
+
+@jax.custom_vjp
+def _rounded(v, d_fwd, d_bwd):
+    """``v`` rounded by a relative ``d_fwd``; its cotangent is rounded by a relative ``d_bwd``."""
+    return v * (1 + d_fwd)
+
+
+def _rounded_fwd(v, d_fwd, d_bwd):
+    return v * (1 + d_fwd), (v, d_bwd)
+
+
+def _rounded_bwd(res, ct):
+    v, d_bwd = res
+    return ct * (1 + d_bwd), ct * v, jnp.zeros_like(d_bwd)
+
+
+_rounded.defvjp(_rounded_fwd, _rounded_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def sensitivities(params, batch, microbatches):
+    """``(sum_q |dL/d delta_q|, b)``: the f32 loss's and each gradient element's first-order
+    sensitivity to a relative rounding ``delta_q`` of every value a 16-bit run rounds.
+
+    Weights are cast once per microbatch to the same values (one ``delta`` shared); inputs,
+    targets, the hidden activation, its cotangent and each weight's gradient are rounded per
+    microbatch (the gradient's cast back to f32 and the f32 accumulation are exact)."""
+    mbs = _microbatches(batch, microbatches)
+    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
+    deltas = {"w": zeros(params),
+              "mb": [{"x": zeros(mb["x"]), "y": zeros(mb["y"]),
+                      "h": jnp.zeros((mb["x"].shape[0], F)), "h_ct": jnp.zeros((mb["x"].shape[0], F)),
+                      "g": zeros(params)} for mb in mbs]}
+
+    def loss_and_grad(d):
+        losses, grads = [], []
+        for mb, dm in zip(mbs, d["mb"]):
+            point = lambda name, v: _rounded(v, dm["h"], dm["h_ct"])  # noqa: E731
+
+            def loss(p):
+                p_r = jax.tree.map(_rounded, p, d["w"], dm["g"])
+                mb_r = {"x": mb["x"] * (1 + dm["x"]), "y": mb["y"] * (1 + dm["y"])}
+                return loss_fn(p_r, mb_r, point=point)[0]
+            l, g = jax.value_and_grad(loss)(params)
+            losses.append(l), grads.append(g)
+        m = len(mbs)
+        flat = jnp.concatenate([jnp.ravel(sum(gs) / m) for gs in zip(*[jax.tree.leaves(g) for g in grads])])
+        return sum(losses) / m, flat
+
+    abs_sum = lambda t, axis: sum(jnp.sum(jnp.abs(v).reshape(v.shape[:axis] + (-1,)), axis=-1)  # noqa: E731
+                                  for v in jax.tree.leaves(t))
+    loss_sens = abs_sum(jax.grad(lambda d: loss_and_grad(d)[0])(deltas), 0)
+    grad_sens = abs_sum(jax.jacrev(lambda d: loss_and_grad(d)[1])(deltas), 1)
+    return loss_sens, grad_sens
+
+
+# ---- fp32: every layout against the oracle ------------------------------------------------------
+
+LAYOUTS = [  # (mesh, ZeRO stage, microbatches)
+    ("data=8", 0, 1), ("data=8", 0, 4), ("data=8", 1, 2), ("data=8", 2, 4), ("data=8", 3, 2),
+    ("fsdp=8", 3, 4), ("tensor=8", 0, 2), ("data=2,tensor=4", 1, 2),
+    ("data=2,fsdp=2,tensor=2", 3, 2), ("data=2,fsdp=2,tensor=2", 2, 4),
+]
+
+
+def assert_tree_close(actual, expected, rtol, atol, what):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("mesh_spec,zero,microbatches", LAYOUTS)
+def test_fp32_layout_matches_the_oracle(mesh_spec, zero, microbatches):
+    records, params, opt_state = fp32_oracle(microbatches)
+    metrics, state, _ = shardkit_run(mesh_spec, zero, microbatches, adamw(), make_batches())
+    assert any(r["grad_norm"] > CLIP for r in records)  # clipping is exercised
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([float(m[key]) for m in metrics], [r[key] for r in records], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose([float(m["aux"]["mae"]) for m in metrics], [r["mae"] for r in records], rtol=1e-5)
+    assert_tree_close(state.params, params, 1e-5, 1e-6, "params")
+    assert_tree_close(state.opt_state, opt_state, 1e-5, 1e-9, "opt_state")
+    assert int(state.skipped) == 0
+
+
+def test_weight_decay_mask_reaches_the_update():
+    """The mask matters in this model: decaying biases and the norm scale too moves them by more
+    than the layout tests' tolerance, so a layout that dropped the mask would fail there."""
+    records, params, _ = fp32_oracle(2)
+    unmasked = optax.adamw(LR, weight_decay=WD)
+    _, other, _ = oracle_run(make_batches(), unmasked, 2, CLIP)
+    for k in ("b1", "b2", "scale"):
+        assert not np.allclose(np.asarray(params[k]), np.asarray(other[k]), rtol=1e-5, atol=1e-6), k
+
+
+def test_clipping_matches_optax_at_small_gradient_norms():
+    """Near a minimum (gradient norm ~6e-4) a clipped step has norm exactly ``clip_norm``, as
+    with ``optax.clip_by_global_norm``: no epsilon shrinks the clipped gradient (an epsilon of
+    1e-6 beside the norm did, by 1e-6 / 6e-4 = 0.2%).
+
+    SGD with a learning rate of 1e3 makes the move (norm ~0.3) large against the f32 resolution
+    of the parameters. Near a minimum the gradient is a sum of terms ~1e3 times larger than it,
+    so the f32 reduction order shows at ~1e-5 relative in ``grad_norm`` and each gradient element:
+    those are compared to 1e-4, the clipped norm (exact by construction) to 1e-5."""
+    lr = 1e3
+    params = jax.tree.map(jnp.asarray, init_params())
+    rng = np.random.RandomState(2)
+    x = rng.randn(B, D).astype(np.float32)
+    y = np.asarray(forward(params, x)) + 1e-3 * rng.randn(B, D).astype(np.float32)
+    batch = {"x": x, "y": y}
+    tx = optax.sgd(lr)
+    norm = oracle_step(params, tx.init(params), batch, tx, 1, None)[2]["grad_norm"]
+    clip = norm / 2
+    expected, _, record = oracle_step(params, tx.init(params), batch, tx, 1, clip)
+    metrics, state, _ = shardkit_run("data=2,fsdp=2,tensor=2", 3, 1, tx, [batch], clip=clip)
+    assert 1e-4 < norm < 1e-3
+    np.testing.assert_allclose(float(metrics[0]["grad_norm"]), record["grad_norm"], rtol=1e-4)
+    moved = jax.tree.map(lambda a, b: (np.asarray(a) - np.asarray(b)) / -lr, state.params, params)
+    np.testing.assert_allclose(float(_global_norm(moved)), clip, rtol=1e-5)
+    expected_moved = jax.tree.map(lambda a, b: (np.asarray(a) - np.asarray(b)) / -lr, expected, params)
+    np.testing.assert_allclose(float(_global_norm(expected_moved)), clip, rtol=1e-5)  # the oracle too
+    assert_tree_close(moved, expected_moved, 1e-4, 1e-4 * clip / np.sqrt(D * F), "clipped gradient")
