@@ -457,7 +457,9 @@ class TrainStep:
             finite = finite & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         grad_norm = optax.tree.norm(grads)
         if self.clip_norm is not None:
-            factor = jnp.minimum(1.0, self.clip_norm / (grad_norm + 1e-6))
+            # As optax.clip_by_global_norm: no epsilon (it would leave every clipped gradient
+            # short of clip_norm by 1e-6/norm); a zero norm gives clip/0 = inf, a factor of 1.
+            factor = jnp.minimum(1.0, self.clip_norm / grad_norm)
             grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
         upd_sh = self._param_shardings("update")
         # ZeRO-1/2: each device updates only its shard of the parameters; the all-gather back to

