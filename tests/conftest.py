@@ -27,6 +27,43 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
+# The two lanes. `python -m pytest -q` runs everything (CI, the README's command); the fast lane
+# `python -m pytest -q -m "not slow"` is for development. A test marks itself slow where it is
+# written; the layout sweeps below keep their listed cases in the fast lane (one or two that
+# cover the sweep's machinery) and run the rest only in the full suite.
+FAST_CASES = {
+    "test_transformer.py::test_layout_matches_one_device": {"dp", "pp_1f1b"},
+    "test_transformer.py::test_bf16_layout_close_to_one_device": set(),
+    "test_cost.py::test_transformer_estimate_matches_compiled": {"hybrid"},
+    "test_cost.py::test_pipeline_estimate_matches_compiled": {"data=2,pipe=4-1f1b-1-1"},
+    "test_cost.py::test_pytree_model_estimate_matches_compiled": {"data=8-0-1", "data=4,tensor=2-1-1"},
+    "test_resnet.py::test_layouts_match_one_device": {"3-data=2,fsdp=4"},
+    "test_oracle.py::test_fp32_layout_matches_the_oracle": {"data=8-0-1", "data=2,fsdp=2,tensor=2-3-2"},
+    "test_step.py::test_layout_matches_one_device": {"data=8-1", "data=2,fsdp=2,tensor=2-3"},
+}
+# Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
+# resumes, searches over thousands of layouts).
+SLOW_TESTS = {
+    "test_cost.py::test_efficiency_model_lands_in_the_published_band",
+    "test_resnet.py::test_checkpoint_resume_is_bit_identical",
+    "test_resnet.py::test_digits_accuracy_through_cli",
+    "test_transformer.py::test_dropout_layouts_match_one_device",
+    "test_transformer.py::test_checkpoint_resume_is_bit_identical",
+    "test_transformer.py::test_sigterm_saves_a_checkpoint_and_exits_zero",
+    "test_transformer.py::test_short_run_learns_the_corpus",
+    "test_checkpoint.py::test_sigterm_checkpoints_exits_0_and_resumes_bit_identically",
+    "test_checkpoint.py::test_kill_9_while_saving_keeps_previous_checkpoint",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = f"{item.path.name}::{item.originalname}"
+        callspec = getattr(item, "callspec", None)
+        if name in SLOW_TESTS or (name in FAST_CASES and callspec is not None
+                                  and callspec.id not in FAST_CASES[name]):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def devices():
