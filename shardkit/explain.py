@@ -175,8 +175,11 @@ class Report:
             for c in ("quantity", "estimate", "compiled", "ratio"):
                 est.add_column(c, justify="left" if c == "quantity" else "right")
             for r in self.comparison():
+                if not r["estimate"] and not r["compiled"]:
+                    continue  # neither side has it: nothing to compare
                 ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("nan")
-                est.add_row(r["quantity"], _human(r["estimate"]), _human(r["compiled"]), f"{ratio:.2f}")
+                fmt = (lambda v: f"{v:.3g}") if r["quantity"].startswith("flops") else _human
+                est.add_row(r["quantity"], fmt(r["estimate"]), fmt(r["compiled"]), f"{ratio:.2f}")
             parts.append(est)
         return Group(*parts)
 
@@ -269,5 +272,7 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
                           f"({plan.mesh.size} {plan.mesh.devices.flat[0].platform} devices)")
     from . import cost
 
-    report.estimate = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token).as_dict()
+    est = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token)
+    report.estimate = est.as_dict()
+    report.notes.extend(est.notes)
     return report

@@ -310,8 +310,15 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                     repeats=pipe["repeats"] if pipe else 1)
     t = times(col, counts, busy, hw, layout)
     n_dev = mesh.size
+    notes = list(reading.notes)
+    if not pipe:
+        notes.append("modelled memory: a liveness simulation of the traced forward + backward pass with "
+                     "XLA's fusion rules; XLA's own fusion and scheduling choices have kept 10-20% more in "
+                     "some tensor-parallel backwards (BENCHMARKS.md)")
+    if flops_per_token is None and not pipe:
+        notes.append("modelled flops: every matmul and convolution of the traced program, per device")
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
-                    hw.hbm_bytes, n_dev)
+                    hw.hbm_bytes, n_dev, notes)
 
 
 def _grad_reduce_elems(leaves, comp, grad_specs, data_axes, sizes) -> float:

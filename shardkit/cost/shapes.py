@@ -187,6 +187,7 @@ class Estimate:
             (``steptime.times``).
         hardware: the accelerator name; ``layout``: what was estimated; ``tokens``: per step.
         memory_limit: bytes available per device.
+        notes: how the figures were modelled and what they cannot see, for the reader.
     """
 
     memory: dict[str, float]
@@ -199,6 +200,7 @@ class Estimate:
     tokens: float = 0.0
     memory_limit: float = float("inf")
     devices: int = 1
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def step_time(self) -> float:

@@ -210,7 +210,9 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         from .fromstep import step_estimate
 
         with _on(plan):
-            report.estimate = step_estimate(sim, abs_state, abs_batch, flops_per_token=flops_per_token).as_dict()
+            est = step_estimate(sim, abs_state, abs_batch, flops_per_token=flops_per_token)
+        report.estimate = est.as_dict()
+        report.notes.extend(est.notes)
     return report
 
 
