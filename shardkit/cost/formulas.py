@@ -113,14 +113,12 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     # manual over the data axes, so gradients stay local in the loop (``sk.pipeline``).
     per_step = 1 if lo.pipe > 1 else m
     if replicas > 1:
-        col["grad-reduce"] = per_step * p_dev * bg
-        counts["grad-reduce"] = per_step * max(L_dev, 1) if lo.pipe == 1 else 2
-        if sharded:
-            col["param-gather"] = 2 * per_step * p_dev * bc
-            counts["param-gather"] = 2 * per_step * max(L_dev, 1)
-        elif lo.zero in (1, 2):
-            col["param-gather"] = p_dev * bp
-            counts["param-gather"] = 1
+        # ZeRO-3/FSDP gathers each layer for the forward and again for the backward.
+        data_traffic(col, counts, reduced=per_step * p_dev,
+                     reduce_ops=per_step * max(L_dev, 1) if lo.pipe == 1 else 2,
+                     gathered=2 * per_step * p_dev if sharded else 0.0,
+                     gather_ops=2 * per_step * max(L_dev, 1),
+                     zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)
     if lo.tensor > 1 and ms.d_model:
         # 1F1B's backward op recomputes the forward: its 2 all-reduces per layer run again.
         n_red = m * ((6 if one_f_one_b else 4) * L_dev + 2)
@@ -164,6 +162,30 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
                 if memory_bound and ms.d_model and ms.layers > 1 and hw.hbm_bandwidth > 0 else 0.0)
     t = times(col, counts, busy, hw, lo, efficiency, model_efficiency, memory_seconds=memory_s)
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
+
+
+def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: float = 0.0,
+                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, bg: int, wire: int, bp: int) -> None:
+    """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020), added into
+    ``col`` (bytes) and ``counts``: the one formula both estimators use, fed by a
+    ``ModelShape`` (``estimate``) or by a real step's leaf sums (``fromstep``).
+
+    * ``grad-reduce``: every gradient element is reduced once per reduction (``reduced``
+      elements in all, over ``reduce_ops`` collectives; counted as bytes reduced, so an
+      all-reduce and a reduce-scatter of the same gradient count the same);
+    * ``param-gather`` under ZeRO-3/FSDP: each use of a sharded weight gathers it (``gathered``
+      elements over ``gather_ops`` collectives, in the compute dtype on the wire);
+    * ``param-gather`` under ZeRO-1/2: the updated shards are gathered once per step into the
+      replicated parameters (``zero12_gathered`` elements, in the parameter dtype).
+    """
+    col["grad-reduce"] += reduced * bg
+    counts["grad-reduce"] += reduce_ops
+    if gathered:
+        col["param-gather"] += gathered * wire
+        counts["param-gather"] += gather_ops
+    elif zero12_gathered:
+        col["param-gather"] += zero12_gathered * bp
+        counts["param-gather"] += 1
 
 
 def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:

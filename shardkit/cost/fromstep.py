@@ -19,6 +19,7 @@ from . import hardware as hw_lib
 from .shapes import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
 from .program import ProgramReading, read_program
+from .formulas import data_traffic
 from .pipeline import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, pipelined_uses)
 
@@ -208,26 +209,20 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     lookup = [u and not s for u, s in zip(reading.lookup, stacked)]
     tied = [u and mm for u, mm in zip(lookup, reading.matmul)]
     if n_data > 1:
-        col["grad-reduce"] = m * _grad_reduce_elems(leaves, comp, lay.zero_specs if zero >= 2 else
-                                                    [l.spec for l in leaves], data_axes, sizes) * bg
         # A tied embedding's two gradients (output head, lookup's scatter-add) are reduced
         # apart; under sequence parallelism the lookup ran on the whole (gathered) table.
-        col["grad-reduce"] += m * bg * sum((math.prod(l.shape) if sp else c)
-                                           for l, c, t in zip(leaves, comp, tied) if t)
-        counts["grad-reduce"] = m * L
-        if fsdp and not pipe:
-            # Gathered where used: a weight used inside a loop (a layer scan) for the forward
-            # and again for the backward, every microbatch; one used outside any loop once
-            # (XLA keeps the gathered copy for the backward).
-            uses = [2 if loop else 1 for loop in reading.loop_use]
-            col["param-gather"] = m * sum(u * c for u, s, c in zip(uses, stored, comp) if s < c) * wire
-            counts["param-gather"] = m * sum(u for u, s, c in zip(uses, stored, comp) if s < c)
-        elif fsdp:  # gathered for the forward and again for the backward, every microbatch
-            col["param-gather"] = 2 * m * sum(c for s, c in zip(stored, comp) if s < c) * wire
-            counts["param-gather"] = 2 * m * L
-        elif zero in (1, 2):
-            col["param-gather"] = sum(f for f, z in zip(full, zshard) if z < f) * bp
-            counts["param-gather"] = 1
+        reduced = _grad_reduce_elems(leaves, comp, lay.zero_specs if zero >= 2 else [l.spec for l in leaves],
+                                     data_axes, sizes) + sum((math.prod(l.shape) if sp else c)
+                                                             for l, c, t in zip(leaves, comp, tied) if t)
+        # ZeRO-3/FSDP gathers a weight where it is used: inside a loop (a layer scan) for the
+        # forward and again for the backward, every microbatch; outside any loop once (XLA
+        # keeps the gathered copy for the backward). Pipelines gather per use, twice.
+        uses = [2 if (loop or pipe) else 1 for loop in reading.loop_use]
+        data_traffic(col, counts, reduced=m * reduced, reduce_ops=m * L,
+                     gathered=m * sum(u * c for u, s, c in zip(uses, stored, comp) if s < c) if fsdp else 0.0,
+                     gather_ops=m * sum(u for u, s, c in zip(uses, stored, comp) if s < c) if not pipe else 2 * m * L,
+                     zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
+                     bg=bg, wire=wire, bp=bp)
     act_bytes = tok_dev_mb * width * wire
     for l, s, t, tie, staged in zip(leaves, stacked, lookup, tied, piped):
         if not pipe and not sp:
