@@ -24,7 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from shardkit.checkpoint import Checkpointer, _scan_files, array_checksums  # noqa: E402
+from shardkit.checkpoint import Checkpointer, array_checksums  # noqa: E402
+from shardkit.checkpoint.checkpointer import _scan_files  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--mb", type=float, default=100, help="total state size (params + 2 Adam moments)")

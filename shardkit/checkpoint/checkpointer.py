@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .plan import Plan
+from ..plan import Plan
 
 log = logging.getLogger("shardkit.checkpoint")
 
