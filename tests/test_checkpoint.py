@@ -345,7 +345,7 @@ def copy(saved, tmp_path):
 
 def _chunk(item_dir, key: bytes) -> tuple[str, int, int]:
     """(file, offset, length) of one stored chunk, e.g. ``b"params.w1/3.0"``, from the step's index."""
-    from shardkit.checkpoint.checkpointer import _location
+    from shardkit.checkpoint.damage import _location
 
     base = ts.KvStore.open({"driver": "file", "path": f"{item_dir}/"}).result()
     todo = [(ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"], b"")]
@@ -419,7 +419,7 @@ def test_flip_in_the_index_is_caught_by_its_crc(copy, caplog):
     plan, like, directory, states = copy
     base = ts.KvStore.open({"driver": "file", "path": f"{directory}/2/state/"}).result()
     root = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
-    from shardkit.checkpoint.checkpointer import _location
+    from shardkit.checkpoint.damage import _location
 
     path, end = _location(str(directory / "2" / "state"), root)
     _flip(path, end // 2, 8)
@@ -622,7 +622,7 @@ def test_recipe_resume_skips_a_corrupt_step_and_continues_bit_identically(tmp_pa
 def test_combine_names_a_block_one_host_read_differently():
     """Each host hashes its own copy of a replicated block; a copy that differs from the first
     is reported even when the first copy (the one summed into the total) is right."""
-    from shardkit.checkpoint.checkpointer import _combine
+    from shardkit.checkpoint.checksums import _combine
 
     # 4 devices on 2 processes holding 2 blocks, each block on both processes.
     layout = (("0:2", True, True, 0), ("2:4", True, True, 0), ("0:2", False, True, 1), ("2:4", False, True, 1))

@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from shardkit.checkpoint import Checkpointer, array_checksums  # noqa: E402
-from shardkit.checkpoint.checkpointer import _scan_files  # noqa: E402
+from shardkit.checkpoint.damage import scan_files  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--mb", type=float, default=100, help="total state size (params + 2 Adam moments)")
@@ -84,7 +84,7 @@ for layout, zero, rules in (("data=8", 0, [(r".*", ())]), ("fsdp=8", 3, [(r".*",
         lambda: jax.block_until_ready(Checkpointer(verified).restore(plan, like=like)))
     row["checksum_pass_s"], = timed(lambda: array_checksums(state))
     row["first_pass_s"] = first_pass
-    row["index_scan_s"], = timed(lambda: _scan_files(os.path.join(verified, "1", "state")))
+    row["index_scan_s"], = timed(lambda: scan_files(os.path.join(verified, "1", "state")))
     row["save_ratio"] = row["save_checksums_s"] / row["save_s"]
     row["restore_ratio"] = row["restore_verified_s"] / row["restore_s"]
     results.append(row)
