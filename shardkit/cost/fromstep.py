@@ -149,48 +149,17 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     piped = [bool(pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0])) for l in leaves]
     seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
     sp = any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1 for a in seq_rule)
-    act, piped_act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
-                          {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves}, pipe, sp)
-    mem["activations"] = act
-    # Backward of one layer holds, beside the waiting residuals, the cotangents of that layer's
-    # intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer and its
-    # unreduced gradient, whichever is larger.
-    fsdp = any(s < c for s, c in zip(stored, comp))
-    # In a GPipe/circular pipeline the residuals are stacked per tick; a tick's backward holds
-    # the cotangents of one tick's.
-    gpipe_like = bool(pipe) and pipe["schedule"] != "1f1b"
-    working = piped_act / pipeline_ticks(pipe) if gpipe_like else act / L
-    if fsdp:
-        working = max(working, layer_comp * (wire + bg))
-    elif zero == 2 and n_data > 1:
-        working = max(working, layer_comp * bg)
-    act_x4 = tokens_in(batch) / n_data / m * width * 4  # a step microbatch's f32 activations
-    if pipe and pipe["schedule"] == "1f1b" and pipe.get("stage_residuals") is not None:
-        lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
-        rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-        stage_res = sum(math.prod(s) * _itemsize(d) / n_tensor_of(s, rows, tensor_dims, sizes)
-                        for s, d in pipe["stage_residuals"])
-        backward = one_f_one_b_loop(pipe, act_x4, sum(c for c, q in zip(comp, piped) if q) * 4,
-                                    sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
-                                    max(L // pipe["stages"], 1))
-    else:
-        if pipe:
-            working += pipeline_buffers(pipe, act_x4, g_comp)
-        # A pipeline's backward starts after the loss's (whose residuals are freed by then).
-        backward = grad_buffer + (max(act, piped_act + working) if gpipe_like else act + working)
-    new_params = sum(stored) * bp
-    # The compute-dtype copy of the parameters (absent when compute == params dtype).
-    cast = sum(stored) * bc if bc != bp else 0.0
-    mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
+    fsdp = any(s < c for s, c in zip(stored, comp))  # some weights are gathered where used
+    # What a device computes with, reads and keeps: read off the traced program (also for
+    # pipelines, whose parameter uses it tells; their memory has its own model below).
     reading = _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp)
     if not pipe:
         # The pass's own peak (its gradients live at its end), or, after it, the reduced
-        # gradients beside the unreduced ones (a collective writes a new buffer), a ZeRO-1/2
-        # update's new parameter shard before the gather, and the microbatch accumulator.
-        # The reduced gradient is a new buffer (a collective does not write in place): a full
-        # copy without ZeRO-2; with it the shard — except on XLA:CPU for a gradient made
-        # outside a loop, which it all-reduces whole and slices after (a loop's stacked
-        # gradient is reduced slice by slice inside the loop).
+        # gradients beside the unreduced ones, a ZeRO-1/2 update's new parameter shard before
+        # the gather, and the microbatch accumulator. The reduced gradient is a new buffer (a
+        # collective does not write in place): a full copy without ZeRO-2; with it the shard —
+        # except on XLA:CPU for a gradient made outside a loop, which it all-reduces whole and
+        # slices after (a loop's stacked gradient is reduced slice by slice inside the loop).
         whole = [(f if zero < 2 or (platform == "cpu" and not loop) else z)
                  for f, z, loop in zip(full, zshard, reading.loop_use)]
         reduced = sum(whole) * bg if n_data > 1 else 0.0
@@ -198,6 +167,37 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         accumulate = mem["grads"] if m > 1 else 0.0
         mem["temporaries"] = max(reading.peak, g_comp + reduced + shard_update) + accumulate
         mem["activations"] = reading.residuals
+    else:
+        act, piped_act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
+                              {tuple(l.shape) for l in leaves} | {tuple(l.shape[1:]) for l in leaves}, pipe, sp)
+        mem["activations"] = act
+        # Backward of one layer holds, beside the waiting residuals, the cotangents of that
+        # layer's intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer
+        # and its unreduced gradient, whichever is larger. In a GPipe/circular pipeline the
+        # residuals are stacked per tick; a tick's backward holds the cotangents of one tick's.
+        gpipe_like = pipe["schedule"] != "1f1b"
+        working = piped_act / pipeline_ticks(pipe) if gpipe_like else act / L
+        if fsdp:
+            working = max(working, layer_comp * (wire + bg))
+        elif zero == 2 and n_data > 1:
+            working = max(working, layer_comp * bg)
+        act_x4 = tokens_in(batch) / n_data / m * width * 4  # a step microbatch's f32 activations
+        if not gpipe_like and pipe.get("stage_residuals") is not None:
+            lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
+            rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
+            stage_res = sum(math.prod(s) * _itemsize(d) / n_tensor_of(s, rows, tensor_dims, sizes)
+                            for s, d in pipe["stage_residuals"])
+            backward = one_f_one_b_loop(pipe, act_x4, sum(c for c, q in zip(comp, piped) if q) * 4,
+                                        sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
+                                        max(L // pipe["stages"], 1))
+        else:
+            working += pipeline_buffers(pipe, act_x4, g_comp)
+            # A pipeline's backward starts after the loss's (whose residuals are freed by then).
+            backward = grad_buffer + (max(act, piped_act + working) if gpipe_like else act + working)
+        new_params = sum(stored) * bp
+        # The compute-dtype copy of the parameters (absent when compute == params dtype).
+        cast = sum(stored) * bc if bc != bp else 0.0
+        mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
 
     tokens = tokens_in(batch)
@@ -224,9 +224,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
                      bg=bg, wire=wire, bp=bp)
     act_bytes = tok_dev_mb * width * wire
-    for l, s, t, tie, staged in zip(leaves, stacked, lookup, tied, piped):
-        if not pipe and not sp:
-            break  # the traced program's tensor-split contractions, below
+    # Without a pipeline or sequence parallelism the traced program's tensor-split
+    # contractions give the reductions (below); with them, the per-weight Megatron rule here.
+    for l, s, t, tie, staged in zip(leaves, stacked, lookup, tied, piped) if (pipe or sp) else ():
         # One all-reduce of (tokens × width) per use of a tensor-sharded weight: the output of
         # a row-parallel one (forward), the input gradient of a column-parallel one (backward)
         # (Megatron; XLA does not merge the q/k/v or gate/up input-gradient reductions). A tied
