@@ -293,6 +293,11 @@ class Plan:
         context = jax.sharding.get_abstract_mesh()
         manual = set() if context.empty else {
             a for a, t in zip(context.axis_names, context.axis_types) if t == jax.sharding.AxisType.Manual}
+        if manual and len(manual) == len(context.axis_names):
+            # Every axis is manual (a building block's shard_map over the whole mesh, e.g.
+            # sk.moe's experts on expert=8): nothing is left for the compiler to place, and a
+            # constraint there (vmap adds an UNCONSTRAINED dim) is rejected by JAX.
+            return x
         entries = []
         for d, e in enumerate(spec):
             axes = tuple(a for a in entry_axes(e) if a not in manual)
