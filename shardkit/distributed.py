@@ -205,6 +205,30 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return spec
 
 
+_barriers: dict[str, int] = {}
+
+
+def barrier(name: str, timeout_s: int = 600) -> None:
+    """Waits until every process reaches ``barrier(name)``; returns at once in a 1-process job.
+
+    Uses the coordination service, not a device collective, so it is safe beside device work
+    and has its own timeout. Call it before a process's first collective after uneven host work
+    (a compile, a file scan): XLA:CPU's Gloo collectives exchange their peers' addresses through
+    the coordination service with a fixed 30 s limit, so two processes reaching their first
+    collective more than 30 s apart fail it; a barrier first makes them arrive together. Every
+    process must call barriers in the same order (each name's calls are numbered).
+
+    Raises:
+        RuntimeError: a peer did not arrive within ``timeout_s`` (JAX names the missing task).
+    """
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost
+
+    n = _barriers[name] = _barriers.get(name, -1) + 1
+    multihost.get_barrier_sync_fn()(key=f"shardkit.{name}.{n}", timeout_ms=int(timeout_s * 1000))
+
+
 def is_main() -> bool:
     """True on process 0: the one that logs, prints progress and writes reports."""
     return jax.process_index() == 0

@@ -55,6 +55,7 @@ def test_detect_kubernetes_jobset():
 
 def test_initialize_checks_arguments_and_is_a_no_op_alone():
     assert distributed.initialize(env={}) is None
+    distributed.barrier("alone")  # one process: returns at once, nothing to wait for
     with pytest.raises(ValueError, match="together"):
         distributed.initialize("127.0.0.1:1234", env={})
     with pytest.raises(ValueError, match=r"process_id=2 is not in \[0, num_processes=2\)"):

@@ -17,6 +17,7 @@ from ..plan import Plan
 from .checksums import RECORD_ITEM, make_record
 from .errors import CheckpointError, CorruptCheckpointError
 from .reading import StepReader
+from ..distributed import barrier
 from .tree import abstract_target, nonfinite_leaves
 
 log = logging.getLogger("shardkit.checkpoint")
@@ -206,6 +207,7 @@ class Checkpointer:
                             "(never overwritten); move it away to save this step", step,
                             os.path.join(self.directory, str(step)))
             return False
+        barrier("checkpoint-save")  # processes arrive at the collectives below together
         if not allow_nonfinite:
             bad = nonfinite_leaves(state)
             if bad:
@@ -221,6 +223,7 @@ class Checkpointer:
             items[RECORD_ITEM] = ocp.args.JsonSave(make_record(state, extra))
         meta = _describe_layout(state)
         meta["shardkit"]["checksums"] = self.checksums
+        barrier("checkpoint-write")  # Orbax's first barrier is a device collective (30 s rendezvous)
         saved = mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta)
         if not self.async_save:
             mngr.wait_until_finished()

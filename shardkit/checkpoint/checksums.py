@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..distributed import barrier
 from ..rules import path_str
 from .tree import leaf_paths
 
@@ -220,6 +221,7 @@ def _digests(tree) -> dict[str, _Digest | None]:
         else:  # a few bytes per device and array: every process sees every device's sums
             from jax.experimental import multihost_utils
 
+            barrier("checkpoint-checksums")  # after each process's own compile and digest
             rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
         for i, ((name, _), spec, shape) in enumerate(zip(members, specs, shapes)):
             out[name] = _combine(_block_layout(mesh, spec, shape), rows[:, i])

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..distributed import barrier
 from .checksums import RECORD_FORMAT, RECORD_ITEM, extra_digest, in_saved_dtypes, record_vs_metadata, verify
 from .damage import read_problems, scan_files
 from .errors import CheckpointError, CorruptCheckpointError, first_line
@@ -26,6 +27,7 @@ def _agree(flag: bool) -> list[int]:
         return [0] if flag else []
     from jax.experimental import multihost_utils
 
+    barrier("checkpoint-agree")  # after each process's own reads, which take uneven time
     flags = np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).reshape(-1)
     return [int(p) for p in np.flatnonzero(flags)]
 
