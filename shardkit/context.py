@@ -1,0 +1,445 @@
+"""Context parallelism: attention over a sequence split along a mesh axis.
+
+``context_attention(q, k, v)`` computes softmax attention for ``q: (B, T, Hq, Dh)`` and
+``k, v: (B, T, Hkv, Dh)`` whose sequence dimension is split over the ``context`` mesh axis, so
+a device holds and computes on ``T/c`` tokens only. It runs a ``jax.shard_map`` that is manual
+over that one axis; every other axis (data, fsdp, tensor on the heads, pipe when called inside
+an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with its axis.
+
+* ``strategy="ring"`` (Liu et al. 2023, "Ring Attention with Blockwise Transformers",
+  arXiv:2310.01889): ``c`` steps; at each a device attends its queries to one K/V block with an
+  online (log-sum-exp) softmax in float32 (Milakov & Gimelshein 2018; Dao et al. 2022,
+  FlashAttention) and passes the block to its ring neighbour with ``ppermute``, sent before
+  the block is used so the transfer can overlap the compute. The backward pass is a ring too
+  (a custom VJP): K/V travel again with their float32 gradient accumulators, the blocks'
+  scores are recomputed from the saved log-sum-exp, so a device keeps O(T/c) activations,
+  never a (T, T) or (T/c, T) score matrix. Traffic per call and device: forward ``(c-1)``
+  K/V blocks; backward ``(c-1)`` K/V blocks plus ``c`` dK/dV blocks in float32.
+* ``strategy="allgather"``: K/V are all-gathered once (forward, and again in the backward,
+  whose dK/dV are reduce-scattered); the same blockwise loop then reads the gathered copy.
+  More memory (the whole sequence's K/V per device), no ring steps on the critical path.
+* Causal load balancing (``load_balance=True``): with a contiguous split, device ``c-1``
+  attends to the whole prefix and device 0 to its own block only. In the zig-zag order
+  (Brandon et al. 2023, "Striped Attention"; the zig-zag variant of Llama 3's context
+  parallelism) the sequence is cut into ``2c`` chunks and device ``d`` holds chunks ``d`` and
+  ``2c-1-d``; then every off-diagonal step is exactly half a block of unmasked work on every
+  device, and this module computes only that half. The tokens must arrive in that order:
+  ``context_shard`` reorders a batch (tokens, labels, positions, segment ids) once, before the
+  model; position-wise layers do not care, RoPE takes the reordered positions, a mean loss
+  over reordered tokens and labels is unchanged, and ``context_unshard`` restores the natural
+  order of any per-token output.
+
+Without the axis in the mesh (or at size 1) it is ordinary attention, so the same model code
+runs on one device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .plan import active_plan, note
+
+F32 = jnp.float32
+STRATEGIES = ("ring", "allgather")
+_NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
+# Blocks a causal step touches (see _branch): all of it, K/V's first half (zig-zag, source
+# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after).
+_FULL, _KV_FIRST, _Q_SECOND, _SKIP = range(4)
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                      axis: str = "context", strategy: str = "ring", load_balance: bool = True,
+                      scale: float | None = None, segment_ids: jax.Array | None = None,
+                      mesh: Any = None) -> jax.Array:
+    """Softmax attention with the sequence split over the ``axis`` mesh axis.
+
+    Args:
+        q: queries ``(B, T, Hq, Dh)``; ``T`` split over ``axis`` (a plan puts it there through
+            ``sk.constrain(x, ("batch", "context", ...))``; other layouts are resharded).
+        k: keys ``(B, T, Hkv, Dh)``, ``Hq`` a multiple of ``Hkv`` (grouped-query attention:
+            query head ``h`` reads kv head ``h // (Hq / Hkv)``).
+        v: values, shaped like ``k``.
+        causal: a token attends to itself and the tokens before it (by global position).
+        axis: the mesh axis the sequence is split over.
+        strategy: ``"ring"`` (K/V passed around the axis) or ``"allgather"``.
+        load_balance: for ``causal``: the sequence arrives in ``context_shard``'s zig-zag
+            order (see the module docstring); ``False``: in natural order, split contiguously
+            (device ``c-1`` then does ``c`` times the work of device 0).
+        scale: score scale; default ``1/sqrt(Dh)``.
+        segment_ids: optional ``(B, T)`` integers (packed documents): a token attends only to
+            tokens with the same id. In the same (possibly reordered) order as ``q``.
+        mesh: the mesh; default the ambient one (``jax.set_mesh``, as inside
+            ``sk.train_step`` and ``sk.pipeline``), else the active plan's.
+
+    Returns:
+        ``(B, T, Hq, Dh)`` in ``q``'s dtype; float32 softmax and accumulation inside.
+
+    Raises:
+        ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, ``segment_ids``
+            not ``(B, T)``, an unknown strategy, or ``T`` not divisible by the axis size (twice
+            it under causal load balancing).
+    """
+    _check(q, k, v, segment_ids, strategy)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mesh = _resolve_mesh(mesh)
+    c = dict(mesh.shape).get(axis, 1) if mesh is not None else 1
+    if c == 1:
+        return plain_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
+    zigzag = causal and load_balance
+    T, n = q.shape[1], 2 * c if zigzag else c
+    if T % n:
+        why = f"2 x {axis}={c} zig-zag chunks (causal load balancing)" if zigzag else f"{axis}={c} shards"
+        raise ValueError(f"context_attention: sequence length {T} does not split into {n} equal "
+                         f"parts ({why}); use a sequence length that is a multiple of {n}"
+                         + (", or load_balance=False (needs a multiple of "
+                            f"{c})" if zigzag else ", or a smaller context axis"))
+    note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
+                               "load_balance": zigzag})
+    cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None)
+    return _sharded(cfg)(q, k, v, segment_ids)
+
+
+def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                    scale: float | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+    """The same attention on one device (float32 softmax): what ``context_attention`` computes
+    without a context axis. Shapes as there; the sequence in natural order."""
+    _check(q, k, v, segment_ids, "ring")
+    B, T, Hq, Dh = q.shape
+    Hkv = k.shape[2]
+    scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
+    q5 = q.reshape(B, T, Hkv, Hq // Hkv, Dh)
+    s = jnp.einsum("bqkgd,bskd->bqkgs", q5, k, preferred_element_type=F32) * scale
+    pos = jnp.arange(T)
+    mask = _mask(pos, pos, segment_ids, segment_ids, causal)
+    if mask is not None:
+        s = jnp.where(mask, s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bqkgs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=F32)
+    return o.reshape(B, T, Hq, Dh).astype(q.dtype)
+
+
+def context_shard(x: Any, *, axis: str = "context", seq_dim: int = 1, mesh: Any = None,
+                  size: int | None = None) -> Any:
+    """Puts every leaf's sequence dimension in the zig-zag order causal load balancing needs.
+
+    The sequence is cut into ``2c`` chunks (``c`` = the axis size) and device ``d`` gets chunks
+    ``d`` and ``2c-1-d``: reordered, a contiguous split over the axis gives each device one
+    early and one late chunk, so every device does the same causal work. Apply it once to the
+    batch — tokens, labels, positions (RoPE then rotates by the reordered positions), segment
+    ids — and run the model on the result: position-wise layers are unaffected, a mean loss over
+    reordered tokens and labels equals the original, and ``context_unshard`` restores the
+    natural order of per-token outputs. Without the axis (or at size 1) it returns ``x``.
+
+    Args:
+        x: an array or a pytree of arrays (numpy leaves stay numpy, so a host data pipeline can
+            reorder before ``device_put``).
+        axis: the context mesh axis.
+        seq_dim: the sequence dimension of every leaf (1 for ``(B, T, ...)``, 0 for a ``(T,
+            ...)`` table of positions or rotary angles).
+        mesh: the mesh; default the ambient one, else the active plan's.
+        size: the axis size, instead of reading it from a mesh.
+
+    Raises:
+        ValueError: a leaf's sequence length is not a multiple of ``2c``, or it has no
+            ``seq_dim``.
+    """
+    return _reorder(x, axis, seq_dim, mesh, size, inverse=False)
+
+
+def context_unshard(x: Any, *, axis: str = "context", seq_dim: int = 1, mesh: Any = None,
+                    size: int | None = None) -> Any:
+    """The inverse of ``context_shard``: natural sequence order back (same arguments)."""
+    return _reorder(x, axis, seq_dim, mesh, size, inverse=True)
+
+
+# ---- checks and plumbing -------------------------------------------------------------------------
+
+def _check(q, k, v, segment_ids, strategy) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context_attention: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(a) != 4:
+            raise ValueError(f"context_attention: {name} has shape {jnp.shape(a)}; expected rank 4 "
+                             "(batch, seq, heads, head_dim)")
+    if k.shape != v.shape:
+        raise ValueError(f"context_attention: k {k.shape} and v {v.shape} must have the same shape")
+    (B, T, Hq, Dh), (Bk, Tk, Hkv, Dk) = q.shape, k.shape
+    if (B, T, Dh) != (Bk, Tk, Dk):
+        raise ValueError(f"context_attention: q {q.shape} and k/v {k.shape} must agree on batch, "
+                         "sequence and head_dim (self-attention over one sequence)")
+    if Hq % Hkv:
+        raise ValueError(f"context_attention: {Hq} query heads are not a multiple of {Hkv} kv heads; "
+                         f"grouped-query attention shares each kv head among Hq/Hkv query heads: "
+                         f"use a number of query heads divisible by {Hkv}")
+    if segment_ids is not None and tuple(jnp.shape(segment_ids)) != (B, T):
+        raise ValueError(f"context_attention: segment_ids has shape {tuple(jnp.shape(segment_ids))} but "
+                         f"q is {q.shape}; segment ids are one integer per token, shape (batch, seq) "
+                         f"= {(B, T)}, in the same order as q")
+
+
+def _resolve_mesh(mesh):
+    if mesh is not None:
+        return mesh
+    ambient = jax.sharding.get_abstract_mesh()
+    if ambient is not None and not ambient.empty:
+        return ambient
+    plan = active_plan()
+    return plan.mesh if plan is not None else None
+
+
+def _reorder(x, axis, seq_dim, mesh, size, inverse):
+    if size is None:
+        mesh = _resolve_mesh(mesh)
+        size = dict(mesh.shape).get(axis, 1) if mesh is not None else 1
+    c = int(size)
+    if c == 1:
+        return x
+    order = np.array([i for d in range(c) for i in (d, 2 * c - 1 - d)])
+    if inverse:
+        order = np.argsort(order)
+
+    def one(a):
+        shape = tuple(np.shape(a))
+        if len(shape) <= seq_dim:
+            raise ValueError(f"context_shard: a leaf of shape {shape} has no sequence dimension "
+                             f"{seq_dim}; pass seq_dim= (0 for a (T, ...) table)")
+        T = shape[seq_dim]
+        if T % (2 * c):
+            raise ValueError(f"context_shard: sequence length {T} (dim {seq_dim} of a {shape} leaf) "
+                             f"does not split into 2 x {axis}={c} = {2 * c} zig-zag chunks; use a "
+                             f"sequence length that is a multiple of {2 * c}")
+        xp = np if isinstance(a, np.ndarray) else jnp
+        chunks = xp.reshape(a, shape[:seq_dim] + (2 * c, T // (2 * c)) + shape[seq_dim + 1:])
+        return xp.reshape(xp.take(chunks, order, axis=seq_dim), shape)
+
+    return jax.tree.map(one, x)
+
+
+class _Config:
+    """What one sharded call is specialised on (all static)."""
+
+    def __init__(self, mesh, axis, c, causal, zigzag, scale, strategy, has_seg):
+        self.mesh, self.axis, self.c, self.causal, self.zigzag = mesh, axis, c, causal, zigzag
+        self.scale, self.strategy, self.has_seg = scale, strategy, has_seg
+
+    def positions(self, d, Tl):
+        """Global positions of device ``d``'s ``Tl`` tokens (contiguous or zig-zag)."""
+        if not self.zigzag:
+            return d * Tl + jnp.arange(Tl)
+        C = Tl // 2
+        return jnp.concatenate([d * C + jnp.arange(C), (2 * self.c - 1 - d) * C + jnp.arange(C)])
+
+    def branch(self, i, j):
+        """Index into ``_branches(self)`` of the part of the (my queries i, K/V block j) pair
+        that has unmasked work."""
+        if self.zigzag:  # (_FULL, _KV_FIRST, _Q_SECOND)
+            return jnp.where(i == j, 0, jnp.where(j < i, 1, 2))
+        return jnp.where(j <= i, 0, 1)  # causal, contiguous: (_FULL, _SKIP)
+
+
+def _mask(pq, pk, sq, sk, causal):
+    """(B|1, Tq, 1, 1, Tk) bool, or None when nothing is masked."""
+    m = (pq[:, None] >= pk[None, :])[None, :, None, None, :] if causal else None
+    if sq is not None:
+        seg = (sq[:, :, None] == sk[:, None, :])[:, :, None, None, :]
+        m = seg if m is None else m & seg
+    return m
+
+
+def _sharded(cfg: _Config) -> Callable:
+    """``f(q, k, v, seg) -> out`` with the ring (or all-gather) forward and backward."""
+    seq = P(None, cfg.axis)
+    smap = lambda body, n_in, n_out: jax.shard_map(  # noqa: E731
+        body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
+        out_specs=(seq,) * n_out if n_out > 1 else seq)
+
+    def forward(q, k, v, seg):
+        args = (q, k, v) + ((seg,) if cfg.has_seg else ())
+        return smap(lambda *a: _forward_body(cfg, *a), len(args), 2)(*args)
+
+    @jax.custom_vjp
+    def attend(q, k, v, seg):
+        return forward(q, k, v, seg)[0]
+
+    def fwd(q, k, v, seg):
+        out, lse = forward(q, k, v, seg)
+        return out, (q, k, v, seg, out, lse)
+
+    def bwd(res, dout):
+        q, k, v, seg, out, lse = res
+        args = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
+        dq, dk, dv = smap(lambda *a: _backward_body(cfg, *a), len(args), 3)(*args)
+        return dq, dk, dv, None
+
+    attend.defvjp(fwd, bwd)
+    return attend
+
+
+def _vary(tree, like):
+    """Casts ``tree`` to vary over every manual axis the ``like`` values vary over (scan carries
+    must keep one type through the loop)."""
+    axes = frozenset().union(*(jax.typeof(a).mat.varying for a in jax.tree.leaves(like)))
+
+    def cast(a):
+        missing = tuple(sorted(axes - jax.typeof(a).mat.varying))
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
+
+
+# ---- per-device bodies ----------------------------------------------------------------------
+
+def _split_heads(q, Hkv):
+    B, Tl, Hq, Dh = q.shape
+    return q.reshape(B, Tl, Hkv, Hq // Hkv, Dh)
+
+
+def _fetcher(cfg: _Config, kv_local, i):
+    """``fetch(s, carried) -> block``: the K/V block a device works on at step ``s`` (from
+    device ``(i - s) mod c``): the one the ring carried in, or read from the all-gathered copy
+    (the same order, so both strategies sum in the same order)."""
+    if cfg.strategy == "ring":
+        return lambda s, carried: carried
+    gathered = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis), kv_local)  # (c, ...) each
+    return lambda s, carried: jax.tree.map(
+        lambda a: lax.dynamic_index_in_dim(a, (i - s) % cfg.c, 0, keepdims=False), gathered)
+
+
+def _steps(cfg, carry, kv, step):
+    """Runs ``step(carry, kv_block, s)`` for s = 0..c-1 with the ring's ``c-1`` transfers:
+    each step sends the block it holds before using it (the send overlaps the compute)."""
+    if cfg.strategy == "allgather":
+        return lax.fori_loop(0, cfg.c, lambda s, cr: step(cr, None, s), carry)
+    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+
+    def body(state, s):
+        carry, block = state
+        nxt = lax.ppermute(block, cfg.axis, ring)
+        return (step(carry, block, s), nxt), None
+
+    (carry, block), _ = lax.scan(body, (carry, kv), jnp.arange(cfg.c - 1))
+    return step(carry, block, cfg.c - 1)
+
+
+def _sub(branch, C):
+    """(query slice, kv slice) of the block that has work, for a static branch."""
+    whole = slice(None)
+    return {_FULL: (whole, whole), _KV_FIRST: (whole, slice(0, C)), _Q_SECOND: (slice(C, None), whole)}[branch]
+
+
+def _branches(cfg):
+    if not cfg.causal:
+        return (_FULL,)
+    return (_FULL, _KV_FIRST, _Q_SECOND) if cfg.zigzag else (_FULL, _SKIP)
+
+
+def _forward_body(cfg: _Config, q, k, v, seg=None):
+    B, Tl, Hq, Dh = q.shape
+    Hkv, C = k.shape[2], Tl // 2
+    i = lax.axis_index(cfg.axis)
+    q5, pq = _split_heads(q, Hkv), cfg.positions(i, Tl)
+    kv = (k, v, seg) if cfg.has_seg else (k, v)
+    fetch = _fetcher(cfg, kv, i)
+    m0 = jnp.full((B, Tl, Hkv, Hq // Hkv), _NEG, F32)
+    state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q,) + kv)
+    kinds = _branches(cfg)
+
+    def update(state, block, j, kind):
+        if kind == _SKIP:
+            return state
+        qs, ks = _sub(kind, C)
+        kb, vb = block[0][:, ks], block[1][:, ks]
+        mask = _mask(pq[qs], cfg.positions(j, Tl)[ks], seg[:, qs] if cfg.has_seg else None,
+                     block[2][:, ks] if cfg.has_seg else None, cfg.causal)
+        m, l, acc = (a[:, qs] for a in state)
+        s = jnp.einsum("bqkgd,bskd->bqkgs", q5[:, qs], kb, preferred_element_type=F32) * cfg.scale
+        if mask is not None:
+            s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bqkgs,bskd->bqkgd", p.astype(vb.dtype), vb,
+                                                 preferred_element_type=F32)
+        return tuple(a.at[:, qs].set(b) for a, b in zip(state, (m_new, l, acc)))
+
+    def step(state, carried, s):
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        if len(kinds) == 1:
+            return update(state, block, j, kinds[0])
+        return lax.switch(cfg.branch(i, j),
+                          [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
+
+    m, l, acc = _steps(cfg, state, kv, step)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = (acc / l_safe[..., None]).reshape(B, Tl, Hq, Dh).astype(q.dtype)
+    return out, m + jnp.log(l_safe)
+
+
+def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
+    B, Tl, Hq, Dh = q.shape
+    Hkv, C = k.shape[2], Tl // 2
+    i = lax.axis_index(cfg.axis)
+    q5, do5, pq = _split_heads(q, Hkv), _split_heads(dout, Hkv), cfg.positions(i, Tl)
+    delta = jnp.sum(do5.astype(F32) * _split_heads(out, Hkv).astype(F32), axis=-1)  # (B, Tl, K, G)
+    kv = (k, v, seg) if cfg.has_seg else (k, v)
+    fetch = _fetcher(cfg, kv, i)
+    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+    kinds = _branches(cfg)
+    every = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
+    if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
+        grads = _vary((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
+    else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
+        grads = _vary((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
+    dq = _vary(jnp.zeros(q5.shape, F32), every)
+
+    def update(dq, dkv, block, j, kind):
+        if kind == _SKIP:
+            return dq, dkv
+        qs, ks = _sub(kind, C)
+        kb, vb = block[0][:, ks], block[1][:, ks]
+        mask = _mask(pq[qs], cfg.positions(j, Tl)[ks], seg[:, qs] if cfg.has_seg else None,
+                     block[2][:, ks] if cfg.has_seg else None, cfg.causal)
+        qb, dob = q5[:, qs], do5[:, qs]
+        s = jnp.einsum("bqkgd,bskd->bqkgs", qb, kb, preferred_element_type=F32) * cfg.scale
+        p = jnp.exp(s - lse[:, qs][..., None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(dob.dtype), dob, preferred_element_type=F32)
+        dp = jnp.einsum("bqkgd,bskd->bqkgs", dob, vb, preferred_element_type=F32)
+        ds = p * (dp - delta[:, qs][..., None]) * cfg.scale
+        dq = dq.at[:, qs].add(jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
+                                         preferred_element_type=F32))
+        dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(qb.dtype), qb, preferred_element_type=F32)
+        return dq, (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
+
+    def step(carry, carried, s):
+        dq, grads = carry
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
+        if len(kinds) == 1:
+            dq, dkv = update(dq, dkv, block, j, kinds[0])
+        else:
+            dq, dkv = lax.switch(cfg.branch(i, j),
+                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
+        if cfg.strategy == "ring":  # hand the block's gradient on with it
+            return dq, lax.ppermute(dkv, cfg.axis, ring)
+        return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
+
+    dq, grads = _steps(cfg, (dq, grads), kv, step)
+    if cfg.strategy == "allgather":
+        grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
+    # After c steps the ring has carried each block's gradient back to the block's own device.
+    return (dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype))
