@@ -65,7 +65,9 @@ def _in_flight_queue(plan: Plan):
 
 
 class NonFiniteError(FloatingPointError):
-    """Too many consecutive non-finite steps. ``.state`` holds the last good (unchanged) state."""
+    """Too many consecutive non-finite steps. ``.state`` holds a good state: the skipped
+    steps left it unchanged, and the one step run after them (the check reads a step late)
+    was skipped too or applied a finite update."""
 
     def __init__(self, msg: str, state: TrainState):
         super().__init__(msg)
@@ -147,6 +149,7 @@ class TrainStep:
         self._batch_shardings: dict = {}
         self.trace_notes: dict = {}
         self._in_flight = _in_flight_queue(plan)
+        self._last_streak: jax.Array | None = None  # the previous step's, read one step late
         functools.update_wrapper(self, fn)
 
     # ---- initialisation ---------------------------------------------------------------------
@@ -169,7 +172,7 @@ class TrainStep:
         shardings = self.state_shardings(jax.eval_shape(make, *args))
         with self.plan.active():
             state = jax.jit(make, out_shardings=shardings)(*args)
-        self._state_shardings = shardings
+        self._state_shardings, self._last_streak = shardings, None
         return state
 
     def abstract_state(self, model: Any, *, seed: int = 0) -> TrainState:
@@ -265,7 +268,7 @@ class TrainStep:
         if not isinstance(plan, Plan):
             raise ValueError(f"with_plan needs an sk.Plan, got {type(plan).__name__}")
         new = copy.copy(self)
-        new.plan, new._in_flight = plan, _in_flight_queue(plan)
+        new.plan, new._in_flight, new._last_streak = plan, _in_flight_queue(plan), None
         new._jitted, new._batch_shardings, new._state_shardings, new.trace_notes = {}, {}, None, {}
         lay = self._layout
         params = lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves])
@@ -362,12 +365,19 @@ class TrainStep:
             self._in_flight.append(metrics["loss"])
             if len(self._in_flight) > _CPU_MAX_IN_FLIGHT:
                 self._in_flight.popleft().block_until_ready()
-        if self.max_nonfinite is not None and int(new_state.streak) >= self.max_nonfinite:
-            raise NonFiniteError(
-                f"{int(new_state.streak)} consecutive steps had a non-finite loss or gradients "
-                f"(max_nonfinite={self.max_nonfinite}); their updates were skipped. Lower the learning "
-                "rate, enable clip_norm, or check the data. The last good state is in this error's .state",
-                new_state)
+        if self.max_nonfinite is not None:
+            # Reading this step's streak would wait for it to finish and leave the device idle
+            # until the host dispatches the next one; the previous step's streak is read
+            # instead, once this step is queued behind it (it is done, or nearly).
+            previous, self._last_streak = self._last_streak, metrics["nonfinite_streak"]
+            if previous is not None and int(previous) >= self.max_nonfinite:
+                self._last_streak = None
+                raise NonFiniteError(
+                    f"{int(previous)} consecutive steps had a non-finite loss or gradients "
+                    f"(max_nonfinite={self.max_nonfinite}); their updates were skipped. Lower the "
+                    "learning rate, enable clip_norm, or check the data. The state after this "
+                    "call's step (applied if it was finite, skipped if not) is in this error's .state",
+                    new_state)
         return new_state, metrics
 
     def explain(self, state: TrainState, batch, *, flops_per_token: float | None = None,
@@ -484,6 +494,8 @@ class TrainStep:
         if self.skip_nonfinite:
             metrics["skipped"] = new_state.skipped
             metrics["finite"] = finite
+        if self.max_nonfinite is not None:
+            metrics["nonfinite_streak"] = new_state.streak  # not donated: read a step later
         if state.loss_scale is not None:
             metrics["loss_scale"] = scale
         return new_state, metrics
@@ -503,6 +515,12 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
         skip_nonfinite: skip (and count in ``state.skipped``) updates whose loss or gradients
             are not finite. Always on under fp16 loss scaling.
         max_nonfinite: raise ``sk.NonFiniteError`` after this many skipped steps in a row.
+            The check does not block the host: a call reads the previous step's count
+            (``metrics["nonfinite_streak"]``) after queueing its own step, so the error comes
+            at most one step late — from the call after the ``max_nonfinite``-th skip — and
+            that extra step cannot corrupt the state (skipped if non-finite, a normal update
+            if not). The last step of a run is not checked: read its
+            ``metrics["nonfinite_streak"]`` if it matters.
         donate: donate the input state's buffers to the output (halves peak state memory).
 
     Returns:

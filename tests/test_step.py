@@ -242,16 +242,45 @@ def test_fp16_loss_scaling_skips_nonfinite_steps():
     assert state.params["w"].dtype == jnp.float32
 
 
-def test_max_nonfinite_stops_with_the_last_good_state():
+def test_max_nonfinite_stops_one_step_late_with_a_good_state():
+    """The streak is read a step late (no host sync on the step just queued): with
+    max_nonfinite=2 the third call raises, and every skipped step left the params alone."""
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
-    step = sk.train_step(plan, optax.sgd(0.1), max_nonfinite=2)(lambda p, b: jnp.mean(b["x"] @ p["w"]) / 0.0)
+    step = sk.train_step(plan, optax.sgd(0.1), max_nonfinite=2)(
+        lambda p, b: jnp.mean(b["x"] @ p["w"]) / b["d"][0])
     state = step.init({"w": jnp.ones((D, 1))})
-    batch = {"x": np.ones((8, D), np.float32)}
-    state, _ = step(state, batch)
+    bad = {"x": np.ones((8, D), np.float32), "d": np.zeros((8,), np.float32)}
+    state, m = step(state, bad)
+    state, m = step(state, bad)  # the second skip: seen by the next call
+    assert int(m["nonfinite_streak"]) == 2
     with pytest.raises(sk.NonFiniteError, match="2 consecutive steps") as err:
-        step(state, batch)
+        step(state, bad)
     np.testing.assert_array_equal(np.asarray(err.value.state.params["w"]), np.ones((D, 1)))
+    assert int(err.value.state.skipped) == 3
+    # A finite step resets the streak, and the next call then sees nothing to raise about.
+    state, m = step(err.value.state, {**bad, "d": np.ones((8,), np.float32)})
+    state, m = step(state, {**bad, "d": np.ones((8,), np.float32)})
+    assert int(m["nonfinite_streak"]) == 0 and not np.allclose(np.asarray(state.params["w"]), 1.0)
 
+
+def test_max_nonfinite_does_not_wait_for_the_step():
+    """A call returns while its step still runs (~0.5 s of matmuls on one CPU device): its
+    outputs are not ready yet. A check reading this step's streak would have waited."""
+    plan = sk.Plan(sk.make_mesh("data=1", devices=jax.devices()[:1]), rules=[(r".*", ())])
+
+    def loss(p, b):
+        busy = jax.lax.fori_loop(0, 12, lambda i, a: jnp.tanh(a @ a), b["m"][0])
+        return jnp.mean(b["x"] @ p["w"]) + 0.0 * jnp.sum(jax.lax.stop_gradient(busy))
+
+    step = sk.train_step(plan, optax.sgd(0.1), max_nonfinite=1)(loss)
+    state = step.init({"w": jnp.ones((D, 1))})
+    batch = {"x": np.ones((1, D), np.float32), "m": np.full((1, 1024, 1024), 1e-3, np.float32)}
+    batch = step.place_batch(batch)[0]
+    state, m = step(state, batch)  # compiles and runs once
+    jax.block_until_ready(m)
+    state, m = step(state, batch)
+    assert not m["loss"].is_ready()
+    jax.block_until_ready(m)
 
 def test_bad_inputs_raise_named_errors():
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r"w", ())])
