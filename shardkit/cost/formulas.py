@@ -85,9 +85,9 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     act = activation_bytes(ms, lo, b, T, bc) * L_dev
     one_f_one_b = lo.pipe > 1 and lo.schedule == "1f1b"
     if one_f_one_b:
-        # sk.pipeline's 1F1B keeps a ring of <= p stage inputs (f32) and rebuilds one
-        # microbatch's residuals at a time in its backward op.
-        act += (lo.pipe + 1) * b * T * ms.d_model * 4
+        # sk.pipeline's 1F1B keeps a ring of <= p stage inputs and rebuilds one microbatch's
+        # residuals at a time in its backward op.
+        act += (lo.pipe + 1) * b * T * ms.d_model * bc
     elif lo.pipe > 1:
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
@@ -132,12 +132,13 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
             counts["tensor-gather"] = n_gather
     if lo.pipe > 1:
-        # Activations cross the pipe in f32, as the recipe's pipeline carries them; sequence
+        # Activations cross the pipe in the compute dtype (the hardware table holds accelerators;
+        # only XLA:CPU needs f32 there, which ``fromstep`` reads off a real step); sequence
         # parallelism shards them over ``tensor``.
         note = {"stages": lo.pipe, "microbatches": m, "repeats": lo.repeats, "schedule": lo.schedule}
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
         pipeline_traffic(col, counts, note, stage=p_layers, rest=p_dev - p_layers, tied=tied,
-                         act_mb=tokens_mb * ms.d_model * 4 / (lo.tensor if lo.sequence_parallel else 1),
+                         act_mb=tokens_mb * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
                          has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas)
 
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
@@ -210,3 +211,25 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     return per * bc / 2
 
 
+
+
+def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
+                group_size: int | None, bytes_per_element: float, axis_size: int) -> float:
+    """All-to-all bytes per device per step of one ``sk.moe`` layer, counted as ``sk.Report``
+    counts them (the buffers each device hands to the all-to-all; ``steptime.collective_time``
+    applies the (n−1)/n that leaves the device).
+
+    A device's ``tokens`` go out as an ``(E, S, D)`` buffer: ``S = (tokens / group) · C`` slots
+    per expert, ``C = ceil(c · k · group / E)`` (``moe.expert_capacity``), so ≈ ``c · k · tokens``
+    rows; dropless pads each expert to all of the device's tokens (``S = tokens``: ``E/k`` times
+    the capacity-1 buffer). Dispatch and combine, forward and backward: four such buffers (the
+    GShard/Switch accounting, Lepikhin et al. 2020; Fedus et al. 2021). Zero without an expert
+    axis.
+    """
+    from ..moe import expert_capacity
+
+    if axis_size <= 1:
+        return 0.0
+    group = tokens if capacity_factor is None else group_size
+    slots = tokens // group * expert_capacity(group, top_k, experts, capacity_factor)
+    return 4.0 * experts * slots * d_model * bytes_per_element
