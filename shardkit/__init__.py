@@ -26,5 +26,7 @@ from .step import NonFiniteError as NonFiniteError
 from .step import TrainState as TrainState
 from .step import TrainStep as TrainStep
 from .step import train_step as train_step
+from .xla import target_platform as target_platform
+from .xla import xla_flags as xla_flags
 
 __version__ = "0.1.0"
