@@ -211,30 +211,6 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     return per * bc / 2
 
 
-
-
-def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
-                group_size: int | None, bytes_per_element: float, axis_size: int) -> float:
-    """All-to-all bytes per device per step of one ``sk.moe`` layer, counted as ``sk.Report``
-    counts them (the buffers each device hands to the all-to-all; ``steptime.collective_time``
-    applies the (n−1)/n that leaves the device).
-
-    A device's ``tokens`` go out as an ``(E, S, D)`` buffer: ``S = (tokens / group) · C`` slots
-    per expert, ``C = ceil(c · k · group / E)`` (``moe.expert_capacity``), so ≈ ``c · k · tokens``
-    rows; dropless pads each expert to all of the device's tokens (``S = tokens``: ``E/k`` times
-    the capacity-1 buffer). Dispatch and combine, forward and backward: four such buffers (the
-    GShard/Switch accounting, Lepikhin et al. 2020; Fedus et al. 2021). Zero without an expert
-    axis.
-    """
-    from ..moe import expert_capacity
-
-    if axis_size <= 1:
-        return 0.0
-    group = tokens if capacity_factor is None else group_size
-    slots = tokens // group * expert_capacity(group, top_k, experts, capacity_factor)
-    return 4.0 * experts * slots * d_model * bytes_per_element
-
-
 def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
                 group_size: int | None, bytes_per_element: float, axis_size: int) -> float:
     """All-to-all bytes per device per step of one ``sk.moe`` layer, counted as ``sk.Report``
