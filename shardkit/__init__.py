@@ -13,6 +13,7 @@ from .mesh import describe_mesh as describe_mesh
 from .mesh import make_mesh as make_mesh
 from .mesh import parse_mesh_spec as parse_mesh_spec
 from .mesh import use_cpu_devices as use_cpu_devices
+from .moe import moe as moe
 from .pipeline import pipeline as pipeline
 from .plan import Plan as Plan
 from .plan import active_plan as active_plan
