@@ -104,6 +104,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None)
+    if getattr(mesh, "manual_axes", ()):  # nested in another shard_map: see _compiler_blockwise
+        return _compiler_blockwise(cfg, q, k, v, segment_ids)
     return _sharded(cfg)(q, k, v, segment_ids)
 
 
@@ -267,11 +269,11 @@ def _sharded(cfg: _Config) -> Callable:
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0]
+        return forward(q, k, v, seg)[0].astype(q.dtype)
 
     def fwd(q, k, v, seg):
         out, lse = forward(q, k, v, seg)
-        return out, (q, k, v, seg, out, lse)
+        return out.astype(q.dtype), (q, k, v, seg, out, lse)
 
     def bwd(res, dout):
         q, k, v, seg, out, lse = res
@@ -341,6 +343,53 @@ def _branches(cfg):
     return (_FULL, _KV_FIRST, _Q_SECOND) if cfg.zigzag else (_FULL, _SKIP)
 
 
+def _online(state, q5, kb, vb, mask, scale):
+    """One block of the online softmax: running max ``m``, sum ``l`` and numerator ``acc``."""
+    m, l, acc = state
+    s = jnp.einsum("bqkgd,bskd->bqkgs", q5, kb, preferred_element_type=F32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, _NEG)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum("bqkgs,bskd->bqkgd", p.astype(vb.dtype), vb,
+                                             preferred_element_type=F32)
+    return m_new, l, acc
+
+
+def _compiler_blockwise(cfg: _Config, q, k, v, seg):
+    """Inside another shard_map (an ``sk.pipeline`` stage) the same blockwise attention, with
+    the queries kept split over the axis by sharding constraints and the K/V blocks moved by
+    the compiler; autodiff through a rematerialised block step keeps O(T/c) per step.
+
+    Why not the manual ring here: JAX 0.10 cannot partially evaluate a ``shard_map`` nested in
+    another one under ``lax.scan`` (a pipeline's tick and layer loops): the residuals it
+    splits off get specs naming the outer manual axes and lowering fails."""
+    B, T, Hq, Dh = q.shape
+    Hkv, c = k.shape[2], cfg.c
+    Tl = T // c
+    split = jax.sharding.NamedSharding(cfg.mesh, P(None, cfg.axis))
+    pos = jnp.concatenate([cfg.positions(d, Tl) for d in range(c)])
+    q5 = lax.with_sharding_constraint(_split_heads(q, Hkv), split)
+    blocks = lambda a: jnp.moveaxis(a.reshape((B, c, Tl) + a.shape[2:]), 1, 0)  # noqa: E731
+    xs = (blocks(k), blocks(v), pos.reshape(c, Tl)) + ((blocks(seg),) if cfg.has_seg else ())
+
+    @jax.checkpoint
+    def step(state, x):
+        mask = _mask(pos, x[2], seg, x[3] if cfg.has_seg else None, cfg.causal)
+        new = _online(state, q5, x[0], x[1], mask, cfg.scale)
+        return tuple(lax.with_sharding_constraint(a, split) for a in new), None
+
+    m0 = jnp.full(q5.shape[:-1], _NEG, F32)
+    state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
+    (m, l, acc), _ = lax.scan(step, state, xs)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(B, T, Hq, Dh).astype(q.dtype)
+
+
 def _forward_body(cfg: _Config, q, k, v, seg=None):
     B, Tl, Hq, Dh = q.shape
     Hkv, C = k.shape[2], Tl // 2
@@ -359,19 +408,8 @@ def _forward_body(cfg: _Config, q, k, v, seg=None):
         kb, vb = block[0][:, ks], block[1][:, ks]
         mask = _mask(pq[qs], cfg.positions(j, Tl)[ks], seg[:, qs] if cfg.has_seg else None,
                      block[2][:, ks] if cfg.has_seg else None, cfg.causal)
-        m, l, acc = (a[:, qs] for a in state)
-        s = jnp.einsum("bqkgd,bskd->bqkgs", q5[:, qs], kb, preferred_element_type=F32) * cfg.scale
-        if mask is not None:
-            s = jnp.where(mask, s, _NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("bqkgs,bskd->bqkgd", p.astype(vb.dtype), vb,
-                                                 preferred_element_type=F32)
-        return tuple(a.at[:, qs].set(b) for a, b in zip(state, (m_new, l, acc)))
+        new = _online(tuple(a[:, qs] for a in state), q5[:, qs], kb, vb, mask, cfg.scale)
+        return tuple(a.at[:, qs].set(b) for a, b in zip(state, new))
 
     def step(state, carried, s):
         block = fetch(s, carried)
@@ -383,7 +421,11 @@ def _forward_body(cfg: _Config, q, k, v, seg=None):
 
     m, l, acc = _steps(cfg, state, kv, step)
     l_safe = jnp.where(l > 0, l, 1.0)
-    out = (acc / l_safe[..., None]).reshape(B, Tl, Hq, Dh).astype(q.dtype)
+    # Both outputs come from arithmetic, last: a remat policy that recomputes reshapes and
+    # casts (sk.pipeline's) then saves them instead of splitting this shard_map, which JAX
+    # cannot yet do for a shard_map nested in another one (the residuals' specs would name the
+    # outer manual axes). The cast to q's dtype happens outside.
+    out = acc.reshape(B, Tl, Hq, Dh) * (1.0 / l_safe).reshape(B, Tl, Hq, 1)
     return out, m + jnp.log(l_safe)
 
 
