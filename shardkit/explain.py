@@ -56,6 +56,7 @@ class Report:
         collectives: executed collectives per kind.
         flops: per-device flops from XLA's ``cost_analysis()`` (XLA counts a loop body once).
         estimate: the analytic model's figures (*modelled*), when available (``sk.cost``).
+        caveats: estimate quantity -> why its figure is only a bound or an approximation.
         compiled_on: which program the compiled figures were read from (this process's mesh,
             or a simulated mesh: ``sk.cost.simulate``).
         notes: what else a reader must know about the figures (e.g. why there is no estimate).
@@ -68,6 +69,7 @@ class Report:
     collectives: list[Collective]
     flops: float
     estimate: dict[str, float] | None = None
+    caveats: dict[str, str] = dataclasses.field(default_factory=dict)
     traffic: list[Traffic] = dataclasses.field(default_factory=list)
     matmul_flops: float = 0.0
     data_axes: tuple[str, ...] = ()
@@ -134,8 +136,9 @@ class Report:
         return out
 
     def comparison(self) -> list[dict]:
-        """Rows ``{"quantity", "estimate", "compiled"}`` for every quantity both sides have
-        (a collective the program does not execute counts as 0 compiled bytes)."""
+        """Rows ``{"quantity", "estimate", "compiled", "caveat"}`` for every quantity both sides
+        have (a collective the program does not execute counts as 0 compiled bytes); ``caveat``
+        says why an estimate is only a bound (None: modelled)."""
         compiled = self.compiled()
         est = self.estimate or {}
         rows = [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
@@ -143,6 +146,8 @@ class Report:
         if est and compiled.get("collective/other"):
             rows.append({"quantity": "collective/other", "estimate": float(est.get("collective/other", 0.0)),
                          "compiled": compiled["collective/other"]})
+        for r in rows:
+            r["caveat"] = self.caveats.get(r["quantity"])
         return rows
 
     def __rich__(self):
@@ -172,15 +177,21 @@ class Report:
                  f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
         if self.estimate:
             est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
-            for c in ("quantity", "estimate", "compiled", "ratio"):
-                est.add_column(c, justify="left" if c == "quantity" else "right")
+            footnotes: list[str] = []
+            for c in ("quantity", "estimate", "compiled", "ratio", "modelled?"):
+                est.add_column(c, justify="right" if c in ("estimate", "compiled", "ratio") else "left")
             for r in self.comparison():
                 if not r["estimate"] and not r["compiled"]:
                     continue  # neither side has it: nothing to compare
                 ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("nan")
                 fmt = (lambda v: f"{v:.3g}") if r["quantity"].startswith("flops") else _human
-                est.add_row(r["quantity"], fmt(r["estimate"]), fmt(r["compiled"]), f"{ratio:.2f}")
+                caveat = r["caveat"] or "modelled"
+                est.add_row(r["quantity"], fmt(r["estimate"]), fmt(r["compiled"]), f"{ratio:.2f}",
+                            caveat.split(":")[0])
+                if r["caveat"]:
+                    footnotes.append(f"{r['quantity']}: {r['caveat']}")
             parts.append(est)
+            parts.extend(footnotes)
         return Group(*parts)
 
     def render(self, html: bool = False, width: int = 110) -> str:
@@ -273,6 +284,6 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     from . import cost
 
     est = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token)
-    report.estimate = est.as_dict()
+    report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
     report.notes.extend(est.notes)
     return report

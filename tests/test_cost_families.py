@@ -2,10 +2,10 @@
 Python-loop MLP with an embedding lookup, a CNN, a scanned GPT written against
 ``sk.constrain``; on DP, ZeRO-1/2/3, TP and a 3-axis hybrid.
 
-Every figure the estimate prints is held to 10% of the compiled program's, except the gaps
-listed in ``KNOWN_GAPS`` (what XLA decides that the model cannot see: when it re-gathers a
-ZeRO-3 weight for the backward, where it keeps extra buffers in a tensor-parallel backward),
-each held to its own stated bound so that it cannot grow unnoticed.
+Every figure the estimate prints is within 10% of the compiled program's, or its row carries
+the estimate's own caveat (``Report.comparison()[i]["caveat"]``: what XLA decides that the model
+cannot see) — and then it stays within the bound stated below for that layout, so that a gap
+cannot grow unnoticed, and on the side its caveat names ("a lower bound" never over-estimates).
 """
 
 import pytest
@@ -13,20 +13,15 @@ import pytest
 import families as F
 
 TOL = 0.10
-# (family, mesh, zero) -> {quantity: (tolerance, why it is not within 10%)}
-KNOWN_GAPS = {
-    ("mlp", "tensor=8", 0): {
-        "memory/temporaries": (0.25, "XLA:CPU keeps more of a tensor-parallel backward alive than the liveness model"),
-        "memory/peak": (0.25, "follows the temporaries")},
-    ("mlp", "data=2,fsdp=2,tensor=2", 1): {
-        "memory/temporaries": (0.15, "as for tensor=8, on a tensor axis of 2: 0.90 measured")},
-    ("cnn", "data=8", 3): {
-        "collective/param-gather": (0.55, "XLA gathers the kernels again for the backward convolutions (the "
-                                          "MLP's it keeps): the estimate counts one gather per use, a lower bound"),
-        "collective/other": (1.0, "a 1 KiB permute XLA adds to reorder one bias shard")},
-    ("cnn", "tensor=8", 0): {"collective/tensor-reduce": (0.25, "a convolution's partial sums: one reduction more than counted")},
-    ("cnn", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": (0.25, "as for tensor=8")},
-    ("gpt", "data=8", 3): {"collective/param-gather": (0.25, "XLA keeps some gathered layers for the backward scan")},
+# (family, mesh, zero) -> {quantity: tolerance} for rows the estimate marks with a caveat
+# (the measured ratio in the comment).
+CAVEAT_BOUNDS = {
+    ("mlp", "tensor=8", 0): {"memory/temporaries": 0.25, "memory/peak": 0.25},  # 0.81, 0.84
+    ("mlp", "data=2,fsdp=2,tensor=2", 1): {"memory/temporaries": 0.15},  # 0.90
+    ("cnn", "data=8", 3): {"collective/param-gather": 0.55, "collective/other": 1.0},  # 0.5; 1 KiB vs 0
+    ("cnn", "tensor=8", 0): {"collective/tensor-reduce": 0.25},  # 1.15
+    ("cnn", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.25},
+    ("gpt", "data=8", 3): {"collective/param-gather": 0.25},  # 0.86
 }
 
 
@@ -36,17 +31,37 @@ KNOWN_GAPS = {
 def test_estimate_holds_on_unseen_families(family, mesh, zero):
     step, state, batch = F.build(family, mesh, zero)
     report = step.explain(state, batch)
-    gaps = KNOWN_GAPS.get((family, mesh, zero), {})
+    bounds = CAVEAT_BOUNDS.get((family, mesh, zero), {})
     bad = []
     for row in report.comparison():
-        q, est, comp = row["quantity"], row["estimate"], row["compiled"]
+        q, est, comp, caveat = row["quantity"], row["estimate"], row["compiled"], row["caveat"]
         if est == 0 and comp == 0:
             continue
-        tol = gaps[q][0] if q in gaps else TOL
         ratio = est / comp if comp else float("inf")
-        if abs(ratio - 1) > tol:
-            bad.append(f"{q}: estimate {est:,.0f} compiled {comp:,.0f} ratio {ratio:.3f}")
+        if abs(ratio - 1) <= TOL:
+            continue
+        where = f"{q}: estimate {est:,.0f} compiled {comp:,.0f} ratio {ratio:.3f}"
+        if caveat is None:
+            bad.append(f"{where}, not within {TOL:.0%} and not marked as a bound")
+        elif abs(ratio - 1) > bounds.get(q, TOL):
+            bad.append(f"{where}, beyond its stated bound {bounds.get(q, TOL):.0%} ({caveat})")
+        elif caveat.startswith("a lower bound") and ratio > 1 + TOL:
+            bad.append(f"{where}: marked a lower bound, yet over-estimates")
+        elif caveat.startswith("an upper bound") and ratio < 1 - TOL:
+            bad.append(f"{where}: marked an upper bound, yet under-estimates")
     assert not bad, f"{family} on {mesh} ZeRO-{zero}\n" + "\n".join(bad)
+
+
+def test_report_marks_bounded_rows():
+    # The MLP on tensor=8: the temporaries are approximate (XLA's buffer reuse in a
+    # tensor-parallel backward); the report says so beside the number, not just in a test.
+    step, state, batch = F.build("mlp", "tensor=8", 0)
+    report = step.explain(state, batch)
+    rows = {r["quantity"]: r for r in report.comparison()}
+    assert rows["memory/temporaries"]["caveat"].startswith("approximate")
+    assert rows["memory/params"]["caveat"] is None
+    text = report.render(width=200)
+    assert "memory/temporaries: approximate" in text and "modelled?" in text
 
 
 def test_flops_come_from_the_program_not_6psi():

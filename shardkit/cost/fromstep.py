@@ -269,8 +269,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         counts["tensor-gather"] += m
     p = pipe["stages"] if pipe else 1
     if pipe:
-        # Activations cross the stages in f32 (see models/transformer).
-        act_mb = tokens / n_data / m * width * 4 / pipe["microbatches"]
+        # Activations cross the stages in the compute dtype, in f32 on XLA:CPU (the
+        # transformer recipe carries f32 there: XLA:CPU aborts on a bf16 pipeline input's grad).
+        act_mb = tokens / n_data / m * width * wire / pipe["microbatches"]
         pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
                          rest=sum(c for c, q in zip(comp, piped) if not q),
                          tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
@@ -312,8 +313,31 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                      "some tensor-parallel backwards (BENCHMARKS.md)")
     if flops_per_token is None and not pipe:
         notes.append("modelled flops: every matmul and convolution of the traced program, per device")
+    tensor_split = [any(a not in plan.batch_axes and sizes.get(a, 1) > 1 for e in l.spec for a in entry_axes(e))
+                    for l in leaves]
+    caveats = _caveats(reading, [s < c for s, c in zip(stored, comp)], tensor_split, bool(pipe))
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
-                    hw.hbm_bytes, n_dev, notes)
+                    hw.hbm_bytes, n_dev, notes, caveats)
+
+
+def _caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool) -> dict[str, str]:
+    """The quantities whose figure is only a bound, and why: choices XLA makes per program that
+    the model cannot see (each seen on a model family the model was not written against)."""
+    out = {"collective/other": "not modelled: permutes XLA adds to move blocks between two shardings"}
+    if any(g and c for g, c in zip(gathered, reading.conv)):
+        out["collective/param-gather"] = ("a lower bound: XLA may gather a convolution kernel again for "
+                                          "the backward convolutions (counted once per use)")
+    elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
+        out["collective/param-gather"] = ("approximate: inside a loop XLA decides per weight how often to "
+                                          "gather it for the backward (counted: forward + backward, once each)")
+    if not piped and reading.tensor_reduce:
+        why = ("approximate: which buffers XLA keeps alive in a tensor-parallel backward is not modelled "
+               "(0.8 to 1.0 of the compiled figure on the models tried)")
+        out["memory/temporaries"] = out["memory/peak"] = why
+    if any(t and c for t, c in zip(tensor_split, reading.conv)):
+        out["collective/tensor-reduce"] = ("approximate: how XLA reduces a tensor-split convolution's partial "
+                                           "sums is not modelled (one reduction per convolution counted)")
+    return out
 
 
 def _grad_reduce_elems(leaves, comp, grad_specs, data_axes, sizes) -> float:

@@ -65,6 +65,7 @@ class ProgramReading:
     Attributes:
         lookup: per parameter leaf, whether it is indexed (``gather``: an embedding table).
         matmul: per parameter leaf, whether it is a matmul/convolution operand.
+        conv: per parameter leaf, whether it is a convolution's operand (a kernel).
         loop_use: per parameter leaf, whether a loop body (``scan``/``while``) uses it: XLA
             then gathers a ZeRO-3 weight inside the loop, forward and backward (else once).
         flops: matmul + convolution flops one device executes for one microbatch (each op's
@@ -80,6 +81,7 @@ class ProgramReading:
 
     lookup: list[bool]
     matmul: list[bool]
+    conv: list[bool]
     loop_use: list[bool]
     flops: float
     total_flops: float
@@ -181,6 +183,7 @@ class _Reader:
         self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
+        self.conv = [False] * n_params
         self.notes: list[str] = []
         self._times = 1.0
 
@@ -246,6 +249,7 @@ class _Reader:
                 for s in src[:2]:
                     if s is not None:
                         self.matmul[s] = True
+                        self.conv[s] |= name == "conv_general_dilated"
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
             subs = _sub_jaxprs(e)
@@ -345,6 +349,6 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
     first_grad = min((reader._born.get(v, len(live)) for v in grads), default=len(live) - 1)
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
-    return ProgramReading(reader.lookup, reader.matmul, reader.loop_use, flops, total, peak, residuals,
+    return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes)
 

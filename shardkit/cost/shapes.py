@@ -188,6 +188,9 @@ class Estimate:
         hardware: the accelerator name; ``layout``: what was estimated; ``tokens``: per step.
         memory_limit: bytes available per device.
         notes: how the figures were modelled and what they cannot see, for the reader.
+        caveats: quantity (``as_dict``'s names) -> why its figure is only a bound or an
+            approximation (what XLA decides that the model cannot see); a quantity absent here
+            is modelled.
     """
 
     memory: dict[str, float]
@@ -201,6 +204,7 @@ class Estimate:
     memory_limit: float = float("inf")
     devices: int = 1
     notes: list[str] = dataclasses.field(default_factory=list)
+    caveats: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def step_time(self) -> float:

@@ -211,7 +211,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
 
         with _on(plan):
             est = step_estimate(sim, abs_state, abs_batch, flops_per_token=flops_per_token)
-        report.estimate = est.as_dict()
+        report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
         report.notes.extend(est.notes)
     return report
 
