@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION = ("auto", "reference", "xla", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Config:
             ``cost_analysis`` counts a loop body once, so exact flop counts need it).
         dropout: residual dropout rate on each attention and MLP output (GPT-2), applied
             when the loss is given an ``rng`` (training); 0 disables it.
+        attention: ``"reference"`` (jnp softmax, f32 scores), ``"xla"`` or ``"cudnn"``
+            (``jax.nn.dot_product_attention``; cuDNN flash attention needs a GPU and a 16-bit
+            dtype), or ``"auto"``: cuDNN on GPU in bf16/fp16, XLA on GPU in f32, the
+            reference elsewhere.
     """
 
     vocab: int = 256
@@ -51,6 +56,7 @@ class Config:
     remat: str = "none"
     scan_unroll: int = 1
     dropout: float = 0.0
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "layers", "heads", "seq"):
@@ -75,6 +81,8 @@ class Config:
             raise ValueError(f"Config.head_dim={self.head_dim} must be even for rotary embeddings")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"Config.dropout={self.dropout!r} must be in [0, 1)")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"Config.attention={self.attention!r} is not one of {ATTENTION}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
 

@@ -105,7 +105,7 @@ class Attention(nnx.Module):
         self.k = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.v = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.o = _param(rngs, (H, Q, D), ("heads", "head_dim", "embed"), out_std)
-        self.groups = cfg.groups
+        self.attention = cfg.attention
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
         B, T, _ = x_BxTxD.shape
@@ -118,19 +118,54 @@ class Attention(nnx.Module):
         q_BxTxHxQ = apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2)
         k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
 
-        # Grouped-query: head h = kv*G + g reads kv head kv, so a split of H into
-        # contiguous chunks lines up with the same split of K.
-        Kh, Q = k_BxTxKxQ.shape[2], k_BxTxKxQ.shape[3]
-        q_BxTxKxGxQ = q_BxTxHxQ.reshape(B, T, Kh, self.groups, Q) * jnp.asarray(
-            1.0 / math.sqrt(Q), q_BxTxHxQ.dtype)
-        s_BxKxGxTxS = jnp.einsum("btkgq,bskq->bkgts", q_BxTxKxGxQ, k_BxTxKxQ,
-                                 preferred_element_type=F32)
-        causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
-        s_BxKxGxTxS = jnp.where(causal_TxS[None, None, None], s_BxKxGxTxS, jnp.finfo(F32).min)
-        p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxQ.dtype)
-        o_BxTxKxGxQ = _dot("bkgts,bskq->btkgq", p_BxKxGxTxS, v_BxTxKxQ)
-        o_BxTxHxQ = constrain(o_BxTxKxGxQ.reshape(B, T, -1, Q), ("batch", None, "heads", None))
+        impl = attention_impl(self.attention, q_BxTxHxQ.dtype)
+        o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl)
+        o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", None, "heads", None))
         return _dot("bthq,hqd->btd", o_BxTxHxQ, self.o[...])
+
+
+def attention_impl(choice: str, dtype) -> str:
+    """The attention that runs for ``Config.attention`` in ``dtype`` on the platform being
+    compiled for: ``"reference"`` (``reference_attention``), or ``"xla"`` / ``"cudnn"``
+    (``jax.nn.dot_product_attention``'s implementations). ``"auto"`` takes cuDNN's fused
+    flash attention on GPU in a 16-bit dtype (it has no f32 kernel), XLA's on GPU in f32, and
+    the reference elsewhere (on CPU both are the same XLA ops). A step traced for an abstract
+    GPU mesh on a host without GPUs (a cost estimate: it never runs) takes XLA's, since
+    cuDNN's op needs cuDNN present to trace."""
+    if choice != "auto":
+        return choice
+    if sk.target_platform() != "gpu":
+        return "reference"
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
+def causal_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.Array,
+                     impl: str = "reference") -> jax.Array:
+    """Causal softmax attention with grouped-query heads (H a multiple of K), scaled by
+    1/sqrt(Q); ``impl`` as ``attention_impl`` returns. Result (B, T, H, Q) in the inputs' dtype."""
+    if impl == "reference":
+        return reference_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ)
+    # cuDNN skips the masked half of the scores (is_causal); XLA's masks it like the reference.
+    return jax.nn.dot_product_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, is_causal=True,
+                                        implementation=impl)
+
+
+def reference_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.Array) -> jax.Array:
+    """The plain jnp path: f32 scores and softmax, matmuls accumulating in f32."""
+    B, T, H, Q = q_BxTxHxQ.shape
+    Kh = k_BxTxKxQ.shape[2]
+    # Grouped-query: head h = kv*G + g reads kv head kv, so a split of H into
+    # contiguous chunks lines up with the same split of K.
+    q_BxTxKxGxQ = q_BxTxHxQ.reshape(B, T, Kh, H // Kh, Q) * jnp.asarray(
+        1.0 / math.sqrt(Q), q_BxTxHxQ.dtype)
+    s_BxKxGxTxS = jnp.einsum("btkgq,bskq->bkgts", q_BxTxKxGxQ, k_BxTxKxQ,
+                             preferred_element_type=F32)
+    causal_TxS = jnp.tril(jnp.ones((T, k_BxTxKxQ.shape[1]), dtype=bool))
+    s_BxKxGxTxS = jnp.where(causal_TxS[None, None, None], s_BxKxGxTxS, jnp.finfo(F32).min)
+    p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxQ.dtype)
+    o_BxTxKxGxQ = _dot("bkgts,bskq->btkgq", p_BxKxGxTxS, v_BxTxKxQ)
+    return o_BxTxKxGxQ.reshape(B, T, H, Q)
 
 
 class MLP(nnx.Module):
@@ -264,10 +299,11 @@ class Transformer(nnx.Module):
             return x_BxTxD
         dtype = x_BxTxD.dtype
         stage = layer if rng is None else (lambda p, x, *, rng: layer(p, x, rng))
-        if dtype != F32:
-            # Workaround: XLA:CPU aborts ("Invalid binary instruction opcode copy") compiling
-            # the gradient of a bf16 pipeline input when the batch is also split over a data
-            # axis. The pipeline carries f32 activations; each layer still computes in bf16.
+        if dtype != F32 and sk.target_platform() == "cpu":
+            # Workaround, XLA:CPU only: it aborts ("Invalid binary instruction opcode copy")
+            # compiling the gradient of a bf16 pipeline input when the batch is also split over
+            # a data axis. There the pipeline carries f32 activations (each layer still
+            # computes in bf16); GPUs and TPUs carry the compute dtype, half the permute bytes.
             inner = stage
             stage = lambda p, x, **kw: inner(p, x.astype(dtype), **kw).astype(F32)  # noqa: E731
             x_BxTxD = x_BxTxD.astype(F32)

@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     a("--seq", type=int, help="sequence length")
     a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
     a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
+    a("--attention", help="auto (cuDNN flash attention on GPU, jnp softmax on CPU), reference, "
+      "xla or cudnn")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--microbatches", type=int, help="pipeline microbatches with a pipe axis (default 2 x "
       "stages), else gradient-accumulation microbatches (default 1)")
@@ -79,11 +81,13 @@ def model_config(args) -> Config:
     changes = {k: v for k, v in (("layers", args.layers), ("d_model", args.d_model),
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
                                  ("seq", args.seq), ("remat", args.remat),
-                                 ("dropout", args.dropout)) if v is not None}
+                                 ("dropout", args.dropout), ("attention", args.attention))
+               if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
     except ValueError as e:
-        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout")
+        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
+                                 "attention")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
 
