@@ -82,7 +82,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     L_dev = max(ms.layers // lo.pipe, 1)
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
-    act = activation_bytes(ms, lo, b, T, bc) * L_dev
+    act = activation_bytes(ms, lo, b, T // lo.context, bc) * L_dev  # context: T/c tokens per device
     one_f_one_b = lo.pipe > 1 and lo.schedule == "1f1b"
     if one_f_one_b:
         # sk.pipeline's 1F1B keeps a ring of <= p stage inputs and rebuilds one microbatch's
@@ -91,7 +91,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     elif lo.pipe > 1:
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
-        act += 2 * b * T * ms.vocab * 4 / lo.tensor
+        act += 2 * b * T * ms.vocab * 4 / lo.tensor / lo.context
     mem = {"params": p_dev * bp / s_param, "opt_state": 2 * p_dev * bo / s_opt}
     grads = p_dev * max(bg, 4 if lo.microbatches > 1 else bg) / s_grad
     mem["grads"] = grads
@@ -131,6 +131,13 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             n_gather = m * (6 * L_dev + 1)
             col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
             counts["tensor-gather"] = n_gather
+    if lo.context > 1 and ms.heads and ms.d_model:
+        # Every attention layer of every microbatch runs one ring (sk.context_attention).
+        kv_heads = (ms.kv_heads or ms.heads) / lo.tensor
+        kv_block = b * (T / lo.context) * kv_heads * (ms.d_model / ms.heads)
+        for role, nbytes in context_traffic(kv_block=kv_block, context=lo.context,
+                                            bytes_per_element=bc).items():
+            col[role] = col.get(role, 0.0) + m * L_dev * nbytes
     if lo.pipe > 1:
         # Activations cross the pipe in the compute dtype (the hardware table holds accelerators;
         # only XLA:CPU needs f32 there, which ``fromstep`` reads off a real step); sequence
@@ -231,3 +238,37 @@ def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity
     group = tokens if capacity_factor is None else group_size
     slots = tokens // group * expert_capacity(group, top_k, experts, capacity_factor)
     return 4.0 * experts * slots * d_model * bytes_per_element
+
+
+def context_traffic(*, kv_block: float, context: int, strategy: str = "ring", bytes_per_element: int,
+                    segment_block: float = 0.0, backward: bool = True) -> dict[str, float]:
+    """Per-device collective bytes of one ``sk.context_attention`` call (Liu et al. 2023, Ring
+    Attention), counted as ``sk.Report`` counts them.
+
+    ``kv_block``: elements of one device's K block (= its V block): local batch × T/c × kv
+    heads per device × head_dim. ``segment_block``: bytes of its segment ids (int32), which
+    travel with K/V. Gradient accumulators travel in float32.
+
+    * ``"ring"``, ``context-permute``: forward ``(c-1)`` K/V blocks; backward ``(c-1)`` K/V
+      blocks again plus ``c`` dK/dV blocks (each block's gradient rides the ring with it and
+      takes one more hop home), so about twice the forward.
+    * ``"allgather"``: ``context-gather`` the gathered K/V (``c`` blocks each) in the forward
+      and again in the backward; ``context-reduce`` the bytes of dK/dV reduced (``c`` f32
+      blocks each, reduce-scattered).
+
+    Zero for ``context == 1``.
+    """
+    c = context
+    out = {"context-permute": 0.0, "context-gather": 0.0, "context-reduce": 0.0}
+    if c <= 1:
+        return out
+    kv = 2 * kv_block * bytes_per_element + segment_block
+    passes = 2 if backward else 1
+    if strategy == "ring":
+        out["context-permute"] = passes * (c - 1) * kv + (c * 2 * kv_block * 4 if backward else 0.0)
+    elif strategy == "allgather":
+        out["context-gather"] = passes * c * kv
+        out["context-reduce"] = c * 2 * kv_block * 4 if backward else 0.0
+    else:
+        raise ValueError(f"unknown context strategy {strategy!r}; choose 'ring' or 'allgather'")
+    return out

@@ -50,6 +50,8 @@ class ModelShape:
         gated, flash_attention, dropout: what the transformer's memory-bound kernels read
             and write (``steptime.memory_bound_time``): a gated (SwiGLU) MLP, attention
             scores kept on chip, dropout masks.
+        kv_heads: key/value heads (grouped-query attention; 0 = ``heads``), for the K/V
+            blocks context parallelism moves.
     """
 
     name: str
@@ -69,6 +71,7 @@ class ModelShape:
     gated: bool = True
     flash_attention: bool = True
     dropout: bool = False
+    kv_heads: int = 0
 
     @property
     def matmul_params(self) -> float:
@@ -119,7 +122,7 @@ def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
     n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * V
     fpt = 6.0 * n_matmul + 12.0 * L * H * Q * T
     return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
-                      embedding_params=float(V * D), head=True, tie=bool(tie))
+                      embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,9 @@ class Layout:
         repeats: layer chunks per stage for ``"circular"``.
         remat: ``"none"``, ``"dots"`` (selective) or ``"full"``.
         sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
+        context: context-parallel axis size (``sk.context_attention``): the sequence is split
+            over it, so activations shrink as T/context and each attention layer moves K/V
+            around it (``formulas.context_traffic``); between fsdp and tensor in the mesh.
     """
 
     data: int = 1
@@ -148,20 +154,21 @@ class Layout:
     repeats: int = 1
     remat: str = "none"
     sequence_parallel: bool = False
+    context: int = 1
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe
+        return self.data * self.fsdp * self.tensor * self.pipe * self.context
 
     @property
     def mesh(self) -> str:
         """The ``sk.make_mesh`` spec (axes of size 1 left out)."""
-        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "tensor")]
+        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "context", "tensor")]
         return ",".join(f"{n}={s}" for n, s in axes if s > 1) or "data=1"
 
     def axis_stride(self, axis: str) -> int:
         """Devices between neighbours along ``axis`` (inner axes are the fast ones)."""
-        order = ("pipe", "data", "fsdp", "tensor")
+        order = ("pipe", "data", "fsdp", "context", "tensor")
         return math.prod(getattr(self, a) for a in order[order.index(axis) + 1:])
 
     def __str__(self) -> str:
