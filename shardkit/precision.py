@@ -16,7 +16,9 @@ class Precision:
     """Dtypes of a training run.
 
     Matmuls in a 16-bit compute dtype accumulate in f32: XLA does so on GPUs and TPUs by
-    default; on CPU pass ``preferred_element_type=jnp.float32`` to the dot (the recipes do).
+    default (and writes the 16-bit result); XLA:CPU needs ``preferred_element_type=jnp.float32``
+    on the dot, then a cast back. The recipes ask for it only where ``sk.target_platform()``
+    is ``"cpu"``: on a GPU it would make every matmul write f32.
 
     Attributes:
         params: master parameters (what the optimizer updates and checkpoints hold).

@@ -246,3 +246,31 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
     losses = lambda f: [json.loads(l)["loss"] for l in open(tmp_path / f) if '"loss"' in l]  # noqa: E731
     assert losses("b.jsonl") == losses("a.jsonl")[4:]
     assert main(["--resume"]) == 2  # --resume without a directory is a one-line error
+
+
+def test_resnet50_shape_and_bf16_convolutions_by_platform():
+    """ResNet-50 (what bench/gpu.py times) has torchvision's 25,557,032 parameters; in bf16
+    its convolutions ask for f32 results on XLA:CPU only (cuDNN accumulates in f32 itself)."""
+    import jax.numpy as jnp
+
+    from shardkit.cost.simulated import simulated_plan
+
+    cfg50 = Config(depth=50, num_classes=1000, stem="imagenet")
+    abstract = nnx.eval_shape(lambda: ResNet(cfg50, rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))) == 25_557_032
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    plan = make_plan(sk.make_mesh("data=8"), precision="bf16")
+    gmesh = jax.sharding.AbstractMesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                                      abstract_device=gpu)
+    images = jax.ShapeDtypeStruct((8, 32, 32, 1), jnp.bfloat16)
+    graphdef, variables = nnx.split(nnx.eval_shape(lambda: ResNet(CFG, rngs=nnx.Rngs(0))))
+    variables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == jnp.float32
+                                                            and x.ndim == 4 else x.dtype), variables)
+
+    def conv_outputs(p):
+        with p.active():
+            jaxpr = jax.make_jaxpr(lambda v, x: nnx.merge(graphdef, v)(x, train=True))(variables, images)
+        return {str(e.outvars[0].aval.dtype) for e in jaxpr.jaxpr.eqns if e.primitive.name == "conv_general_dilated"}
+
+    assert conv_outputs(plan) == {"float32"}
+    assert conv_outputs(simulated_plan(plan, gmesh)) == {"bfloat16"}

@@ -403,9 +403,26 @@ def test_attention_choice_follows_platform_and_dtype():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
+def widened(jaxpr) -> int:
+    """Matmuls/convolutions of 16-bit inputs that write f32 (``preferred_element_type``),
+    nested jaxprs included (a scan body counts once)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            n += (eqn.invars[0].aval.dtype == jnp.bfloat16 and eqn.outvars[0].aval.dtype == jnp.float32)
+        for sub in eqn.params.values():
+            for j in (sub if isinstance(sub, (tuple, list)) else (sub,)):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    n += widened(inner)
+    return n
+
+
 def test_pipeline_carries_the_compute_dtype_off_cpu_and_the_estimate_follows():
     """The f32 stage-boundary workaround is XLA:CPU's only: the same bf16 pipelined step
-    planned for H100s carries bf16, and its estimate charges half the pipe bytes."""
+    planned for H100s carries bf16, and its estimate charges half the pipe bytes. Matmuls
+    ask for f32 results on XLA:CPU only; on GPU only the attention scores and the logits are
+    f32 (by design: softmax and the loss run in f32)."""
     from shardkit.cost.simulated import simulated_plan
 
     cfg = TRAIN_CFG
@@ -437,8 +454,10 @@ def test_pipeline_carries_the_compute_dtype_off_cpu_and_the_estimate_follows():
             est[name] = sk.cost.estimate_for_step(s, state, batch, pipeline=(4, "gpipe", 1),
                                                   hardware="h100").as_dict()
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.params)
-            est[name, "moves"] = permuted(jax.make_jaxpr(s.microbatch_loss(state))(params, batch).jaxpr)
+            jaxpr = jax.make_jaxpr(s.microbatch_loss(state))(params, batch).jaxpr
+            est[name, "moves"], est[name, "widened"] = permuted(jaxpr), widened(jaxpr)
     assert est["cpu", "moves"] == {"float32"} and est["gpu", "moves"] == {"bfloat16"}
+    assert est["gpu", "widened"] == 2 and est["cpu", "widened"] == 2 + 8  # q k v o, p@v, 3 MLP
     for role in ("pipe-permute", "pipe-reduce"):
         assert est["gpu"][f"collective/{role}"] == est["cpu"][f"collective/{role}"] / 2 > 0
     assert est["gpu"]["collective/grad-reduce"] == est["cpu"]["collective/grad-reduce"]

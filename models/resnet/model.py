@@ -9,7 +9,8 @@
   (sync-BN without an ``axis_name``). The running averages are ``nnx.BatchStat`` variables:
   shardkit carries them in ``TrainState.model_state`` and checkpoints them with it.
 * Convolutions run in the dtype of their (already cast) kernel and accumulate in f32, which
-  is both what mixed precision wants and what keeps bf16 convolutions fast on CPU.
+  is both what mixed precision wants and (asked for explicitly on XLA:CPU only) what keeps
+  bf16 convolutions fast on CPU.
 
 Blocks are a Python loop, not a ``lax.scan`` over stacked weights (the STYLE.md habit): the
 four stages differ in shape and hold 2-6 identical blocks each (ResNet-18: one), so a scan
@@ -39,9 +40,13 @@ class Conv(nnx.Module):
 
     def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
         k = self.kernel[...]
+        # XLA:CPU is asked for the f32 result of a 16-bit convolution (its fast path, f32
+        # sums) and it is cast back; cuDNN accumulates 16-bit convolutions in f32 by itself,
+        # and asking it for an f32 result would double the bytes every convolution writes.
+        cpu = sk.target_platform() == "cpu"
         y = jax.lax.conv_general_dilated(
             x_BxHxWxC.astype(k.dtype), k, (self.stride, self.stride), [(self.pad, self.pad)] * 2,
-            dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32)
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32 if cpu else None)
         return y.astype(k.dtype)
 
 

@@ -60,8 +60,13 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum accumulating in f32 (fast bf16 on CPU, exact f32 sums everywhere), cast back."""
-    return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(a.dtype)
+    """einsum in the inputs' dtype, accumulating in f32. XLA:GPU/TPU accumulate 16-bit dots
+    in f32 by default and write the 16-bit result; XLA:CPU is asked for the f32 result
+    (``preferred_element_type``: its fast bf16 path, exact f32 sums), then it is cast back.
+    Asking a GPU for it would make every matmul write f32 and add a convert pass."""
+    if sk.target_platform() == "cpu":
+        return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(a.dtype)
+    return jnp.einsum(spec, a, b)
 
 
 class RMSNorm(nnx.Module):
