@@ -252,9 +252,10 @@ def context_traffic(*, kv_block: float, context: int, strategy: str = "ring", by
     * ``"ring"``, ``context-permute``: forward ``(c-1)`` K/V blocks; backward ``(c-1)`` K/V
       blocks again plus ``c`` dK/dV blocks (each block's gradient rides the ring with it and
       takes one more hop home), so about twice the forward.
-    * ``"allgather"``: ``context-gather`` the gathered K/V (``c`` blocks each) in the forward
-      and again in the backward; ``context-reduce`` the bytes of dK/dV reduced (``c`` f32
-      blocks each, reduce-scattered).
+    * ``"allgather"``: ``context-gather`` the gathered K/V (``c`` blocks each) once: the
+      backward gathers the same K/V and XLA merges that gather with the forward's (measured
+      on the compiled step); ``context-reduce`` the bytes of dK/dV reduced (``c`` f32 blocks
+      each, reduce-scattered).
 
     Zero for ``context == 1``.
     """
@@ -267,7 +268,7 @@ def context_traffic(*, kv_block: float, context: int, strategy: str = "ring", by
     if strategy == "ring":
         out["context-permute"] = passes * (c - 1) * kv + (c * 2 * kv_block * 4 if backward else 0.0)
     elif strategy == "allgather":
-        out["context-gather"] = passes * c * kv
+        out["context-gather"] = c * kv
         out["context-reduce"] = c * 2 * kv_block * 4 if backward else 0.0
     else:
         raise ValueError(f"unknown context strategy {strategy!r}; choose 'ring' or 'allgather'")
