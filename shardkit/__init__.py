@@ -21,6 +21,8 @@ from .pipeline import pipeline as pipeline
 from .plan import Plan as Plan
 from .plan import active_plan as active_plan
 from .plan import constrain as constrain
+from .prefetch import Prefetch as Prefetch
+from .prefetch import prefetch as prefetch
 from .precision import Precision as Precision
 from .rules import AxisRules as AxisRules
 from .rules import LeafLayout as LeafLayout
