@@ -115,6 +115,12 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
         raise ValueError(f"{E} experts do not split over the {axis!r} axis of size {n}: use a "
                          f"number of experts that is a multiple of {n}, or a smaller {axis!r} axis")
     tok_axes = _token_axes(mesh, axis, batch_axes, manual, n)
+    if manual:
+        # Inside another shard_map (sk.pipeline's stages) the block runs under the compiler,
+        # without its own: jax 0.10.2 cannot differentiate a shard_map nested there (the
+        # residuals get shardings that put the outer manual axis first: "Saw manual axis
+        # 'expert' after free axis 'pipe'"). Same result; XLA places the expert axis.
+        tok_axes, n = (), 1
     n_tok = math.prod(sizes[a] for a in tok_axes)
     N = math.prod(lead)
     if N % n_tok or (g is not None and (N // n_tok) % g):
@@ -129,16 +135,15 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     out = _out_dim(expert_fn, expert_params, x_NxD)
     local = _dispatcher(expert_fn, E, n, top_k, capacity_factor, g, axis, out, renormalize)
     note("moe", {"experts": E, "top_k": top_k, "axis": axis, "axis_size": n, "token_axes": tok_axes,
-                 "capacity_factor": capacity_factor, "group_size": g})
+                 "capacity_factor": capacity_factor, "group_size": g, "nested": bool(manual)})
     if not tok_axes:
         y_NxD, idx_NxK, keep_NxK = local(x_NxD, probs_NxE, expert_params)
     else:
         tok = P(tok_axes if len(tok_axes) > 1 else tok_axes[0])
-        wspec = P(axis) if n > 1 else P()
-        y_NxD, idx_NxK, keep_NxK = jax.shard_map(
-            local, mesh=mesh, axis_names=set(tok_axes),
-            in_specs=(tok, tok, jax.tree.map(lambda _: wspec, expert_params)),
-            out_specs=(tok, tok, tok))(x_NxD, probs_NxE, expert_params)
+        wspecs = jax.tree.map(lambda _: P(axis) if n > 1 else P(), expert_params)
+        shard = jax.shard_map(local, mesh=mesh, axis_names=set(tok_axes),
+                              in_specs=(tok, tok, wspecs), out_specs=(tok, tok, tok))
+        y_NxD, idx_NxK, keep_NxK = shard(x_NxD, probs_NxE, expert_params)
     routed_E = jnp.sum(jax.nn.one_hot(idx_NxK, E, dtype=F32), axis=(0, 1))
     aux = {
         "load_balance": E * jnp.sum(routed_E / (N * top_k) * jnp.mean(probs_NxE, axis=0)),

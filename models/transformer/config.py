@@ -35,6 +35,15 @@ class Config:
             ``cost_analysis`` counts a loop body once, so exact flop counts need it).
         dropout: residual dropout rate on each attention and MLP output (GPT-2), applied
             when the loss is given an ``rng`` (training); 0 disables it.
+        moe_experts: experts per mixture-of-experts layer (``sk.moe``); 0: dense MLPs only.
+        moe_top_k: experts each token visits.
+        moe_every: every ``moe_every``-th layer is an MoE layer (1: all of them); the layers
+            are run in groups of ``moe_every`` (``moe_every - 1`` dense, then one MoE).
+        moe_capacity: capacity factor (each expert takes ``ceil(c·k·T/E)`` tokens of a
+            sequence; the rest pass through the residual); ``None``: dropless.
+        moe_aux_weight: weight of the router's load-balancing loss (Switch Transformer),
+            averaged over MoE layers, in the training objective.
+        moe_z_weight: weight of the router z-loss (ST-MoE), averaged over MoE layers.
         attention: ``"reference"`` (jnp softmax, f32 scores), ``"xla"`` or ``"cudnn"``
             (``jax.nn.dot_product_attention``; cuDNN flash attention needs a GPU and a 16-bit
             dtype), or ``"auto"``: cuDNN on GPU in bf16/fp16, XLA on GPU in f32, the
@@ -56,6 +65,12 @@ class Config:
     remat: str = "none"
     scan_unroll: int = 1
     dropout: float = 0.0
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_capacity: float | None = None
+    moe_aux_weight: float = 0.01
+    moe_z_weight: float = 0.001
     attention: str = "auto"
 
     def __post_init__(self):
@@ -83,6 +98,16 @@ class Config:
             raise ValueError(f"Config.dropout={self.dropout!r} must be in [0, 1)")
         if self.attention not in ATTENTION:
             raise ValueError(f"Config.attention={self.attention!r} is not one of {ATTENTION}")
+        if self.moe_experts:
+            if not isinstance(self.moe_experts, int) or self.moe_experts < 1:
+                raise ValueError(f"Config.moe_experts={self.moe_experts!r} must be a positive integer (0: dense)")
+            if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+                raise ValueError(f"Config.moe_top_k={self.moe_top_k!r} must be in 1..moe_experts={self.moe_experts}")
+            if not isinstance(self.moe_every, int) or self.moe_every < 1 or self.layers % self.moe_every:
+                raise ValueError(f"Config.moe_every={self.moe_every!r} must be a positive divisor of "
+                                 f"layers={self.layers}")
+            if self.moe_capacity is not None and not self.moe_capacity > 0:
+                raise ValueError(f"Config.moe_capacity={self.moe_capacity!r} must be positive, or None (dropless)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
 

@@ -11,7 +11,10 @@ mesh has that axis:
   embedding/head by vocabulary;
 * ``seq`` over ``tensor`` only with sequence parallelism: the residual stream, norms and
   adds run on sequence shards between the TP regions (Korthikanti et al. 2022);
-* ``layers`` over ``pipe``: the stacked layer weights, run by ``sk.pipeline``.
+* ``layers`` over ``pipe``: the stacked layer weights, run by ``sk.pipeline``;
+* ``expert`` over ``expert``: the MoE layers' expert weights (``sk.moe``). The batch is
+  split over ``expert`` too (each device routes its own tokens), so ZeRO shards state over it
+  as over a data axis, expert weights over the data axes they do not use already.
 
 A layout is then just a mesh (plus ZeRO stage and the sequence-parallel switch); ``LAYOUTS``
 names the ones the tests, snapshots and benchmark use.
@@ -29,7 +32,7 @@ from .config import Config
 DATA_AXES = ("replica", "data", "fsdp")
 
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": DATA_AXES,
+    "batch": DATA_AXES + ("expert",),
     "seq": (),  # ("tensor",) under sequence parallelism
     "vocab": ("tensor",),
     "embed": ("fsdp",),
@@ -38,7 +41,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor",),
     "layers": ("pipe",),
+    "expert": ("expert",),
 }
+# Expert parallelism splits the batch too: the experts' devices each route their own tokens.
+BATCH_AXES = DATA_AXES + ("expert",)
 
 
 def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,
@@ -100,6 +106,13 @@ LAYOUTS: dict[str, Layout] = {
     "dp_pp_tp": Layout("data=2,pipe=2,tensor=2"),
     "dp_pp_tp_1f1b": Layout("data=2,pipe=2,tensor=2", schedule="1f1b", vocab_parallel=False),
     "hybrid": Layout("data=2,fsdp=2,tensor=2", sequence_parallel=True),
+    # Mixture of experts (Config.moe_experts > 0): experts over `expert`, with DP, TP inside
+    # each expert, FSDP, and a pipeline.
+    "ep": Layout("expert=8"),
+    "ep_dp": Layout("data=2,expert=4", zero=1),
+    "ep_tp": Layout("expert=4,tensor=2"),
+    "ep_fsdp": Layout("fsdp=2,expert=4"),
+    "ep_pp": Layout("expert=4,pipe=2"),
 }
 
 
@@ -107,4 +120,5 @@ def make_plan(mesh, cfg: Config, *, zero: int = 0, precision: str = "fp32",
               sequence_parallel: bool = False, vocab_parallel: bool = True) -> sk.Plan:
     """The ``sk.Plan`` for the transformer on ``mesh``."""
     rules = axis_rules(mesh.shape, cfg, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
-    return sk.Plan(mesh, axis_rules=rules, zero=zero, precision=precision)
+    batch = tuple(a for a in mesh.axis_names if a in BATCH_AXES)
+    return sk.Plan(mesh, axis_rules=rules, zero=zero, precision=precision, batch_axes=batch)

@@ -190,16 +190,47 @@ class MLP(nnx.Module):
         return _dot("btf,fd->btd", h_BxTxF, self.down[...])
 
 
+class MoE(nnx.Module):
+    """Mixture of SwiGLU experts (``sk.moe``): a router scores ``moe_experts`` experts per
+    token and each token runs through its ``moe_top_k`` best, weighted by their gates. Expert
+    weights carry a leading ``expert`` dim (split over the ``expert`` mesh axis); inside an
+    expert, gate/up split by columns and down by rows over ``tensor``, as in ``MLP``.
+    Returns ``(y, router stats)``."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        D, F, E = cfg.d_model, cfg.d_ff, cfg.moe_experts
+        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        self.router = _param(rngs, (D, E), ("embed", None), cfg.init_std)
+        self.gate = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), cfg.init_std)
+        self.up = _param(rngs, (E, D, F), ("expert", "embed", "mlp"), cfg.init_std)
+        self.down = _param(rngs, (E, F, D), ("expert", "mlp", "embed"), out_std)
+        self.top_k, self.capacity = cfg.moe_top_k, cfg.moe_capacity
+
+    def __call__(self, x_BxTxD):
+        logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD, self.router[...], preferred_element_type=F32)
+        experts = {"gate": self.gate[...], "up": self.up[...], "down": self.down[...]}
+        return sk.moe(x_BxTxD, logits_BxTxE, swiglu_expert, experts, top_k=self.top_k,
+                      capacity_factor=self.capacity)
+
+
+def swiglu_expert(p: dict, x_RxD: jax.Array) -> jax.Array:
+    """One expert's SwiGLU on the R token rows sent to it."""
+    gate_RxF = _dot("rd,df->rf", x_RxD, p["gate"])
+    up_RxF = _dot("rd,df->rf", x_RxD, p["up"])
+    h_RxF = constrain(jax.nn.silu(gate_RxF) * up_RxF, (None, "mlp"))
+    return _dot("rf,fd->rd", h_RxF, p["down"])
+
+
 class Block(nnx.Module):
     """One pre-norm decoder layer. The residual stream is constrained to
     ("batch", "seq", None): under sequence parallelism "seq" maps to the tensor axis, so
-    norms and residual adds run on sequence shards."""
+    norms and residual adds run on sequence shards. An MoE block returns ``(x, router stats)``."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
         self.dropout = cfg.dropout
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2, rng: jax.Array | None = None):
@@ -207,8 +238,11 @@ class Block(nnx.Module):
         attn_BxTxD = self.attn(self.attn_norm(x_BxTxD), cos_TxQ2, sin_TxQ2)
         x_BxTxD = x_BxTxD + dropout(attn_BxTxD, self.dropout, keys[0])
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
-        x_BxTxD = x_BxTxD + dropout(self.mlp(self.mlp_norm(x_BxTxD)), self.dropout, keys[1])
-        return constrain(x_BxTxD, ("batch", "seq", None))
+        mlp = self.mlp(self.mlp_norm(x_BxTxD))
+        mlp_BxTxD, aux = mlp if isinstance(mlp, tuple) else (mlp, None)
+        x_BxTxD = x_BxTxD + dropout(mlp_BxTxD, self.dropout, keys[1])
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
+        return x_BxTxD if aux is None else (x_BxTxD, aux)
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
@@ -239,26 +273,60 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
 
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs):
-            return Block(cfg, rngs=rngs)
+        def stack(count: int, moe: bool):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(rngs):
+                return Block(cfg, rngs=rngs, moe=moe)
 
-        self.blocks = stacked_blocks(rngs)
+            return stacked_blocks(rngs)
+
+        # Experts every N-th layer (N > 1): a stack of dense blocks and one of MoE blocks,
+        # run as L/N groups of N - 1 dense layers and one MoE layer.
+        n_moe = cfg.layers // cfg.moe_every if cfg.moe_experts else 0
+        self.blocks = stack(cfg.layers - n_moe or n_moe, moe=n_moe == cfg.layers)
+        if 0 < n_moe < cfg.layers:
+            self.moe_blocks = stack(n_moe, moe=True)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.init_std)
 
-    def layer_fn(self, T: int):
+    def layer_fn(self, T: int, with_aux: bool = False):
         """``(one layer's params, x_BxTxD) -> x_BxTxD`` for a sequence of length T, remat
-        applied; the same function drives ``lax.scan`` and ``sk.pipeline`` stages."""
+        applied; the same function drives ``lax.scan`` and ``sk.pipeline`` stages. With MoE
+        layers every ``moe_every``-th layer, one "layer" here is such a group
+        (``layer_params``); ``with_aux`` returns ``(x, router stats or None)``."""
         graphdef, _ = nnx.split(self.blocks)
+        moe_def = nnx.split(self.moe_blocks)[0] if hasattr(self, "moe_blocks") else None
         cos_TxQ2, sin_TxQ2 = rotary(T, self.cfg.head_dim, self.cfg.rope_theta)
+        N = self.cfg.moe_every
+
+        def block(gd, params, x_BxTxD, rng):
+            out = nnx.merge(gd, params)(x_BxTxD, cos_TxQ2, sin_TxQ2, rng)
+            return out if isinstance(out, tuple) else (out, None)
 
         def layer(params, x_BxTxD, rng=None):
-            return nnx.merge(graphdef, params)(x_BxTxD, cos_TxQ2, sin_TxQ2, rng)
+            if moe_def is None:
+                x_BxTxD, aux = block(graphdef, params, x_BxTxD, rng)
+            else:
+                keys = [None] * N if rng is None else [jax.random.fold_in(rng, i) for i in range(N)]
+                for i in range(N - 1):
+                    x_BxTxD, _ = block(graphdef, jax.tree.map(lambda a: a[i], params["dense"]), x_BxTxD, keys[i])
+                x_BxTxD, aux = block(moe_def, params["moe"], x_BxTxD, keys[-1])
+            return (x_BxTxD, aux) if with_aux else x_BxTxD
 
         return _remat(layer, self.cfg.remat)
+
+    def layer_params(self):
+        """The stacked weights ``layer_fn`` takes, leading dim = its layers: the blocks', or
+        with MoE layers every ``moe_every``-th layer ``{"dense": (L/N, N-1, ...), "moe":
+        (L/N, ...)}``."""
+        params = nnx.state(self.blocks)
+        if not hasattr(self, "moe_blocks"):
+            return params
+        G, N = self.cfg.layers // self.cfg.moe_every, self.cfg.moe_every
+        dense = jax.tree.map(lambda a: a.reshape((G, N - 1) + a.shape[1:]), params)
+        return {"dense": dense, "moe": nnx.state(self.moe_blocks)}
 
     def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
         # Gather from a table whose embed dim is whole (FSDP gathers it, as for any weight
@@ -282,26 +350,31 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden(tokens_BxT, pipeline=pipeline, rng=rng))
 
     def hidden(self, tokens_BxT: jax.Array, *, pipeline: PipelineSpec | None = None,
-               loss_fn=None, loss_params=None, targets=None, rng: jax.Array | None = None) -> jax.Array:
+               loss_fn=None, loss_params=None, targets=None, rng: jax.Array | None = None,
+               with_aux: bool = False) -> jax.Array:
         """Embeds and runs the layer stack: ``lax.scan`` over layers, or ``sk.pipeline`` over
         the ``pipe`` axis (with ``loss_fn``, the pipeline's mean loss instead). ``rng``
         (training) turns on dropout when ``Config.dropout > 0``: layer ``l`` draws its masks
-        from ``fold_in(rng, l)`` (in a pipeline, folded with the microbatch too)."""
+        from ``fold_in(rng, l)`` (in a pipeline, folded with the microbatch too).
+        ``with_aux`` (no pipeline): ``(x, router stats per MoE layer or None)``."""
         T = tokens_BxT.shape[1]
         if T > self.cfg.seq:
             raise ValueError(f"sequence length {T} exceeds Config.seq={self.cfg.seq}")
         rng = rng if self.cfg.dropout > 0 else None
         x_BxTxD = self.embed_tokens(tokens_BxT)
-        layer = self.layer_fn(T)
-        params = nnx.state(self.blocks)
+        params = self.layer_params()
         if pipeline is None:
+            layer = self.layer_fn(T, with_aux=True)
+
             def body(x, p_l):
                 p, l = p_l
-                return layer(p, x, None if rng is None else jax.random.fold_in(rng, l)), None
+                return layer(p, x, None if rng is None else jax.random.fold_in(rng, l))
 
-            x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (params, jnp.arange(self.cfg.layers)),
-                                      unroll=self.cfg.scan_unroll)
-            return x_BxTxD
+            n = jax.tree.leaves(params)[0].shape[0]
+            x_BxTxD, aux = jax.lax.scan(body, x_BxTxD, (params, jnp.arange(n)),
+                                        unroll=self.cfg.scan_unroll)
+            return (x_BxTxD, aux) if with_aux else x_BxTxD
+        layer = self.layer_fn(T)
         dtype = x_BxTxD.dtype
         stage = layer if rng is None else (lambda p, x, *, rng: layer(p, x, rng))
         if dtype != F32 and sk.target_platform() == "cpu":
@@ -343,7 +416,27 @@ def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = Non
             batch["inputs"], pipeline=pipeline, loss_params=model.head_params(),
             loss_fn=lambda head, y, t: cross_entropy(head_logits(head, y, eps), t),
             targets=batch["targets"], rng=rng)
+    if model.cfg.moe_experts and pipeline is None:
+        return moe_loss_fn(model, batch, rng=rng)[0]
     return cross_entropy(model(batch["inputs"], pipeline=pipeline, rng=rng), batch["targets"])
+
+
+def moe_loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = None,
+                rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """``(objective, metrics)`` of an MoE model: cross entropy + ``moe_aux_weight`` x the
+    load-balancing loss + ``moe_z_weight`` x the z-loss (each averaged over MoE layers);
+    metrics: ``ce`` and the layers' mean ``moe/load_balance``, ``moe/z_loss``,
+    ``moe/dropped_fraction``, ``moe/tokens_per_expert``. Under a pipeline the stages return
+    activations only (``sk.pipeline``): the objective is the cross entropy alone."""
+    if pipeline is not None:
+        ce = loss_fn(model, batch, pipeline, rng)
+        return ce, {"ce": ce}
+    x_BxTxD, aux = model.hidden(batch["inputs"], rng=rng, with_aux=True)
+    ce = cross_entropy(model.logits(x_BxTxD), batch["targets"])
+    mean = jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+    cfg = model.cfg
+    objective = ce + cfg.moe_aux_weight * mean["load_balance"] + cfg.moe_z_weight * mean["z_loss"]
+    return objective, {"ce": ce, **{f"moe/{k}": v for k, v in mean.items()}}
 
 
 def param_count(cfg: Config, *, embedding: bool = True) -> int:
@@ -353,7 +446,9 @@ def param_count(cfg: Config, *, embedding: bool = True) -> int:
                            cfg.vocab, cfg.layers)
     per_layer = D * H * Q * 2 + D * K * Q * 2 + 3 * D * F + 2 * D
     head = 0 if cfg.tie_embeddings else D * V
-    return L * per_layer + D + head + (V * D if embedding else 0)
+    n_moe = cfg.layers // cfg.moe_every if cfg.moe_experts else 0
+    experts = n_moe * ((cfg.moe_experts - 1) * 3 * D * F + D * cfg.moe_experts)  # + router
+    return L * per_layer + D + head + (V * D if embedding else 0) + experts
 
 
 def flops_per_token(cfg: Config, seq: int | None = None) -> float:
@@ -362,11 +457,15 @@ def flops_per_token(cfg: Config, seq: int | None = None) -> float:
     N counts every weight that takes part in a matmul: the layers and the output projection
     (the tied embedding counts once, as the head; the input lookup is a gather, not a
     matmul). The attention term is the full T×T score/value product, forward and backward,
-    because this model computes the masked half too.
+    because this model computes the masked half too. An MoE layer counts its active weights
+    only: the router and ``moe_top_k`` experts (MFU counts useful flops; a dropless layer's
+    padded buffers compute more).
     """
     T = cfg.seq if seq is None else seq
     D, H, K, Q, F = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
     n_matmul = cfg.layers * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * cfg.vocab
+    if cfg.moe_experts:
+        n_matmul += cfg.layers // cfg.moe_every * ((cfg.moe_top_k - 1) * 3 * D * F + D * cfg.moe_experts)
     return 6.0 * n_matmul + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * T
 
 
