@@ -130,7 +130,10 @@ def _train(args: argparse.Namespace) -> int:
         console.print(plan.describe(step.model(state)))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     batches = ds.batches(args.batch, seed=args.seed, position=position)
-    first = next(batches)
+    # Each batch goes to the devices two steps before its step; the checkpoint records the
+    # position after the batch just used, not after those placed ahead.
+    feed = sk.prefetch(batches, step, size=2, position=lambda: batches.position)
+    first = next(feed)
     mem = compiled_memory(step, state, first)
     per_dev = state_bytes_per_device(state)
     console.print(f"{n_params / 1e6:.2f}M parameters; init + compile {time.perf_counter() - t0:.1f}s")
@@ -152,7 +155,7 @@ def _train(args: argparse.Namespace) -> int:
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("train", total=args.steps, completed=start, info="")
             for i in range(start + 1, args.steps + 1):
-                batch = first if i == start + 1 else next(batches)
+                batch = first if i == start + 1 else next(feed)
                 t = time.perf_counter()
                 state, metrics = step(state, batch)
                 loss, acc = float(metrics["loss"]), float(metrics["aux"]["accuracy"])
@@ -165,7 +168,7 @@ def _train(args: argparse.Namespace) -> int:
                     bar.console.print(f"step {i}: loss {loss:.4f}, test accuracy {test_acc:.4f}")
                 stopped = guard.should_stop(i)  # SIGTERM: checkpoint at this step boundary, exit 0
                 if ckpt and (stopped or i == args.steps or (args.checkpoint_every and i % args.checkpoint_every == 0)):
-                    ckpt.save(state, step=i, extra={"step": i, "data": batches.position}, force=True)
+                    ckpt.save(state, step=i, extra={"step": i, "data": feed.position}, force=True)
                 if stopped:
                     bar.console.print(f"preempted: checkpoint of step {i} saved; rerun with --resume to continue")
                     break

@@ -50,6 +50,12 @@ def parser() -> argparse.ArgumentParser:
     a("--seq", type=int, help="sequence length")
     a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
     a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
+    a("--moe-experts", type=int, help="experts per mixture-of-experts layer (default 0: dense); "
+      "split over an `expert` mesh axis, e.g. --mesh data=2,expert=4")
+    a("--moe-top-k", type=int, help="experts per token (default 2)")
+    a("--moe-every", type=int, help="every N-th layer is an MoE layer (default 1: all)")
+    a("--moe-capacity", type=float, help="expert capacity factor (tokens beyond it skip the "
+      "layer); default: dropless")
     a("--attention", help="auto (cuDNN flash attention on GPU, jnp softmax on CPU), reference, "
       "xla or cudnn")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -81,12 +87,15 @@ def model_config(args) -> Config:
     changes = {k: v for k, v in (("layers", args.layers), ("d_model", args.d_model),
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
                                  ("seq", args.seq), ("remat", args.remat),
-                                 ("dropout", args.dropout), ("attention", args.attention))
+                                 ("dropout", args.dropout), ("attention", args.attention),
+                                 ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
+                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity))
                if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
     except ValueError as e:
-        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
+        flag = next((f for f in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
+                                 "kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
                                  "attention")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
@@ -115,7 +124,13 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     if cfg.layers % (stages * repeats):
         raise FlagError("--layers", f"{cfg.layers} layers do not split into pipe={stages} stages "
                         f"x {repeats} repeats; use a multiple of {stages * repeats}")
-    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp"))
+    experts = mesh_shape.get("expert", 1)
+    if experts > 1 and cfg.moe_experts % experts:
+        raise FlagError("--moe-experts", f"{cfg.moe_experts} experts do not split over expert={experts}; "
+                        f"use a multiple of {experts}" + (" (an expert axis needs MoE layers)"
+                                                          if not cfg.moe_experts else ""))
+    # The batch is split over the expert axis too (each expert device routes its own tokens).
+    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp", "expert"))
     if stages > 1:
         pipe_mb, step_mb = args.microbatches or 2 * stages, 1
         if pipe_mb < stages:
@@ -182,7 +197,7 @@ def _run(args) -> int:
     from shardkit.cost import hardware
 
     from .layouts import make_plan
-    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn
+    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn, moe_loss_fn
 
     cfg = model_config(args)
     try:
@@ -210,12 +225,14 @@ def _run(args) -> int:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
 
+    # An MoE model's loss also returns its router statistics (tokens per expert, drops).
+    objective = moe_loss_fn if cfg.moe_experts else loss_fn
     if cfg.dropout > 0:  # the step then draws a fresh key per step (and microbatch)
         def train_loss(model, batch, rng):
-            return loss_fn(model, batch, pipeline, rng=rng)
+            return objective(model, batch, pipeline, rng=rng)
     else:
         def train_loss(model, batch):
-            return loss_fn(model, batch, pipeline)
+            return objective(model, batch, pipeline)
 
     step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0)(train_loss)
 
@@ -238,7 +255,8 @@ def _run(args) -> int:
     compile_s = time.perf_counter() - t0
     console.print(_memory_line(state, compiled, compile_s))
 
-    evaluate = _evaluator(step, plan, pipeline, loss_fn)
+    evaluate = _evaluator(step, plan, pipeline, (lambda m, b, p: moe_loss_fn(m, b, p)[1]["ce"])
+                          if cfg.moe_experts else loss_fn)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops_tok = flops_per_token(cfg, cfg.seq)
     peak = hardware.total_peak_flops(mesh.devices.flat)
@@ -257,8 +275,11 @@ def _run(args) -> int:
     try:
         with Progress(*columns, console=console, disable=args.quiet) as progress:
             task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
+            # Each batch goes to the devices two steps before its step; the checkpoint records
+            # the position after the batch just used, not after those placed ahead.
+            feed = sk.prefetch(batches, step, size=2, position=batches.position)
             for i in range(start, args.steps):
-                batch = data_lib.global_batch(next(batches), _batch_sharding(plan))
+                batch = next(feed)
                 t = time.perf_counter()
                 state, metrics = step(state, batch)
                 last_loss = float(metrics["loss"])  # waits for the step
@@ -269,8 +290,10 @@ def _run(args) -> int:
                 mfu = flops_tok * tps / peak
                 progress.update(task, advance=1, loss=last_loss, tps=tps, mfu=mfu)
                 if out:
-                    out.write(json.dumps({"step": i, "loss": last_loss, "tokens_per_s": tps,
-                                          "mfu": mfu}) + "\n")
+                    row = {"step": i, "loss": last_loss, "tokens_per_s": tps, "mfu": mfu}
+                    # MoE: cross entropy, tokens per expert, drop fraction, router losses
+                    row.update({k: jax.device_get(v).tolist() for k, v in (metrics.get("aux") or {}).items()})
+                    out.write(json.dumps(row) + "\n")
                 done = i + 1 == args.steps
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
@@ -280,7 +303,7 @@ def _run(args) -> int:
                         out.write(json.dumps({"step": i, "val_loss": val_loss}) + "\n")
                 stopped = guard.should_stop(i + 1)  # SIGTERM: save at this step boundary, exit 0
                 if ckpt and (done or stopped or (i + 1) % args.checkpoint_every == 0):
-                    ckpt.save(state, step=i + 1, extra={"step": i + 1, "data": batches.position()}, force=True)
+                    ckpt.save(state, step=i + 1, extra={"step": i + 1, "data": feed.position}, force=True)
                 if stopped:
                     progress.console.print(f"preempted: checkpoint of step {i + 1} saved; rerun with --resume")
                     break
