@@ -50,12 +50,6 @@ def parser() -> argparse.ArgumentParser:
     a("--seq", type=int, help="sequence length")
     a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
     a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
-    a("--moe-experts", type=int, help="experts per mixture-of-experts layer (default 0: dense); "
-      "split over an `expert` mesh axis, e.g. --mesh data=2,expert=4")
-    a("--moe-top-k", type=int, help="experts per token (default 2)")
-    a("--moe-every", type=int, help="every N-th layer is an MoE layer (default 1: all)")
-    a("--moe-capacity", type=float, help="expert capacity factor (tokens beyond it skip the "
-      "layer); default: dropless")
     a("--attention", help="auto (cuDNN flash attention on GPU, jnp softmax on CPU), reference, "
       "xla or cudnn")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -87,15 +81,12 @@ def model_config(args) -> Config:
     changes = {k: v for k, v in (("layers", args.layers), ("d_model", args.d_model),
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
                                  ("seq", args.seq), ("remat", args.remat),
-                                 ("dropout", args.dropout), ("attention", args.attention),
-                                 ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
-                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity))
+                                 ("dropout", args.dropout), ("attention", args.attention))
                if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
     except ValueError as e:
-        flag = next((f for f in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
-                                 "kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
+        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
                                  "attention")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
@@ -124,13 +115,7 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     if cfg.layers % (stages * repeats):
         raise FlagError("--layers", f"{cfg.layers} layers do not split into pipe={stages} stages "
                         f"x {repeats} repeats; use a multiple of {stages * repeats}")
-    experts = mesh_shape.get("expert", 1)
-    if experts > 1 and cfg.moe_experts % experts:
-        raise FlagError("--moe-experts", f"{cfg.moe_experts} experts do not split over expert={experts}; "
-                        f"use a multiple of {experts}" + (" (an expert axis needs MoE layers)"
-                                                          if not cfg.moe_experts else ""))
-    # The batch is split over the expert axis too (each expert device routes its own tokens).
-    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp", "expert"))
+    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp"))
     if stages > 1:
         pipe_mb, step_mb = args.microbatches or 2 * stages, 1
         if pipe_mb < stages:
@@ -197,7 +182,7 @@ def _run(args) -> int:
     from shardkit.cost import hardware
 
     from .layouts import make_plan
-    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn, moe_loss_fn
+    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn
 
     cfg = model_config(args)
     try:
@@ -225,14 +210,12 @@ def _run(args) -> int:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
 
-    # An MoE model's loss also returns its router statistics (tokens per expert, drops).
-    objective = moe_loss_fn if cfg.moe_experts else loss_fn
     if cfg.dropout > 0:  # the step then draws a fresh key per step (and microbatch)
         def train_loss(model, batch, rng):
-            return objective(model, batch, pipeline, rng=rng)
+            return loss_fn(model, batch, pipeline, rng=rng)
     else:
         def train_loss(model, batch):
-            return objective(model, batch, pipeline)
+            return loss_fn(model, batch, pipeline)
 
     step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0)(train_loss)
 
@@ -255,8 +238,7 @@ def _run(args) -> int:
     compile_s = time.perf_counter() - t0
     console.print(_memory_line(state, compiled, compile_s))
 
-    evaluate = _evaluator(step, plan, pipeline, (lambda m, b, p: moe_loss_fn(m, b, p)[1]["ce"])
-                          if cfg.moe_experts else loss_fn)
+    evaluate = _evaluator(step, plan, pipeline, loss_fn)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops_tok = flops_per_token(cfg, cfg.seq)
     peak = hardware.total_peak_flops(mesh.devices.flat)
@@ -290,10 +272,8 @@ def _run(args) -> int:
                 mfu = flops_tok * tps / peak
                 progress.update(task, advance=1, loss=last_loss, tps=tps, mfu=mfu)
                 if out:
-                    row = {"step": i, "loss": last_loss, "tokens_per_s": tps, "mfu": mfu}
-                    # MoE: cross entropy, tokens per expert, drop fraction, router losses
-                    row.update({k: jax.device_get(v).tolist() for k, v in (metrics.get("aux") or {}).items()})
-                    out.write(json.dumps(row) + "\n")
+                    out.write(json.dumps({"step": i, "loss": last_loss, "tokens_per_s": tps,
+                                          "mfu": mfu}) + "\n")
                 done = i + 1 == args.steps
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
