@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import shardkit as sk
 from shardkit.cost.hlo import traffic_from_hlo
-from shardkit.moe import moe
 
 E, D, F, B, T, K = 8, 16, 32, 8, 8, 2
 CAPACITY = 1.0  # C = ceil(1.0 * 2 * 8 / 8) = 2 per expert per sequence: drops ~1/4
@@ -94,7 +93,7 @@ def both_modes(x, router, params, r):
     out = {}
     for name, cf in (("dropless", None), ("capacity", CAPACITY)):
         def f(x, router, params):
-            y, aux = moe(x, x @ router, expert, params, top_k=K, capacity_factor=cf)
+            y, aux = sk.moe(x, x @ router, expert, params, top_k=K, capacity_factor=cf)
             return objective(y, aux, r), (y, aux)
 
         (_, (y, aux)), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, router, params)
@@ -203,15 +202,15 @@ def test_bad_input_names_the_shapes_and_the_fix():
     logits = x @ router
     with pytest.raises(ValueError, match=r"7 experts do not split over the 'expert' axis of size 8"):
         with jax.set_mesh(sk.make_mesh("expert=8")):
-            moe(x, logits[..., :7], expert, jax.tree.map(lambda a: a[:7], params))
+            sk.moe(x, logits[..., :7], expert, jax.tree.map(lambda a: a[:7], params))
     with pytest.raises(ValueError, match=r"top_k=9 must be an integer in 1..E=8"):
-        moe(x, logits, expert, params, top_k=9)
+        sk.moe(x, logits, expert, params, top_k=9)
     with pytest.raises(ValueError, match=r"(?s)leading dimension of E=8.*w1 shape=\(16, 32\)"):
-        moe(x, logits, expert, {"w1": params["w1"][0], "w2": params["w2"]})
+        sk.moe(x, logits, expert, {"w1": params["w1"][0], "w2": params["w2"]})
     with pytest.raises(ValueError, match=r"router_logits has shape \(64, 8\).*needs \(8, 8\) \+ \(E,\)"):
-        moe(x, logits.reshape(-1, E), expert, params)
+        sk.moe(x, logits.reshape(-1, E), expert, params)
     with pytest.raises(ValueError, match=r"needs group_size"):
-        moe(x.reshape(-1, D), logits.reshape(-1, E), expert, params, capacity_factor=1.0)
+        sk.moe(x.reshape(-1, D), logits.reshape(-1, E), expert, params, capacity_factor=1.0)
 
 
 # ---- constrain inside a building block -----------------------------------------------------------
@@ -229,3 +228,128 @@ def test_constrain_under_vmap_inside_an_all_manual_shard_map():
     with plan.active():
         y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))(x)
     np.testing.assert_array_equal(y, 2 * x)
+
+
+# ---- the transformer recipe's MoE layers ----------------------------------------------------------
+
+RECIPE_STEPS = 10
+
+
+def recipe_cfg(**changes):
+    from models.transformer.config import SIZES
+
+    # 4 layers, MoE every 2nd (dense + MoE stacks), capacity that drops ~1/4 of assignments.
+    return SIZES["test"].replace(layers=4, moe_experts=8, moe_top_k=2, moe_every=2, moe_capacity=1.0,
+                                 **changes)
+
+
+def recipe_model(cfg):
+    """The model with numpy-drawn N(0, 0.02) weights (XLA's sampler would compile per shape)."""
+    from flax import nnx
+
+    from models.transformer.model import Transformer
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda x: jnp.asarray(rng.normal(0.0, 0.02, x.shape).astype(np.float32)),
+                         nnx.state(model, nnx.Param))
+    nnx.update(model, state)
+    return model
+
+
+def recipe_train(layout, model, devices=None):
+    from models.transformer import data as data_lib
+    from models.transformer.layouts import make_plan
+    from models.transformer.model import PipelineSpec, moe_loss_fn
+
+    mesh = sk.make_mesh(layout.mesh, devices=devices)
+    plan = make_plan(mesh, model.cfg, zero=layout.zero)
+    pipe = PipelineSpec(4, layout.schedule) if "pipe" in mesh.shape else None
+    step = sk.train_step(plan, optax.adamw(3e-3, b2=0.95))(lambda m, b: moe_loss_fn(m, b, pipe))
+    state = step.init(model)
+    batches = data_lib.Batches(data_lib.stdlib_corpus(max_bytes=1 << 20)[0], 16, model.cfg.seq, seed=0)
+    losses, aux = [], None
+    for _ in range(RECIPE_STEPS):
+        state, metrics = step(state, next(batches))
+        losses.append(float(metrics["loss"]))
+        aux = metrics["aux"]
+    return np.array(losses), aux
+
+
+@pytest.fixture(scope="module")
+def recipe_reference():
+    """One device; the router losses off, as under a pipeline (whose stages return activations
+    only), so every EP layout, ep_pp included, is compared with the same run."""
+    from models.transformer.layouts import Layout
+
+    model = recipe_model(recipe_cfg(moe_aux_weight=0.0, moe_z_weight=0.0))
+    return model, recipe_train(Layout("data=1"), model, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", ["ep"] + [pytest.param(n, marks=pytest.mark.slow)
+                                            for n in ("ep_dp", "ep_tp", "ep_fsdp", "ep_pp")])
+def test_recipe_ep_layouts_match_one_device(name, recipe_reference):
+    from models.transformer.layouts import LAYOUTS
+
+    model, (ref, ref_aux) = recipe_reference
+    losses, aux = recipe_train(LAYOUTS[name], model)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    if name != "ep_pp":  # the pipeline's stages return no router statistics
+        assert 0.05 < float(aux["moe/dropped_fraction"]) < 0.5  # the capacity drops
+        np.testing.assert_allclose(aux["moe/tokens_per_expert"], ref_aux["moe/tokens_per_expert"], rtol=1e-5)
+        np.testing.assert_allclose(aux["moe/dropped_fraction"], ref_aux["moe/dropped_fraction"], rtol=1e-5)
+
+
+def test_recipe_moe_config_counts_and_errors():
+    from models.transformer.model import flops_per_token, param_count
+
+    cfg = recipe_cfg()
+    dense = cfg.replace(moe_experts=0)
+    D, F, E = cfg.d_model, cfg.d_ff, cfg.moe_experts
+    # Two MoE layers: E experts' weights and a router each; flops count k active experts.
+    assert param_count(cfg) - param_count(dense) == 2 * ((E - 1) * 3 * D * F + D * E)
+    assert flops_per_token(cfg) - flops_per_token(dense) == 6 * 2 * ((K - 1) * 3 * D * F + D * E)
+    assert sum(x.size for x in jax.tree.leaves(nnx_params(recipe_model(cfg)))) == param_count(cfg)
+    with pytest.raises(ValueError, match="moe_top_k=9 must be in 1..moe_experts=8"):
+        cfg.replace(moe_top_k=9)
+    with pytest.raises(ValueError, match="moe_every=3 must be a positive divisor of layers=4"):
+        cfg.replace(moe_every=3)
+
+
+def nnx_params(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+GOLDEN_EP = {"ep": "expert=8", "ep_dp": "data=2,expert=4", "ep_tp": "expert=4,tensor=2",
+             "ep_fsdp": "fsdp=2,expert=4", "ep_pp": "expert=4,pipe=2"}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_EP))
+def test_recipe_golden_sharding(name):
+    """Every parameter's spec of a ~125M-wide MoE (8 experts every 2nd layer), from abstract
+    params; regenerate deliberate changes with SHARDKIT_UPDATE_GOLDEN=1."""
+    import json
+    import os
+    import pathlib
+
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import make_plan
+    from models.transformer.model import abstract_model
+
+    cfg = SIZES["125m"].replace(moe_experts=8, moe_every=2)
+    model = abstract_model(cfg)
+    plan = make_plan(sk.make_mesh(GOLDEN_EP[name]), cfg)
+    specs = jax.tree_util.tree_flatten_with_path(plan.param_specs(model), is_leaf=lambda x: isinstance(x, P))[0]
+    shapes = jax.tree.leaves(nnx_params(model))
+    got = {"/".join(str(getattr(k, "key", k)) for k in path): [list(leaf.shape), [list(e) if isinstance(e, tuple) else e for e in spec]]
+           for (path, spec), leaf in zip(specs, shapes)}
+    path = pathlib.Path(__file__).parent / "golden" / f"transformer_moe_125m_{name}.json"
+    if os.environ.get("SHARDKIT_UPDATE_GOLDEN"):
+        rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in got.items())
+        path.write_text(f'{{"mesh": {json.dumps(GOLDEN_EP[name])}, "params": {{\n{rows}\n}}}}\n')
+    assert got == json.loads(path.read_text())["params"], (
+        f"sharding of the 125M MoE transformer under {name} changed; if deliberate, regenerate with "
+        "SHARDKIT_UPDATE_GOLDEN=1")
