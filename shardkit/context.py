@@ -281,7 +281,10 @@ def _sharded(cfg: _Config) -> Callable:
         dq, dk, dv = smap(lambda *a: _backward_body(cfg, *a), len(args), 3)(*args)
         return dq, dk, dv, None
 
-    attend.defvjp(fwd, bwd)
+    # optimize_remat makes the forward one opaque primitive to partial evaluation: without it
+    # lax.scan's hoisting of loop-invariant residuals (a model's layer scan) splits the
+    # shard_map (its masks are loop-invariant) into a program XLA's partitioner rejects.
+    attend.defvjp(fwd, bwd, optimize_remat=True)
     return attend
 
 
@@ -365,9 +368,12 @@ def _compiler_blockwise(cfg: _Config, q, k, v, seg):
     the queries kept split over the axis by sharding constraints and the K/V blocks moved by
     the compiler; autodiff through a rematerialised block step keeps O(T/c) per step.
 
-    Why not the manual ring here: JAX 0.10 cannot partially evaluate a ``shard_map`` nested in
-    another one under ``lax.scan`` (a pipeline's tick and layer loops): the residuals it
-    splits off get specs naming the outer manual axes and lowering fails."""
+    Why not the manual ring here: JAX 0.10.2 cannot partially evaluate a ``shard_map`` nested
+    in another one (the residuals it splits off get specs naming the outer manual axes and
+    lowering fails). The ring's custom VJP is declared with ``optimize_remat`` so that no
+    partial evaluation enters it under the pipeline's default remat policy, and that case
+    compiles; under ``remat="full"``/``"dots"`` stages it still does not, so nested calls
+    take this path, which works under every policy."""
     B, T, Hq, Dh = q.shape
     Hkv, c = k.shape[2], cfg.c
     Tl = T // c
