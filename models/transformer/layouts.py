@@ -14,7 +14,10 @@ mesh has that axis:
 * ``layers`` over ``pipe``: the stacked layer weights, run by ``sk.pipeline``;
 * ``expert`` over ``expert``: the MoE layers' expert weights (``sk.moe``). The batch is
   split over ``expert`` too (each device routes its own tokens), so ZeRO shards state over it
-  as over a data axis, expert weights over the data axes they do not use already.
+  as over a data axis, expert weights over the data axes they do not use already;
+* ``seq`` and ``context`` over ``context``: context parallelism splits every activation's
+  sequence dim and attention runs as ``sk.context_attention`` (a ring over the axis); the
+  loss reorders the batch once into the zig-zag order that balances the causal work.
 
 A layout is then just a mesh (plus ZeRO stage and the sequence-parallel switch); ``LAYOUTS``
 names the ones the tests, snapshots and benchmark use.
@@ -33,7 +36,8 @@ DATA_AXES = ("replica", "data", "fsdp")
 
 RULES: dict[str, tuple[str, ...]] = {
     "batch": DATA_AXES + ("expert",),
-    "seq": (),  # ("tensor",) under sequence parallelism
+    "seq": ("context",),  # ("context", "tensor") under sequence parallelism
+    "context": ("context",),  # attention's and the MLP's sequence dim (sk.context_attention)
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "heads": ("tensor",),
@@ -64,7 +68,7 @@ def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,
     if not vocab_parallel:
         table["vocab"] = ()
     if sequence_parallel:
-        table["seq"] = ("tensor",)
+        table["seq"] = ("context", "tensor")
     if cfg is not None and cfg.kv_heads % mesh_shape.get("tensor", 1):
         table["kv_heads"] = ()
     out = {name: tuple(a for a in axes if a in mesh_shape) for name, axes in table.items()}
@@ -113,6 +117,12 @@ LAYOUTS: dict[str, Layout] = {
     "ep_tp": Layout("expert=4,tensor=2"),
     "ep_fsdp": Layout("fsdp=2,expert=4"),
     "ep_pp": Layout("expert=4,pipe=2"),
+    # Context parallelism: the sequence split over `context` (ring attention), with TP, with
+    # DP and FSDP, and inside pipeline stages.
+    "cp": Layout("context=8"),
+    "cp_tp": Layout("context=4,tensor=2"),
+    "dp_cp_fsdp": Layout("data=2,context=2,fsdp=2"),
+    "cp_pp": Layout("context=2,pipe=2,data=2"),
 }
 
 

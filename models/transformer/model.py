@@ -117,16 +117,24 @@ class Attention(nnx.Module):
         q_BxTxHxQ = _dot("btd,dhq->bthq", x_BxTxD, self.q[...])
         k_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.k[...])
         v_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.v[...])
-        q_BxTxHxQ = constrain(q_BxTxHxQ, ("batch", None, "heads", None))
-        k_BxTxKxQ = constrain(k_BxTxKxQ, ("batch", None, "kv_heads", None))
-        v_BxTxKxQ = constrain(v_BxTxKxQ, ("batch", None, "kv_heads", None))
+        q_BxTxHxQ = constrain(q_BxTxHxQ, ("batch", "context", "heads", None))
+        k_BxTxKxQ = constrain(k_BxTxKxQ, ("batch", "context", "kv_heads", None))
+        v_BxTxKxQ = constrain(v_BxTxKxQ, ("batch", "context", "kv_heads", None))
         q_BxTxHxQ = apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2)
         k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
 
-        impl = attention_impl(self.attention, q_BxTxHxQ.dtype)
-        o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl)
-        o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", None, "heads", None))
+        if context_size() > 1:  # the sequence stays split: ring attention over "context"
+            o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True)
+        else:
+            impl = attention_impl(self.attention, q_BxTxHxQ.dtype)
+            o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl)
+        o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", "context", "heads", None))
         return _dot("bthq,hqd->btd", o_BxTxHxQ, self.o[...])
+
+
+def context_size() -> int:
+    """The size of the ``context`` axis of the mesh being traced for (1 without one)."""
+    return dict(jax.sharding.get_abstract_mesh().shape).get("context", 1)
 
 
 def attention_impl(choice: str, dtype) -> str:
@@ -186,7 +194,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BxTxD):
         gate_BxTxF = _dot("btd,df->btf", x_BxTxD, self.gate[...])
         up_BxTxF = _dot("btd,df->btf", x_BxTxD, self.up[...])
-        h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", None, "mlp"))
+        h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "context", "mlp"))
         return _dot("btf,fd->btd", h_BxTxF, self.down[...])
 
 
@@ -299,6 +307,9 @@ class Transformer(nnx.Module):
         graphdef, _ = nnx.split(self.blocks)
         moe_def = nnx.split(self.moe_blocks)[0] if hasattr(self, "moe_blocks") else None
         cos_TxQ2, sin_TxQ2 = rotary(T, self.cfg.head_dim, self.cfg.rope_theta)
+        # Under context parallelism the tokens arrive in zig-zag order (loss_fn): so do the
+        # positions RoPE rotates by.
+        cos_TxQ2, sin_TxQ2 = sk.context_shard((cos_TxQ2, sin_TxQ2), seq_dim=0)
         N = self.cfg.moe_every
 
         def block(gd, params, x_BxTxD, rng):
@@ -395,7 +406,7 @@ def head_logits(head: dict, x_BxTxD: jax.Array, eps: float) -> jax.Array:
     """Final RMSNorm, then logits (float32) against the (V, D) output matrix."""
     x_BxTxD = rms_norm(x_BxTxD, head["norm"], eps)
     logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, head["out"], preferred_element_type=F32)
-    return constrain(logits_BxTxV, ("batch", None, "vocab"))
+    return constrain(logits_BxTxV, ("batch", "context", "vocab"))
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -408,17 +419,25 @@ def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = Non
     ``rng`` (training) turns on ``Config.dropout``.
 
     Under the 1F1B schedule the loss is computed inside the pipeline (its backward pass is
-    explicit), so the head goes in as ``loss_params``.
+    explicit), so the head goes in as ``loss_params``. Under context parallelism the batch
+    is reordered for causal load balancing first (``sk.context_shard``).
     """
+    if model.cfg.moe_experts and pipeline is None:
+        return moe_loss_fn(model, batch, rng=rng)[0]
+    batch = _context_order(batch)
     if pipeline is not None and pipeline.schedule == "1f1b":
         eps = model.cfg.norm_eps
         return model.hidden(
             batch["inputs"], pipeline=pipeline, loss_params=model.head_params(),
             loss_fn=lambda head, y, t: cross_entropy(head_logits(head, y, eps), t),
             targets=batch["targets"], rng=rng)
-    if model.cfg.moe_experts and pipeline is None:
-        return moe_loss_fn(model, batch, rng=rng)[0]
     return cross_entropy(model(batch["inputs"], pipeline=pipeline, rng=rng), batch["targets"])
+
+
+def _context_order(batch: dict) -> dict:
+    """Under context parallelism, inputs and targets in ``sk.context_shard``'s zig-zag order
+    (the causal work is then even over the axis; the mean loss is unchanged); else as given."""
+    return sk.context_shard(batch) if context_size() > 1 else batch
 
 
 def moe_loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = None,
@@ -431,6 +450,7 @@ def moe_loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None =
     if pipeline is not None:
         ce = loss_fn(model, batch, pipeline, rng)
         return ce, {"ce": ce}
+    batch = _context_order(batch)
     x_BxTxD, aux = model.hidden(batch["inputs"], rng=rng, with_aux=True)
     ce = cross_entropy(model.logits(x_BxTxD), batch["targets"])
     mean = jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
