@@ -138,4 +138,7 @@ SIZES: dict[str, Config] = {
     "1b": Config(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048),
     "7b": Config(vocab=32000, d_model=4096, layers=32, heads=32, d_ff=11008, seq=4096,
                  tie_embeddings=False),
+    # Long context at small width: 8192 tokens, for context parallelism on 8 simulated devices
+    # (--mesh context=8: 1024 tokens per device; attention, not weights, decides what fits).
+    "long": Config(vocab=256, d_model=64, layers=2, heads=4, kv_heads=2, seq=8192),
 }
