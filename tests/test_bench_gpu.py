@@ -1,0 +1,32 @@
+"""``python bench/gpu.py --dry-run``: the GPU benchmark's code paths at tiny sizes on one CPU
+device, so the command cannot rot between the times a GPU is lent."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_dry_run_writes_the_json_and_the_table(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads((tmp_path / "gpu-dry-run.json").read_text())
+    assert result["dry_run"] and result["device"] == "cpu (cpu)"
+    assert result["tests"]["passed"] >= 6 and result["tests"]["failed"] == 0
+    t, r, o = result["transformer"], result["resnet"], result["overhead"]
+    assert t["tokens_per_s"] > 0 and 0 < t["mfu_causal"] < t["mfu"] < 1 and t["attention"] == "reference"
+    assert t["estimate_step_s"] > 0 and r["estimate_step_s"] > 0
+    assert r["images_per_s"] == pytest.approx(r["batch"] / r["step_s"])
+    assert o["shardkit_step_s"] > 0 and o["ratio"] == pytest.approx(o["shardkit_step_s"] / o["hand_step_s"])
+    table = (tmp_path / "gpu-dry-run.md").read_text()
+    assert "DRY RUN" in table and sum(line.startswith("|") for line in table.splitlines()) == 11  # head, rule, 9
+    for row in ("transformer MFU", "ResNet-10 images/s", "sk.train_step vs hand-written jax.jit",
+                "transformer step vs explain()", "tests -m gpu"):
+        assert f"| {row} |" in table
