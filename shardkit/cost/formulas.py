@@ -119,6 +119,13 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
                      gathered=2 * per_step * p_dev if sharded else 0.0,
                      gather_ops=2 * per_step * max(L_dev, 1),
                      zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)
+    elif lo.context > 1:
+        # Weights are replicated over ``context`` and each shard of the sequence contributes
+        # to every gradient: they are reduced over it as over a data axis (with data axes, in
+        # the same reduction). A tied table's two gradients (lookup and head) are reduced apart.
+        tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
+        data_traffic(col, counts, reduced=m * (p_dev + tied), reduce_ops=m * max(L_dev, 1),
+                     bg=bg, wire=bc, bp=bp)
     if lo.tensor > 1 and ms.d_model:
         # 1F1B's backward op recomputes the forward: its 2 all-reduces per layer run again.
         n_red = m * ((6 if one_f_one_b else 4) * L_dev + 2)
