@@ -22,7 +22,7 @@ from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes,
                     resolve, validate)
 
 _DATA_LIKE = ("replica", "data", "fsdp")
-STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert")
+STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert", "context")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
 _NOTES: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("shardkit_trace_notes", default=None)
 
