@@ -24,6 +24,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from . import _model
+from .diloco import DiLoCo, DiLoCoStep
 from .plan import ParamLayout, Plan, collecting_notes
 from .precision import LossScale, cast_floats, cast_input, cast_like
 from .rules import ShardingError
@@ -42,6 +43,9 @@ class TrainState:
         skipped: steps whose update was skipped because the loss or gradients were not finite.
         streak: consecutive skipped steps (reset by a finite step).
         loss_scale: the dynamic loss scale under fp16, else None.
+        outer: ``sk.DiLoCo``'s outer parameters and optimizer state (``diloco.OuterState``),
+            else None. Under DiLoCo every per-replica field (params, opt_state, model_state,
+            skipped, streak, loss_scale) has a leading replica dimension.
     """
 
     step: jax.Array
@@ -52,6 +56,7 @@ class TrainState:
     skipped: jax.Array
     streak: jax.Array
     loss_scale: LossScale | None = None
+    outer: Any = None
 
 
 _CPU_MAX_IN_FLIGHT = 2
@@ -134,7 +139,8 @@ class TrainStep:
 
     def __init__(self, fn: Callable, plan: Plan, optimizer: optax.GradientTransformation, *,
                  microbatches: int = 1, clip_norm: float | None = None,
-                 skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True):
+                 skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True,
+                 outer=None):
         _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
         self.fn, self.plan, self.tx = fn, plan, optimizer
         self.microbatches, self.clip_norm, self.donate = microbatches, clip_norm, donate
@@ -150,6 +156,8 @@ class TrainStep:
         self.trace_notes: dict = {}
         self._in_flight = _in_flight_queue(plan)
         self._last_streak: jax.Array | None = None  # the previous step's, read one step late
+        self.outer = outer
+        self._diloco = None if outer is None else DiLoCoStep(self, outer)
         functools.update_wrapper(self, fn)
 
     # ---- initialisation ---------------------------------------------------------------------
@@ -169,6 +177,7 @@ class TrainStep:
             ShardingError: the rules do not cover the model, or specs do not fit the mesh.
         """
         make, args = self._prepare(model, seed)
+        make = make if self._diloco is None else self._diloco.wrap_make(make)
         shardings = self.state_shardings(jax.eval_shape(make, *args))
         with self.plan.active():
             state = jax.jit(make, out_shardings=shardings)(*args)
@@ -182,6 +191,7 @@ class TrainStep:
         Args and Raises: as ``init``.
         """
         make, args = self._prepare(model, seed)
+        make = make if self._diloco is None else self._diloco.wrap_make(make)
         abstract = jax.eval_shape(make, *args)
         shardings = self.state_shardings(abstract)
         self._state_shardings = shardings
@@ -221,6 +231,8 @@ class TrainStep:
         self._adapter, self._logical = u.adapter, u.logical
         self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
         self.plan.state_specs(u.model_state, u.logical)  # validates the model state's rules now
+        if self._diloco is not None:
+            self._diloco.setup()
 
     def _specs(self, kind: str):
         lay, zero = self._layout, self.plan.zero
@@ -243,6 +255,8 @@ class TrainStep:
     def state_shardings(self, state: TrainState):
         """The ``NamedSharding`` of every leaf of ``state`` under this plan (for restores)."""
         self._require_init()
+        if self._diloco is not None:
+            return self._diloco.state_shardings(state)
         rep = self.plan.sharding(P())
         return TrainState(
             step=rep, params=self._param_shardings(), opt_state=self._opt_shardings(state.params),
@@ -269,11 +283,18 @@ class TrainStep:
             raise ValueError(f"with_plan needs an sk.Plan, got {type(plan).__name__}")
         new = copy.copy(self)
         new.plan, new._in_flight, new._last_streak = plan, _in_flight_queue(plan), None
+        if self._diloco is not None:
+            raise ValueError("with_plan: a DiLoCo step cannot be re-planned yet; build it on the new plan")
         new._jitted, new._batch_shardings, new._state_shardings, new.trace_notes = {}, {}, None, {}
         lay = self._layout
         params = lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves])
         new._layout = plan._layout(params, self._logical, self._adapter.param_prefix)
         return new
+
+    @property
+    def diloco(self) -> DiLoCoStep | None:
+        """With ``outer=sk.DiLoCo(...)``: its programs (``hlo``) and replica-axis bytes (``traffic``)."""
+        return self._diloco
 
     def _require_init(self):
         if self._adapter is None:
@@ -346,6 +367,9 @@ class TrainStep:
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """JAX's ``Lowered`` for this step (``.compile().memory_analysis()``, ``.as_text()``)."""
         self._require_init()
+        if self._diloco is not None:
+            raise ValueError("a DiLoCo step runs several programs: read them with step.diloco.hlo(state, batch) "
+                             "and their replica-axis bytes with step.diloco.traffic(state, batch)")
         batch, shardings = self._place_batch(batch)
         with self.plan.active():
             return self._compiled_fn(state, shardings).lower(state, batch)
@@ -357,7 +381,10 @@ class TrainStep:
             raise ValueError(f"expected the TrainState from step.init, got {type(state).__name__}")
         batch, shardings = self._place_batch(batch)
         with self.plan.active():
-            new_state, metrics = self._compiled_fn(state, shardings)(state, batch)
+            if self._diloco is not None:
+                new_state, metrics = self._diloco.run(state, batch, shardings)
+            else:
+                new_state, metrics = self._compiled_fn(state, shardings)(state, batch)
         if self._in_flight is not None:
             # XLA:CPU deadlocks in a collective's rendezvous when thousands of steps are queued
             # (seen with jax 0.10 on 8 simulated devices: "only 7 of 8 threads arrived"); keep
@@ -503,7 +530,8 @@ class TrainStep:
 
 def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatches: int = 1,
                clip_norm: float | None = None, skip_nonfinite: bool = False,
-               max_nonfinite: int | None = None, donate: bool = True) -> Callable[[Callable], TrainStep]:
+               max_nonfinite: int | None = None, donate: bool = True,
+               outer: DiLoCo | None = None) -> Callable[[Callable], TrainStep]:
     """Decorates ``loss_fn(model, batch[, rng]) -> loss | (loss, aux)`` into a sharded train step.
 
     Args:
@@ -522,6 +550,11 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
             if not). The last step of a run is not checked: read its
             ``metrics["nonfinite_streak"]`` if it matters.
         donate: donate the input state's buffers to the output (halves peak state memory).
+        outer: an ``sk.DiLoCo``: the optimizer above becomes each replica's inner optimizer,
+            replicas train alone for ``every`` steps and then sync over the DiLoCo axis
+            (``step.diloco`` has its programs and their traffic; metrics add the replicas'
+            ``replica_loss`` and ``diloco/replica_bytes``, ``diloco/steps_to_sync``,
+            ``diloco/synced_fragment``).
 
     Returns:
         A decorator producing a ``TrainStep``: ``init``, ``__call__``, ``lower``, ``explain``.
@@ -535,7 +568,8 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
 
     def wrap(fn: Callable) -> TrainStep:
         return TrainStep(fn, plan, optimizer, microbatches=microbatches, clip_norm=clip_norm,
-                         skip_nonfinite=skip_nonfinite, max_nonfinite=max_nonfinite, donate=donate)
+                         skip_nonfinite=skip_nonfinite, max_nonfinite=max_nonfinite, donate=donate,
+                         outer=outer)
     return wrap
 
 

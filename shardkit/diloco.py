@@ -1,0 +1,485 @@
+"""DiLoCo: data parallelism that talks over a slow mesh axis once every ``every`` steps.
+
+Douillard et al. 2023 (DiLoCo, arXiv:2311.08105): M replicas each take H inner optimizer steps
+on their own rows, then the averaged parameter change θ_outer − mean_r θ_r is applied to the
+shared θ_outer as an *outer gradient* by an outer optimizer (Nesterov SGD), and every replica
+restarts from θ_outer. Douillard et al. 2025 (Streaming DiLoCo, arXiv:2501.18512) split the
+parameters into fragments synced at staggered steps (each sync moves ≈ 1/F of them) and
+quantise the exchanged outer gradients.
+
+Layout. The replica axis is a batch axis (the batch is split over it) but no parameter's: every
+inner array (parameters, inner optimizer state, model state, skip counters) carries a leading
+replica dimension sharded over ``axis``, and the inner step is the ordinary shardkit step
+``jax.vmap``-ed over it with ``spmd_axis_name=axis`` — each replica's DP/ZeRO/TP layout over the
+other axes is what the plan without ``axis`` gives, and the compiled inner program has no
+collective over ``axis`` at all (``DiLoCoStep.traffic`` reads that off the HLO).
+
+The sync is a separate compiled program per fragment, run by the step right after the inner
+step that completes an interval, rather than a ``lax.cond`` inside one program: a conditional
+would put the replica all-reduce into the every-step program (in a branch, but in its HLO and
+its buffer plan), while two programs keep the inner one provably free of replica traffic and
+let each be measured on its own. The host knows when to sync from a step counter it reads
+once from the state (after ``init`` or a restore) and then counts itself, so deciding never
+waits for the device.
+
+The outer parameters and outer optimizer state (one per fragment) live in ``TrainState.outer``
+in the ZeRO *update* layout of the plan without ``axis`` (sharded over the inner data axes
+from ZeRO-1 on): they are optimizer-side state, touched once per interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from .cost.hlo import traffic_from_hlo
+from .cost.steptime import collective_time
+from .plan import Plan
+from .rules import AxisRules, ShardingError, spec_axes
+
+COMPRESSIONS = (None, "bf16", "int8", "int4")
+_LEVELS = {"int8": 127, "int4": 7}
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+    """The outer loop of ``@sk.train_step(plan, inner_optimizer, outer=sk.DiLoCo(...))``.
+
+    Attributes:
+        axis: the mesh axis the replicas sit on (the slow one, e.g. ``make_mesh(..., dcn=
+            "replica=4")``). It must be a batch axis of the plan and carry no parameter.
+        every: H, inner steps between syncs (1 = sync every step).
+        optimizer: the outer Optax optimizer, fed Δ = θ_outer − mean_r θ_r as its gradient;
+            default Nesterov SGD(0.7, momentum 0.9), the DiLoCo paper's.
+        fragments: F; with F > 1 (Streaming DiLoCo) fragment f syncs after the steps s with
+            s mod H = ⌊f·H/F⌋, so one sync moves ≈ 1/F of the parameters. Leaves with a
+            leading layer dimension (logical name ``layers`` on dim 0, or a path matching
+            ``layers``) are cut along it into F contiguous blocks of layers, which needs F to
+            divide the layer count; every other leaf goes whole to the fragment with the
+            fewest bytes so far (tree order). Each fragment has its own outer optimizer state.
+        compress: ``None`` (f32 all-reduce), ``"bf16"`` (all-reduce in bf16: per element
+            |error| ≤ R·2⁻⁸·max_r|δ_r|), ``"int8"`` / ``"int4"`` (each replica's δ_r is
+            quantised symmetrically with one scale per leaf, s_r = max|δ_r|/L with L = 127 /
+            7, all-gathered — int4 packed two per byte — and averaged in f32: per element
+            |error| ≤ max_r s_r / 2).
+        layers: a regex; leaves whose path it matches have a leading layer dimension (for
+            models without logical axis names). Default: the logical name ``layers``.
+    """
+
+    axis: str = "replica"
+    every: int = 50
+    optimizer: Any = None
+    fragments: int = 1
+    compress: str | None = None
+    layers: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"DiLoCo(every={self.every!r}): every is the number of inner steps between "
+                             "syncs, a positive integer (1 syncs every step)")
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"DiLoCo(fragments={self.fragments!r}): a positive integer (1 = plain DiLoCo)")
+        if self.fragments > self.every:
+            raise ValueError(f"DiLoCo(fragments={self.fragments}, every={self.every}): each fragment needs its "
+                             "own sync step inside an interval; use fragments <= every")
+        if self.compress not in COMPRESSIONS:
+            raise ValueError(f"DiLoCo(compress={self.compress!r}): choose one of {COMPRESSIONS}")
+        if not isinstance(self.axis, str):
+            raise ValueError(f"DiLoCo(axis={self.axis!r}): name one mesh axis")
+        if self.optimizer is None:
+            object.__setattr__(self, "optimizer", optax.sgd(0.7, momentum=0.9, nesterov=True))
+        elif not hasattr(self.optimizer, "init") or not hasattr(self.optimizer, "update"):
+            raise ValueError(f"DiLoCo(optimizer=...) needs an Optax GradientTransformation, got {self.optimizer!r}")
+
+    def offset(self, fragment: int) -> int:
+        """The step phase at which ``fragment`` syncs: after step s with s mod H == offset."""
+        return fragment * self.every // self.fragments
+
+    def steps_to_sync(self, step: int) -> int:
+        """Inner steps from ``step`` (steps taken) until the next sync of any fragment."""
+        return min((self.offset(f) - step - 1) % self.every + 1 for f in range(self.fragments))
+
+
+@struct.dataclass
+class OuterState:
+    """DiLoCo's part of the ``TrainState``.
+
+    Attributes:
+        params: per fragment, the parameter tree with that fragment's pieces (``None`` elsewhere).
+        opt_state: per fragment, the outer optimizer's state for those pieces.
+    """
+
+    params: tuple
+    opt_state: tuple
+
+
+def inner_plan(plan: Plan, axis: str) -> Plan:
+    """The plan each replica runs: ``plan`` without ``axis`` among its batch axes or in its
+    AxisRules (activations named ``batch`` map to the inner data axes only)."""
+    ar = plan.axis_rules
+    if ar is not None:
+        ar = AxisRules([(name, tuple(a for a in axes if a != axis)) for name, axes in ar.entries])
+    return Plan(plan.mesh, rules=plan.rules, axis_rules=ar, zero=plan.zero, precision=plan.precision,
+                batch_axes=tuple(a for a in plan.batch_axes if a != axis), strict=plan.strict)
+
+
+def _with_axis(spec: P, axis: str) -> P:
+    return P(axis, *spec)
+
+
+def sent_bytes(traffic, axis: str) -> int:
+    """Bytes one device sends over ``axis`` per execution of a program whose ``Traffic`` rows
+    are given: ring collectives (all-reduce 2(g−1)/g·V, gathers (g−1)/g·result), as
+    ``cost.steptime.collective_time`` times them at one byte per second."""
+    total = 0.0
+    for t in traffic:
+        if axis in t.axes:
+            kind = "permute" if t.kind == "collective-permute" else t.kind
+            nbytes = t.bytes if kind in ("all-gather", "permute") else t.operand_bytes
+            total += collective_time(kind, nbytes, t.group, 1.0, 0.0)
+    return int(round(total))
+
+
+class DiLoCoStep:
+    """The DiLoCo machinery of one ``TrainStep`` (``step.diloco``): state layout, the inner and
+    sync programs, and their traffic over the replica axis."""
+
+    def __init__(self, step, outer: DiLoCo):
+        plan = step.plan
+        if not isinstance(outer, DiLoCo):
+            raise ValueError(f"train_step(outer=...) takes an sk.DiLoCo, got {type(outer).__name__}")
+        names = dict(plan.mesh.shape)
+        if outer.axis not in names:
+            raise ValueError(f"DiLoCo(axis={outer.axis!r}) is not a mesh axis; the mesh has {names}. Add it "
+                             f"(sk.make_mesh('{outer.axis}=2,data=4'), or dcn='{outer.axis}=2' for the slow link)")
+        if outer.axis not in plan.batch_axes:
+            raise ValueError(f"DiLoCo(axis={outer.axis!r}) must split the batch, but the plan's batch_axes are "
+                             f"{plan.batch_axes}; add it to Plan(batch_axes=...)")
+        self.outer, self.axis, self.step = outer, outer.axis, step
+        self.replicas = names[outer.axis]
+        self.plan = inner_plan(plan, outer.axis)
+        self.inner = None  # the TrainStep each replica runs, made once the model is known
+        self._programs: dict = {}
+        self._bytes: dict = {}
+        self._host_step: int | None = None
+        self._last_step = None
+
+    # ---- layout ----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Checks the rules against the axis and builds the per-replica step (after ``_setup``)."""
+        step, axis = self.step, self.axis
+        used = [f"{l.path} shape={l.shape} spec={l.spec} ({l.source})"
+                for l in step._layout.leaves if axis in spec_axes(l.spec)]
+        if used:
+            raise ShardingError(
+                f"DiLoCo's replica axis {axis!r} is also used by the rules for {len(used)} parameter(s):", used,
+                fix=f"keep {axis!r} out of PathRules/AxisRules for parameters (each replica holds whole "
+                    "parameters; shard them over the inner axes), or pick another DiLoCo axis")
+        # The replica's step is this step on the plan without the axis (with_plan refuses a
+        # DiLoCo step, so detach while copying).
+        step._diloco = None
+        try:
+            inner = step.with_plan(self.plan)
+        finally:
+            step._diloco = self
+        self.inner = inner
+        self.fragment_of = self._fragments(inner._layout, inner._logical, inner._adapter.param_prefix)
+
+    def _fragments(self, lay, logical: dict, prefix: str) -> list[list]:
+        """Per fragment, per leaf: ``None`` (not in it), ``"all"`` or ``(start, stop)`` on dim 0."""
+        o = self.outer
+        F = o.fragments
+        if F == 1:
+            return [["all"] * len(lay.leaves)]
+        pattern = re.compile(o.layers) if o.layers else None
+        stacked = [bool(l.shape) and (pattern.search(l.path) if pattern else
+                                      (logical.get(prefix + l.path) or (None,))[0] == "layers")
+                   for l in lay.leaves]
+        bad = [f"{l.path} shape={l.shape}: {l.shape[0]} layers" for l, s in zip(lay.leaves, stacked)
+               if s and l.shape[0] % F]
+        if bad:
+            raise ValueError(f"DiLoCo(fragments={F}) must divide the layer count of every stacked leaf:\n  "
+                             + "\n  ".join(bad) + f"\nchoose fragments dividing the layers")
+        loose = [i for i, s in enumerate(stacked) if not s]
+        if not any(stacked) and len(loose) < F:
+            raise ValueError(f"DiLoCo(fragments={F}): the model has {len(loose)} parameter leaves and no stacked "
+                             "layer dimension (logical name 'layers' or DiLoCo(layers=regex)); use fragments <= "
+                             f"{len(loose)}")
+        out = [[None] * len(lay.leaves) for _ in range(F)]
+        load = [0] * F
+        for i, (l, s) in enumerate(zip(lay.leaves, stacked)):
+            if s:
+                n = l.shape[0] // F
+                for f in range(F):
+                    out[f][i] = (f * n, (f + 1) * n)
+                    load[f] += math.prod(l.shape) // F
+        for i in loose:
+            f = min(range(F), key=lambda f: (load[f], f))
+            out[f][i] = "all"
+            load[f] += math.prod(lay.leaves[i].shape)
+        empty = [f for f in range(F) if all(x is None for x in out[f])]
+        if empty:
+            raise ValueError(f"DiLoCo(fragments={F}): fragments {empty} would hold no parameters; use fewer")
+        return out
+
+    def pieces(self, params, f: int, batched: bool):
+        """Fragment ``f`` of ``params`` (a tree with ``None`` where a leaf is not in it)."""
+        lay = self.inner._layout
+        leaves = jax.tree_util.tree_leaves(params)
+        out = []
+        for x, where in zip(leaves, self.fragment_of[f]):
+            if where is None or where == "all":
+                out.append(None if where is None else x)
+            else:
+                out.append(x[:, where[0]:where[1]] if batched else x[where[0]:where[1]])
+        return jax.tree_util.tree_unflatten(lay.treedef, out)
+
+    def _piece_layout(self, f: int):
+        lay = self.inner._layout
+        shapes = self.pieces(lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves]), f, False)
+        return shapes, self.plan._layout(shapes, self.inner._logical, self.inner._adapter.param_prefix)
+
+    def _piece_specs(self, f: int):
+        """Specs of fragment ``f`` in the outer (ZeRO update) layout, and the inner params' specs."""
+        _, play = self._piece_layout(f)
+        outer = play.zero_specs if self.plan.zero >= 1 else [l.spec for l in play.leaves]
+        return play.tree(outer), play.tree([l.spec if self.plan.zero < 3 else z
+                                            for l, z in zip(play.leaves, play.zero_specs)])
+
+    def wrap_make(self, make):
+        """``make`` (building an unreplicated ``TrainState``) → one building DiLoCo's state."""
+        R, tx = self.replicas, self.outer.optimizer
+        prec = self.plan.precision
+
+        def made(*a):
+            s = make(*a)
+            rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (R,) + x.shape), t)  # noqa: E731
+            frags = tuple(self.pieces(s.params, f, False) for f in range(self.outer.fragments))
+            opt = tuple(jax.tree.map(lambda x: x.astype(prec.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)
+                                     and x.ndim else x, tx.init(p)) for p in frags)
+            return s.replace(params=rep(s.params), opt_state=rep(s.opt_state), model_state=rep(s.model_state),
+                             skipped=rep(s.skipped), streak=rep(s.streak), loss_scale=rep(s.loss_scale),
+                             outer=OuterState(frags, opt))
+        return made
+
+    def state_shardings(self, state):
+        """Shardings of a DiLoCo ``TrainState``: inner arrays over ``axis`` + the inner layout."""
+        inner, axis, plan = self.inner, self.axis, self.plan
+        lay = inner._layout
+        params = lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves])
+        unrep = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)  # noqa: E731
+        add = lambda specs: jax.tree.map(lambda s: _with_axis(s, axis), specs,  # noqa: E731
+                                         is_leaf=lambda x: isinstance(x, P))
+        opt_specs = plan.opt_state_specs(jax.eval_shape(inner.tx.init, params), params, lay)
+        ms_specs = plan.state_specs(unrep(state.model_state), inner._logical)
+        outer_p, outer_o = [], []
+        for f in range(self.outer.fragments):
+            shapes, play = self._piece_layout(f)
+            ospec, _ = self._piece_specs(f)
+            outer_p.append(ospec)
+            outer_o.append(plan.opt_state_specs(jax.eval_shape(self.outer.optimizer.init, shapes), shapes, play))
+        rep, per = P(), P(axis)
+        sh = plan.shardings
+        return state.replace(
+            step=plan.sharding(rep), rng=plan.sharding(rep),
+            params=sh(add(inner._specs("params"))), opt_state=sh(add(opt_specs)),
+            model_state=sh(add(ms_specs)), skipped=plan.sharding(per), streak=plan.sharding(per),
+            loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: plan.sharding(per), state.loss_scale),
+            outer=OuterState(tuple(sh(p) for p in outer_p), tuple(sh(o) for o in outer_o)))
+
+    # ---- the programs ----------------------------------------------------------------------
+
+    def _split_rows(self, x):
+        """(B, ...) split over the plan's batch axes → (R, B/R, ...): replica r's rows, moved
+        nowhere (the rows a device holds stay on it)."""
+        if not x.ndim:
+            return x
+        batch_axes, sizes = self.step.plan.batch_axes, dict(self.step.plan.mesh.shape)
+        before = math.prod(sizes[a] for a in batch_axes[:batch_axes.index(self.axis)])
+        R = self.replicas
+        y = x.reshape((before, R, x.shape[0] // (before * R)) + x.shape[1:])
+        y = jnp.moveaxis(y, 1, 0).reshape((R, x.shape[0] // R) + x.shape[1:])
+        inner = self.plan.batch_axes
+        spec = P(self.axis, (inner if len(inner) != 1 else inner[0]) if inner else None)
+        return jax.lax.with_sharding_constraint(y, self.plan.sharding(spec))
+
+    def _inner_fn(self, state, batch):
+        inner = self.inner
+        with self.plan.active():
+            rows = jax.tree.map(self._split_rows, batch)
+
+            def one(params, opt_state, model_state, skipped, streak, loss_scale, b):
+                s = state.replace(params=params, opt_state=opt_state, model_state=model_state, skipped=skipped,
+                                  streak=streak, loss_scale=loss_scale, outer=None)
+                new, metrics = inner._step(s, b)
+                return (new.params, new.opt_state, new.model_state, new.skipped, new.streak, new.loss_scale), metrics
+
+            b_axes = jax.tree.map(lambda x: 0 if x.ndim else None, rows)
+            outs, metrics = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, b_axes), spmd_axis_name=self.axis)(
+                state.params, state.opt_state, state.model_state, state.skipped, state.streak, state.loss_scale,
+                rows)
+        params, opt_state, model_state, skipped, streak, loss_scale = outs
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+                             skipped=skipped, streak=streak, loss_scale=loss_scale), metrics
+
+    def _reduce(self, delta_r, spec: P):
+        """mean_r δ_r across the replica axis, through the configured compression (``spec``:
+        the inner layout of one replica's δ_r)."""
+        c = self.outer.compress
+        if c is None:
+            return delta_r.mean(axis=0)
+        if c == "bf16":
+            return delta_r.astype(jnp.bfloat16).sum(axis=0).astype(jnp.float32) / self.replicas
+        levels = _LEVELS[c]
+        dims = tuple(range(1, delta_r.ndim))
+        scale = jnp.max(jnp.abs(delta_r), axis=dims, keepdims=True) / levels
+        q = jnp.round(delta_r / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
+        if c == "int4":
+            n = q.shape[-1]
+            u = (q + 8).astype(jnp.uint8)  # [-7, 7] -> [1, 15]: one nibble
+            if n % 2:
+                u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, 1)])
+            pairs = u.reshape(u.shape[:-1] + (u.shape[-1] // 2, 2))
+            packed = pairs[..., 0] | (pairs[..., 1] << 4)
+            packed = self._gather(packed, spec)
+            u = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1,))[..., :n]
+            q = u.astype(jnp.int8) - 8
+        else:
+            q = self._gather(q, spec)
+        scale = self._gather(scale, P())
+        return (q.astype(jnp.float32) * scale).mean(axis=0)
+
+    def _gather(self, x, spec: P):
+        """``x`` (R, ...) sharded over the replica axis on dim 0 → every replica holds all R
+        rows (an all-gather over it); the other dims keep ``spec`` where it still divides."""
+        sizes = dict(self.plan.mesh.shape)
+        entries = list(spec) + [None] * (x.ndim - 1 - len(spec))
+        keep = [e if x.shape[d + 1] % math.prod(sizes[a] for a in spec_axes(P(e))) == 0 else None
+                for d, e in enumerate(entries[:x.ndim - 1])]
+        return jax.lax.with_sharding_constraint(x, self.plan.sharding(P(None, *keep)))
+
+    def _sync_fn(self, f: int, state):
+        where, shardings = self.fragment_of[f], self._shardings
+        ospecs, ispecs = self._piece_specs(f)
+        o_sh = self.plan.shardings(ospecs)
+        theta_r = self.pieces(state.params, f, batched=True)
+        out_p = state.outer.params[f]
+        constrain = jax.lax.with_sharding_constraint
+
+        def delta(o, x, s, spec):
+            d_r = o.astype(jnp.float32)[None] - x.astype(jnp.float32)
+            return constrain(self._reduce(d_r, spec), s)
+        deltas = jax.tree.map(delta, out_p, theta_r, o_sh, ispecs, is_leaf=lambda x: isinstance(x, P))
+        updates, opt = self.outer.optimizer.update(deltas, state.outer.opt_state[f], out_p)
+        new_out = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype),
+                               out_p, updates)
+        new_out = constrain(new_out, o_sh)
+        opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state.outer.opt_state[f])
+        leaves = jax.tree_util.tree_leaves(state.params)
+        pieces = jax.tree_util.tree_leaves(new_out)
+        it = iter(pieces)
+        out = []
+        for x, w in zip(leaves, where):
+            if w is None:
+                out.append(x)
+                continue
+            p = next(it).astype(x.dtype)
+            if w == "all":
+                out.append(jnp.broadcast_to(p[None], x.shape))
+            else:
+                out.append(x.at[:, w[0]:w[1]].set(jnp.broadcast_to(p[None], (x.shape[0],) + p.shape)))
+        params = constrain(jax.tree_util.tree_unflatten(self.inner._layout.treedef, out), shardings.params)
+        outer = OuterState(tuple(new_out if g == f else p for g, p in enumerate(state.outer.params)),
+                           tuple(opt if g == f else o for g, o in enumerate(state.outer.opt_state)))
+        return state.replace(params=params, outer=outer)
+
+    def _reduce_metrics(self, metrics):
+        """Per-replica metrics (leading dim R) → the run's: means, and the worst skip counts."""
+        out = {}
+        for k, v in metrics.items():
+            if k in ("skipped", "nonfinite_streak"):
+                out[k] = v.max(axis=0)
+            elif k == "finite":
+                out[k] = v.all(axis=0)
+            else:
+                out[k] = jax.tree.map(lambda x: x.mean(axis=0) if jnp.issubdtype(x.dtype, jnp.floating)
+                                      else x.sum(axis=0), v)
+        out["replica_loss"] = metrics["loss"]
+        return out
+
+    def programs(self, state, batch, batch_shardings):
+        """The compiled programs for a placed ``batch``: ``"inner"`` (every step), ``"sync/f"``
+        (per fragment), ``"metrics"`` (the replicas' metrics → the run's, a few scalars)."""
+        key = jax.tree.structure(batch_shardings)
+        if key in self._programs:
+            return self._programs[key]
+        self._shardings = sh = self.step._state_shardings or self.step.state_shardings(state)
+        donate = (0,) if self.step.donate else ()
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
+        per = self.plan.sharding(P(self.axis))
+        progs = {}
+        with self.step.plan.active():
+            inner = jax.jit(self._inner_fn, in_shardings=(sh, batch_shardings), donate_argnums=donate,
+                            out_shardings=(sh, per))
+            progs["inner"] = inner.lower(abstract, batch).compile()
+            _, metrics = jax.eval_shape(self._inner_fn, abstract, batch)
+            for f in range(self.outer.fragments):
+                progs[f"sync/{f}"] = jax.jit(
+                    lambda s, f=f: self._sync_fn(f, s), in_shardings=(sh,), out_shardings=sh,
+                    donate_argnums=donate).lower(abstract).compile()
+            rep = self.plan.sharding(P())
+            m_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=per), metrics)
+            progs["metrics"] = jax.jit(self._reduce_metrics, out_shardings=rep).lower(m_abs).compile()
+        shape = dict(self.step.plan.mesh.shape)
+        self._bytes[key] = {k: sent_bytes(traffic_from_hlo(c.as_text(), shape), self.axis) for k, c in progs.items()}
+        self._programs[key] = progs
+        return progs
+
+    def traffic(self, state, batch) -> dict[str, int]:
+        """Bytes one device sends over the replica axis per run of each compiled program
+        (``"inner"``, ``"sync/f"``, ``"metrics"``), read off their HLO; and
+        ``"per_step"``: the average per training step (syncs amortised over ``every``)."""
+        batch, shardings = self.step.place_batch(batch)
+        self.programs(state, batch, shardings)
+        b = dict(self._bytes[jax.tree.structure(shardings)])
+        b["per_step"] = (b["inner"] + b["metrics"]
+                         + sum(b[f"sync/{f}"] for f in range(self.outer.fragments)) / self.outer.every)
+        return b
+
+    def hlo(self, state, batch) -> dict[str, str]:
+        """The compiled programs' HLO text, by name (as ``programs``)."""
+        batch, shardings = self.step.place_batch(batch)
+        return {k: c.as_text() for k, c in self.programs(state, batch, shardings).items()}
+
+    def run(self, state, batch, batch_shardings):
+        """One training step: the inner program, then any sync due; returns ``(state, metrics)``."""
+        progs = self.programs(state, batch, batch_shardings)
+        sent = self._bytes[jax.tree.structure(batch_shardings)]
+        s = self._host_step if state.step is self._last_step else int(state.step)
+        state, metrics = progs["inner"](state, batch)
+        s += 1
+        nbytes = sent["inner"] + sent["metrics"]
+        synced = -1
+        for f in range(self.outer.fragments):
+            if s % self.outer.every == self.outer.offset(f):
+                state = progs[f"sync/{f}"](state)
+                nbytes += sent[f"sync/{f}"]
+                synced = f
+        metrics = progs["metrics"](metrics)
+        metrics["diloco/synced_fragment"] = synced
+        metrics["diloco/steps_to_sync"] = self.outer.steps_to_sync(s)
+        metrics["diloco/replica_bytes"] = nbytes
+        self._host_step, self._last_step = s, state.step
+        return state, metrics
+
+
+__all__ = ["DiLoCo", "DiLoCoStep", "OuterState", "inner_plan", "sent_bytes"]
