@@ -8,6 +8,7 @@ from .checkpoint import Checkpointer as Checkpointer
 from .context import context_attention as context_attention
 from .context import context_shard as context_shard
 from .context import context_unshard as context_unshard
+from .diloco import DiLoCo as DiLoCo
 from .cost import search as search
 from .explain import Collective as Collective
 from .explain import Report as Report
