@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -134,12 +135,29 @@ def interleaved(a, b, rounds: int, block: int) -> tuple[float, float]:
     return statistics.median(times["a"]), statistics.median(times["b"])
 
 
+def estimate(step, state, batch, dry: bool, **kw) -> tuple[float | None, str | None]:
+    """``explain()``'s estimated step time (seconds), or ``(None, the error)`` on a GPU (a dry
+    run raises): one unreadable program must not cost the other figures of a rare GPU run."""
+    try:
+        report = step.explain(state, batch, **kw)
+        return (report.estimate or {}).get("time/step"), None if report.estimate else "; ".join(report.notes)
+    except Exception as e:  # noqa: BLE001
+        if dry:
+            raise
+        return None, f"{type(e).__name__}: {e}"[:1000]
+
+
 def is_oom(e: Exception) -> bool:
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
 # ---- 2. the transformer ---------------------------------------------------------------------
+
+# (config, batch) -> (step, {"state": its live state}, batch, optimizer) of the transformer
+# section, for the overhead section when both use the same model (the dry run).
+_BUILT: dict = {}
+
 
 def transformer_step(cfg, batch: int, device):
     """The recipe's bf16 step on one device, its state and one synthetic batch on the device."""
@@ -179,6 +197,7 @@ def measure_transformer(args, device, peak: float) -> dict:
                 holder["state"], m = step(holder["state"], data)
                 return m["loss"]
             step_s = steady_step_time(run, args.steps)
+            _BUILT[cfg, batch] = (step, holder, data, _)
             break
         except Exception as e:  # noqa: BLE001 - only an out-of-memory error is retried
             if not is_oom(e) or batch == 1:
@@ -186,13 +205,12 @@ def measure_transformer(args, device, peak: float) -> dict:
             too_big.append(batch)
             step = state = data = holder = None
             batch //= 2
-    report = step.explain(holder["state"], data, flops_per_token=flops_per_token(cfg))
+    estimate_s, why = estimate(step, holder["state"], data, args.dry_run, flops_per_token=flops_per_token(cfg))
     with step.plan.active():
         impl = attention_impl(cfg.attention, jnp.bfloat16)
     tokens = batch * cfg.seq
     fpt = flops_per_token(cfg)
     causal_fpt = fpt - 6.0 * cfg.layers * cfg.heads * cfg.head_dim * cfg.seq  # half the T x T term
-    estimate = (report.estimate or {}).get("time/step")
     return {"size": "test" if args.dry_run else args.size, "params": param_count(cfg),
             "layers": cfg.layers, "d_model": cfg.d_model, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
             "seq": cfg.seq, "batch": batch, "batches_that_did_not_fit": too_big, "remat": cfg.remat,
@@ -200,8 +218,9 @@ def measure_transformer(args, device, peak: float) -> dict:
             "flops_per_token": fpt, "flops_per_token_causal": causal_fpt, "peak_flops": peak,
             "mfu": fpt * tokens / step_s / peak, "mfu_causal": causal_fpt * tokens / step_s / peak,
             "attention_flops": "non-causal: the full T x T scores (PaLM's 12·L·H·Q·T); mfu_causal counts half",
-            "estimate_step_s": estimate, "measured_over_estimate": step_s / estimate if estimate else None,
-            "final_loss": float(jax.device_get(step(holder["state"], data)[1]["loss"]))}
+            "estimate_step_s": estimate_s, "estimate_error": why,
+            "measured_over_estimate": step_s / estimate_s if estimate_s else None,
+            "final_loss": float(run())}
 
 
 # ---- 4. shardkit vs a hand-written jax.jit ----------------------------------------------------
@@ -220,7 +239,11 @@ def measure_overhead(args, device) -> dict:
 
     cfg = SIZES["test"].replace(seq=32) if args.dry_run else SIZES["125m"]
     batch = 4 if args.dry_run else 8
-    step, state, data, tx = transformer_step(cfg, batch, device)
+    if (cfg, batch) in _BUILT:  # the transformer section's step and its current state
+        step, holder, data, tx = _BUILT.pop((cfg, batch))
+        state = holder.pop("state")
+    else:
+        step, state, data, tx = transformer_step(cfg, batch, device)
     graphdef, params = nnx.split(step.model(state), nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # its own copy: the shardkit state is donated
 
@@ -278,45 +301,60 @@ def measure_resnet(args, device) -> dict:
         return m["loss"]
 
     step_s = steady_step_time(run, args.steps)
-    report = step.explain(hold["state"], data)
-    estimate = (report.estimate or {}).get("time/step")
+    estimate_s, why = estimate(step, hold["state"], data, args.dry_run)
     ips = batch / step_s
     return {"depth": cfg.depth, "width": cfg.width, "image": side, "batch": batch, "precision": "bf16",
             "params": int(sum(x.size for x in jax.tree.leaves(hold["state"].params))),
             "step_s": step_s, "images_per_s": ips, "nvidia_published": NVIDIA_RESNET50,
             "over_nvidia_published": ips / NVIDIA_RESNET50["images_per_s"],
-            "estimate_step_s": estimate, "measured_over_estimate": step_s / estimate if estimate else None}
+            "estimate_step_s": estimate_s, "estimate_error": why,
+            "measured_over_estimate": step_s / estimate_s if estimate_s else None}
 
 
 # ---- the table ------------------------------------------------------------------------------
 
 def markdown(result: dict) -> str:
-    t, r, o, g = result["transformer"], result["resnet"], result["overhead"], result["tests"]
     ms = lambda s: "—" if s is None else f"{s * 1e3:.1f} ms"  # noqa: E731
     ratio = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-    rows = [
-        ("device", result["device"], f"jax {result['jax']}, XLA flags: {result['xla_flags'] or 'defaults'}"),
-        ("tests -m gpu", "skipped" if g is None else f"{g['passed']} passed, {g['failed']} failed",
-         "" if g is None else f"{g['seconds']:.0f} s"),
-        ("transformer", f"{t['params'] / 1e9:.2f}B params, bf16, batch {t['batch']} x {t['seq']}",
-         f"attention {t['attention']}, remat {t['remat']}"
-         + (f"; batches {t['batches_that_did_not_fit']} did not fit" if t["batches_that_did_not_fit"] else "")),
-        ("transformer tokens/s", f"{t['tokens_per_s']:,.0f}", f"step {ms(t['step_s'])}"),
-        ("transformer MFU", f"{t['mfu']:.1%}", f"attention flops non-causal (PaLM); causal count: {t['mfu_causal']:.1%}"),
-        ("transformer step vs explain()", f"{ms(t['step_s'])} vs {ms(t['estimate_step_s'])}",
-         f"measured / estimate {ratio(t['measured_over_estimate'])}"),
-        (f"ResNet-{r['depth']} images/s", f"{r['images_per_s']:,.0f}",
-         f"batch {r['batch']}, {r['image']}x{r['image']}, bf16; NVIDIA {r['nvidia_published']['device']}: "
-         f"{r['nvidia_published']['images_per_s']:,.0f} (x{r['over_nvidia_published']:.2f})"),
-        ("ResNet step vs explain()", f"{ms(r['step_s'])} vs {ms(r['estimate_step_s'])}",
-         f"measured / estimate {ratio(r['measured_over_estimate'])}"),
-        ("sk.train_step vs hand-written jax.jit", f"{ms(o['shardkit_step_s'])} vs {ms(o['hand_step_s'])}",
-         f"ratio {o['ratio']:.3f} ({o['size']} transformer, {o['rounds']} interleaved rounds of {o['steps_per_block']})"),
-    ]
+    g = result["tests"]
+    rows = [("device", result["device"], f"jax {result['jax']}, XLA flags: {result['xla_flags'] or 'defaults'}"),
+            ("tests -m gpu", "skipped" if g is None else f"{g['passed']} passed, {g['failed']} failed",
+             "" if g is None else f"{g['seconds']:.0f} s")]
+    t, r, o = (result[k] for k in ("transformer", "resnet", "overhead"))
+    if "error" in t:
+        rows.append(("transformer", "failed", t["error"][:200]))
+    else:
+        rows += [
+            ("transformer", f"{t['params'] / 1e9:.2f}B params, bf16, batch {t['batch']} x {t['seq']}",
+             f"attention {t['attention']}, remat {t['remat']}"
+             + (f"; batches {t['batches_that_did_not_fit']} did not fit" if t["batches_that_did_not_fit"] else "")),
+            ("transformer tokens/s", f"{t['tokens_per_s']:,.0f}", f"step {ms(t['step_s'])}"),
+            ("transformer MFU", f"{t['mfu']:.1%}",
+             f"attention flops non-causal (PaLM); causal count: {t['mfu_causal']:.1%}"),
+            ("transformer step vs explain()", f"{ms(t['step_s'])} vs {ms(t['estimate_step_s'])}",
+             f"measured / estimate {ratio(t['measured_over_estimate'])}"
+             + (f"; {t['estimate_error'][:120]}" if t["estimate_error"] else ""))]
+    if "error" in r:
+        rows.append(("ResNet", "failed", r["error"][:200]))
+    else:
+        ref = r["nvidia_published"]
+        rows += [
+            (f"ResNet-{r['depth']} images/s", f"{r['images_per_s']:,.0f}",
+             f"batch {r['batch']}, {r['image']}x{r['image']}, bf16; NVIDIA {ref['device']}: "
+             f"{ref['images_per_s']:,.0f} (x{r['over_nvidia_published']:.2f})"),
+            ("ResNet step vs explain()", f"{ms(r['step_s'])} vs {ms(r['estimate_step_s'])}",
+             f"measured / estimate {ratio(r['measured_over_estimate'])}"
+             + (f"; {r['estimate_error'][:120]}" if r["estimate_error"] else ""))]
+    if "error" in o:
+        rows.append(("sk.train_step vs hand-written jax.jit", "failed", o["error"][:200]))
+    else:
+        rows.append(("sk.train_step vs hand-written jax.jit", f"{ms(o['shardkit_step_s'])} vs {ms(o['hand_step_s'])}",
+                     f"ratio {o['ratio']:.3f} ({o['size']} transformer, {o['rounds']} interleaved rounds of "
+                     f"{o['steps_per_block']})"))
     head = (f"GPU benchmark ({'DRY RUN: tiny sizes on CPU, not figures' if result['dry_run'] else 'measured'}), "
             f"{result['date']}, `{result['command']}`\n\n")
     lines = ["| measurement | value | notes |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines += [f"| {a} | {b} | {c.replace('|', '/')} |" for a, b, c in rows]
     return head + "\n".join(lines) + "\n"
 
 
@@ -341,9 +379,19 @@ def main(argv=None) -> int:
               "command": "python bench/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": f"{device.device_kind} ({device.platform})", "jax": jax.__version__,
               "python": platform.python_version(), "xla_flags": flags, "tests": tests}
-    result["transformer"] = measure_transformer(args, device, peak)
-    result["resnet"] = measure_resnet(args, device)
-    result["overhead"] = measure_overhead(args, device)
+    sections = (("transformer", lambda: measure_transformer(args, device, peak)),
+                ("resnet", lambda: measure_resnet(args, device)), ("overhead", lambda: measure_overhead(args, device)))
+    failed = False
+    for name, measure in sections:
+        t0 = time.perf_counter()
+        try:
+            result[name] = measure()
+            result[name]["seconds"] = time.perf_counter() - t0  # compiles included
+        except Exception as e:  # noqa: BLE001 - on a GPU, keep the other sections' figures
+            if args.dry_run:
+                raise
+            traceback.print_exc()
+            result[name], failed = {"error": f"{type(e).__name__}: {e}"[:3000]}, True
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "gpu-dry-run" if args.dry_run else "gpu"
@@ -352,7 +400,7 @@ def main(argv=None) -> int:
     (out / f"{stem}.md").write_text(table)
     print(table)
     print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
-    return 0 if tests is None or tests["failed"] == 0 else 1
+    return 0 if not failed and (tests is None or tests["failed"] == 0) else 1
 
 
 if __name__ == "__main__":
