@@ -364,36 +364,80 @@ def _online(state, q5, kb, vb, mask, scale):
 
 
 def _compiler_blockwise(cfg: _Config, q, k, v, seg):
-    """Inside another shard_map (an ``sk.pipeline`` stage) the same blockwise attention, with
-    the queries kept split over the axis by sharding constraints and the K/V blocks moved by
-    the compiler; autodiff through a rematerialised block step keeps O(T/c) per step.
+    """Inside another shard_map (an ``sk.pipeline`` stage): the same blockwise attention and
+    the same recomputing backward (a custom VJP), written on global arrays. The queries and
+    the softmax state are kept split over the axis by sharding constraints, and the compiler
+    moves the K/V blocks (it gathers K/V, and reduces each block's dK/dV over the axis), so a
+    device holds (T/c, T/c) score blocks only, under any remat policy of the stage.
 
     Why not the manual ring here: JAX 0.10.2 cannot partially evaluate a ``shard_map`` nested
     in another one (the residuals it splits off get specs naming the outer manual axes and
-    lowering fails). The ring's custom VJP is declared with ``optimize_remat`` so that no
-    partial evaluation enters it under the pipeline's default remat policy, and that case
-    compiles; under ``remat="full"``/``"dots"`` stages it still does not, so nested calls
-    take this path, which works under every policy."""
+    lowering fails): under the stage's remat the ring's forward is partially evaluated."""
     B, T, Hq, Dh = q.shape
     Hkv, c = k.shape[2], cfg.c
     Tl = T // c
     split = jax.sharding.NamedSharding(cfg.mesh, P(None, cfg.axis))
-    pos = jnp.concatenate([cfg.positions(d, Tl) for d in range(c)])
-    q5 = lax.with_sharding_constraint(_split_heads(q, Hkv), split)
+    keep = lambda tree: jax.tree.map(lambda a: lax.with_sharding_constraint(a, split), tree)  # noqa: E731
     blocks = lambda a: jnp.moveaxis(a.reshape((B, c, Tl) + a.shape[2:]), 1, 0)  # noqa: E731
-    xs = (blocks(k), blocks(v), pos.reshape(c, Tl)) + ((blocks(seg),) if cfg.has_seg else ())
+    unblock = lambda a: jnp.moveaxis(a, 0, 1).reshape((B, T) + a.shape[3:])  # noqa: E731
 
-    @jax.checkpoint
-    def step(state, x):
-        mask = _mask(pos, x[2], seg, x[3] if cfg.has_seg else None, cfg.causal)
-        new = _online(state, q5, x[0], x[1], mask, cfg.scale)
-        return tuple(lax.with_sharding_constraint(a, split) for a in new), None
+    # Built inside fwd and bwd: a custom VJP's rules may not close over traced values.
+    def positions():
+        return jnp.concatenate([cfg.positions(d, Tl) for d in range(c)])
 
-    m0 = jnp.full(q5.shape[:-1], _NEG, F32)
-    state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
-    (m, l, acc), _ = lax.scan(step, state, xs)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(B, T, Hq, Dh).astype(q.dtype)
+    def xs_of(k, v, seg, pos):
+        return (blocks(k), blocks(v), pos.reshape(c, Tl)) + ((blocks(seg),) if cfg.has_seg else ())
+
+    def mask_of(x, seg, pos):
+        return _mask(pos, x[2], seg, x[3] if cfg.has_seg else None, cfg.causal)
+
+    def forward(q, k, v, seg):
+        q5, pos = keep(_split_heads(q, Hkv)), positions()
+
+        def step(state, x):
+            return keep(_online(state, q5, x[0], x[1], mask_of(x, seg, pos), cfg.scale)), None
+
+        m0 = jnp.full(q5.shape[:-1], _NEG, F32)
+        state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
+        (m, l, acc), _ = lax.scan(step, state, xs_of(k, v, seg, pos))
+        l_safe = jnp.where(l > 0, l, 1.0)
+        return acc / l_safe[..., None], m + jnp.log(l_safe)  # (B, T, K, G, Dh), (B, T, K, G)
+
+    @jax.custom_vjp
+    def attend(q, k, v, seg):
+        return forward(q, k, v, seg)[0].reshape(B, T, Hq, Dh).astype(q.dtype)
+
+    def fwd(q, k, v, seg):
+        out5, lse = forward(q, k, v, seg)
+        return out5.reshape(B, T, Hq, Dh).astype(q.dtype), (q, k, v, seg, out5, lse)
+
+    def bwd(res, dout):
+        q, k, v, seg, out5, lse = res
+        q5, do5, pos = keep(_split_heads(q, Hkv)), keep(_split_heads(dout, Hkv)), positions()
+        delta = jnp.sum(do5.astype(F32) * out5, axis=-1)
+
+        def step(dq, x):
+            kb, vb = x[0], x[1]
+            s = jnp.einsum("bqkgd,bskd->bqkgs", q5, kb, preferred_element_type=F32) * cfg.scale
+            p = jnp.exp(s - lse[..., None])
+            mask = mask_of(x, seg, pos)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(do5.dtype), do5, preferred_element_type=F32)
+            ds = p * (jnp.einsum("bqkgd,bskd->bqkgs", do5, vb, preferred_element_type=F32)
+                      - delta[..., None]) * cfg.scale
+            dq = keep(dq + jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
+                                      preferred_element_type=F32))
+            dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(q5.dtype), q5, preferred_element_type=F32)
+            return dq, (dk, dv)
+
+        dq0 = _vary(jnp.zeros(q5.shape, F32), (q, k, v, dout))
+        dq, (dk, dv) = lax.scan(step, dq0, xs_of(k, v, seg, pos))
+        return (dq.reshape(B, T, Hq, Dh).astype(q.dtype), unblock(dk).astype(k.dtype),
+                unblock(dv).astype(v.dtype), None)
+
+    attend.defvjp(fwd, bwd)
+    return attend(q, k, v, seg)
 
 
 def _forward_body(cfg: _Config, q, k, v, seg=None):

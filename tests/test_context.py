@@ -98,9 +98,10 @@ def test_matches_one_device_attention(mesh_spec):
 
 
 def test_inside_a_pipeline_stage():
-    """context=2,pipe=2,data=2: attention layers run by sk.pipeline (GPipe, 2 microbatches),
-    the batch reordered once with context_shard; loss and every weight's gradient equal the
-    un-pipelined 1-device model's (1e-5)."""
+    """context=2,pipe=2,data=2: attention layers run by sk.pipeline (GPipe, 2 microbatches;
+    the stage's default remat and full recomputation), the batch reordered once with
+    context_shard; loss and every weight's gradient equal the un-pipelined 1-device model's
+    (1e-5; measured 6e-7)."""
     E, L = 16, 4
     r = np.random.default_rng(1)
     W = {n: jnp.asarray(r.normal(size=(L,) + s) * 0.1, jnp.float32) for n, s in
@@ -123,18 +124,22 @@ def test_inside_a_pipeline_stage():
 
     mesh = sk.make_mesh("context=2,pipe=2,data=2")
 
-    def piped(W, x):
+    def piped(W, x, remat):
         y = sk.pipeline(layer(lambda q, k, v: sk.context_attention(q, k, v)), W,
-                        sk.context_shard(x), microbatches=2)
+                        sk.context_shard(x), microbatches=2, remat=remat)
         return jnp.mean(y ** 2)
 
+    def both(W, x):  # the stage's default remat policy and full recomputation
+        return [jax.value_and_grad(piped)(W, x, r) for r in ("none", "full")]
+
     with jax.set_mesh(mesh):
-        val, grads = jax.jit(jax.value_and_grad(piped))(W, x)
+        results = jax.jit(both)(W, x)
     ref_val, ref_grads = jax.value_and_grad(reference)(W, x)
-    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
-    for name in W:
-        err = float(jnp.max(jnp.abs(grads[name] - ref_grads[name])) / jnp.max(jnp.abs(ref_grads[name])))
-        assert err <= 1e-5, f"d{name}: relative error {err:.2e}"
+    for remat, (val, grads) in zip(("none", "full"), results):
+        np.testing.assert_allclose(val, ref_val, rtol=1e-5, err_msg=remat)
+        for name in W:
+            err = float(jnp.max(jnp.abs(grads[name] - ref_grads[name])) / jnp.max(jnp.abs(ref_grads[name])))
+            assert err <= 1e-5, f"remat={remat} d{name}: relative error {err:.2e}"
 
 
 def test_bf16_within_bound_and_plain_without_axis():
