@@ -181,17 +181,18 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
             working = max(working, layer_comp * (wire + bg))
         elif zero == 2 and n_data > 1:
             working = max(working, layer_comp * bg)
-        act_x4 = tokens_in(batch) / n_data / m * width * 4  # a step microbatch's f32 activations
+        # A step microbatch's activations as the pipeline carries them (f32 on XLA:CPU).
+        act_carried = tokens_in(batch) / n_data / m * width * wire
         if not gpipe_like and pipe.get("stage_residuals") is not None:
             lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
             rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
             stage_res = sum(math.prod(s) * _itemsize(d) / n_tensor_of(s, rows, tensor_dims, sizes)
                             for s, d in pipe["stage_residuals"])
-            backward = one_f_one_b_loop(pipe, act_x4, sum(c for c, q in zip(comp, piped) if q) * 4,
+            backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                         sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
                                         max(L // pipe["stages"], 1))
         else:
-            working += pipeline_buffers(pipe, act_x4, g_comp)
+            working += pipeline_buffers(pipe, act_carried, g_comp)
             # A pipeline's backward starts after the loss's (whose residuals are freed by then).
             backward = grad_buffer + (max(act, piped_act + working) if gpipe_like else act + working)
         new_params = sum(stored) * bp
