@@ -146,12 +146,14 @@ def test_stdlib_corpus_split_and_batches():
     assert train.dtype == np.uint8 and len(train) > 10 * len(val) > 0
     it = data_lib.Batches(train, batch=4, seq=16, seed=3)
     first = [next(it) for _ in range(3)]
-    pos = it.position()
-    assert json.loads(json.dumps(pos)) == pos
+    pos = it.position
+    assert json.loads(json.dumps(pos)) == pos == {"seed": 3, "grain": {"next_index": 3}}
     after = next(it)
-    resumed = data_lib.Batches(train, batch=4, seq=16, seed=0)
+    resumed = data_lib.Batches(train, batch=4, seq=16, seed=3)
     resumed.restore(pos)
     np.testing.assert_array_equal(next(resumed)["inputs"], after["inputs"])
+    with pytest.raises(data_lib.DataError, match="--seed 3"):
+        data_lib.Batches(train, batch=4, seq=16, seed=0, position=pos)
     np.testing.assert_array_equal(first[0]["inputs"][:, 1:], first[0]["targets"][:, :-1])
     # two processes' halves make up the single-process batch
     halves = [data_lib.Batches(train, 4, 16, 3, process_index=i, process_count=2).batch_at(0)

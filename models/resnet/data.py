@@ -2,8 +2,10 @@
 and a user's own folder of images or ``.npy`` arrays; one deterministic, resumable iterator.
 
 Every source ends as NHWC float32 images normalised per channel with the training set's mean
-and std, and int32 labels. ``Batches.position`` is a small JSON-able dict: a run that saves it
-with its checkpoint resumes on exactly the batch it would have seen next.
+and std, and int32 labels. Training batches come through a Grain pipeline (shuffle, augmentation,
+batching, each process's rows); ``Batches.position`` is Grain's iterator state as a small
+JSON-able dict: a run that saves it with its checkpoint resumes on exactly the batch it would
+have seen next.
 """
 
 from __future__ import annotations
@@ -11,15 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterator
 
+import grain
 import numpy as np
 
+from ..common.loader import DataError as DataError
+from ..common.loader import Loader, per_process_batches, process_share
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-
-
-class DataError(ValueError):
-    """Data that cannot be used as given; the message names the file or array and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,69 +45,62 @@ class Dataset:
     class_names: tuple[str, ...] = ()
     shift: int = 0
 
-    def batches(self, batch_size: int, *, seed: int = 0, position: dict | None = None) -> "Batches | SyntheticBatches":
-        """The training iterator (resumed at ``position`` when given)."""
+    def batches(self, batch_size: int, *, seed: int = 0, position: dict | None = None,
+                process_index: int | None = None, process_count: int | None = None) -> "Batches | SyntheticBatches":
+        """The training iterator over global batches of ``batch_size``, this process's rows
+        (resumed at ``position`` when given)."""
+        share = {"process_index": process_index, "process_count": process_count}
         if self.train is None:
-            return SyntheticBatches(batch_size, self.image_shape, self.num_classes, seed=seed, position=position)
-        return Batches(*self.train, batch_size, seed=seed, shift=self.shift, position=position)
+            return SyntheticBatches(batch_size, self.image_shape, self.num_classes, seed=seed, position=position, **share)
+        return Batches(*self.train, batch_size, seed=seed, shift=self.shift, position=position, **share)
 
 
-class Batches:
-    """Shuffled batches of ``{"image", "label"}``, a fresh permutation each epoch.
+class ImageSource:
+    """A Grain data source over in-memory arrays: element ``i`` is ``{"image", "label"}``."""
 
-    Everything random is a function of ``(seed, epoch, offset)``, so the iterator is
-    deterministic and ``position`` (JSON-able) is all a checkpoint needs to resume it. The
-    last partial batch of an epoch is dropped, so every batch has the same shape (one compile).
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"image": self.images[i], "label": self.labels[i]}
+
+
+class Batches(Loader):
+    """Shuffled batches of ``{"image", "label"}`` through Grain, a fresh order each epoch.
+
+    The pipeline: the images shuffled globally (``MapDataset.shuffle``, reseeded per epoch),
+    repeated forever, each image randomly shifted (``random_map``: its generator is seeded by
+    the seed and the image's index in the stream, so the augmentation is deterministic),
+    batched, this process's rows of each global batch. A batch may span two epochs.
 
     Args:
         images: ``(N, H, W, C)`` float32.
         labels: ``(N,)`` int32.
-        batch_size: images per batch (at most N).
+        batch_size: global batch size (at most N).
         seed: shuffling and augmentation seed.
-        shift: random shifts of up to this many pixels each way (zero-padded), per image.
-        position: a dict from ``.position`` to resume from (its seed wins).
+        shift: random shifts of up to this many pixels each way (edge-padded), per image.
+        position: a ``.position`` to resume from.
+        process_index, process_count: this host's share (default: JAX's).
     """
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0,
-                 shift: int = 0, position: dict | None = None):
+                 shift: int = 0, position: dict | None = None, process_index: int | None = None,
+                 process_count: int | None = None):
         if batch_size < 1 or batch_size > len(images):
             raise DataError(f"batch size {batch_size} must be between 1 and the {len(images)} training images")
-        self.images, self.labels, self.batch_size, self.shift = images, labels, batch_size, shift
-        self.seed, self.epoch, self.offset = seed, 0, 0
-        if position is not None:
-            try:
-                self.seed, self.epoch, self.offset = (int(position[k]) for k in ("seed", "epoch", "offset"))
-            except (KeyError, TypeError, ValueError):
-                raise DataError(f"iterator position {position!r} is not one saved by Batches.position "
-                                "(a dict with integer 'seed', 'epoch', 'offset')") from None
-        self._perm_epoch, self._perm = -1, None
-
-    @property
-    def position(self) -> dict:
-        """Where the next batch starts: ``{"seed", "epoch", "offset"}``."""
-        return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset}
-
-    def __iter__(self) -> Iterator[dict]:
-        return self
-
-    def __next__(self) -> dict:
-        n = len(self.images)
-        if self.offset + self.batch_size > n:
-            self.epoch, self.offset = self.epoch + 1, 0
-        if self._perm_epoch != self.epoch:
-            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(n)
-            self._perm_epoch = self.epoch
-        idx = self._perm[self.offset:self.offset + self.batch_size]
-        rng = np.random.default_rng([self.seed, self.epoch, self.offset, 1])
-        self.offset += self.batch_size
-        images = self.images[idx]
-        if self.shift:
-            images = random_shift(images, self.shift, rng)
-        return {"image": images, "label": self.labels[idx]}
+        examples = grain.MapDataset.source(ImageSource(images, labels)).shuffle(seed).repeat()
+        if shift:
+            examples = examples.random_map(lambda ex, rng: {**ex, "image": random_shift(ex["image"][None], shift, rng)[0]},
+                                           seed=seed)
+        super().__init__(per_process_batches(examples, batch_size, *process_share(process_index, process_count)),
+                         seed=seed, position=position)
 
 
 def random_shift(images_BxHxWxC: np.ndarray, shift: int, rng: np.random.Generator) -> np.ndarray:
-    """Moves each image by up to ``shift`` pixels in each direction, filling with zeros."""
+    """Moves each image by up to ``shift`` pixels in each direction, filling with the edge."""
     b, h, w, _ = images_BxHxWxC.shape
     padded = np.pad(images_BxHxWxC, ((0, 0), (shift, shift), (shift, shift), (0, 0)), mode="edge")
     dy, dx = rng.integers(0, 2 * shift + 1, size=(2, b))
@@ -115,35 +109,20 @@ def random_shift(images_BxHxWxC: np.ndarray, shift: int, rng: np.random.Generato
     return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
-class SyntheticBatches:
-    """An endless stream of random images and labels (for throughput and memory, not learning).
-
-    Batch ``i`` depends only on ``(seed, i)``; ``position`` is ``{"seed", "step"}``.
-    """
+class SyntheticBatches(Loader):
+    """An endless stream of random images and labels (for throughput and memory, not
+    learning), through Grain: example ``i`` is drawn from a generator seeded by
+    ``(seed, i)`` (``random_map``), so any process can draw its own rows."""
 
     def __init__(self, batch_size: int, image_shape: tuple[int, int, int], num_classes: int, *,
-                 seed: int = 0, position: dict | None = None):
-        self.batch_size, self.image_shape, self.num_classes = batch_size, image_shape, num_classes
-        self.seed, self.step = seed, 0
-        if position is not None:
-            try:
-                self.seed, self.step = int(position["seed"]), int(position["step"])
-            except (KeyError, TypeError, ValueError):
-                raise DataError(f"iterator position {position!r} is not a synthetic one ({{'seed', 'step'}})") from None
-
-    @property
-    def position(self) -> dict:
-        return {"seed": self.seed, "step": self.step}
-
-    def __iter__(self) -> Iterator[dict]:
-        return self
-
-    def __next__(self) -> dict:
-        rng = np.random.default_rng([self.seed, self.step])
-        self.step += 1
-        images = rng.standard_normal((self.batch_size,) + self.image_shape, dtype=np.float32)
-        labels = rng.integers(0, self.num_classes, self.batch_size).astype(np.int32)
-        return {"image": images, "label": labels}
+                 seed: int = 0, position: dict | None = None, process_index: int | None = None,
+                 process_count: int | None = None):
+        def draw(i, rng):
+            return {"image": rng.standard_normal(image_shape, dtype=np.float32),
+                    "label": np.int32(rng.integers(0, num_classes))}
+        examples = grain.MapDataset.range(1).repeat().random_map(draw, seed=seed)
+        super().__init__(per_process_batches(examples, batch_size, *process_share(process_index, process_count)),
+                         seed=seed, position=position)
 
 
 # ---- sources ---------------------------------------------------------------------------------

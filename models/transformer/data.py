@@ -1,10 +1,12 @@
 """Text data that needs no network: a byte-level corpus from Python's own standard library,
 plus loaders for a user's token file or text files.
 
-Batches are random windows drawn with a generator seeded by ``(seed, step)``, so the stream
-is deterministic and resumable from a tiny JSON-able position (``Batches.position()``), and
-every process can compute the global batch's window offsets and load only its own rows
-(host-local loading; ``global_batch`` assembles the global array).
+Batches come through a Grain pipeline (``dataset``): the corpus cut into windows of
+``seq + 1`` tokens, shuffled globally with a new order each epoch, batched, each process
+reading only its rows of the global batch (host-local loading; ``global_batch`` assembles the
+global array). The iterator's state is a tiny JSON-able position (``Batches.position``) that
+the recipe checkpoints beside the train state, so a resumed run sees exactly the batches it
+would have seen.
 """
 
 from __future__ import annotations
@@ -13,18 +15,18 @@ import os
 import pathlib
 import sysconfig
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import jax
+import grain
 import numpy as np
+
+from ..common.loader import DataError as DataError
+from ..common.loader import Loader, per_process_batches, process_share
+from ..common.loader import global_batch as global_batch
 
 VAL_EVERY = 20  # one file in 20 (by a hash of its path) goes to validation
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
               "lib2to3", "ensurepip", "turtledemo"}
-
-
-class DataError(ValueError):
-    """A data source that cannot be used (missing file, bad dtype, token ids ≥ vocab)."""
 
 
 def stdlib_files(root: str | os.PathLike | None = None) -> list[pathlib.Path]:
@@ -99,68 +101,65 @@ def load_tokens(path: str | os.PathLike, *, fmt: str = "auto", vocab: int | None
     return tokens[:cut], tokens[cut:]
 
 
-class Batches(Iterator[dict]):
-    """Random windows of ``seq + 1`` tokens as ``{"inputs", "targets"}`` (int32, B×T).
+class TokenWindows:
+    """A Grain data source: window ``k`` is tokens ``[k·seq, k·seq + seq + 1)`` as
+    ``{"inputs", "targets"}`` (int32, ``seq`` each), so the windows tile the corpus once per epoch.
 
-    Window offsets for step ``n`` come from ``np.random.default_rng((seed, n))``: any
-    step can be reproduced without replaying the ones before it. Each process loads only its
-    rows of the global batch (rows ``[i·B/P, (i+1)·B/P)`` for process ``i`` of ``P``).
+    Args:
+        tokens: 1-D token array (may be a memmap: only the windows read are loaded).
+        seq: tokens per row.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq: int):
+        if len(tokens) <= seq + 1:
+            raise DataError(f"{len(tokens)} tokens cannot fill one window of {seq + 1}")
+        self.tokens, self.seq = tokens, seq
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq
+
+    def __getitem__(self, k: int) -> dict:
+        window = np.asarray(self.tokens[k * self.seq:k * self.seq + self.seq + 1]).astype(np.int32)
+        return {"inputs": window[:-1], "targets": window[1:]}
+
+
+def dataset(tokens: np.ndarray, batch: int, seq: int, seed: int = 0, *, process_index: int | None = None,
+            process_count: int | None = None) -> grain.MapDataset:
+    """The Grain pipeline: windows shuffled globally (a new order each epoch), repeated
+    forever, batched, this process's rows of each global batch; element ``s`` is step ``s``."""
+    index, count = process_share(process_index, process_count)
+    examples = grain.MapDataset.source(TokenWindows(tokens, seq)).shuffle(seed).repeat()
+    return per_process_batches(examples, batch, index, count)
+
+
+class Batches(Loader):
+    """Training batches ``{"inputs", "targets"}`` (int32, rows × seq) through Grain.
+
+    Each process loads only its rows of the global batch (rows ``[i·B/P, (i+1)·B/P)`` for
+    process ``i`` of ``P``); ``position`` (JSON) resumes the stream exactly.
 
     Args:
         tokens: 1-D token array (may be a memmap).
         batch: global batch size (rows).
         seq: tokens per row.
-        seed: stream seed.
+        seed: shuffle seed.
         process_index, process_count: this host's share (default: JAX's).
+        position, threads: see ``Loader``.
     """
 
     def __init__(self, tokens: np.ndarray, batch: int, seq: int, seed: int = 0, *,
-                 process_index: int | None = None, process_count: int | None = None):
-        self.tokens, self.batch, self.seq, self.seed = tokens, batch, seq, seed
-        self.process_index = jax.process_index() if process_index is None else process_index
-        self.process_count = jax.process_count() if process_count is None else process_count
-        if batch % self.process_count:
-            raise DataError(f"global batch {batch} is not divisible by {self.process_count} processes")
-        if len(tokens) <= seq + 1:
-            raise DataError(f"{len(tokens)} tokens cannot fill one window of {seq + 1}")
-        self.step = 0
-
-    def position(self) -> dict:
-        """The stream position, JSON-able; ``restore()`` continues from it."""
-        return {"seed": self.seed, "step": self.step}
-
-    def restore(self, position: dict) -> None:
-        self.seed, self.step = int(position["seed"]), int(position["step"])
-
-    def batch_at(self, step: int) -> dict:
-        """This process's rows of the global batch for ``step``."""
-        rng = np.random.default_rng((self.seed, step))
-        starts = rng.integers(0, len(self.tokens) - self.seq - 1, size=self.batch)
-        rows = self.batch // self.process_count
-        mine = starts[self.process_index * rows:(self.process_index + 1) * rows]
-        windows = np.stack([np.asarray(self.tokens[s:s + self.seq + 1]) for s in mine])
-        windows = windows.astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
-
-    def __next__(self) -> dict:
-        out = self.batch_at(self.step)
-        self.step += 1
-        return out
+                 process_index: int | None = None, process_count: int | None = None,
+                 position: dict | None = None, threads: int = 2):
+        super().__init__(dataset(tokens, batch, seq, seed, process_index=process_index,
+                                 process_count=process_count),
+                         seed=seed, position=position, threads=threads)
 
 
 def eval_batches(tokens: np.ndarray, batch: int, seq: int, count: int, seed: int = 1234,
                  **kw) -> list[dict]:
     """A fixed list of ``count`` validation batches (same windows every evaluation)."""
-    it = Batches(tokens, batch, seq, seed, **kw)
+    it = Batches(tokens, batch, seq, seed, threads=0, **kw)
     return [it.batch_at(i) for i in range(count)]
-
-
-def global_batch(local: dict, sharding: jax.sharding.Sharding | None) -> dict:
-    """Host-local rows → global arrays. One process: the numpy batch as is (the train step
-    places it); several: ``jax.make_array_from_process_local_data`` with ``sharding``."""
-    if jax.process_count() == 1 or sharding is None:
-        return local
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
 
 
 def describe(train: Sequence, val: Sequence, name: str) -> str:

@@ -229,9 +229,10 @@ def _run(args) -> int:
     if not args.quiet:
         console.print(plan.describe(step.model(state)))
 
-    batches = data_lib.Batches(train_tokens, args.batch, cfg.seq, args.seed)
-    if position is not None:
-        batches.restore(position)
+    try:  # a Grain pipeline; `position` is its iterator state from the checkpoint
+        batches = data_lib.Batches(train_tokens, args.batch, cfg.seq, args.seed, position=position)
+    except data_lib.DataError as e:
+        raise FlagError("--resume" if position is not None else "--batch", str(e)) from None
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
     compiled = step.lower(state, batches.batch_at(0)).compile()
@@ -259,7 +260,7 @@ def _run(args) -> int:
             task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
             # Each batch goes to the devices two steps before its step; the checkpoint records
             # the position after the batch just used, not after those placed ahead.
-            feed = sk.prefetch(batches, step, size=2, position=batches.position)
+            feed = sk.prefetch(batches, step, size=2, position=lambda: batches.position)
             for i in range(start, args.steps):
                 batch = next(feed)
                 t = time.perf_counter()

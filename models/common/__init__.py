@@ -1,0 +1,1 @@
+"""Parts both recipes share: the Grain loader, optimizer schedules, metric writers, run configs."""
