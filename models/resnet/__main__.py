@@ -16,6 +16,7 @@ import jax
 import shardkit as sk
 
 from ..checkpointing import open_and_resume
+from ..common import schedules
 from . import data
 from .config import DEPTHS, STEMS, Config
 from .train import OPTIMIZERS, Evaluator, compiled_memory, init_state, make_optimizer, make_plan, make_step, state_bytes_per_device
@@ -50,8 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--batch", type=int, default=64, help="global batch size (default 64)")
     a("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
     a("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw (default) or sgd (Nesterov momentum)")
-    a("--lr", type=float, default=None, help="peak learning rate (default 3e-3 adamw, 0.1 sgd)")
-    a("--weight-decay", type=float, default=5e-4, help="decoupled weight decay on kernels only")
+    schedules.add_flags(p, lr=None, lr_help=" (default 3e-3 adamw, 0.1 sgd)", warmup="steps/10",
+                        weight_decay=5e-4, no_decay=None, grad_clip=None, min_lr_ratio=0.0)
     a("--eval-every", type=int, default=50, help="test accuracy every N steps (0: only at the end)")
     a("--seed", type=int, default=0)
     a("--metrics-out", default=None, metavar="FILE", help="write JSON lines of metrics here")
@@ -117,8 +118,10 @@ def _train(args: argparse.Namespace) -> int:
     if ds.train is not None and args.batch > len(ds.train[0]):
         raise ValueError(f"--batch {args.batch} is larger than the {len(ds.train[0])} training images of {ds.name}")
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    optimizer = make_optimizer(args.optimizer, lr, steps=args.steps, weight_decay=args.weight_decay)
-    step = make_step(plan, optimizer, microbatches=args.microbatches)
+    optimizer = make_optimizer(args.optimizer, lr, steps=args.steps, weight_decay=args.weight_decay,
+                               warmup=args.warmup_steps, decay=args.decay, min_lr_ratio=args.min_lr_ratio,
+                               no_decay=args.no_decay)
+    step = make_step(plan, optimizer, microbatches=args.microbatches, clip_norm=schedules.grad_clip_from(args))
 
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}\nResNet-{cfg.depth} ({cfg.block}, {cfg.stem} stem, width x{cfg.width:g}) on "

@@ -21,6 +21,7 @@ import shardkit as sk
 from shardkit import explain
 from shardkit.explain import shard_bytes
 
+from ..common import schedules
 from .config import Config
 from .model import ResNet
 
@@ -63,24 +64,28 @@ def decay_mask(params) -> dict:
 
 
 def make_optimizer(name: str = "sgd", lr: float = 0.1, *, steps: int = 1000, weight_decay: float = 5e-4,
-                   warmup: int | None = None) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum 0.9 or AdamW, linear warmup then cosine decay to zero.
+                   warmup: int | None = None, decay: str = "cosine", min_lr_ratio: float = 0.0,
+                   no_decay: str | None = None) -> optax.GradientTransformation:
+    """SGD with Nesterov momentum 0.9 or AdamW, linear warmup then (by default) cosine decay
+    to zero (``models.common.schedules.Schedule``).
 
-    Weight decay is masked to kernels (``decay_mask``): decaying BatchNorm's scale and bias
-    only fights the normalisation (Goyal et al. 2017, section 5.1).
+    Weight decay is masked to kernels (``decay_mask``, or the leaves whose path does not match
+    the ``no_decay`` regex): decaying BatchNorm's scale and bias only fights the normalisation
+    (Goyal et al. 2017, section 5.1).
 
     Raises:
-        ValueError: an unknown optimizer name or a non-positive learning rate.
+        ValueError: an unknown optimizer name or a schedule setting out of range.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
     if not lr > 0:
         raise ValueError(f"learning rate must be positive, got {lr!r}")
     warmup = max(1, steps // 10) if warmup is None else warmup
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
+    schedule = schedules.Schedule(lr, max(steps, warmup + 1), warmup, decay, min_lr_ratio)()
+    mask = decay_mask if no_decay is None else schedules.decay_mask(no_decay)
     if name == "adamw":
-        return optax.adamw(schedule, weight_decay=weight_decay, mask=decay_mask)
-    return optax.chain(optax.add_decayed_weights(weight_decay, mask=decay_mask),
+        return optax.adamw(schedule, weight_decay=weight_decay, mask=mask)
+    return optax.chain(optax.add_decayed_weights(weight_decay, mask=mask),
                        optax.sgd(schedule, momentum=0.9, nesterov=True))
 
 
@@ -93,10 +98,12 @@ def loss_fn(model: ResNet, batch: dict) -> tuple[jax.Array, dict]:
     return loss, {"accuracy": accuracy}
 
 
-def make_step(plan: sk.Plan, optimizer: optax.GradientTransformation, *, microbatches: int = 1) -> sk.TrainStep:
-    """The sharded train step. With ``microbatches > 1`` BatchNorm normalises each microbatch
-    with that microbatch's (global) statistics, as gradient accumulation does everywhere."""
-    return sk.train_step(plan, optimizer, microbatches=microbatches)(loss_fn)
+def make_step(plan: sk.Plan, optimizer: optax.GradientTransformation, *, microbatches: int = 1,
+              clip_norm: float | None = None) -> sk.TrainStep:
+    """The sharded train step (gradients clipped to global norm ``clip_norm`` when given). With
+    ``microbatches > 1`` BatchNorm normalises each microbatch with that microbatch's (global)
+    statistics, as gradient accumulation does everywhere."""
+    return sk.train_step(plan, optimizer, microbatches=microbatches, clip_norm=clip_norm)(loss_fn)
 
 
 def init_state(step: sk.TrainStep, cfg: Config, seed: int = 0) -> sk.TrainState:

@@ -16,6 +16,7 @@ import time
 import shardkit as sk
 
 from ..checkpointing import open_and_resume
+from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
 
@@ -58,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
     a("--pipeline-schedule", default="gpipe", help=f"one of {', '.join(SCHEDULES)}")
     a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular; default 2)")
     a("--steps", type=int, default=200)
-    a("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
+    schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
+                        no_decay="norm|embed", grad_clip=1.0)
     a("--seed", type=int, default=0)
     a("--data", help="token file (.bin/.u16 uint16, .u32 uint32) or text file; default: the "
       "Python standard library as bytes")
@@ -206,9 +208,12 @@ def _run(args) -> int:
 
     is_main = jax.process_index() == 0
     console = Console(quiet=args.quiet or not is_main, width=None if sys.stdout.isatty() else 150)
-    warmup = max(1, min(100, args.steps // 10))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
-    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+    try:
+        schedule = schedules.schedule_from(args, args.steps, default_warmup=max(1, min(100, args.steps // 10)))
+        mask, clip_norm = schedules.decay_mask(args.no_decay), schedules.grad_clip_from(args)
+    except ValueError as e:
+        raise FlagError(str(e).split()[0], str(e).split(" ", 1)[1]) from None
+    tx = optax.adamw(schedule(), b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=mask)
 
     if cfg.dropout > 0:  # the step then draws a fresh key per step (and microbatch)
         def train_loss(model, batch, rng):
@@ -217,7 +222,7 @@ def _run(args) -> int:
         def train_loss(model, batch):
             return loss_fn(model, batch, pipeline)
 
-    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0)(train_loss)
+    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=clip_norm)(train_loss)
 
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}  sequence_parallel={sp}"
