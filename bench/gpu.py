@@ -178,8 +178,15 @@ def transformer_step(cfg, batch: int, device):
     return step, state, data, tx
 
 
+def runner(step, holder: dict, data):
+    """One step on ``holder["state"]`` (donated, replaced), returning its loss."""
+    def run():
+        holder["state"], m = step(holder["state"], data)
+        return m["loss"]
+    return run
+
+
 def measure_transformer(args, device, peak: float) -> dict:
-    import jax
     import jax.numpy as jnp
 
     from models.transformer.config import SIZES
@@ -190,20 +197,17 @@ def measure_transformer(args, device, peak: float) -> dict:
     batch, too_big = (4 if args.dry_run else args.batch), []
     while True:
         try:
-            step, state, data, _ = transformer_step(cfg, batch, device)
+            step, state, data, tx = transformer_step(cfg, batch, device)
             holder = {"state": state}
-
-            def run():
-                holder["state"], m = step(holder["state"], data)
-                return m["loss"]
+            run = runner(step, holder, data)
             step_s = steady_step_time(run, args.steps)
-            _BUILT[cfg, batch] = (step, holder, data, _)
+            _BUILT[cfg, batch] = (step, holder, data, tx)
             break
         except Exception as e:  # noqa: BLE001 - only an out-of-memory error is retried
             if not is_oom(e) or batch == 1:
                 raise
             too_big.append(batch)
-            step = state = data = holder = None
+            step = state = data = holder = run = None
             batch //= 2
     estimate_s, why = estimate(step, holder["state"], data, args.dry_run, flops_per_token=flops_per_token(cfg))
     with step.plan.active():
@@ -295,12 +299,7 @@ def measure_resnet(args, device) -> dict:
     labels = jax.random.randint(k2, (batch,), 0, cfg.num_classes, jnp.int32)
     data, _ = step.place_batch({"image": images, "label": labels})  # synthetic, made on the device
     hold = {"state": state}
-
-    def run():
-        hold["state"], m = step(hold["state"], data)
-        return m["loss"]
-
-    step_s = steady_step_time(run, args.steps)
+    step_s = steady_step_time(runner(step, hold, data), args.steps)
     estimate_s, why = estimate(step, hold["state"], data, args.dry_run)
     ips = batch / step_s
     return {"depth": cfg.depth, "width": cfg.width, "image": side, "batch": batch, "precision": "bf16",

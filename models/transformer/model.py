@@ -113,7 +113,6 @@ class Attention(nnx.Module):
         self.attention = cfg.attention
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
-        B, T, _ = x_BxTxD.shape
         q_BxTxHxQ = _dot("btd,dhq->bthq", x_BxTxD, self.q[...])
         k_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.k[...])
         v_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.v[...])
