@@ -16,6 +16,7 @@ import time
 import shardkit as sk
 
 from ..checkpointing import open_and_resume
+from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
 
@@ -64,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     a("--diloco-compress", choices=["bf16", "int8", "int4"], help="quantise the outer gradients sent "
       "between replicas")
     a("--steps", type=int, default=200)
-    a("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
+    schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
+                        no_decay="norm|embed", grad_clip=1.0)
     a("--seed", type=int, default=0)
     a("--data", help="token file (.bin/.u16 uint16, .u32 uint32) or text file; default: the "
       "Python standard library as bytes")
@@ -212,9 +214,12 @@ def _run(args) -> int:
 
     is_main = jax.process_index() == 0
     console = Console(quiet=args.quiet or not is_main, width=None if sys.stdout.isatty() else 150)
-    warmup = max(1, min(100, args.steps // 10))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
-    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+    try:
+        schedule = schedules.schedule_from(args, args.steps, default_warmup=max(1, min(100, args.steps // 10)))
+        mask, clip_norm = schedules.decay_mask(args.no_decay), schedules.grad_clip_from(args)
+    except ValueError as e:
+        raise FlagError(str(e).split()[0], str(e).split(" ", 1)[1]) from None
+    tx = optax.adamw(schedule(), b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=mask)
 
     if cfg.dropout > 0:  # the step then draws a fresh key per step (and microbatch)
         def train_loss(model, batch, rng):
@@ -224,7 +229,7 @@ def _run(args) -> int:
             return loss_fn(model, batch, pipeline)
 
     outer = diloco_from(args, shape, cfg)
-    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=1.0, outer=outer)(train_loss)
+    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=clip_norm, outer=outer)(train_loss)
 
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}  sequence_parallel={sp}"
@@ -236,9 +241,10 @@ def _run(args) -> int:
     if not args.quiet:
         console.print(plan.describe(step.model(state)))
 
-    batches = data_lib.Batches(train_tokens, args.batch, cfg.seq, args.seed)
-    if position is not None:
-        batches.restore(position)
+    try:  # a Grain pipeline; `position` is its iterator state from the checkpoint
+        batches = data_lib.Batches(train_tokens, args.batch, cfg.seq, args.seed, position=position)
+    except data_lib.DataError as e:
+        raise FlagError("--resume" if position is not None else "--batch", str(e)) from None
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
     compiled = None if step.diloco else step.lower(state, batches.batch_at(0)).compile()
@@ -271,7 +277,7 @@ def _run(args) -> int:
             task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
             # Each batch goes to the devices two steps before its step; the checkpoint records
             # the position after the batch just used, not after those placed ahead.
-            feed = sk.prefetch(batches, step, size=2, position=batches.position)
+            feed = sk.prefetch(batches, step, size=2, position=lambda: batches.position)
             for i in range(start, args.steps):
                 batch = next(feed)
                 t = time.perf_counter()
