@@ -51,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
     a("--seq", type=int, help="sequence length")
     a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
     a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
+    a("--moe-experts", type=int, help="experts per mixture-of-experts layer (default 0: dense); "
+      "split over an `expert` mesh axis, e.g. --mesh data=2,expert=4")
+    a("--moe-top-k", type=int, help="experts per token (default 2)")
+    a("--moe-every", type=int, help="every N-th layer is an MoE layer (default 1: all)")
+    a("--moe-capacity", type=float, help="expert capacity factor (tokens beyond it skip the "
+      "layer); default: dropless")
     a("--attention", help="auto (cuDNN flash attention on GPU, jnp softmax on CPU), reference, "
       "xla or cudnn")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -58,12 +64,6 @@ def parser() -> argparse.ArgumentParser:
       "stages), else gradient-accumulation microbatches (default 1)")
     a("--pipeline-schedule", default="gpipe", help=f"one of {', '.join(SCHEDULES)}")
     a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular; default 2)")
-    a("--diloco-every", type=int, help="DiLoCo: replicas on the mesh's `replica` axis sync every H "
-      "steps (outer Nesterov SGD 0.7/0.9), e.g. --mesh replica=2,data=4 --diloco-every 50")
-    a("--diloco-fragments", type=int, default=1, help="Streaming DiLoCo: layer fragments synced at "
-      "staggered steps (divides --layers)")
-    a("--diloco-compress", choices=["bf16", "int8", "int4"], help="quantise the outer gradients sent "
-      "between replicas")
     a("--steps", type=int, default=200)
     schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
                         no_decay="norm|embed", grad_clip=1.0)
@@ -89,12 +89,15 @@ def model_config(args) -> Config:
     changes = {k: v for k, v in (("layers", args.layers), ("d_model", args.d_model),
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
                                  ("seq", args.seq), ("remat", args.remat),
-                                 ("dropout", args.dropout), ("attention", args.attention))
+                                 ("dropout", args.dropout), ("attention", args.attention),
+                                 ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
+                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity))
                if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
     except ValueError as e:
-        flag = next((f for f in ("kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
+        flag = next((f for f in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
+                                 "kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
                                  "attention")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
@@ -123,7 +126,13 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     if cfg.layers % (stages * repeats):
         raise FlagError("--layers", f"{cfg.layers} layers do not split into pipe={stages} stages "
                         f"x {repeats} repeats; use a multiple of {stages * repeats}")
-    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp"))
+    experts = mesh_shape.get("expert", 1)
+    if experts > 1 and cfg.moe_experts % experts:
+        raise FlagError("--moe-experts", f"{cfg.moe_experts} experts do not split over expert={experts}; "
+                        f"use a multiple of {experts}" + (" (an expert axis needs MoE layers)"
+                                                          if not cfg.moe_experts else ""))
+    # The batch is split over the expert axis too (each expert device routes its own tokens).
+    data = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp", "expert"))
     if stages > 1:
         pipe_mb, step_mb = args.microbatches or 2 * stages, 1
         if pipe_mb < stages:
@@ -190,7 +199,7 @@ def _run(args) -> int:
     from shardkit.cost import hardware
 
     from .layouts import make_plan
-    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn
+    from .model import PipelineSpec, Transformer, flops_per_token, loss_fn, moe_loss_fn
 
     cfg = model_config(args)
     try:
@@ -221,15 +230,16 @@ def _run(args) -> int:
         raise FlagError(str(e).split()[0], str(e).split(" ", 1)[1]) from None
     tx = optax.adamw(schedule(), b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=mask)
 
+    # An MoE model's loss also returns its router statistics (tokens per expert, drops).
+    objective = moe_loss_fn if cfg.moe_experts else loss_fn
     if cfg.dropout > 0:  # the step then draws a fresh key per step (and microbatch)
         def train_loss(model, batch, rng):
-            return loss_fn(model, batch, pipeline, rng=rng)
+            return objective(model, batch, pipeline, rng=rng)
     else:
         def train_loss(model, batch):
-            return loss_fn(model, batch, pipeline)
+            return objective(model, batch, pipeline)
 
-    outer = diloco_from(args, shape, cfg)
-    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=clip_norm, outer=outer)(train_loss)
+    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=clip_norm)(train_loss)
 
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}  sequence_parallel={sp}"
@@ -247,14 +257,12 @@ def _run(args) -> int:
         raise FlagError("--resume" if position is not None else "--batch", str(e)) from None
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
-    compiled = None if step.diloco else step.lower(state, batches.batch_at(0)).compile()
+    compiled = step.lower(state, batches.batch_at(0)).compile()
     compile_s = time.perf_counter() - t0
     console.print(_memory_line(state, compiled, compile_s))
-    replica_bytes = replica_traffic(step, state, batches.batch_at(0), compiled)
-    if replica_bytes is not None:
-        console.print(f"replica-axis traffic: {replica_bytes:,.0f} bytes per device per step")
 
-    evaluate = _evaluator(step, plan, pipeline, loss_fn)
+    evaluate = _evaluator(step, plan, pipeline, (lambda m, b, p: moe_loss_fn(m, b, p)[1]["ce"])
+                          if cfg.moe_experts else loss_fn)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops_tok = flops_per_token(cfg, cfg.seq)
     peak = hardware.total_peak_flops(mesh.devices.flat)
@@ -263,8 +271,6 @@ def _run(args) -> int:
                   f"peak {peak / 1e12:.2f} TFLOP/s over {mesh.devices.size} device(s)")
 
     out = open(args.metrics_out, "w") if args.metrics_out and is_main else None
-    if out and replica_bytes is not None:
-        out.write(json.dumps({"replica_bytes_per_step": replica_bytes}) + "\n")
     first_loss = last_loss = val_loss = float("nan")
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
                TextColumn("{task.completed}/{task.total}"),
@@ -290,8 +296,10 @@ def _run(args) -> int:
                 mfu = flops_tok * tps / peak
                 progress.update(task, advance=1, loss=last_loss, tps=tps, mfu=mfu)
                 if out:
-                    out.write(json.dumps({"step": i, "loss": last_loss, "tokens_per_s": tps,
-                                          "mfu": mfu}) + "\n")
+                    row = {"step": i, "loss": last_loss, "tokens_per_s": tps, "mfu": mfu}
+                    # MoE: cross entropy, tokens per expert, drop fraction, router losses
+                    row.update({k: jax.device_get(v).tolist() for k, v in (metrics.get("aux") or {}).items()})
+                    out.write(json.dumps(row) + "\n")
                 done = i + 1 == args.steps
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
@@ -324,38 +332,6 @@ def _run(args) -> int:
     return 0 if math.isfinite(last_loss) else 1
 
 
-def diloco_from(args, shape, cfg: Config):
-    """The ``sk.DiLoCo`` the --diloco-* flags ask for, or None."""
-    if args.diloco_every is None:
-        if args.diloco_fragments != 1 or args.diloco_compress:
-            raise FlagError("--diloco-every", "--diloco-fragments/--diloco-compress need --diloco-every H")
-        return None
-    if cfg.layers % max(args.diloco_fragments, 1):
-        raise FlagError("--diloco-fragments", f"{args.diloco_fragments} fragments do not divide the "
-                        f"{cfg.layers} layers; use a divisor of {cfg.layers}")
-    if "replica" not in shape:
-        raise FlagError("--mesh", f"--diloco-every needs a `replica` axis, e.g. --mesh replica=2,data=4; got {shape}")
-    try:
-        return sk.DiLoCo(axis="replica", every=args.diloco_every, fragments=args.diloco_fragments,
-                         compress=args.diloco_compress)
-    except ValueError as e:
-        raise FlagError("--diloco-every", str(e)) from None
-
-
-def replica_traffic(step, state, batch, compiled) -> float | None:
-    """Bytes each device sends per step in collectives spanning the `replica` axis (ring
-    formulas, read off the compiled programs; DiLoCo's syncs amortised), or None without one."""
-    from shardkit.cost.hlo import traffic_from_hlo
-    from shardkit.diloco import sent_bytes
-
-    if step.diloco:
-        return float(step.diloco.traffic(state, batch)["per_step"])
-    shape = dict(step.plan.mesh.shape)
-    if shape.get("replica", 1) == 1:
-        return None
-    return float(sent_bytes(traffic_from_hlo(compiled.as_text(), shape), "replica"))
-
-
 def plan_data_size(shape) -> int:
     return math.prod(shape.get(a, 1) for a in ("replica", "data", "fsdp"))
 
@@ -375,7 +351,7 @@ def _memory_line(state, compiled, compile_s: float) -> str:
     mib = 1 / 2**20
     line = (f"per-device memory: params {shard_bytes(state.params) * mib:.2f} MiB + optimizer state "
             f"{shard_bytes(state.opt_state) * mib:.2f} MiB")
-    mem = compiled_memory(compiled) if compiled is not None else {}
+    mem = compiled_memory(compiled)
     if mem:
         line += f" + step temporaries {mem['temporaries'] * mib:.2f} MiB"
     return line + f"  (step compiled in {compile_s:.1f} s)"
@@ -397,7 +373,6 @@ def _evaluator(step, plan, pipeline, loss_fn):
     sharding = _batch_sharding(plan)
 
     def evaluate(state, batches) -> float:
-        state = step.diloco.consensus(state) if step.diloco else state  # DiLoCo: θ_outer
         with plan.active():
             losses = []
             for b in batches:
