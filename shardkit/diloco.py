@@ -173,6 +173,7 @@ class DiLoCoStep:
         self.inner = None  # the TrainStep each replica runs, made once the model is known
         self._programs: dict = {}
         self._bytes: dict = {}
+        self._shardings = None
         self._host_step: int | None = None
         self._last_step = None
 
@@ -304,6 +305,20 @@ class DiLoCoStep:
             model_state=sh(add(ms_specs)), skipped=plan.sharding(per), streak=plan.sharding(per),
             loss_scale=None if state.loss_scale is None else jax.tree.map(lambda _: plan.sharding(per), state.loss_scale),
             outer=OuterState(tuple(sh(p) for p in outer_p), tuple(sh(o) for o in outer_o)))
+
+    def consensus(self, state):
+        """The state a step without DiLoCo would evaluate: θ_outer as the parameters (fragments
+        put back together), replica 0's model state, no optimizer state. Right after a sync of
+        every fragment it equals each replica's parameters."""
+        lay = self.inner._layout
+        frags = [iter(jax.tree_util.tree_leaves(p)) for p in state.outer.params]
+        leaves = []
+        for i in range(len(lay.leaves)):
+            parts = sorted((w[0] if isinstance(w, tuple) else 0, next(frags[f]))
+                           for f, w in ((f, self.fragment_of[f][i]) for f in range(len(frags))) if w is not None)
+            leaves.append(parts[0][1] if len(parts) == 1 else jnp.concatenate([x for _, x in parts], axis=0))
+        return state.replace(params=jax.tree_util.tree_unflatten(lay.treedef, leaves), opt_state=None,
+                             model_state=jax.tree.map(lambda x: x[0], state.model_state), outer=None)
 
     # ---- the programs ----------------------------------------------------------------------
 

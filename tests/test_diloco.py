@@ -175,6 +175,10 @@ def test_streaming_fragments_sync_staggered_pieces_of_the_layers():
     np.testing.assert_array_equal(layers[0, :2], layers[1, :2])
     np.testing.assert_array_equal(layers[0, :2], np.asarray(state.outer.params[0]["layers"]))
     assert np.abs(layers[0, 2:] - layers[1, 2:]).max() > 0
+    whole = step.diloco.consensus(state).params  # θ_outer with the fragments put back together
+    np.testing.assert_array_equal(whole["layers"], np.concatenate([state.outer.params[0]["layers"],
+                                                                   state.outer.params[1]["layers"]]))
+    np.testing.assert_array_equal(whole["head"], state.outer.params[0]["head"])
 
 
 def test_compressed_outer_gradient_is_within_its_bound_and_smaller():
