@@ -30,7 +30,18 @@ an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with 
   order of any per-token output.
 
 Without the axis in the mesh (or at size 1) it is ordinary attention, so the same model code
-runs on one device.
+runs on one device. Called inside another ``shard_map`` (an ``sk.pipeline`` stage) the same
+blockwise computation runs on global arrays instead, with the compiler moving K/V
+(``_compiler_blockwise``: JAX 0.10.2 cannot partially evaluate a nested ``shard_map``).
+
+Usage (causal, load-balanced)::
+
+    batch = sk.context_shard(batch)             # once: tokens, labels, segment ids (B, T, ...)
+    cos, sin = sk.context_shard((cos, sin), seq_dim=0)   # RoPE tables follow the tokens
+    ...                                         # in the model, per attention layer:
+    q = sk.constrain(q, ("batch", "context", "heads", None))
+    o = sk.context_attention(q, k, v, causal=True)
+    loss = mean_cross_entropy(logits, batch["labels"])   # unchanged by the reorder
 """
 
 from __future__ import annotations

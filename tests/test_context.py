@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from shardkit.cost.formulas import context_traffic
@@ -88,7 +89,8 @@ def test_matches_one_device_attention(mesh_spec):
     with jax.set_mesh(mesh):
         got = jax.jit(all_cases)(put(q, heads), put(k, heads), put(v, heads), put(seg))
     for (strategy, causal, balance, use_seg), (val, grads) in zip(cases, got):
-        ref = loss_of(lambda q, k, v: oracle(q, k, v, causal, seg if use_seg else None), target)
+        mask_seg = seg if use_seg else None
+        ref = loss_of(lambda q, k, v, c=causal, g=mask_seg: oracle(q, k, v, c, g), target)
         ref_val, ref_grads = jax.value_and_grad(ref, argnums=(0, 1, 2))(q, k, v)
         case = f"{mesh_spec} {strategy} causal={causal} balance={balance} seg={use_seg}"
         np.testing.assert_allclose(val, ref_val, rtol=1e-5, err_msg=case)
@@ -119,7 +121,7 @@ def test_inside_a_pipeline_stage():
     def reference(W, x):
         f = layer(lambda q, k, v: oracle(q, k, v, True, None))
         for i in range(L):
-            x = f(jax.tree.map(lambda a: a[i], W), x)
+            x = f(jax.tree.map(lambda a, i=i: a[i], W), x)
         return jnp.mean(x ** 2)
 
     mesh = sk.make_mesh("context=2,pipe=2,data=2")
