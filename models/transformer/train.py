@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     a("--data", help="token file (.bin/.u16 uint16, .u32 uint32) or text file; default: the "
       "Python standard library as bytes")
     a("--data-format", default="auto", help="auto, text, uint16 or uint32")
+    a("--tokenizer", help="SentencePiece .model or tiktoken BPE file: the text (--data, or the "
+      "standard library) is tokenised once into token files, the vocab follows the tokenizer")
+    a("--token-dir", help="where --tokenizer writes its token files (default ~/.cache/shardkit/tokens)")
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     a("--eval-batches", type=int, default=4)
     a("--metrics-out", help="write JSON lines (step, loss, tokens_per_s, mfu; val_loss) here")
@@ -149,7 +152,23 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     return pipe_mb, step_mb
 
 
-def load_data(args, cfg: Config):
+def tokenizer_config(args, cfg: Config):
+    """``(tokenizer or None, cfg)``: with ``--tokenizer`` the vocab is the tokenizer's, rounded
+    up to a multiple of 128 (so it splits over any tensor axis up to 128)."""
+    if not args.tokenizer:
+        return None, cfg
+    from .tokens import load_tokenizer
+
+    try:
+        tok = load_tokenizer(args.tokenizer)
+    except data_lib.DataError as e:
+        raise FlagError("--tokenizer", str(e)) from None
+    return tok, cfg.replace(vocab=-(-tok.vocab // 128) * 128)
+
+
+def load_data(args, cfg: Config, tokenizer=None):
+    if tokenizer is not None:
+        return _tokenized_data(args, tokenizer)
     try:
         if args.data:
             train, val = data_lib.load_tokens(args.data, fmt=args.data_format, vocab=cfg.vocab)
@@ -160,6 +179,30 @@ def load_data(args, cfg: Config):
         return train, val, "Python standard library (bytes)"
     except data_lib.DataError as e:
         raise FlagError("--data" if args.data else "--size", str(e)) from None
+
+
+def _tokenized_data(args, tokenizer):
+    import os
+    import pathlib
+
+    from .tokens import tokenize_corpus
+
+    directory = args.token_dir or os.path.join(os.path.expanduser("~"), ".cache", "shardkit", "tokens")
+    try:
+        if args.data:
+            text = open(args.data, "rb").read()
+            cut = text.rfind(b"\n", 0, int(len(text) * 0.95)) + 1 or int(len(text) * 0.95)
+            train_text, val_text, name = text[:cut], text[cut:], pathlib.Path(args.data).stem
+        else:
+            train_text, val_text = (bytes(t) for t in data_lib.stdlib_corpus())
+            name = "stdlib"
+        train, val, files = tokenize_corpus(train_text, val_text, tokenizer, directory, name)
+    except OSError as e:
+        raise FlagError("--data" if args.data else "--token-dir", str(e)) from None
+    except data_lib.DataError as e:
+        raise FlagError("--tokenizer", str(e)) from None
+    return train, val, f"{args.data or 'Python standard library'} through {tokenizer.kind} " \
+                       f"(vocab {tokenizer.vocab:,}; tokens in {files[0].parent})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,13 +245,14 @@ def _run(args) -> int:
     from .model import PipelineSpec, Transformer, flops_per_token, loss_fn, moe_loss_fn
 
     cfg = model_config(args)
+    tokenizer, cfg = tokenizer_config(args, cfg)
     try:
         mesh = sk.make_mesh(args.mesh)
     except ValueError as e:
         raise FlagError("--mesh", str(e)) from None
     shape = dict(mesh.shape)
     pipe_mb, step_mb = check_layout(args, cfg, shape)
-    train_tokens, val_tokens, data_name = load_data(args, cfg)
+    train_tokens, val_tokens, data_name = load_data(args, cfg, tokenizer)
     sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
     # XLA's SPMD partitioner aborts on a vocab-sharded head inside 1F1B's loss branch when the
     # mesh has data and tensor axes: keep the vocabulary whole there (costs the head's memory).
