@@ -57,6 +57,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .plan import active_plan, note
+from .rules import ShardingError
 
 F32 = jnp.float32
 STRATEGIES = ("ring", "allgather")
@@ -95,8 +96,9 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
 
     Raises:
         ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, ``segment_ids``
-            not ``(B, T)``, an unknown strategy, or ``T`` not divisible by the axis size (twice
-            it under causal load balancing).
+            not ``(B, T)``, an unknown strategy.
+        ShardingError: ``T`` not divisible by the axis size (twice it under causal load
+            balancing).
     """
     _check(q, k, v, segment_ids, strategy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -108,10 +110,11 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     T, n = q.shape[1], 2 * c if zigzag else c
     if T % n:
         why = f"2 x {axis}={c} zig-zag chunks (causal load balancing)" if zigzag else f"{axis}={c} shards"
-        raise ValueError(f"context_attention: sequence length {T} does not split into {n} equal "
-                         f"parts ({why}); use a sequence length that is a multiple of {n}"
-                         + (", or load_balance=False (needs a multiple of "
-                            f"{c})" if zigzag else ", or a smaller context axis"))
+        # A ShardingError (a ValueError): the layout does not fit the sequence.
+        raise ShardingError(f"context_attention: sequence length {T} does not split into {n} equal "
+                            f"parts ({why}); use a sequence length that is a multiple of {n}"
+                            + (", or load_balance=False (needs a multiple of "
+                               f"{c})" if zigzag else ", or a smaller context axis"))
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None)
@@ -161,8 +164,8 @@ def context_shard(x: Any, *, axis: str = "context", seq_dim: int = 1, mesh: Any 
         size: the axis size, instead of reading it from a mesh.
 
     Raises:
-        ValueError: a leaf's sequence length is not a multiple of ``2c``, or it has no
-            ``seq_dim``.
+        ShardingError: a leaf's sequence length is not a multiple of ``2c``.
+        ValueError: a leaf has no ``seq_dim``.
     """
     return _reorder(x, axis, seq_dim, mesh, size, inverse=False)
 
@@ -226,9 +229,9 @@ def _reorder(x, axis, seq_dim, mesh, size, inverse):
                              f"{seq_dim}; pass seq_dim= (0 for a (T, ...) table)")
         T = shape[seq_dim]
         if T % (2 * c):
-            raise ValueError(f"context_shard: sequence length {T} (dim {seq_dim} of a {shape} leaf) "
-                             f"does not split into 2 x {axis}={c} = {2 * c} zig-zag chunks; use a "
-                             f"sequence length that is a multiple of {2 * c}")
+            raise ShardingError(f"context_shard: sequence length {T} (dim {seq_dim} of a {shape} leaf) "
+                                f"does not split into 2 x {axis}={c} = {2 * c} zig-zag chunks; use a "
+                                f"sequence length that is a multiple of {2 * c}")
         xp = np if isinstance(a, np.ndarray) else jnp
         chunks = xp.reshape(a, shape[:seq_dim] + (2 * c, T // (2 * c)) + shape[seq_dim + 1:])
         return xp.reshape(xp.take(chunks, order, axis=seq_dim), shape)

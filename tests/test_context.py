@@ -178,7 +178,7 @@ def test_context_shard_round_trip():
 def test_errors_name_sizes_and_fix():
     mesh = sk.make_mesh("context=8")
     q, k, v, _, seg = inputs()
-    with pytest.raises(ValueError, match=r"length 24 does not split into 16 .*multiple of 16.*load_balance=False"):
+    with pytest.raises(sk.ShardingError, match=r"length 24 does not split into 16 .*multiple of 16.*load_balance=False"):
         sk.context_attention(q[:, :24], k[:, :24], v[:, :24], mesh=mesh)
     with pytest.raises(ValueError, match=r"length 20 does not split into 8 .*multiple of 8"):
         sk.context_attention(q[:, :20], k[:, :20], v[:, :20], causal=False, mesh=mesh)
