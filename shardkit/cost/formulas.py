@@ -66,19 +66,27 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     prec = Precision.resolve(precision)
     bp, bc, bg, bo = (np.dtype(d).itemsize for d in (prec.params, prec.compute, prec.grads, prec.opt_state))
     lo = layout
-    replicas = lo.data * lo.fsdp
+    replicas = lo.data * lo.fsdp * lo.expert  # sk.moe splits the batch over ``expert`` too
     if global_batch % (replicas * lo.microbatches):
-        raise ValueError(f"global batch {global_batch} does not split over data x fsdp = {replicas} "
+        raise ValueError(f"global batch {global_batch} does not split over data x fsdp x expert = {replicas} "
                          f"replicas x {lo.microbatches} microbatches; use a multiple of "
                          f"{replicas * lo.microbatches}")
     T = ms.seq
     b = global_batch // replicas // lo.microbatches  # examples per microbatch per replica
-    p_layers = ms.layer_params / (lo.tensor * lo.pipe)
+    # Expert weights (inside the layers) are split over ``expert`` too; every other weight is
+    # replicated over it, so ZeRO shards those over it as over a data axis.
+    p_expert = ms.expert_params / (lo.tensor * lo.pipe * lo.expert)
+    p_layers = (ms.layer_params - ms.expert_params) / (lo.tensor * lo.pipe) + p_expert
     p_dev = p_layers + (ms.params - ms.layer_params) / lo.tensor
     s_param = lo.fsdp * (lo.data if lo.zero == 3 else 1)
     s_opt = lo.fsdp * (lo.data if lo.zero >= 1 else 1)
     s_grad = lo.fsdp * (lo.data if lo.zero >= 2 else 1)
-    sharded = s_param > 1
+    x_param, x_opt, x_grad = ((lo.expert if lo.zero >= z else 1) for z in (3, 1, 2))
+
+    def split(s: int, x: int) -> float:  # elements per device under ZeRO's shard
+        return ((p_dev - p_expert) / x + p_expert) / s
+
+    sharded = s_param * x_param > 1
     L_dev = max(ms.layers // lo.pipe, 1)
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
@@ -92,8 +100,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
         act += 2 * b * T * ms.vocab * 4 / lo.tensor / lo.context
-    mem = {"params": p_dev * bp / s_param, "opt_state": 2 * p_dev * bo / s_opt}
-    grads = p_dev * max(bg, 4 if lo.microbatches > 1 else bg) / s_grad
+    mem = {"params": split(s_param, x_param) * bp, "opt_state": 2 * split(s_opt, x_opt) * bo}
+    grads = split(s_grad, x_grad) * max(bg, 4 if lo.microbatches > 1 else bg)
     mem["grads"] = grads
     mem["activations"] = act
     mem["batch"] = 2 * global_batch * T * 4 / replicas
@@ -114,7 +122,9 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     per_step = 1 if lo.pipe > 1 else m
     if replicas > 1:
         # ZeRO-3/FSDP gathers each layer for the forward and again for the backward.
-        data_traffic(col, counts, reduced=per_step * p_dev,
+        # Expert gradients are reduced over the data axes only (each expert lives on one
+        # device of the ``expert`` axis).
+        data_traffic(col, counts, reduced=per_step * (p_dev - (0.0 if lo.data * lo.fsdp > 1 else p_expert)),
                      reduce_ops=per_step * max(L_dev, 1) if lo.pipe == 1 else 2,
                      gathered=2 * per_step * p_dev if sharded else 0.0,
                      gather_ops=2 * per_step * max(L_dev, 1),
@@ -138,6 +148,14 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
             n_gather = m * (6 * L_dev + 1)
             col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
             counts["tensor-gather"] = n_gather
+    if lo.expert > 1 and ms.experts:
+        # Every MoE layer of every microbatch sends its tokens to their experts and back,
+        # forward and backward (sk.moe; inside a pipeline's stages XLA moves them instead).
+        n_moe = max(ms.layers // ms.moe_every // lo.pipe, 1)
+        col["expert-all-to-all"] += m * n_moe * moe_traffic(
+            tokens=tokens_mb, d_model=ms.d_model, experts=ms.experts, top_k=ms.top_k,
+            capacity_factor=ms.capacity_factor, group_size=T, bytes_per_element=bc, axis_size=lo.expert)
+        counts["expert-all-to-all"] += 4 * m * n_moe
     if lo.context > 1 and ms.heads and ms.d_model:
         # Every attention layer of every microbatch runs one ring (sk.context_attention).
         kv_heads = (ms.kv_heads or ms.heads) / lo.tensor

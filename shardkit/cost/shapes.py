@@ -22,7 +22,7 @@ DECODER_SIZES: dict[str, dict] = {
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
 ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
-         "pipe-relayout")
+         "pipe-relayout", "expert-all-to-all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,11 @@ class ModelShape:
             scores kept on chip, dropout masks.
         kv_heads: key/value heads (grouped-query attention; 0 = ``heads``), for the K/V
             blocks context parallelism moves.
+        experts, top_k, moe_every, capacity_factor: mixture-of-experts layers (``sk.moe``):
+            ``experts`` per MoE layer (0: dense), each token visits ``top_k``, every
+            ``moe_every``-th layer is one, capacity factor (``None``: dropless).
+        expert_params: parameters inside the experts (all layers); split over the ``expert``
+            axis, and not reduced over it (``flops_per_token`` counts active experts only).
     """
 
     name: str
@@ -72,6 +77,11 @@ class ModelShape:
     flash_attention: bool = True
     dropout: bool = False
     kv_heads: int = 0
+    experts: int = 0
+    top_k: int = 1
+    moe_every: int = 1
+    capacity_factor: float | None = None
+    expert_params: float = 0.0
 
     @property
     def matmul_params(self) -> float:
@@ -121,6 +131,16 @@ def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
     # Training flops per token: 6 x matmul weights + attention 12·L·H·Q·T (PaLM, app. B).
     n_matmul = L * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F) + D * V
     fpt = 6.0 * n_matmul + 12.0 * L * H * Q * T
+    E, k, every = get("moe_experts", 0) or 0, get("moe_top_k", 1) or 1, get("moe_every", 1) or 1
+    if E:  # E experts' SwiGLU weights and a router per MoE layer; flops count k experts
+        n_moe = L // every
+        extra = n_moe * ((E - 1) * 3 * D * F + D * E)
+        per_layer_total = L * per_layer + extra
+        fpt += 6.0 * n_moe * ((k - 1) * 3 * D * F + D * E)
+        moe = dict(experts=E, top_k=k, moe_every=every, capacity_factor=get("moe_capacity"),
+                   expert_params=float(n_moe * E * 3 * D * F))
+        return ModelShape(name, float(per_layer_total + rest), fpt, L, float(per_layer_total), D, H, F, V,
+                          T, embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, **moe)
     return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
                       embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K)
 
@@ -142,6 +162,10 @@ class Layout:
         context: context-parallel axis size (``sk.context_attention``): the sequence is split
             over it, so activations shrink as T/context and each attention layer moves K/V
             around it (``formulas.context_traffic``); between fsdp and tensor in the mesh.
+        expert: expert-parallel axis size (``sk.moe``): expert weights are split over it and
+            the batch too (a data axis for every other weight); each MoE layer moves its
+            tokens to their experts and back (``formulas.moe_traffic``); between fsdp and
+            context in the mesh.
     """
 
     data: int = 1
@@ -155,20 +179,21 @@ class Layout:
     remat: str = "none"
     sequence_parallel: bool = False
     context: int = 1
+    expert: int = 1
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe * self.context
+        return self.data * self.fsdp * self.tensor * self.pipe * self.context * self.expert
 
     @property
     def mesh(self) -> str:
         """The ``sk.make_mesh`` spec (axes of size 1 left out)."""
-        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "context", "tensor")]
+        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "expert", "context", "tensor")]
         return ",".join(f"{n}={s}" for n, s in axes if s > 1) or "data=1"
 
     def axis_stride(self, axis: str) -> int:
         """Devices between neighbours along ``axis`` (inner axes are the fast ones)."""
-        order = ("pipe", "data", "fsdp", "context", "tensor")
+        order = ("pipe", "data", "fsdp", "expert", "context", "tensor")
         return math.prod(getattr(self, a) for a in order[order.index(axis) + 1:])
 
     def __str__(self) -> str:

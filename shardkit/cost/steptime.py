@@ -225,7 +225,8 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
             "tensor-gather": (("all-gather", ("tensor",), 1.0),),
             "pipe-permute": (("permute", ("pipe",), 1.0),),
             "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
-            "pipe-relayout": (("all-to-all", ("pipe",), 1.0),)}
+            "pipe-relayout": (("all-to-all", ("pipe",), 1.0),),
+            "expert-all-to-all": (("all-to-all", ("expert",), 1.0),)}
 
 
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,
@@ -266,6 +267,8 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     t["bubble"] = critical * bubble / (1 + bubble)
     data = t["grad-reduce"] + t["param-gather"]
     pipe = eff.exposed_pipe * (t["pipe-permute"] + t["pipe-reduce"] + t["pipe-relayout"])
+    # sk.moe's experts wait for their tokens and the combine for the experts: nothing hides it.
+    pipe += t.get("expert-all-to-all", 0.0)
     hidden = (1 - eff.exposed_data) * data
     t["exposed"] = tensor + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
     t["step"] = critical + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
