@@ -271,10 +271,17 @@ def recipe_train(layout, model, devices=None):
     batches = data_lib.Batches(data_lib.stdlib_corpus(max_bytes=1 << 20)[0], 16, model.cfg.seq, seed=0)
     losses, aux = [], None
     for _ in range(RECIPE_STEPS):
-        state, metrics = step(state, next(batches))
+        batch = next(batches)
+        state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         aux = metrics["aux"]
-    return np.array(losses), aux
+    from shardkit.explain import shard_bytes
+
+    # The compiled program (read back from the compilation cache) and the state's shard bytes,
+    # for the cost model's comparison.
+    compiled = {"hlo": step.lower(state, batch).compile().as_text(), "mesh": dict(mesh.shape),
+                "params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
+    return np.array(losses), aux, compiled
 
 
 @pytest.fixture(scope="module")
@@ -292,13 +299,27 @@ def recipe_reference():
 def test_recipe_ep_layouts_match_one_device(name, recipe_reference):
     from models.transformer.layouts import LAYOUTS
 
-    model, (ref, ref_aux) = recipe_reference
-    losses, aux = recipe_train(LAYOUTS[name], model)
+    model, (ref, ref_aux, _) = recipe_reference
+    losses, aux, compiled = recipe_train(LAYOUTS[name], model)
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
-    if name != "ep_pp":  # the pipeline's stages return no router statistics
-        assert 0.05 < float(aux["moe/dropped_fraction"]) < 0.5  # the capacity drops
-        np.testing.assert_allclose(aux["moe/tokens_per_expert"], ref_aux["moe/tokens_per_expert"], rtol=1e-5)
-        np.testing.assert_allclose(aux["moe/dropped_fraction"], ref_aux["moe/dropped_fraction"], rtol=1e-5)
+    if name == "ep_pp":  # the pipeline's stages return no router statistics
+        return
+    assert 0.05 < float(aux["moe/dropped_fraction"]) < 0.5  # the capacity drops
+    np.testing.assert_allclose(aux["moe/tokens_per_expert"], ref_aux["moe/tokens_per_expert"], rtol=1e-5)
+    np.testing.assert_allclose(aux["moe/dropped_fraction"], ref_aux["moe/dropped_fraction"], rtol=1e-5)
+    # The analytic cost model against the compiled program: all-to-all bytes, and the
+    # per-device parameter and optimizer-state bytes (expert weights split over `expert`,
+    # ZeRO over the data axes they do not use) within 10%.
+    from shardkit.cost.formulas import estimate
+    from shardkit.cost.shapes import Layout as CostLayout
+
+    sizes = compiled["mesh"]
+    est = estimate(model.cfg, CostLayout(**sizes, zero=LAYOUTS[name].zero), "h100", global_batch=16,
+                   precision="fp32")
+    a2a = sum(t.bytes for t in traffic_from_hlo(compiled["hlo"], sizes) if t.kind == "all-to-all")
+    assert a2a > 0 and est.collectives["expert-all-to-all"] == pytest.approx(a2a, rel=0.1)
+    for kind in ("params", "opt_state"):
+        assert est.memory[kind] == pytest.approx(compiled[kind], rel=0.1), kind
 
 
 def test_recipe_moe_config_counts_and_errors():
