@@ -89,7 +89,10 @@ class Report:
         axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes),
         ``pipe-reduce`` (all-reduces over the pipeline axis alone: ``sk.pipeline``'s psums),
         ``pipe-relayout`` (with a pipeline: all-to-alls over its axis and permutes between
-        non-neighbours, i.e. circular's stage-major weight order), ``other`` (the rest, e.g.
+        non-neighbours, i.e. circular's stage-major weight order), ``context-permute`` /
+        ``context-gather`` (``sk.context_attention``'s ring / all-gather of K/V over a
+        ``context`` axis), ``expert-all-to-all`` (``sk.moe``'s dispatch and combine over an
+        ``expert`` axis), ``other`` (the rest, e.g.
         permutes XLA adds to reorder blocks between two shardings: nothing the estimate
         models, so ``comparison()`` lists it whenever it is not zero)."""
         out = dict.fromkeys(_ROLES, 0.0)
@@ -108,7 +111,11 @@ class Report:
         pipe = self.pipe_axis
         for t in self.traffic:
             data = bool(set(t.axes) & set(self.data_axes))
-            if pipe and t.kind == "all-reduce" and t.axes == (pipe,):
+            if "expert" in t.axes and t.kind == "all-to-all":
+                yield "expert-all-to-all", t
+            elif "context" in t.axes and not data and t.kind in ("collective-permute", "all-gather"):
+                yield ("context-permute" if t.kind == "collective-permute" else "context-gather"), t
+            elif pipe and t.kind == "all-reduce" and t.axes == (pipe,):
                 yield "pipe-reduce", t
             elif pipe and ((t.kind == "collective-permute" and t.axes != (pipe,))
                            or (t.kind == "all-to-all" and pipe in t.axes)):
@@ -209,7 +216,7 @@ class Report:
 
 
 _ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute",
-          "pipe-reduce", "pipe-relayout", "other")
+          "pipe-reduce", "pipe-relayout", "context-permute", "context-gather", "expert-all-to-all", "other")
 _COMPILED_MEMORY = ("arguments", "outputs", "aliased", "temporaries", "peak")
 
 
