@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resnet-batch", type=int, default=256)
     ap.add_argument("--xla-flags", action="store_true", help="apply sk.xla_flags('gpu') first")
     ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
+    ap.add_argument("--tests-k", default=None, metavar="EXPR", help="only the gpu tests matching this "
+                    "pytest -k expression (CI's dry run runs one: the suite runs them all anyway)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     if args.steps is None:
@@ -77,8 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- 1. the gpu-marked tests ---------------------------------------------------------------------
 
-def run_gpu_tests(dry: bool) -> dict:
-    """``pytest -m gpu`` in a subprocess; counts from its JUnit XML."""
+def run_gpu_tests(dry: bool, select: str | None = None) -> dict:
+    """``pytest -m gpu`` (``-k select``) in a subprocess; counts from its JUnit XML."""
     env = dict(os.environ)
     # tests/conftest.py defaults JAX_PLATFORMS to cpu; on the GPU machine the tests must see it.
     env["JAX_PLATFORMS"] = "cpu" if dry else "cuda"
@@ -87,7 +89,8 @@ def run_gpu_tests(dry: bool) -> dict:
         xml = pathlib.Path(tmp) / "junit.xml"
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                               f"--junitxml={xml}", str(ROOT / "tests" / "test_gpu.py")],
+                               *(["-k", select] if select else []), f"--junitxml={xml}",
+                               str(ROOT / "tests" / "test_gpu.py")],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
         # JAX takes 75% of GPU memory by default; the ~1B model without remat wants more
         # (its batch is halved until it fits, but a bigger batch is the better figure).
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
-    tests = None if args.skip_tests else run_gpu_tests(args.dry_run)  # before this process takes the GPU
+    tests = None if args.skip_tests else run_gpu_tests(args.dry_run, args.tests_k)  # before this process takes the GPU
 
     import jax
 

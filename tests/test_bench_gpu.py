@@ -14,12 +14,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_dry_run_writes_the_json_and_the_table(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run", "--out-dir", str(tmp_path)],
+    # One of the gpu-marked tests (the suite runs them all): the bench's pytest path, not its cost.
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run", "--tests-k", "checkpoint",
+                           "--out-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     result = json.loads((tmp_path / "gpu-dry-run.json").read_text())
     assert result["dry_run"] and result["device"] == "cpu (cpu)"
-    assert result["tests"]["passed"] >= 6 and result["tests"]["failed"] == 0
+    assert result["tests"]["passed"] == 1 and result["tests"]["failed"] == 0
     t, r, o = result["transformer"], result["resnet"], result["overhead"]
     assert t["tokens_per_s"] > 0 and 0 < t["mfu_causal"] < t["mfu"] < 1 and t["attention"] == "reference"
     assert t["estimate_step_s"] > 0 and r["estimate_step_s"] > 0
