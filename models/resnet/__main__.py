@@ -7,7 +7,6 @@ CPU devices in a few minutes; ``--mesh``, ``--zero`` and ``--channels`` change o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -16,6 +15,7 @@ import jax
 import shardkit as sk
 
 from ..checkpointing import open_and_resume
+from ..common import metrics as metrics_lib
 from ..common import schedules
 from . import data
 from .config import DEPTHS, STEMS, Config
@@ -56,6 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--eval-every", type=int, default=50, help="test accuracy every N steps (0: only at the end)")
     a("--seed", type=int, default=0)
     a("--metrics-out", default=None, metavar="FILE", help="write JSON lines of metrics here")
+    metrics_lib.add_flags(p)
     a("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints here (Orbax; any mesh can restore them)")
     a("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: at the end)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
@@ -76,6 +77,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise _UsageError(f"--shift must be >= 0, got {args.shift}")
     if args.resume and not args.checkpoint_dir:
         raise _UsageError("--resume needs --checkpoint-dir")
+    try:
+        metrics_lib.profiler_from(args)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
     return args
 
 
@@ -144,12 +149,11 @@ def _train(args: argparse.Namespace) -> int:
                   + (f"; compiled step: peak {_mib(mem['peak'])} (temp {_mib(mem['temporaries'])})" if mem else ""))
 
     evaluator = Evaluator(step) if ds.test is not None else None
-    out = open(args.metrics_out, "w") if args.metrics_out and sk.distributed.is_main() else None
+    profiler = metrics_lib.profiler_from(args)
+    out = metrics_lib.MetricsWriter(args.metrics_out, args.tensorboard, sk.distributed.is_main())
 
     def log(record: dict) -> None:
-        if out:
-            out.write(json.dumps(record) + "\n")
-            out.flush()
+        out.write(record, flush=True)
     test_acc, loss, acc, stopped = None, float("nan"), float("nan"), False
     guard = sk.checkpoint.PreemptionGuard()
     try:
@@ -160,7 +164,8 @@ def _train(args: argparse.Namespace) -> int:
             for i in range(start + 1, args.steps + 1):
                 batch = first if i == start + 1 else next(feed)
                 t = time.perf_counter()
-                state, metrics = step(state, batch)
+                with profiler.step(i):
+                    state, metrics = step(state, batch)
                 loss, acc = float(metrics["loss"]), float(metrics["aux"]["accuracy"])
                 ips = args.batch / (time.perf_counter() - t)
                 log({"step": i, "loss": loss, "accuracy": acc, "images_per_s": ips})
@@ -180,10 +185,10 @@ def _train(args: argparse.Namespace) -> int:
             log({"step": args.steps, "test_accuracy": test_acc, "final": True})
     finally:
         guard.close()
+        profiler.close()
         if ckpt:
             ckpt.close()  # waits for the last asynchronous write
-        if out:
-            out.close()
+        out.close()
     if stopped:
         return 0
     took = time.perf_counter() - t0

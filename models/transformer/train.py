@@ -16,6 +16,7 @@ import time
 import shardkit as sk
 
 from ..checkpointing import open_and_resume
+from ..common import metrics as metrics_lib
 from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
@@ -77,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     a("--eval-batches", type=int, default=4)
     a("--metrics-out", help="write JSON lines (step, loss, tokens_per_s, mfu; val_loss) here")
+    metrics_lib.add_flags(p)
     a("--checkpoint-dir", help="save checkpoints here (Orbax; any mesh or ZeRO stage can restore them)")
     a("--checkpoint-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
@@ -213,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             raise FlagError("--resume", "needs --checkpoint-dir")
         if args.checkpoint_every < 1:
             raise FlagError("--checkpoint-every", f"must be a positive integer, got {args.checkpoint_every}")
+        try:  # checked before any compile: the trace window is used only once training runs
+            metrics_lib.profiler_from(args)
+        except ValueError as e:
+            raise FlagError("--profile-steps", str(e).split(" ", 1)[1]) from None
         # Under `shardkit launch` / SLURM / Kubernetes this joins the job and the launcher sets
         # each process's devices; alone it does nothing.
         if sk.distributed.initialize() is None and args.cpu_devices:
@@ -314,6 +320,8 @@ def _run(args) -> int:
     console.print(f"{n_params:,} parameters, {flops_tok / 1e6:.2f} MFLOP/token (6N + attention), "
                   f"peak {peak / 1e12:.2f} TFLOP/s over {mesh.devices.size} device(s)")
 
+    profiler = metrics_lib.profiler_from(args)  # the flag was checked in main()
+    tb = metrics_lib.MetricsWriter(None, args.tensorboard, is_main)  # TensorBoard beside the JSON lines
     out = open(args.metrics_out, "w") if args.metrics_out and is_main else None
     first_loss = last_loss = val_loss = float("nan")
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -331,7 +339,8 @@ def _run(args) -> int:
             for i in range(start, args.steps):
                 batch = next(feed)
                 t = time.perf_counter()
-                state, metrics = step(state, batch)
+                with profiler.step(i):
+                    state, metrics = step(state, batch)
                 last_loss = float(metrics["loss"])  # waits for the step
                 dt = time.perf_counter() - t
                 timings.append(dt)
@@ -339,11 +348,13 @@ def _run(args) -> int:
                 tps = tokens_per_step / dt
                 mfu = flops_tok * tps / peak
                 progress.update(task, advance=1, loss=last_loss, tps=tps, mfu=mfu)
-                if out:
+                if out or tb.active:
                     row = {"step": i, "loss": last_loss, "tokens_per_s": tps, "mfu": mfu}
                     # MoE: cross entropy, tokens per expert, drop fraction, router losses
                     row.update({k: jax.device_get(v).tolist() for k, v in (metrics.get("aux") or {}).items()})
-                    out.write(json.dumps(row) + "\n")
+                    if out:
+                        out.write(json.dumps(row) + "\n")
+                    tb.write(row)
                 done = i + 1 == args.steps
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
@@ -351,6 +362,7 @@ def _run(args) -> int:
                                            f"validation loss {val_loss:.4f}")
                     if out:
                         out.write(json.dumps({"step": i, "val_loss": val_loss}) + "\n")
+                    tb.write({"step": i, "val_loss": val_loss})
                 stopped = guard.should_stop(i + 1)  # SIGTERM: save at this step boundary, exit 0
                 if ckpt and (done or stopped or (i + 1) % args.checkpoint_every == 0):
                     ckpt.save(state, step=i + 1, extra={"step": i + 1, "data": feed.position}, force=True)
@@ -359,6 +371,8 @@ def _run(args) -> int:
                     break
     finally:
         guard.close()
+        profiler.close()
+        tb.close()
         if ckpt:
             ckpt.close()  # waits for the last asynchronous write
         if out:
