@@ -250,3 +250,37 @@ def test_replica_axis_across_two_processes_trains_like_one():
     assert got["rows"] == [0, tiny.BATCH // 2]
     # Gloo reduces across processes in another order than one process does: fp32 rounding only.
     np.testing.assert_allclose([float.fromhex(x) for x in got["loss"]], losses, rtol=1e-6)
+
+
+def test_cost_model_charges_one_sync_per_interval_on_the_slow_link():
+    """Layout(replica=2, diloco_every=H): the inner layout on half the batch plus an f32
+    all-reduce of the outer update's parameter shard every H steps over the inter-node link;
+    on a 1 GB/s link DiLoCo beats DP (whose all-reduce crosses it every step) and sk.search
+    proposes it when asked; on H100 InfiniBand it gains little."""
+    import dataclasses
+
+    from shardkit.cost import formulas, hardware, shapes, steptime
+
+    h100 = hardware.lookup("h100")
+    slow = dataclasses.replace(h100, inter_node_bw=1e9)
+    ms = shapes.model_shape("125m")
+    lo = shapes.Layout(data=8, zero=1, replica=2, diloco_every=50)  # 16 devices: replica crosses nodes
+    inner = formulas.estimate(ms, shapes.Layout(data=8, zero=1), slow, global_batch=32)
+    est = formulas.estimate(ms, lo, slow, global_batch=64)
+    shard = ms.params / 8  # ZeRO-1: the outer update's layout is sharded over data
+    assert est.collectives["replica-reduce"] == pytest.approx(4 * shard / 50)
+    assert est.memory["opt_state"] - inner.memory["opt_state"] == pytest.approx(shard * (4 + 4))
+    bw, lat, group = steptime.link(slow, lo, ("replica",))
+    assert (bw, group) == (slow.inter_node_bw, 2)  # each device's shard over its own NIC
+    sync = steptime.collective_time("all-reduce", 4 * shard, 2, bw, lat) + steptime.efficiency_for(slow).latency
+    assert est.time["replica-reduce"] == pytest.approx(sync / 50)
+    assert est.step_time == pytest.approx(inner.step_time + sync / 50)
+    assert str(lo).endswith(",diloco=50") and lo.mesh == "replica=2,data=8" and lo.devices == 16
+
+    assert formulas.diloco_speedup(ms, lo, slow, global_batch=64) > 3
+    assert 1.0 <= formulas.diloco_speedup(ms, lo, h100, global_batch=64) < 1.2  # measured 1.08
+    best = sk.search(ms, 16, slow, global_batch=64, replicas=(1, 2), diloco_every=(50,), zero=(1,),
+                     remat=("none",), tensor=(1,), pipe=(1,), top=3).best
+    assert best.layout.replica == 2 and best.layout.diloco_every == 50
+    with pytest.raises(ValueError, match="replica=2"):
+        formulas.estimate(ms, lo, slow, global_batch=63)

@@ -12,6 +12,7 @@ gathers the gathered result.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from ..precision import Precision
 from . import hardware as hw_lib
 from .pipeline import pipeline_ticks, pipeline_traffic
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
-from .steptime import Efficiency, memory_bound_time, times
+from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
              global_batch: int, seq: int | None = None, precision: str | Precision = "bf16",
@@ -66,6 +67,14 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     prec = Precision.resolve(precision)
     bp, bc, bg, bo = (np.dtype(d).itemsize for d in (prec.params, prec.compute, prec.grads, prec.opt_state))
     lo = layout
+    if lo.replica > 1:  # DiLoCo: the inner layout on each replica's share, plus its syncs
+        if global_batch % lo.replica:
+            raise ValueError(f"global batch {global_batch} does not split over replica={lo.replica}; "
+                             f"use a multiple of {lo.replica}")
+        inner = estimate(ms, dataclasses.replace(lo, replica=1, diloco_every=1), hw,
+                         global_batch=global_batch // lo.replica, precision=prec, memory_limit=memory_limit,
+                         efficiency=efficiency, model_efficiency=model_efficiency, memory_bound=memory_bound)
+        return diloco_terms(inner, ms, lo, hw, prec, global_batch)
     replicas = lo.data * lo.fsdp * lo.expert  # sk.moe splits the batch over ``expert`` too
     if global_batch % (replicas * lo.microbatches):
         raise ValueError(f"global batch {global_batch} does not split over data x fsdp x expert = {replicas} "
@@ -195,6 +204,50 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
                 if memory_bound and ms.d_model and ms.layers > 1 and hw.hbm_bandwidth > 0 else 0.0)
     t = times(col, counts, busy, hw, lo, efficiency, model_efficiency, memory_seconds=memory_s)
     return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
+
+
+def diloco_terms(inner: Estimate, ms: ModelShape, lo: Layout, hw: hw_lib.Hardware, prec: Precision,
+                 global_batch: int) -> Estimate:
+    """A DiLoCo layout's estimate from its inner layout's (``inner``, one replica's step on
+    1/replica of the batch): every ``diloco_every`` steps each device all-reduces its shard of
+    Δ = θ_outer − θ_r in f32 over ``replica`` (the outer update's layout: sharded like ZeRO-1's
+    optimizer state), on the link the replica axis crosses, with no compute to hide behind
+    (Douillard et al. 2023, arXiv:2311.08105; Streaming DiLoCo's overlap is not modelled). The
+    outer parameters and the outer Nesterov momentum add two such shards of memory."""
+    p_dev = (ms.layer_params / (lo.tensor * lo.pipe) + (ms.params - ms.layer_params) / lo.tensor)
+    shard = p_dev / (lo.fsdp * (lo.data if lo.zero >= 1 else 1))
+    bp, bo = (np.dtype(d).itemsize for d in (prec.params, prec.opt_state))
+    sync_bytes = 4.0 * shard
+    bw, lat, group = link(hw, lo, ("replica",))
+    sync_s = collective_time("all-reduce", sync_bytes, group, bw, lat) + efficiency_for(hw).latency
+    mem = dict(inner.memory)
+    outer = shard * (bp + bo)
+    mem["opt_state"] += outer
+    mem["arguments"] += outer
+    mem["peak"] += outer
+    col = dict(inner.collectives)
+    col["replica-reduce"] = sync_bytes / lo.diloco_every
+    t = dict(inner.time)
+    t["replica-reduce"] = sync_s / lo.diloco_every
+    t["exposed"] += t["replica-reduce"]
+    t["step"] += t["replica-reduce"]
+    notes = list(inner.notes) + [f"DiLoCo: replica={lo.replica} syncs {sync_bytes / 1e6:.1f} MB per device every "
+                                 f"{lo.diloco_every} steps ({sync_s * 1e3:.1f} ms on its link)"]
+    return dataclasses.replace(inner, memory=mem, collectives=col, time=t, layout=lo, tokens=global_batch * ms.seq,
+                               devices=lo.devices, notes=notes)
+
+
+def diloco_speedup(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *, global_batch: int,
+                   **kw) -> float:
+    """Estimated step-time ratio of data parallelism over the same devices (``replica`` folded
+    into ``data``, so its gradient all-reduce crosses the slow link every step) to the DiLoCo
+    ``layout``: > 1 where DiLoCo is faster per step. Tokens per step are equal; whether the
+    loss keeps up is the optimizer's business (``bench/diloco.py``)."""
+    if layout.replica < 2:
+        raise ValueError(f"diloco_speedup needs a Layout with replica > 1, got {layout}")
+    dp = dataclasses.replace(layout, replica=1, diloco_every=1, data=layout.data * layout.replica)
+    return (estimate(model, dp, hardware, global_batch=global_batch, **kw).step_time
+            / estimate(model, layout, hardware, global_batch=global_batch, **kw).step_time)
 
 
 def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: float = 0.0,

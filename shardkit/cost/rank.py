@@ -118,10 +118,24 @@ class SearchResult:
 def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_size: int = 8,
             zero=(0, 1, 3), microbatches=(1, 2, 4, 8, 16, 32), remat=("none", "dots", "full"),
             tensor=None, pipe=None, fsdp=None, schedules=("1f1b", "gpipe", "circular"),
-            sequence_parallel=(False, True)) -> list[Layout]:
+            sequence_parallel=(False, True), replicas=(1,), diloco_every=(100,)) -> list[Layout]:
     """Every layout of ``devices`` the search considers: power-of-two ``tensor`` within a node
     dividing the heads, ``pipe`` dividing the layers, the rest split between ``data`` and
-    ``fsdp``; ZeRO stages over ``data``; microbatches that divide the batch (≥ stages)."""
+    ``fsdp``; ZeRO stages over ``data``; microbatches that divide the batch (≥ stages).
+    ``replicas`` > 1 adds DiLoCo layouts (``sk.DiLoCo``): that many copies of each layout of
+    ``devices / replicas``, outermost, syncing every ``diloco_every`` steps (asked for, never
+    by default: DiLoCo trains differently from data parallelism)."""
+    if tuple(replicas) != (1,):
+        kw = dict(node_size=node_size, zero=zero, microbatches=microbatches, remat=remat, tensor=tensor, pipe=pipe,
+                  fsdp=fsdp, schedules=schedules, sequence_parallel=sequence_parallel)
+        out = []
+        for r in replicas:
+            if devices % r or global_batch % r:
+                continue
+            for h in (diloco_every if r > 1 else (1,)):
+                out += [dataclasses.replace(lo, replica=r, diloco_every=h)
+                        for lo in layouts(devices // r, layers=layers, heads=heads, global_batch=global_batch // r, **kw)]
+        return out
     out = []
     tensors = tensor or [t for t in POW2 if t <= node_size and heads % t == 0]
     pipes = pipe or [p for p in POW2 if p <= layers and layers % p == 0]
@@ -277,7 +291,7 @@ def _dedupe(ests: list[Estimate], rel: float = 0.005) -> tuple[list[Estimate], l
     for e in ests:
         lo = e.layout
         family = (e.fits, lo.tensor, lo.pipe, lo.microbatches, lo.remat, lo.schedule, lo.repeats,
-                  lo.sequence_parallel)
+                  lo.sequence_parallel, lo.replica, lo.diloco_every)
         key = (e.fits, f"{e.step_time:.6g}", f"{e.memory['peak']:.6g}")
         hit = exact.get(key)
         if hit is None:

@@ -22,7 +22,7 @@ DECODER_SIZES: dict[str, dict] = {
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
 ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
-         "pipe-relayout", "expert-all-to-all")
+         "pipe-relayout", "expert-all-to-all", "replica-reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +166,11 @@ class Layout:
             the batch too (a data axis for every other weight); each MoE layer moves its
             tokens to their experts and back (``formulas.moe_traffic``); between fsdp and
             context in the mesh.
+        replica, diloco_every: DiLoCo (``sk.DiLoCo``): ``replica`` copies of the layout
+            above, outermost in the mesh (across the slow link), each training on 1/replica of
+            the batch and syncing over ``replica`` once every ``diloco_every`` steps: one f32
+            all-reduce of its shard of the parameters (the outer update's layout), amortised
+            over the interval and fully exposed (``formulas.diloco_terms``).
     """
 
     data: int = 1
@@ -181,25 +186,29 @@ class Layout:
     context: int = 1
     expert: int = 1
 
+    replica: int = 1
+    diloco_every: int = 1
+
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe * self.context * self.expert
+        return self.data * self.fsdp * self.tensor * self.pipe * self.context * self.expert * self.replica
 
     @property
     def mesh(self) -> str:
         """The ``sk.make_mesh`` spec (axes of size 1 left out)."""
-        axes = [(n, getattr(self, n)) for n in ("pipe", "data", "fsdp", "expert", "context", "tensor")]
+        axes = [(n, getattr(self, n)) for n in ("replica", "pipe", "data", "fsdp", "expert", "context", "tensor")]
         return ",".join(f"{n}={s}" for n, s in axes if s > 1) or "data=1"
 
     def axis_stride(self, axis: str) -> int:
         """Devices between neighbours along ``axis`` (inner axes are the fast ones)."""
-        order = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+        order = ("replica", "pipe", "data", "fsdp", "expert", "context", "tensor")
         return math.prod(getattr(self, a) for a in order[order.index(axis) + 1:])
 
     def __str__(self) -> str:
         extra = f",{self.schedule}" + (f"x{self.repeats}" if self.repeats > 1 else "") if self.pipe > 1 else ""
         sp = ",sp" if self.sequence_parallel else ""
-        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{sp}"
+        diloco = f",diloco={self.diloco_every}" if self.replica > 1 else ""
+        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{sp}{diloco}"
 
 
 @dataclasses.dataclass

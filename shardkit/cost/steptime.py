@@ -178,6 +178,11 @@ def collective_time(kind: str, nbytes: float, group: int, bandwidth: float, late
     return frac * nbytes / bandwidth + steps * latency
 
 
+def link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[float, float, int]:
+    """(bandwidth, latency, group) of a collective over ``axes`` of ``layout`` (see ``_link``)."""
+    return _link(hw, layout, axes)
+
+
 def _link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[float, float, int]:
     """(bandwidth, latency, group) for a collective over ``axes``.
 
