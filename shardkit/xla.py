@@ -10,8 +10,10 @@ import jax
 from .plan import active_plan
 
 # XLA:GPU flags for overlapping communication with compute; each name was checked against the
-# flag table compiled into jaxlib 0.10.2 (XLA's debug_options_flags.cc). XLA aborts at start on
-# an unknown flag, so a name XLA drops must go from here too.
+# flag table compiled into jaxlib 0.10.2 and a 2025 openxla/xla debug_options_flags.cc (where
+# the high-priority stream, pipelined reduce-scatter and multi-streamed windowed einsum are
+# already on by default: set anyway for jaxlibs where they are not). XLA aborts at start on an
+# unknown flag, so a name XLA drops must go from here too.
 GPU_FLAGS: dict[str, str] = {
     # Schedules collectives early/late around independent compute instead of in program order.
     "xla_gpu_enable_latency_hiding_scheduler": "true",
