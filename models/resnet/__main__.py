@@ -16,6 +16,7 @@ import shardkit as sk
 
 from ..checkpointing import open_and_resume
 from ..common import metrics as metrics_lib
+from ..common import runconfig
 from ..common import schedules
 from . import data
 from .config import DEPTHS, STEMS, Config
@@ -62,7 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--show-layout", action="store_true", help="print every parameter's sharding")
     a("--cpu-devices", type=int, default=8, metavar="N", help="simulated CPU devices (default 8; 0: use JAX's devices)")
-    args = p.parse_args(argv)
+    args = runconfig.parse(p, argv)  # --config FILE.toml, then the command line
     for name in ("steps", "batch", "microbatches"):
         if getattr(args, name) < 1:
             raise _UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -110,6 +111,8 @@ def _train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = Console(quiet=not sk.distributed.is_main())  # one host reports
+    if args.checkpoint_dir and sk.distributed.is_main():  # `--config <dir>/config.toml` reproduces this run
+        runconfig.write(args, args.checkpoint_dir)
     mesh = sk.make_mesh(args.mesh)
     ds = data.load(args.dataset, image_size=args.image_size, shift=args.shift)
     h, _, c = ds.image_shape

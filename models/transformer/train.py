@@ -17,6 +17,7 @@ import shardkit as sk
 
 from ..checkpointing import open_and_resume
 from ..common import metrics as metrics_lib
+from ..common import runconfig
 from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
@@ -209,7 +210,7 @@ def _tokenized_data(args, tokenizer):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs training; returns the exit status (2 for a bad flag)."""
-    args = parser().parse_args(argv)
+    args = runconfig.parse(parser(), argv)  # --config FILE.toml, then the command line
     try:
         if args.resume and not args.checkpoint_dir:
             raise FlagError("--resume", "needs --checkpoint-dir")
@@ -273,6 +274,8 @@ def _run(args) -> int:
 
     is_main = jax.process_index() == 0
     console = Console(quiet=args.quiet or not is_main, width=None if sys.stdout.isatty() else 150)
+    if args.checkpoint_dir and is_main:  # `--config <dir>/config.toml` reproduces this run
+        runconfig.write(args, args.checkpoint_dir)
     try:
         schedule = schedules.schedule_from(args, args.steps, default_warmup=max(1, min(100, args.steps // 10)))
         mask, clip_norm = schedules.decay_mask(args.no_decay), schedules.grad_clip_from(args)
