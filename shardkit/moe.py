@@ -17,7 +17,11 @@ shard_map boundary, once per call). On a device, the tokens bound for expert ``e
 into slots of a buffer ``(E, S, D)``; the all-to-all over ``expert`` hands each device the rows
 of its ``E/n`` experts from every device, ``expert_fn`` runs on each local expert (``vmap``),
 and the reverse all-to-all brings the outputs home, where each token gathers its ``k`` rows.
-Without an expert axis (or of size 1) the same code runs without the all-to-all.
+Without an expert axis (or of size 1) the same code runs without the all-to-all. Inside another
+shard_map (``sk.pipeline``'s stages) the block runs under the compiler instead of in its own
+shard_map: jax 0.10.2 cannot differentiate a shard_map nested there under a remat policy (the
+residuals get shardings with the outer manual axis first). The result is the same; XLA then
+decides how tokens and experts meet (no explicit all-to-all).
 
 Capacity and the drop order. A *capacity group* is ``group_size`` consecutive tokens (default:
 one sequence of a ``(B, T, D)`` input). Each expert takes at most ``C = ceil(capacity_factor ·
