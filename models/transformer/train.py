@@ -66,6 +66,15 @@ def parser() -> argparse.ArgumentParser:
       "stages), else gradient-accumulation microbatches (default 1)")
     a("--pipeline-schedule", default="gpipe", help=f"one of {', '.join(SCHEDULES)}")
     a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular; default 2)")
+    a("--diloco-every", type=int, help="DiLoCo: replicas on the mesh's `replica` axis sync every H "
+      "steps (outer Nesterov SGD 0.7/0.9), e.g. --mesh replica=2,data=4 --diloco-every 50")
+    a("--diloco-fragments", type=int, default=1, help="Streaming DiLoCo: layer fragments synced at "
+      "staggered steps (divides --layers)")
+    a("--diloco-compress", choices=["bf16", "int8", "int4"], help="quantise the outer gradients sent "
+      "between replicas")
+    a("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (default 0.7)")
+    a("--diloco-outer-momentum", type=float, default=0.9, help="its Nesterov momentum (default 0.9; 0 = "
+      "plain SGD, and with --diloco-outer-lr 1 plain parameter averaging)")
     a("--steps", type=int, default=200)
     schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
                         no_decay="norm|embed", grad_clip=1.0)
@@ -292,7 +301,8 @@ def _run(args) -> int:
         def train_loss(model, batch):
             return objective(model, batch, pipeline)
 
-    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=clip_norm)(train_loss)
+    outer = diloco_from(args, shape, cfg)
+    step = sk.train_step(plan, tx, microbatches=step_mb, clip_norm=clip_norm, outer=outer)(train_loss)
 
     console.print(sk.describe_mesh(mesh))
     console.print(f"{plan}  sequence_parallel={sp}"
@@ -310,9 +320,12 @@ def _run(args) -> int:
         raise FlagError("--resume" if position is not None else "--batch", str(e)) from None
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batches.batch_at(0)).compile()
+    compiled = None if step.diloco else step.lower(state, batches.batch_at(0)).compile()
     compile_s = time.perf_counter() - t0
     console.print(_memory_line(state, compiled, compile_s))
+    replica_bytes = replica_traffic(step, state, batches.batch_at(0), compiled)
+    if replica_bytes is not None:
+        console.print(f"replica-axis traffic: {replica_bytes:,.0f} bytes per device per step")
 
     evaluate = _evaluator(step, plan, pipeline, (lambda m, b, p: moe_loss_fn(m, b, p)[1]["ce"])
                           if cfg.moe_experts else loss_fn)
@@ -326,6 +339,8 @@ def _run(args) -> int:
     profiler = metrics_lib.profiler_from(args)  # the flag was checked in main()
     tb = metrics_lib.MetricsWriter(None, args.tensorboard, is_main)  # TensorBoard beside the JSON lines
     out = open(args.metrics_out, "w") if args.metrics_out and is_main else None
+    if out and replica_bytes is not None:
+        out.write(json.dumps({"replica_bytes_per_step": replica_bytes}) + "\n")
     first_loss = last_loss = val_loss = float("nan")
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
                TextColumn("{task.completed}/{task.total}"),
@@ -393,6 +408,42 @@ def _run(args) -> int:
     return 0 if math.isfinite(last_loss) else 1
 
 
+def diloco_from(args, shape, cfg: Config):
+    """The ``sk.DiLoCo`` the --diloco-* flags ask for, or None."""
+    if args.diloco_every is None:
+        if args.diloco_fragments != 1 or args.diloco_compress:
+            raise FlagError("--diloco-every", "--diloco-fragments/--diloco-compress need --diloco-every H")
+        return None
+    if cfg.layers % max(args.diloco_fragments, 1):
+        raise FlagError("--diloco-fragments", f"{args.diloco_fragments} fragments do not divide the "
+                        f"{cfg.layers} layers; use a divisor of {cfg.layers}")
+    if "replica" not in shape:
+        raise FlagError("--mesh", f"--diloco-every needs a `replica` axis, e.g. --mesh replica=2,data=4; got {shape}")
+    try:
+        import optax
+
+        m = args.diloco_outer_momentum
+        outer = optax.sgd(args.diloco_outer_lr, momentum=m or None, nesterov=bool(m))
+        return sk.DiLoCo(axis="replica", every=args.diloco_every, fragments=args.diloco_fragments,
+                         compress=args.diloco_compress, optimizer=outer)
+    except ValueError as e:
+        raise FlagError("--diloco-every", str(e)) from None
+
+
+def replica_traffic(step, state, batch, compiled) -> float | None:
+    """Bytes each device sends per step in collectives spanning the `replica` axis (ring
+    formulas, read off the compiled programs; DiLoCo's syncs amortised), or None without one."""
+    from shardkit.cost.hlo import traffic_from_hlo
+    from shardkit.diloco import sent_bytes
+
+    if step.diloco:
+        return float(step.diloco.traffic(state, batch)["per_step"])
+    shape = dict(step.plan.mesh.shape)
+    if shape.get("replica", 1) == 1:
+        return None
+    return float(sent_bytes(traffic_from_hlo(compiled.as_text(), shape), "replica"))
+
+
 def plan_data_size(shape) -> int:
     return math.prod(shape.get(a, 1) for a in ("replica", "data", "fsdp"))
 
@@ -412,7 +463,7 @@ def _memory_line(state, compiled, compile_s: float) -> str:
     mib = 1 / 2**20
     line = (f"per-device memory: params {shard_bytes(state.params) * mib:.2f} MiB + optimizer state "
             f"{shard_bytes(state.opt_state) * mib:.2f} MiB")
-    mem = compiled_memory(compiled)
+    mem = compiled_memory(compiled) if compiled is not None else {}
     if mem:
         line += f" + step temporaries {mem['temporaries'] * mib:.2f} MiB"
     return line + f"  (step compiled in {compile_s:.1f} s)"
@@ -434,6 +485,7 @@ def _evaluator(step, plan, pipeline, loss_fn):
     sharding = _batch_sharding(plan)
 
     def evaluate(state, batches) -> float:
+        state = step.diloco.consensus(state) if step.diloco else state  # DiLoCo: θ_outer
         with plan.active():
             losses = []
             for b in batches:
