@@ -284,3 +284,24 @@ def test_cost_model_charges_one_sync_per_interval_on_the_slow_link():
     assert best.layout.replica == 2 and best.layout.diloco_every == 50
     with pytest.raises(ValueError, match="replica=2"):
         formulas.estimate(ms, lo, slow, global_batch=63)
+
+
+def test_transformer_recipe_trains_with_streaming_diloco(tmp_path, capsys):
+    """The recipe's --diloco-* flags: Streaming DiLoCo (2 fragments = the 2 stacked layers cut in
+    halves, found by their logical 'layers' axis) with int8 exchanges trains and reports its
+    replica-axis bytes; bad flag combinations exit 2 naming the flag."""
+    from models.transformer import train
+
+    small = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--cpu-devices", "0",
+             "--quiet", "--eval-batches", "1"]
+    out = tmp_path / "m.jsonl"
+    assert train.main(["--mesh", "replica=2,data=4", "--steps", "4", "--eval-every", "4", "--diloco-every", "2",
+                       "--diloco-fragments", "2", "--diloco-compress", "int8", "--metrics-out", str(out), *small]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    sent = next(r["replica_bytes_per_step"] for r in rows if "replica_bytes_per_step" in r)
+    assert 0 < sent and all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+    capsys.readouterr()
+    assert train.main(["--mesh", "data=8", "--diloco-every", "2", *small]) == 2
+    assert "--mesh: --diloco-every needs a `replica` axis" in capsys.readouterr().err
+    assert train.main(["--mesh", "replica=2,data=4", "--diloco-every", "4", "--diloco-fragments", "3", *small]) == 2
+    assert "--diloco-fragments: 3 fragments do not divide the 2 layers" in capsys.readouterr().err
