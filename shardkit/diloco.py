@@ -149,7 +149,7 @@ def sent_bytes(traffic, axis: str) -> int:
             kind = "permute" if t.kind == "collective-permute" else t.kind
             nbytes = t.bytes if kind in ("all-gather", "permute") else t.operand_bytes
             total += collective_time(kind, nbytes, t.group, 1.0, 0.0)
-    return int(round(total))
+    return round(total)
 
 
 class DiLoCoStep:
@@ -213,7 +213,7 @@ class DiLoCoStep:
                if s and l.shape[0] % F]
         if bad:
             raise ValueError(f"DiLoCo(fragments={F}) must divide the layer count of every stacked leaf:\n  "
-                             + "\n  ".join(bad) + f"\nchoose fragments dividing the layers")
+                             + "\n  ".join(bad) + "\nchoose fragments dividing the layers")
         loose = [i for i, s in enumerate(stacked) if not s]
         if not any(stacked) and len(loose) < F:
             raise ValueError(f"DiLoCo(fragments={F}): the model has {len(loose)} parameter leaves and no stacked "
@@ -370,7 +370,7 @@ class DiLoCoStep:
         dims = tuple(range(1, delta_r.ndim))
         scale = jnp.max(jnp.abs(delta_r), axis=dims, keepdims=True) / levels
         q = jnp.round(delta_r / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
-        if c == "int4":
+        if c == "int4" and q.ndim > 1:  # a scalar parameter's δ_r is (R,): nothing to pair up
             n = q.shape[-1]
             u = (q + 8).astype(jnp.uint8)  # [-7, 7] -> [1, 15]: one nibble
             if n % 2:

@@ -194,7 +194,7 @@ def test_compressed_outer_gradient_is_within_its_bound_and_smaller():
     for compress in (None, "bf16", "int8", "int4"):
         step = sk.train_step(plan, optax.sgd(0.1), outer=sk.DiLoCo(every=1, compress=compress))(loss_fn)
         state = step.init(params())
-        got = np.asarray(jax.jit(lambda x: step.diloco._reduce(x, jax.sharding.PartitionSpec()))(d))
+        got = np.asarray(jax.jit(lambda x, s=step: s.diloco._reduce(x, jax.sharding.PartitionSpec()))(d))
         err = np.abs(got - exact).max()
         peak = np.abs(d_r).reshape(R, -1).max(axis=1)
         bound = {None: 1e-6, "bf16": 2.0 ** -9 * peak.max(), "int8": (peak / 127).max() / 2,
@@ -245,7 +245,7 @@ def test_replica_axis_across_two_processes_trains_like_one():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(re.search(r"^\[0\] RESULT (.*)$", res.stdout, re.M).group(1))
+    got = json.loads(re.search(r"^\[0\] RESULT (.*)$", res.stdout, re.MULTILINE).group(1))
     assert all(g == [0, 1] for g in got["groups"]), got["groups"]  # every replica group spans both processes
     assert got["rows"] == [0, tiny.BATCH // 2]
     # Gloo reduces across processes in another order than one process does: fp32 rounding only.
