@@ -266,8 +266,11 @@ class TrainStep:
 
     def model(self, state: TrainState):
         """What the loss function receives, rebuilt from ``state`` (an NNX module, Linen
-        variables or the parameter tree), in the master dtype."""
+        variables or the parameter tree), in the master dtype. Under DiLoCo: the outer
+        parameters θ_outer (``step.diloco.consensus``)."""
         self._require_init()
+        if self._diloco is not None:
+            state = self._diloco.consensus(state)
         return self._adapter.assemble(state.params, state.model_state)
 
     def with_plan(self, plan: Plan) -> "TrainStep":
