@@ -309,7 +309,10 @@ class DiLoCoStep:
     def consensus(self, state):
         """The state a step without DiLoCo would evaluate: θ_outer as the parameters (fragments
         put back together), replica 0's model state, no optimizer state. Right after a sync of
-        every fragment it equals each replica's parameters."""
+        every fragment it equals each replica's parameters. A state that is one already (no
+        ``outer``) is returned as it is."""
+        if state.outer is None:
+            return state
         lay = self.inner._layout
         frags = [iter(jax.tree_util.tree_leaves(p)) for p in state.outer.params]
         leaves = []
