@@ -286,6 +286,7 @@ def test_cost_model_charges_one_sync_per_interval_on_the_slow_link():
         formulas.estimate(ms, lo, slow, global_batch=63)
 
 
+@pytest.mark.slow
 def test_transformer_recipe_trains_with_streaming_diloco(tmp_path, capsys):
     """The recipe's --diloco-* flags: Streaming DiLoCo (2 fragments = the 2 stacked layers cut in
     halves, found by their logical 'layers' axis) with int8 exchanges trains and reports its
