@@ -1,7 +1,11 @@
-"""Writes notebooks/01..06 (unexecuted) with nbformat: ``python notebooks/_build.py``.
+"""Writes notebooks/01..06 *executed* with nbformat + nbclient: ``python notebooks/_build.py``
+(a few minutes on 2 cores; ``python notebooks/_build.py 03_zero_memory`` rebuilds one).
 
-The notebooks are generated so that they stay reproducible and reviewable as code; each runs
-top to bottom on 8 simulated CPU devices (tests/test_notebooks.py executes them).
+The notebooks are generated so that they stay reproducible and reviewable as code, and they are
+committed with their outputs (text, tables, small PNGs) so that they read where the repository
+is browsed. Each runs top to bottom on 8 simulated CPU devices and ends with a cell of checks:
+the figures its prose states, asserted. tests/test_notebooks.py checks that the committed files
+match this builder and re-executes them, checks included.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ NOTEBOOKS = {
                  '    print(f"{name:9s} ticks={busy.shape[0]} bubble={1 - busy.mean():.3f} formula={(p - 1) / (v * m + p - 1):.3f}")'),
         ("code", 'import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(7, 2))\n'
                  'ax.imshow((sched.forward_table(4, 8).item.T >= 0), aspect="auto", cmap="Greens")\n'
-                 'ax.set_xlabel("tick"); ax.set_ylabel("stage"); ax.set_title("GPipe forward: busy cells"); fig'),
+                 'ax.set_xlabel("tick"); ax.set_ylabel("stage"); ax.set_title("GPipe forward: busy cells"); plt.show()'),
         ("md", "Running one on the simulated devices: 4 layers over `pipe=4`, equal to the plain loop."),
         ("code", 'mesh = sk.make_mesh("data=2,pipe=4")\nW = jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3\n'
                  'x = jax.random.normal(jax.random.key(1), (8, 16))\nlayer = lambda w, h: jnp.tanh(h @ w)\n'
@@ -179,12 +183,113 @@ NOTEBOOKS = {
 }
 
 
-def build() -> list[pathlib.Path]:
+# The figures each notebook's prose states, asserted in its last cell (names from its cells).
+CHECKS = {
+    "01_mesh_and_devices": '''# -1 is inferred from the 8 devices; a DCN axis named like a fast one is merged into it
+assert dict(sk.make_mesh("data=-1,tensor=2").shape) == {"data": 4, "tensor": 2}
+assert dict(sk.make_mesh("data=2,tensor=2", dcn="data=2").shape) == {"data": 4, "tensor": 2}
+try:
+    sk.make_mesh("data=3,tensor=2")
+    raise AssertionError("data=3,tensor=2 cannot fit 8 devices")
+except ValueError as e:
+    assert "needs 6 devices" in str(e) and "8 are available" in str(e)''',
+    "02_rules_and_specs": '''from jax.sharding import PartitionSpec as P
+# first match wins: each kernel gets its own rule, the norm the catch-all
+assert plan.param_specs(params) == {"attn": {"q": {"kernel": P(None, "tensor")}, "o": {"kernel": P("tensor", None)}},
+                                    "norm": {"scale": P()}}
+# ZeRO-3 adds the data axes to each leaf's largest divisible dimension
+assert sk.Plan(mesh, rules=rules, zero=3).param_specs(params) == {
+    "attn": {"q": {"kernel": P(None, ("tensor", "data"))}, "o": {"kernel": P(("tensor", "data"),)}},
+    "norm": {"scale": P("data")}}
+# errors list every offender at once: four problems in the three leaves of `bad`
+try:
+    sk.Plan(mesh, rules=bad).param_specs(params)
+    raise AssertionError("the bad rules must fail")
+except sk.ShardingError as e:
+    problems = [line.split()[1] for line in str(e).splitlines() if line.startswith("  - ")]
+    assert len(problems) == 4 and set(problems) == {"attn/o/kernel", "attn/q/kernel", "norm/scale"}''',
+    "03_zero_memory": '''psi = 2 * L * D * F  # parameters
+held = {name: r.memory["params"] + r.memory["opt_state"] - 4 for name, r in reports.items()}  # less Adam's step count
+assert held["ZeRO-0"] == 12 * psi                                   # 12 bytes per parameter: f32 master + Adam's 2 moments
+assert held["ZeRO-1"] == held["ZeRO-2"] == 4 * psi + 8 * psi // 8   # 4Ψ + 8Ψ/N, N = 8
+assert held["ZeRO-3"] == 12 * psi // 8                              # 12Ψ/N
+assert big.memory["params"] == 4 * psi // 64 and big.memory["params"] + big.memory["opt_state"] - 4 == 12 * psi // 64
+for name, quantity, est, compiled, ratio in rows:                   # the estimate is exact for the state
+    if quantity in ("memory/params", "memory/opt_state"):
+        assert est == compiled, (name, quantity)''',
+    "04_tensor_parallel_collectives": '''expected = 2 * L * tokens * D * 4  # one forward + one backward all-reduce per layer, f32
+compiled = report.roles()["tensor-reduce"]
+assert expected <= compiled <= expected + 64, (expected, compiled)  # + a scalar or two (the loss)
+# on data=8,tensor=8 each device reduces the same bytes over its 8-device tensor group
+tp = [t for t in big.traffic if t.axes == ("tensor",)]
+assert len(tp) == 1 and tp[0].group == 8 and tp[0].bytes == compiled''',
+    "05_pipeline_schedules": '''for v in (1, 2):  # GPipe (p-1)/(m+p-1), circular (p-1)/(v*m+p-1), counted in the schedule tables
+    busy = sched.forward_table(4, 8, v).item >= 0
+    assert abs((1 - busy.mean()) - 3 / (v * 8 + 3)) < 1e-12
+assert np.abs(np.asarray(y) - np.asarray(ref)).max() < 1e-5  # the pipeline equals the plain loop
+share = [e.time["bubble"] / e.step_time for e in (
+    sk.cost.estimate("1b", sk.cost.Layout(data=16, pipe=4, zero=1, microbatches=m), "h100", global_batch=512,
+                     memory_limit=1e12) for m in (4, 8, 16, 32))]
+assert share == sorted(share, reverse=True)  # more microbatches, a smaller bubble
+assert r.roles()["pipe-permute"] > 0''',
+    "06_layouts_7b_256_gpus": '''assert sk.cost.EFFICIENCY["h100"].matmul == 0.52
+assert best.fits and best.memory["peak"] < 80e9  # the winner fits an 80 GB H100
+dp_only = sk.search("7b", devices=256, global_batch=512, tensor=[1], pipe=[1], fsdp=[1], zero=(1,))
+assert not any(e.fits for e in dp_only.estimates)  # pure data parallelism does not fit
+assert sum(v is not None for v in checked.verified) == 2 and all(v.report is not None for v in checked.verified if v)''',
+}
+
+CHECKS_MD = ("md", "### Checks\nThe figures stated above, asserted; the tests re-run this notebook.")
+
+
+def cells_of(name: str) -> list[tuple[str, str]]:
+    """The notebook's cells: its sections, then its checks."""
+    return NOTEBOOKS[name] + [CHECKS_MD, ("code", CHECKS[name])]
+
+
+def execute(nb, timeout: int = 600) -> None:
+    """Runs ``nb`` in a fresh ``python3`` kernel that imports this checkout, drawing off-screen
+    (raises ``CellExecutionError`` naming the failing cell)."""
+    import os
+    import tempfile
+
+    import nbclient
+
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with tempfile.TemporaryDirectory() as cwd:
+            # IPython's inline backend renders returned matplotlib Figures (sk.viz's) as PNGs
+            nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout,
+                                    extra_arguments=["--IPKernelApp.matplotlib=inline"],
+                                    resources={"metadata": {"path": cwd}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _strip(nb) -> None:
+    """Drops what changes from run to run without changing what a reader sees (timings,
+    kernel versions), so rebuilding an unchanged notebook leaves a small diff."""
+    nb.metadata.pop("widgets", None)
+    nb.metadata.get("language_info", {}).pop("version", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+
+
+def build(names=None) -> list[pathlib.Path]:
     out = []
-    for name, cells in NOTEBOOKS.items():
+    for name in names or NOTEBOOKS:
         nb = new_notebook(cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src)
-                                 for kind, src in cells])
+                                 for kind, src in cells_of(name)])
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        execute(nb)
+        _strip(nb)
         path = HERE / f"{name}.ipynb"
         nbformat.write(nb, path)
         out.append(path)
@@ -192,5 +297,7 @@ def build() -> list[pathlib.Path]:
 
 
 if __name__ == "__main__":
-    for p in build():
+    import sys
+
+    for p in build(sys.argv[1:] or None):
         print(p)
