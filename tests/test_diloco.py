@@ -232,6 +232,18 @@ def test_errors():
     with pytest.raises(ValueError, match=r"3 parameter leaves and no stacked layer dimension"):
         step.init(params())
 
+    # A building block with its own shard_map cannot run under the replicas' vmap (jax 0.10.2).
+    cp = sk.Plan(sk.make_mesh("replica=2,context=4"), rules=[(r".*", ())])
+
+    def attention_loss(p, batch):
+        q = (batch["x"] @ p["w"])[:, :, None, :]  # (B, T, 1 head, D)
+        return jnp.mean(sk.context_attention(q, q, q, axis="context") ** 2)
+
+    step = sk.train_step(cp, optax.sgd(0.1), outer=sk.DiLoCo(every=2))(attention_loss)
+    state = step.init({"w": jnp.eye(8)})
+    with pytest.raises(ValueError, match=r"(?s)opens its own shard_map.*sk.context_attention.*JAX said"):
+        step(state, {"x": np.ones((2, 16, 8), np.float32)})
+
 
 @pytest.mark.slow
 @pytest.mark.subprocess
