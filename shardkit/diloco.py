@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import jax
@@ -43,13 +42,12 @@ import optax
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from ._diloco import fragment_map, replica_mean, sent_bytes
 from .cost.hlo import traffic_from_hlo
-from .cost.steptime import collective_time
 from .plan import Plan
 from .rules import AxisRules, ShardingError, spec_axes
 
 COMPRESSIONS = (None, "bf16", "int8", "int4")
-_LEVELS = {"int8": 127, "int4": 7}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,19 +140,6 @@ def _with_axis(spec: P, axis: str) -> P:
     return P(axis, *spec)
 
 
-def sent_bytes(traffic, axis: str) -> int:
-    """Bytes one device sends over ``axis`` per execution of a program whose ``Traffic`` rows
-    are given: ring collectives (all-reduce 2(g−1)/g·V, gathers (g−1)/g·result), as
-    ``cost.steptime.collective_time`` times them at one byte per second."""
-    total = 0.0
-    for t in traffic:
-        if axis in t.axes:
-            kind = "permute" if t.kind == "collective-permute" else t.kind
-            nbytes = t.bytes if kind in ("all-gather", "permute") else t.operand_bytes
-            total += collective_time(kind, nbytes, t.group, 1.0, 0.0)
-    return round(total)
-
-
 class DiLoCoStep:
     """The DiLoCo machinery of one ``TrainStep`` (``step.diloco``): state layout, the inner and
     sync programs, and their traffic over the replica axis."""
@@ -200,44 +185,8 @@ class DiLoCoStep:
         finally:
             step._diloco = self
         self.inner = inner
-        self.fragment_of = self._fragments(inner._layout, inner._logical, inner._adapter.param_prefix)
-
-    def _fragments(self, lay, logical: dict, prefix: str) -> list[list]:
-        """Per fragment, per leaf: ``None`` (not in it), ``"all"`` or ``(start, stop)`` on dim 0."""
-        o = self.outer
-        F = o.fragments
-        if F == 1:
-            return [["all"] * len(lay.leaves)]
-        pattern = re.compile(o.layers) if o.layers else None
-        stacked = [bool(l.shape) and (pattern.search(l.path) if pattern else
-                                      (logical.get(prefix + l.path) or (None,))[0] == "layers")
-                   for l in lay.leaves]
-        bad = [f"{l.path} shape={l.shape}: {l.shape[0]} layers" for l, s in zip(lay.leaves, stacked)
-               if s and l.shape[0] % F]
-        if bad:
-            raise ValueError(f"DiLoCo(fragments={F}) must divide the layer count of every stacked leaf:\n  "
-                             + "\n  ".join(bad) + "\nchoose fragments dividing the layers")
-        loose = [i for i, s in enumerate(stacked) if not s]
-        if not any(stacked) and len(loose) < F:
-            raise ValueError(f"DiLoCo(fragments={F}): the model has {len(loose)} parameter leaves and no stacked "
-                             "layer dimension (logical name 'layers' or DiLoCo(layers=regex)); use fragments <= "
-                             f"{len(loose)}")
-        out = [[None] * len(lay.leaves) for _ in range(F)]
-        load = [0] * F
-        for i, (l, s) in enumerate(zip(lay.leaves, stacked)):
-            if s:
-                n = l.shape[0] // F
-                for f in range(F):
-                    out[f][i] = (f * n, (f + 1) * n)
-                    load[f] += math.prod(l.shape) // F
-        for i in loose:
-            f = min(range(F), key=lambda f: (load[f], f))
-            out[f][i] = "all"
-            load[f] += math.prod(lay.leaves[i].shape)
-        empty = [f for f in range(F) if all(x is None for x in out[f])]
-        if empty:
-            raise ValueError(f"DiLoCo(fragments={F}): fragments {empty} would hold no parameters; use fewer")
-        return out
+        self.fragment_of = fragment_map(inner._layout, inner._logical, inner._adapter.param_prefix,
+                                        self.outer.fragments, self.outer.layers)
 
     def pieces(self, params, f: int, batched: bool):
         """Fragment ``f`` of ``params`` (a tree with ``None`` where a leaf is not in it)."""
@@ -371,48 +320,6 @@ class DiLoCoStep:
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
                              skipped=skipped, streak=streak, loss_scale=loss_scale), metrics
 
-    def _reduce(self, delta_r, spec: P):
-        """mean_r δ_r across the replica axis, through the configured compression (``spec``:
-        the inner layout of one replica's δ_r)."""
-        c = self.outer.compress
-        if c is None:
-            return delta_r.mean(axis=0)
-        if c == "bf16":
-            # Sent as its bits: XLA:CPU widens a bf16 collective to f32.
-            bits = jax.lax.bitcast_convert_type(delta_r.astype(jnp.bfloat16), jnp.uint16)
-            gathered = jax.lax.bitcast_convert_type(self._gather(bits, spec), jnp.bfloat16)
-            return gathered.astype(jnp.float32).mean(axis=0)
-        levels = _LEVELS[c]
-        dims = tuple(range(1, delta_r.ndim))
-        scale = jnp.max(jnp.abs(delta_r), axis=dims, keepdims=True) / levels
-        q = jnp.round(delta_r / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
-        if c == "int4" and q.ndim > 1:  # a scalar parameter's δ_r is (R,): nothing to pair up
-            n = q.shape[-1]
-            u = (q + 8).astype(jnp.uint8)  # [-7, 7] -> [1, 15]: one nibble
-            if n % 2:
-                u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, 1)])
-            pairs = u.reshape(u.shape[:-1] + (u.shape[-1] // 2, 2))
-            packed = pairs[..., 0] | (pairs[..., 1] << 4)
-            packed = self._gather(packed, spec)
-            u = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1,))[..., :n]
-            q = u.astype(jnp.int8) - 8
-        else:
-            q = self._gather(q, spec)
-        scale = self._gather(scale, P())
-        return (q.astype(jnp.float32) * scale).mean(axis=0)
-
-    def _gather(self, x, spec: P):
-        """``x`` (R, ...) sharded over the replica axis on dim 0 → every replica holds all R
-        rows (an all-gather over it); the other dims keep ``spec`` where it still divides."""
-        sizes = dict(self.plan.mesh.shape)
-        entries = list(spec) + [None] * (x.ndim - 1 - len(spec))
-        keep = [e if x.shape[d + 1] % math.prod(sizes[a] for a in spec_axes(P(e))) == 0 else None
-                for d, e in enumerate(entries[:x.ndim - 1])]
-        # Pinned to the replica layout first: otherwise sharding propagation may gather the
-        # f32 value the quantised one was made from, and send that over the slow link.
-        x = jax.lax.with_sharding_constraint(x, self.plan.sharding(P(self.axis, *keep)))
-        return jax.lax.with_sharding_constraint(x, self.plan.sharding(P(None, *keep)))
-
     def _sync_fn(self, f: int, state):
         where, shardings = self.fragment_of[f], self._shardings
         ospecs, ispecs = self._piece_specs(f)
@@ -423,7 +330,7 @@ class DiLoCoStep:
 
         def delta(o, x, s, spec):
             d_r = o.astype(jnp.float32)[None] - x.astype(jnp.float32)
-            return constrain(self._reduce(d_r, spec), s)
+            return constrain(replica_mean(d_r, spec, self.outer.compress, self.plan, self.axis), s)
         deltas = jax.tree.map(delta, out_p, theta_r, o_sh, ispecs, is_leaf=lambda x: isinstance(x, P))
         updates, opt = self.outer.optimizer.update(deltas, state.outer.opt_state[f], out_p)
         new_out = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype),
@@ -528,4 +435,4 @@ class DiLoCoStep:
         return state, metrics
 
 
-__all__ = ["DiLoCo", "DiLoCoStep", "OuterState", "inner_plan", "sent_bytes"]
+__all__ = ["DiLoCo", "DiLoCoStep", "OuterState", "inner_plan", "replica_mean", "sent_bytes"]
