@@ -110,10 +110,12 @@ class Report:
     def _with_roles(self):
         pipe = self.pipe_axis
         for t in self.traffic:
-            data = bool(set(t.axes) & set(self.data_axes))
+            # A context axis reduces the (replicated) weights' gradients like a data axis.
+            data = bool(set(t.axes) & (set(self.data_axes) | {"context"}))
             if "expert" in t.axes and t.kind == "all-to-all":
                 yield "expert-all-to-all", t
-            elif "context" in t.axes and not data and t.kind in ("collective-permute", "all-gather"):
+            elif ("context" in t.axes and not set(t.axes) & set(self.data_axes)
+                  and t.kind in ("collective-permute", "all-gather")):
                 yield ("context-permute" if t.kind == "collective-permute" else "context-gather"), t
             elif pipe and t.kind == "all-reduce" and t.axes == (pipe,):
                 yield "pipe-reduce", t

@@ -10,6 +10,10 @@ jitted init), so building one costs nothing.
 * ``gpt``: a pre-LayerNorm causal transformer whose layers are stacked and run with
   ``lax.scan``, activations named through ``sk.constrain``, learned positions, tied
   embedding/head.
+* ``moe``: an embedding lookup, then blocks of a dense GELU MLP and a mixture-of-experts MLP
+  (a linear router, ``sk.moe`` top-2 dropless over 8 expert MLPs whose weights carry a
+  leading expert dimension), Switch's load-balancing loss added to the objective; on the
+  common layouts plus expert parallelism (``EXPERT_LAYOUTS``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from jax import lax
 
 import shardkit as sk
 
-AXIS_RULES = {"batch": ("data", "fsdp"), "mlp": "tensor", "heads": "tensor", "channels": "tensor"}
+AXIS_RULES = {"batch": ("data", "fsdp", "expert"), "mlp": "tensor", "heads": "tensor", "channels": "tensor"}
 
 
 def _normal(rng, shape, scale=0.02):
@@ -167,14 +171,58 @@ def gpt_batch(rows=32, seq=32, vocab=128):
             "labels": r.integers(0, vocab, (rows, seq)).astype(np.int32)}
 
 
+# ---- a mixture-of-experts model (sk.moe) --------------------------------------------------------
+
+def moe_params(d=64, h=128, experts=8, vocab=128, blocks=2, seed=0):
+    r = np.random.default_rng(seed)
+    p = {"tok": _normal(r, (vocab, d)), "out": _normal(r, (d, vocab))}
+    for i in range(blocks):
+        p[f"block{i}"] = {"up": _normal(r, (d, h)), "down": _normal(r, (h, d)), "router": _normal(r, (d, experts)),
+                          "experts": {"w_in": _normal(r, (experts, d, h)), "w_out": _normal(r, (experts, h, d))}}
+    return p
+
+
+def _expert_mlp(w, x):
+    return jax.nn.gelu(x @ w["w_in"]) @ w["w_out"]
+
+
+def moe_loss(p, batch):
+    x = sk.constrain(jnp.take(p["tok"], batch["tokens"], axis=0), ("batch", None, None))
+    aux_loss = 0.0
+    for name in sorted(k for k in p if k.startswith("block")):
+        b = p[name]
+        x = x + sk.constrain(jax.nn.gelu(x @ b["up"]), ("batch", None, "mlp")) @ b["down"]
+        y, aux = sk.moe(x, x @ b["router"], _expert_mlp, b["experts"], top_k=2)
+        x, aux_loss = x + y, aux_loss + aux["load_balance"]
+    logp = jax.nn.log_softmax((x @ p["out"]).astype(jnp.float32))
+    ce = -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
+    return ce + 0.01 * aux_loss
+
+
+def moe_rules(tp: bool, ep: bool = False):
+    split = [(r"up$", (None, "tensor")), (r"down$", ("tensor", None)),
+             (r"experts/w_in", (None, None, "tensor")), (r"experts/w_out", (None, "tensor", None))] if tp else []
+    experts = [(r"experts/w_in", ("expert", None, None)), (r"experts/w_out", ("expert", None, None))] if ep else []
+    return split + experts + [(r".*", ())]
+
+
+def moe_batch(rows=32, seq=16, vocab=128):
+    r = np.random.default_rng(4)
+    return {"tokens": r.integers(0, vocab, (rows, seq)).astype(np.int32),
+            "labels": r.integers(0, vocab, (rows, seq)).astype(np.int32)}
+
+
 FAMILIES = {
     "mlp": (mlp_params, mlp_loss, mlp_rules, mlp_batch),
     "cnn": (cnn_params, cnn_loss, cnn_rules, cnn_batch),
     "gpt": (gpt_params, gpt_loss, gpt_rules, gpt_batch),
+    "moe": (moe_params, moe_loss, moe_rules, moe_batch),
 }
 # (mesh, ZeRO stage): DP, ZeRO-1/2/3, TP, a 3-axis hybrid.
 LAYOUTS = [("data=8", 0), ("data=8", 1), ("data=8", 2), ("data=8", 3), ("tensor=8", 0),
            ("data=2,fsdp=2,tensor=2", 1)]
+# Expert parallelism, for the MoE family only: the batch is split over ``expert`` too.
+EXPERT_LAYOUTS = [("expert=8", 0), ("data=2,expert=4", 1), ("fsdp=2,expert=4", 3)]
 
 
 def build(family: str, mesh: str, zero: int, *, rows: int | None = None, **sizes):
@@ -183,7 +231,11 @@ def build(family: str, mesh: str, zero: int, *, rows: int | None = None, **sizes
 
     make_params, loss, rules, make_batch = FAMILIES[family]
     m = sk.make_mesh(mesh)
-    plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), axis_rules=AXIS_RULES, zero=zero)
+    if "expert" in m.axis_names:
+        plan = sk.Plan(m, rules=rules("tensor" in m.axis_names, ep=True), axis_rules=AXIS_RULES, zero=zero,
+                       batch_axes=tuple(a for a in m.axis_names if a in ("data", "fsdp", "expert")))
+    else:
+        plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), axis_rules=AXIS_RULES, zero=zero)
     step = sk.train_step(plan, optax.adamw(1e-3))(loss)
     state = step.init(make_params(**sizes))
     batch = make_batch(**({"rows": rows} if rows else {}))

@@ -22,12 +22,19 @@ CAVEAT_BOUNDS = {
     ("cnn", "tensor=8", 0): {"collective/tensor-reduce": 0.25},  # 1.15
     ("cnn", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.25},
     ("gpt", "data=8", 3): {"collective/param-gather": 0.25},  # 0.86
+    ("moe", "data=8", 3): {"memory/temporaries": 0.25, "memory/peak": 0.25},  # 0.77, 0.80
+    ("moe", "tensor=8", 0): {"memory/temporaries": 0.25, "memory/peak": 0.25, "flops": 0.2},  # 0.78, 0.79, 0.85
+    ("moe", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.9},  # 0.14: marked not modelled
+    ("moe", "fsdp=2,expert=4", 3): {"memory/temporaries": 0.2, "memory/peak": 0.2},  # 0.83, 0.85
 }
 
 
+CASES = [(f, mesh, zero) for f in F.FAMILIES for mesh, zero in F.LAYOUTS] + [
+    ("moe", mesh, zero) for mesh, zero in F.EXPERT_LAYOUTS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(F.FAMILIES))
-@pytest.mark.parametrize("mesh,zero", F.LAYOUTS)
+@pytest.mark.parametrize("family,mesh,zero", CASES)
 def test_estimate_holds_on_unseen_families(family, mesh, zero):
     step, state, batch = F.build(family, mesh, zero)
     report = step.explain(state, batch)

@@ -118,7 +118,10 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     full = [_size(l.shape, l.spec, mesh) for l in leaves]
     zshard = [_size(l.shape, z, mesh) for l, z in zip(leaves, lay.zero_specs)]
     # What a device computes with: the leaf with its batch-axis (FSDP) sharding gathered.
-    comp = [_size(l.shape, _strip(l.spec, plan.batch_axes), mesh) for l in leaves]
+    # sk.moe's expert weights stay split over ``expert`` where they are used (each device runs
+    # its own experts) although the batch is split over that axis too: no FSDP gather there.
+    comp = [_size(l.shape, _strip(l.spec, tuple(a for a in plan.batch_axes if a != "expert")), mesh)
+            for l in leaves]
     stored = zshard if zero == 3 else full
     L = _stack_dim(leaves)
     stacked = [len(l.shape) >= 3 and l.shape[0] == L and L > 1 for l in leaves]
@@ -148,7 +151,12 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     # Which leaves are pipeline stage weights (their leading dim split over the pipe axis).
     piped = [bool(pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0])) for l in leaves]
     seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
-    sp = any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1 for a in seq_rule)
+    # Sequence parallelism splits the sequence over a tensor-like axis; a ``context`` axis
+    # (sk.context_attention) splits it too, but the weights stay whole there: it reduces the
+    # gradients like a data axis and shrinks every activation by its size.
+    sp = any(a not in plan.batch_axes and a not in ("pipe", "context") and sizes.get(a, 1) > 1 for a in seq_rule)
+    ctx = sizes.get("context", 1)
+    reduce_axes = data_axes + (("context",) if ctx > 1 and "context" not in data_axes else ())
     fsdp = any(s < c for s, c in zip(stored, comp))  # some weights are gathered where used
     # What a device computes with, reads and keeps: read off the traced program (also for
     # pipelines, whose parameter uses it tells; their memory has its own model below).
@@ -202,18 +210,18 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
 
     tokens = tokens_in(batch)
-    tok_dev_mb = tokens / n_data / m
+    tok_dev_mb = tokens / n_data / m / ctx
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
     # Tables the program indexes (a gather), and those of them it also multiplies with (tied:
     # an embedding that is the output head too), read off the traced program.
     lookup = [u and not s for u, s in zip(reading.lookup, stacked)]
     tied = [u and mm for u, mm in zip(lookup, reading.matmul)]
-    if n_data > 1:
+    if n_data * ctx > 1:
         # A tied embedding's two gradients (output head, lookup's scatter-add) are reduced
         # apart; under sequence parallelism the lookup ran on the whole (gathered) table.
         reduced = _grad_reduce_elems(leaves, comp, lay.zero_specs if zero >= 2 else [l.spec for l in leaves],
-                                     data_axes, sizes) + sum((math.prod(l.shape) if sp else c)
+                                     reduce_axes, sizes) + sum((math.prod(l.shape) if sp else c)
                                                              for l, c, t in zip(leaves, comp, tied) if t)
         # ZeRO-3/FSDP gathers a weight where it is used: inside a loop (a layer scan) for the
         # forward and again for the backward, every microbatch; outside any loop once (XLA
@@ -268,6 +276,11 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     if sp and any(lookup):
         col["tensor-gather"] += m * act_bytes  # the head's input, gathered off the sequence shards
         counts["tensor-gather"] += m
+    # Collectives the program writes itself (sk.context_attention's ring, sk.moe's all-to-alls,
+    # a user's shard_map): read off the traced program, per microbatch.
+    for role, (n, nbytes) in _explicit_roles(reading.explicit).items():
+        col[role] = col.get(role, 0.0) + m * nbytes
+        counts[role] = counts.get(role, 0.0) + m * n
     p = pipe["stages"] if pipe else 1
     if pipe:
         # Activations cross the stages in the compute dtype, in f32 on XLA:CPU (the
@@ -316,12 +329,29 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         notes.append("modelled flops: every matmul and convolution of the traced program, per device")
     tensor_split = [any(a not in plan.batch_axes and sizes.get(a, 1) > 1 for e in l.spec for a in entry_axes(e))
                     for l in leaves]
-    caveats = _caveats(reading, [s < c for s, c in zip(stored, comp)], tensor_split, bool(pipe))
+    caveats = _caveats(reading, [s < c for s, c in zip(stored, comp)], tensor_split, bool(pipe),
+                       bool(step.trace_notes.get("moe")))
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev, notes, caveats)
 
 
-def _caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool) -> dict[str, str]:
+def _explicit_roles(explicit: dict) -> dict[str, tuple[float, float]]:
+    """``ProgramReading.explicit`` grouped into ``sk.Report.roles()``'s names, for the roles the
+    formulas do not model (a context axis's ring or gather, an expert axis's all-to-alls)."""
+    out: dict[str, tuple[float, float]] = {}
+    for (kind, axes), (n, nbytes) in explicit.items():
+        if "expert" in axes and kind == "all-to-all":
+            role = "expert-all-to-all"
+        elif "context" in axes and kind in ("collective-permute", "all-gather"):
+            role = "context-permute" if kind == "collective-permute" else "context-gather"
+        else:
+            continue
+        n0, b0 = out.get(role, (0.0, 0.0))
+        out[role] = (n0 + n, b0 + nbytes)
+    return out
+
+
+def _caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool) -> dict[str, str]:
     """The quantities whose figure is only a bound, and why: choices XLA makes per program that
     the model cannot see (each seen on a model family the model was not written against)."""
     out = {"collective/other": "not modelled: permutes XLA adds to move blocks between two shardings"}
@@ -331,10 +361,25 @@ def _caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: boo
     elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
         out["collective/param-gather"] = ("approximate: inside a loop XLA decides per weight how often to "
                                           "gather it for the backward (counted: forward + backward, once each)")
-    if not piped and reading.tensor_reduce:
+    if not piped and reading.tensor_reduce and "memory/temporaries" not in out:
         why = ("approximate: which buffers XLA keeps alive in a tensor-parallel backward is not modelled "
                "(0.8 to 1.0 of the compiled figure on the models tried)")
         out["memory/temporaries"] = out["memory/peak"] = why
+    if (reading.shard_maps or moe) and not piped:
+        # A shard_map (sk.moe, a user's own) is partitioned by hand inside; around it XLA
+        # decides where weights are gathered and kept and where tensor-split values meet.
+        region = "a shard_map's (sk.moe's) weights"
+        if any(tensor_split):
+            out["collective/tensor-reduce"] = (f"not modelled: the reductions XLA places around {region} when "
+                                               "they are tensor-split (only the matmuls outside are counted)")
+            why = f"approximate: how XLA partitions {region} over the tensor axes is not modelled"
+            for q in ("memory/temporaries", "memory/peak", "flops"):
+                out[q] = why
+        if any(gathered):
+            why = (f"approximate: how long XLA keeps {region} gathered (ZeRO-3/FSDP) for the backward "
+                   "is not modelled")
+            for q in ("collective/param-gather", "memory/temporaries", "memory/peak"):
+                out[q] = why
     if any(t and c for t, c in zip(tensor_split, reading.conv)):
         out["collective/tensor-reduce"] = ("approximate: how XLA reduces a tensor-split convolution's partial "
                                            "sums is not modelled (one reduction per convolution counted)")
@@ -349,9 +394,14 @@ def _grad_reduce_elems(leaves, comp, grad_specs, data_axes, sizes) -> float:
     over its sharding axes, then an all-reduce of the shard over the rest (XLA partitions it so)."""
     total = 0.0
     for l, c, gs in zip(leaves, comp, grad_specs):
-        on = {a for e in gs for a in entry_axes(e)} & set(data_axes)
+        # An expert weight's gradient comes from its own device's tokens only (sk.moe sent
+        # them there): nothing to reduce over ``expert``.
+        axes = [a for a in data_axes if not (a == "expert" and "expert" in {x for e in l.spec for x in entry_axes(e)})]
+        if math.prod(sizes[a] for a in axes) <= 1:
+            continue
+        on = {a for e in gs for a in entry_axes(e)} & set(axes)
         shards = math.prod(sizes[a] for a in on)
-        rest = [a for a in data_axes if a not in on]
+        rest = [a for a in axes if a not in on]
         total += c + (c / shards if shards > 1 and rest else 0.0)
     return total
 
@@ -402,15 +452,29 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
     """``program.read_program`` on one microbatch of this step, with per-device sizes from the
     plan (see ``program``'s docstring for the rules)."""
     mb, params = _microbatch(step, state, batch)
-    rows = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else 0
+    first = jax.tree.leaves(mb)[0].shape if jax.tree.leaves(mb) else ()
+    rows = first[0] if first else 0
+    # Under a context axis, a dimension of the sequence's length is split over it (the
+    # attention's own blocks are already local inside its shard_map).
+    seq, ctx = (first[1] if len(first) > 1 else 0), sizes.get("context", 1)
     n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
 
-    def split_of(aval, leaf):
+    def split_of(aval, leaf, manual=frozenset()):
         if leaf is not None:
-            return 1, math.prod(aval.shape) / comp[leaf]
+            # Larger than its compute layout: still split over the compiler's axes (a weight
+            # inside a shard_map that leaves ``tensor`` to XLA); else already local.
+            return 1, max(math.prod(aval.shape) / comp[leaf], 1.0)
         shape = list(aval.shape)
-        d = n_data if rows and rows in shape and n_data > 1 else 1
+        # The rows, or the rows flattened with the sequence (a token list, as sk.moe routes it)
+        # — unless a shard_map made the data axes manual: then its values are local already.
+        split = [a for a in data_axes if a not in manual]
+        n_split = math.prod(sizes[a] for a in split)
+        d = n_split if rows and (rows in shape or (seq and rows * seq in shape)) and n_split > 1 else 1
+        if "context" in manual:
+            return d, n_tensor_of(shape, rows, tensor_dims, sizes)
+        if ctx > 1 and seq and shape.count(seq) > (1 if seq == rows and rows in shape else 0):
+            d *= ctx
         if sp and rows in shape:
             return d, n_tensor
         return d, n_tensor_of(shape, rows, tensor_dims, sizes)

@@ -20,6 +20,11 @@ the data axes, split like its spec over the others); an activation is split over
 tensor-like axes when one of its feature dimensions is a tensor-sharded weight dimension
 (Megatron's split). These are the only guesses: ``ProgramReading.notes`` lists what the
 reader could not see into (a ``while`` of unknown trip count, a custom call).
+
+A fourth reading, **explicit collectives**: the collectives a program writes itself inside a
+``shard_map`` (``sk.context_attention``'s ring, ``sk.moe``'s all-to-alls, a user's own) are
+read off the jaxpr with their mesh axes and result bytes, through loop trip counts, instead of
+being modelled.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and"
 _VIEW = {"reshape", "squeeze", "expand_dims", "convert_element_type", "sharding_constraint",
          "pvary", "pcast", "copy", "copy_p", "transpose", "broadcast_in_dim"}
 _MATMUL = {"dot_general", "conv_general_dilated"}
+# jaxpr collectives -> the HLO collective they become (``hlo.Traffic.kind``).
+_COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
+                "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
+                "reduce_scatter": "reduce-scatter"}
 
 
 @dataclasses.dataclass
@@ -76,6 +85,9 @@ class ProgramReading:
         residuals: bytes live when the backward pass starts (what the forward keeps for it).
         tensor_reduce: elements one device all-reduces over the tensor-like axes (the results
             of matmuls that contract a tensor-split dimension); ``tensor_reduce_ops``: how many.
+        explicit: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device of
+            the collectives the program writes itself (inside ``shard_map``), through loops.
+        shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         notes: what the reader could not see into.
     """
 
@@ -90,6 +102,8 @@ class ProgramReading:
     tensor_reduce: float
     tensor_reduce_ops: float
     notes: list[str]
+    explicit: dict = dataclasses.field(default_factory=dict)
+    shard_maps: int = 0
 
 
 def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
@@ -112,6 +126,23 @@ def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
         elif len(sub.invars) < len(eqn.invars):  # custom_vjp: consts first
             out.append((sub, list(eqn.invars[len(eqn.invars) - len(sub.invars):]), 1.0))
     return out
+
+
+def _elementwise_output(eqn, index: int) -> bool:
+    """Whether a ``shard_map``'s output ``index`` needs no buffer of its own once XLA has
+    partitioned the shard_map away: one of its inputs passed through (a weight saved for the
+    backward: the caller's buffer), or a fusible elementwise op of values it keeps anyway."""
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    out = body.outvars[index]
+    if isinstance(out, jcore.Literal) or out in body.invars:
+        return True
+    for e in body.eqns:
+        if out in e.outvars:
+            if e.primitive.name in _VIEW:
+                return bool(e.invars) and e.invars[0] in body.invars
+            return e.primitive.name in _FUSIBLE
+    return False
 
 
 def _transposed_operands(eqn) -> list:
@@ -176,6 +207,8 @@ class _Reader:
 
     def __init__(self, split_of: Callable, n_params: int, canonical_dots: bool):
         self.split_of = split_of
+        self.manual: frozenset = frozenset()  # mesh axes a shard_map being read made manual
+        self.shard_maps = 0
         self.in_loop = 0
         self.loop_use = [False] * n_params
         self.tensor_reduce = 0.0  # elements one device all-reduces over the tensor axes
@@ -184,11 +217,12 @@ class _Reader:
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
         self.conv = [False] * n_params
+        self.explicit: dict[tuple[str, tuple[str, ...]], list[float]] = {}
         self.notes: list[str] = []
         self._times = 1.0
 
     def size_of(self, aval, leaf) -> float:
-        d, t = self.split_of(aval, leaf)
+        d, t = self.split_of(aval, leaf, self.manual)
         return _bytes(aval) / (d * t)
 
     def run(self, jaxpr: jcore.Jaxpr, origin: dict, outputs_live: bool) -> tuple[float, float, float]:
@@ -223,9 +257,9 @@ class _Reader:
             if name in _MATMUL:
                 # A device does the share of the most-split operand (or result): tokens split
                 # over data, features over tensor.
-                ops = [self.split_of(u.aval, origin.get(u)) for u in e.invars[:2]
+                ops = [self.split_of(u.aval, origin.get(u), self.manual) for u in e.invars[:2]
                        if not isinstance(u, jcore.Literal)]
-                out_d, out_t = self.split_of(e.outvars[0].aval, None)
+                out_d, out_t = self.split_of(e.outvars[0].aval, None, self.manual)
                 total += _dot_flops(e)
                 flops += _dot_flops(e) / max(d * t for d, t in ops + [(out_d, out_t)])
                 if max(t for _, t in ops) > 1 and out_t == 1:
@@ -252,6 +286,14 @@ class _Reader:
                         self.conv[s] |= name == "conv_general_dilated"
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
+            elif name in _COLLECTIVES:
+                axes = e.params.get("axis_name", e.params.get("axes", ()))
+                axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+                key = (_COLLECTIVES[name], tuple(a for a in axes if isinstance(a, str)))
+                got = self.explicit.setdefault(key, [0.0, 0.0])
+                got[0] += self._times
+                got[1] += self._times * sum(self.size_of(v.aval, None) for v in e.outvars
+                                            if not isinstance(v, jcore.DropVar))
             subs = _sub_jaxprs(e)
             sub_peak = 0.0
             for sub, outer, times in subs:
@@ -262,9 +304,14 @@ class _Reader:
                     times = 1.0
                 loop = name in ("scan", "while")
                 self.in_loop += loop
+                outer_manual = self.manual
+                if name == "shard_map":  # inside, values are local over these axes
+                    self.shard_maps += 1
+                    self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
                 outer_times, self._times = self._times, self._times * times
                 f, t, pk = self.run(sub, inner_origin, outputs_live=False)
                 self.in_loop -= loop
+                self.manual = outer_manual
                 self._times = outer_times
                 flops += f * times
                 total += t * times
@@ -297,6 +344,20 @@ class _Reader:
                 inner_out = not outputs_live and v in jaxpr_out
                 size[v] = 0.0 if (view and name != "convert_element_type") or inner_out else \
                     self.size_of(v.aval, origin.get(v))
+                if name == "shard_map" and size[v] and _elementwise_output(e, e.outvars.index(v)):
+                    # A residual the body computes elementwise from values it keeps anyway:
+                    # once XLA has partitioned the shard_map away, it fuses the op into the
+                    # backward's consumers instead of storing it (as it does outside one).
+                    size[v] = 0.0
+                elif name == "shard_map" and size[v]:
+                    # Its outputs (residuals for the backward included) are split as its
+                    # out_specs say over the axes it made manual.
+                    spec = e.params["out_specs"][e.outvars.index(v)]
+                    shape = dict(e.params["mesh"].shape)
+                    split = math.prod(shape[a] for entry in spec if entry is not None
+                                      for a in ((entry,) if isinstance(entry, str) else entry))
+                    if split > 1:
+                        size[v] = _bytes(v.aval) / split
                 if self.canonical_dots and name in _MATMUL and np.dtype(v.aval.dtype).itemsize == 2:
                     size[v] *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
                 born[v] = i
@@ -328,8 +389,9 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     Args:
         fn: ``(params, batch) -> scalar loss``.
         params, batch: abstract inputs (``ShapeDtypeStruct``), global shapes.
-        split_of: ``(aval, leaf index or None) -> (data split, tensor split)``: how many
-            devices share the value along the data axes and along the others.
+        split_of: ``(aval, leaf index or None, manual axes) -> (data split, tensor split)``:
+            how many devices share the value along the data axes and along the others; inside
+            a ``shard_map`` the value is already local over the manual axes it names.
         n_params: the number of parameter leaves (the first ``n_params`` inputs).
         canonical_dots: XLA:CPU's matmuls: count the copies it makes of non-canonical operands,
             and its f32 results of 16-bit matmuls.
@@ -350,5 +412,6 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     first_grad = min((reader._born.get(v, len(live)) for v in grads), default=len(live) - 1)
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
-                          reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes)
+                          reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps)
 
