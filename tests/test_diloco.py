@@ -301,6 +301,17 @@ def test_cost_model_charges_one_sync_per_interval_on_the_slow_link():
     with pytest.raises(ValueError, match="replica=2"):
         formulas.estimate(ms, lo, slow, global_batch=63)
 
+    # The formula's per-sync bytes = the compiled sync program's all-reduce over `replica`.
+    plan = make_plan("replica=2,data=4", zero=1)
+    step = sk.train_step(plan, optax.adam(1e-2), outer=sk.DiLoCo(every=3))(loss_fn)
+    state = step.init(params())
+    hlo = step.diloco.hlo(state, tiny.batch(0))["sync/0"]
+    compiled = sum(t.operand_bytes for t in traffic_from_hlo(hlo, dict(plan.mesh.shape)) if "replica" in t.axes)
+    tiny_shape = shapes.model_shape(params(), flops_per_token=6 * 800)
+    modelled = formulas.estimate(tiny_shape, shapes.Layout(data=4, zero=1, replica=2, diloco_every=3), h100,
+                                 global_batch=tiny.BATCH).collectives["replica-reduce"] * 3
+    assert compiled == modelled == 800  # 800 f32 parameters, ZeRO-1 over data=4
+
 
 @pytest.mark.slow
 def test_transformer_recipe_trains_with_streaming_diloco(tmp_path, capsys):
