@@ -22,7 +22,8 @@ DECODER_SIZES: dict[str, dict] = {
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
 ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
-         "pipe-relayout", "expert-all-to-all", "replica-reduce")
+         "pipe-relayout", "expert-all-to-all", "replica-reduce", "context-permute", "context-gather",
+         "context-reduce")
 
 
 @dataclasses.dataclass(frozen=True)

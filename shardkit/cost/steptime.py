@@ -231,7 +231,10 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
             "pipe-permute": (("permute", ("pipe",), 1.0),),
             "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
             "pipe-relayout": (("all-to-all", ("pipe",), 1.0),),
-            "expert-all-to-all": (("all-to-all", ("expert",), 1.0),)}
+            "expert-all-to-all": (("all-to-all", ("expert",), 1.0),),
+            "context-permute": (("permute", ("context",), 1.0),),
+            "context-gather": (("all-gather", ("context",), 1.0),),
+            "context-reduce": (("reduce-scatter", ("context",), 1.0),)}
 
 
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,
@@ -246,7 +249,8 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     compute lasts. Tensor-parallel collectives show for ``exposed_tensor`` and sit inside each
     pipeline stage, so the bubble stretches them with the compute: the bubble adds (p − 1)/(v·m)
     of the stage time (Narayanan et al. 2021, the bubble/ideal form). Pipeline permutes and
-    psums show for ``exposed_pipe``. ``efficiency`` scales the matmul efficiency further;
+    psums show for ``exposed_pipe``; ``sk.moe``'s all-to-alls and a context axis's K/V gathers
+    show whole, its ring hides behind compute like the data traffic. ``efficiency`` scales the matmul efficiency further;
     ``memory_seconds`` (``memory_bound_time``) adds the non-matmul kernels' time to compute.
     Which collective each role is, over which axes, follows ``_collective_stages``.
     Time parts: ``compute``, one per role (full collective time), ``bubble``, ``exposed``
@@ -274,7 +278,11 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     pipe = eff.exposed_pipe * (t["pipe-permute"] + t["pipe-reduce"] + t["pipe-relayout"])
     # sk.moe's experts wait for their tokens and the combine for the experts: nothing hides it.
     pipe += t.get("expert-all-to-all", 0.0)
-    hidden = (1 - eff.exposed_data) * data
+    # sk.context_attention's ring sends the next K/V block while the current one is computed
+    # (Liu et al. 2023): hidden behind compute as far as compute lasts; its all-gather
+    # strategy gathers before computing and reduces after: exposed.
+    pipe += t.get("context-gather", 0.0) + t.get("context-reduce", 0.0)
+    hidden = (1 - eff.exposed_data) * data + t.get("context-permute", 0.0)
     t["exposed"] = tensor + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
     t["step"] = critical + eff.exposed_data * data + max(0.0, hidden - t["compute"]) + pipe
     return t
