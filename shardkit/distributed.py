@@ -183,9 +183,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise ValueError(f"coordinator_address {spec.coordinator_address!r} needs a port: 'host:port'")
     if jax.distributed.is_initialized():
         return spec
-    from .mesh import _backend_started
+    from .mesh import backend_started
 
-    if _backend_started():
+    if backend_started():
         raise RuntimeError("sk.distributed.initialize() must run before any JAX computation (the device "
                            "set is fixed when JAX starts); call it at the top of the program")
     try:

@@ -32,7 +32,7 @@ def use_cpu_devices(n: int) -> None:
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"use_cpu_devices(n) needs a positive integer, got {n!r}")
-    if _backend_started():
+    if backend_started():
         have = jax.device_count()
         if have != n or jax.default_backend() != "cpu":
             raise RuntimeError(
@@ -46,10 +46,13 @@ def use_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def _backend_started() -> bool:
-    from jax._src import xla_bridge  # private, but the only way to ask without starting it
+def backend_started() -> bool:
+    """Whether JAX has started its backends (after which the device set and ``XLA_FLAGS`` are
+    fixed). Asks a private JAX function (jax 0.10 has no public query that does not start the
+    backend); if it moves this raises instead of answering wrongly."""
+    from jax._src import xla_bridge
 
-    return bool(getattr(xla_bridge, "_backends", None))
+    return xla_bridge.backends_are_initialized()
 
 
 def parse_mesh_spec(spec: MeshSpec, n_devices: int | None = None) -> list[tuple[str, int]]:

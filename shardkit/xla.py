@@ -7,6 +7,7 @@ import os
 
 import jax
 
+from .mesh import backend_started as _backend_started  # a name tests can stub
 from .plan import active_plan
 
 # XLA:GPU flags for overlapping communication with compute; each name was checked against the
@@ -89,11 +90,3 @@ def target_platform() -> str:
         if device is not None:
             return device.platform
     return jax.default_backend()
-
-
-def _backend_started() -> bool:
-    # Private in jax 0.10 (no public query that does not start the backend); if it moves this
-    # raises instead of answering wrongly.
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
