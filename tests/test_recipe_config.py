@@ -1,9 +1,12 @@
 """Run configs: TOML values under command-line flags, the resolved config written beside the
-checkpoints, and a run reproduced from its directory."""
+checkpoints, and a run reproduced from its directory. The one recipe run here also carries the
+tokenizer, TensorBoard and profiler flags (one compile for all of them)."""
 
+import gzip
 import json
 import tomllib
 
+import numpy as np
 import pytest
 
 from models.common import runconfig
@@ -48,19 +51,53 @@ def test_resnet_config_errors_are_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "optimizer = 'lamb': must be one of sgd, adamw" in err
 
 
-def test_run_reproduced_from_its_directory(tmp_path):
-    """3 steps; then `--config <run>/config.toml` with a new checkpoint directory: the same
-    losses bit for bit, and the same resolved config but for the two paths changed."""
+def test_a_run_with_everything_and_its_reproduction(tmp_path):
+    """One 4-step run with a SentencePiece tokenizer, TensorBoard, a profiler window and a
+    schedule; then `--config <run>/config.toml` with new output paths.
+
+    - tokens: the vocab follows the tokenizer (500 → 512 padded): the first loss is about
+      ln 512 ≈ 6.2 nats, not ln 256; the text was tokenised once into two token files;
+    - TensorBoard holds every step's loss, equal to the JSON lines, and the validation loss;
+      the trace of steps 2-3 marks exactly those steps;
+    - the reproduction gives the same losses bit for bit and the same resolved config but
+      for the paths changed.
+    """
+    from models.common.metrics import read_scalars
     from models.transformer.train import main
 
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from models.transformer import data as data_lib
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(data_lib.stdlib_corpus(max_bytes=1 << 20)[0][:200_000]))
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=500,
+                                             model_type="bpe", byte_fallback=True, minloglevel=2)
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(["--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--steps", "3",
+    assert main(["--tokenizer", str(tmp_path / "sp.model"), "--data", str(text), "--token-dir", str(tmp_path / "tok"),
+                 "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--steps", "4",
                  "--mesh", "data=4,tensor=2", "--lr", "5e-3", "--decay", "linear", "--warmup-steps", "1",
-                 "--eval-every", "0", "--quiet", "--checkpoint-dir", str(a), "--metrics-out", str(tmp_path / "a.jsonl")]) == 0
-    assert main(["--config", str(a / "config.toml"), "--checkpoint-dir", str(b),
+                 "--eval-every", "0", "--quiet", "--checkpoint-dir", str(a), "--metrics-out", str(tmp_path / "a.jsonl"),
+                 "--tensorboard", str(tmp_path / "tb"), "--profile-steps", "2:4"]) == 0
+    records = [json.loads(line) for line in open(tmp_path / "a.jsonl")]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4 and abs(losses[0] - np.log(512)) < 0.3
+    assert sorted(p.name.split(".", 1)[1] for p in (tmp_path / "tok").iterdir()) == ["train.u16", "val.u16"]
+
+    scalars = read_scalars(str(tmp_path / "tb"))
+    assert scalars["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records if "loss" in r]
+    assert [s for s, _ in scalars["val_loss"]] == [3] and [s for s, _ in scalars["mfu"]] == [0, 1, 2, 3]
+    traces = list((tmp_path / "tb").glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    perfetto = json.loads(gzip.decompress(next((tmp_path / "tb").glob("plugins/profile/*/perfetto_trace.json.gz"))
+                                          .read_bytes()))
+    events = perfetto["traceEvents"] if isinstance(perfetto, dict) else perfetto
+    assert {str(e.get("args", {}).get("step_num")) for e in events if e.get("name") == "train"} == {"2", "3"}
+
+    assert main(["--config", str(a / "config.toml"), "--checkpoint-dir", str(b), "--tensorboard", str(tmp_path / "tb2"),
                  "--metrics-out", str(tmp_path / "b.jsonl")]) == 0
-    losses = lambda f: [json.loads(line)["loss"] for line in open(tmp_path / f) if '"loss"' in line]  # noqa: E731
-    assert losses("b.jsonl") == losses("a.jsonl") and len(losses("a.jsonl")) == 3
+    again = [json.loads(line)["loss"] for line in open(tmp_path / "b.jsonl") if '"loss"' in line]
+    assert again == losses
     first, second = (tomllib.loads((d / "config.toml").read_text()) for d in (a, b))
-    assert {k for k in first if first[k] != second[k]} == {"checkpoint-dir", "metrics-out"}
-    assert sorted(p.name for p in b.iterdir()) == ["3", "config.toml"]
+    assert {k for k in first if first[k] != second[k]} == {"checkpoint-dir", "metrics-out", "tensorboard"}
+    assert first["tokenizer"] == str(tmp_path / "sp.model") and first["decay"] == "linear"
+    assert sorted(p.name for p in b.iterdir()) == ["4", "config.toml"]

@@ -71,24 +71,36 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path) if '"loss"' in line]
 
 
+RECIPES = {  # flags, checkpoint every, steps, module, float32 tolerance
+    "transformer": (TINY, 3, 6, "models.transformer", 1e-6),
+    "resnet": (["--depth", "10", "--width", "0.125", "--image-size", "16", "--batch", "16", "--eval-every", "0"],
+               2, 4, "models.resnet", 1e-5),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_interrupted_on_one_process_resumes_on_two(tmp_path):
-    """6 steps on one process saving at 3 and 6; drop 6 (the interruption) and resume from 3 as
-    a 2-process job (4 CPU devices each, the same 8-device mesh): steps 3-5 see the same
-    batches, so their losses match the uninterrupted run (to float32 rounding: Gloo sums
-    across processes in another order)."""
-    from models.transformer.train import main
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_interrupted_on_one_process_resumes_on_two(recipe, tmp_path):
+    """A run on one process saving every k steps; drop the last checkpoint (the interruption)
+    and resume from the one before as a 2-process job (4 CPU devices each, the same 8-device
+    mesh): the resumed steps see the same batches, so their losses match the uninterrupted run
+    (to float32 rounding: Gloo sums across processes in another order)."""
+    import importlib
 
+    flags, every, steps, module, rtol = RECIPES[recipe]
+    main = importlib.import_module(module + ".__main__").main
     ckpt = tmp_path / "ckpt"
-    flags = TINY + ["--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    flags = flags + ["--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
     assert main(flags + ["--metrics-out", str(tmp_path / "one.jsonl")]) == 0
-    shutil.rmtree(ckpt / "6")
+    shutil.rmtree(ckpt / str(steps))
     cmd = ["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch", "--processes", "2",
-           "--devices-per-process", "4", "--", sys.executable, "-m", "models.transformer", *flags,
+           "--devices-per-process", "4", "--", sys.executable, "-m", module, *flags,
            "--resume", "--metrics-out", str(tmp_path / "two.jsonl")]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    np.testing.assert_allclose(_losses(tmp_path / "two.jsonl"), _losses(tmp_path / "one.jsonl")[3:], rtol=1e-6)
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["3", "6"]  # saved by both processes
+    resumed = _losses(tmp_path / "two.jsonl")
+    assert len(resumed) == steps - every
+    np.testing.assert_allclose(resumed, _losses(tmp_path / "one.jsonl")[every:], rtol=rtol)
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [every, steps]  # saved by both

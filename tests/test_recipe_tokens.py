@@ -1,9 +1,9 @@
 """Tokenizers a user already has: a SentencePiece model trained here on the bundled text and a
-tiktoken BPE file written here, both read locally; text tokenised once into token files."""
+tiktoken BPE file written here, both read locally; text tokenised once into token files. A recipe
+run from SentencePiece tokens is in tests/test_recipe_config.py."""
 
 import base64
 import collections
-import json
 import re
 
 import numpy as np
@@ -79,18 +79,3 @@ def test_bad_tokenizer_files(tmp_path, capsys):
     assert main(["--tokenizer", str(tmp_path / "junk.model"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: --tokenizer:"), err
-
-
-def test_recipe_trains_from_sentencepiece_tokens(sp_model, text, tmp_path):
-    """3 steps from the SentencePiece token files: the vocab follows the tokenizer (500 → 512
-    padded), so the first loss is about ln 512 ≈ 6.2 nats, not ln 256."""
-    from models.transformer.train import main
-
-    metrics = tmp_path / "m.jsonl"
-    argv = ["--tokenizer", str(sp_model), "--data", str(text), "--token-dir", str(tmp_path / "tok"),
-            "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "16", "--steps", "3",
-            "--eval-every", "0", "--quiet", "--mesh", "data=8", "--metrics-out", str(metrics)]
-    assert main(argv) == 0
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
-    assert len(losses) == 3 and abs(losses[0] - np.log(512)) < 0.3
-    assert sorted(p.name.split(".", 1)[1] for p in (tmp_path / "tok").iterdir()) == ["train.u16", "val.u16"]

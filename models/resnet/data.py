@@ -117,7 +117,7 @@ class SyntheticBatches(Loader):
     def __init__(self, batch_size: int, image_shape: tuple[int, int, int], num_classes: int, *,
                  seed: int = 0, position: dict | None = None, process_index: int | None = None,
                  process_count: int | None = None):
-        def draw(i, rng):
+        def draw(_, rng):  # the element is always 0; Grain seeds rng with the example's index
             return {"image": rng.standard_normal(image_shape, dtype=np.float32),
                     "label": np.int32(rng.integers(0, num_classes))}
         examples = grain.MapDataset.range(1).repeat().random_map(draw, seed=seed)

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from shardkit import explain
@@ -128,8 +129,9 @@ class Evaluator:
     def predict(self, state: sk.TrainState, images: np.ndarray) -> np.ndarray:
         """Class predictions for ``images`` (any count; the last call is padded)."""
         graphdef, variables = nnx.split(self.step.model(state))
-        if self._fn is None:
-            self._fn = jax.jit(lambda v, x: nnx.merge(graphdef, v)(x, train=False).argmax(-1))
+        if self._fn is None:  # predictions replicated: every process reads them from its own devices
+            self._fn = jax.jit(lambda v, x: nnx.merge(graphdef, v)(x, train=False).argmax(-1),
+                               out_shardings=self.plan.sharding(P()))
         out = []
         for start in range(0, len(images), self.batch_size):
             x = images[start:start + self.batch_size]
@@ -138,7 +140,7 @@ class Evaluator:
                 x = np.concatenate([x, np.zeros((self.batch_size - n,) + x.shape[1:], x.dtype)])
             x = jax.device_put(x, self.plan.batch_shardings(x))
             with self.plan.active():
-                out.append(np.asarray(self._fn(variables, x))[:n])
+                out.append(np.asarray(self._fn(variables, x).addressable_data(0))[:n])
         return np.concatenate(out) if out else np.zeros((0,), np.int32)
 
     def accuracy(self, state: sk.TrainState, images: np.ndarray, labels: np.ndarray) -> float:
