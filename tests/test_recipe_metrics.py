@@ -1,8 +1,6 @@
 """TensorBoard scalars beside the JSON lines, and a jax.profiler trace of a window of steps (a
 recipe run writing both is in tests/test_recipe_config.py)."""
 
-import json
-
 import pytest
 
 from models.common.metrics import MetricsWriter, Profiler, read_scalars
