@@ -25,7 +25,7 @@ def test_third_party_model_trains_under_user_rules(capsys):
     assert r"Conv_\d+/kernel$" in out and "tensor" in out
     assert "collectives executed per step" in out and "all-gather" in out
     # same initial variables, same batches: the channel-parallel run follows data parallel
-    # (float32 rounding grows through BatchNorm on the digits' near-constant borders; measured
-    # at most 1e-5 over three steps)
+    # (measured within 1e-5 over three steps at batch 32; the model's E[x²] − E[x]² BatchNorm
+    # variance makes longer runs or smaller batches drift apart: see the example's docstring)
     np.testing.assert_allclose(losses["channels"], losses["dp"], atol=1e-4)
     assert losses["dp"][-1] < losses["dp"][0]
