@@ -51,6 +51,7 @@ def test_resnet_config_errors_are_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "optimizer = 'lamb': must be one of sgd, adamw" in err
 
 
+@pytest.mark.slow
 def test_a_run_with_everything_and_its_reproduction(tmp_path):
     """One 4-step run with a SentencePiece tokenizer, TensorBoard, a profiler window and a
     schedule; then `--config <run>/config.toml` with new output paths.
