@@ -57,17 +57,22 @@ def plain_adam(steps: int):
     return np.array(losses), p
 
 
+def run3(step):
+    """Three steps from ``params0`` on ``batch0``: the final state, the losses, the last metrics."""
+    state, losses = step.init(params0()), []
+    for _ in range(3):
+        state, m = step(state, batch0())
+        losses.append(float(m["loss"]))
+    return state, losses, m
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_one_device_layouts_match_plain_jax(one, zero):
     """fp32 on one device: the step equals plain JAX + Optax to 1e-5 (reduction order only)."""
     plan = sk.Plan(sk.make_mesh("data=1,tensor=1", devices=one), rules=[(r"w1", (None, "tensor")),
                    (r"w2", ("tensor", None)), (r".*", ())], axis_rules={"batch": "data"}, zero=zero)
     step = sk.train_step(plan, optax.adam(1e-2))(mlp_loss)
-    state = step.init(params0())
-    losses = []
-    for _ in range(3):
-        state, m = step(state, batch0())
-        losses.append(float(m["loss"]))
+    state, losses, m = run3(step)
     ref_losses, ref = plain_adam(3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for k in ref:
@@ -80,11 +85,7 @@ def test_bf16_precision_keeps_f32_master_and_tracks_fp32(one):
     plan = sk.Plan(sk.make_mesh("data=1", devices=one), rules=[(r".*", ())], axis_rules={"batch": "data"},
                    precision="bf16")
     step = sk.train_step(plan, optax.adam(1e-2))(mlp_loss)
-    state = step.init(params0())
-    losses = []
-    for _ in range(3):
-        state, m = step(state, batch0())
-        losses.append(float(m["loss"]))
+    state, losses, m = run3(step)
     assert state.params["w1"].dtype == jnp.float32 and m["loss"].dtype == jnp.float32
     np.testing.assert_allclose(losses, plain_adam(3)[0], rtol=2e-2)
     assert not np.allclose(np.asarray(state.params["w1"]), params0()["w1"])
