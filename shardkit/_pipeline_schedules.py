@@ -10,6 +10,7 @@ Conventions: ``p`` stages, ``m`` microbatches, ``v`` repeats (layer groups per d
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -103,9 +104,11 @@ def _one_f_one_b_order(p: int, s: int, m: int) -> list[tuple[int, int]]:
     return ops
 
 
+@functools.lru_cache(maxsize=256)
 def one_f_one_b_table(p: int, m: int) -> OneFOneBTable:
     """Simulates PipeDream-flush 1F1B: each stage runs its op list in order, an op starting
-    once its inputs arrived (ppermute takes one tick). Takes ``2 (m + p - 1)`` ticks."""
+    once its inputs arrived (ppermute takes one tick). Takes ``2 (m + p - 1)`` ticks. Cached
+    (``sk.search`` asks for the same tables thousands of times): treat the arrays as read-only."""
     orders = [_one_f_one_b_order(p, s, m) for s in range(p)]
     pos = [0] * p
     f_done: dict[tuple[int, int], int] = {}
@@ -162,9 +165,11 @@ def one_f_one_b_table(p: int, m: int) -> OneFOneBTable:
                 recv_act[tt, s] = mb[tt - 1, s - 1] % act_ring
             if s < p - 1 and kind[tt - 1, s + 1] == BWD:
                 recv_grad[tt, s] = mb[tt - 1, s + 1] % grad_ring
-    return OneFOneBTable(op=op, mb=mbz.astype(np.int32), act_slot=(mbz % act_ring).astype(np.int32),
-                         grad_slot=(mbz % grad_ring).astype(np.int32), recv_act=recv_act,
-                         recv_grad=recv_grad, act_ring=act_ring, grad_ring=grad_ring)
+    arrays = dict(op=op, mb=mbz.astype(np.int32), act_slot=(mbz % act_ring).astype(np.int32),
+                  grad_slot=(mbz % grad_ring).astype(np.int32), recv_act=recv_act, recv_grad=recv_grad)
+    for a in arrays.values():
+        a.flags.writeable = False  # shared by every caller through the cache
+    return OneFOneBTable(**arrays, act_ring=act_ring, grad_ring=grad_ring)
 
 
 def bubble_fraction(busy: np.ndarray) -> float:
