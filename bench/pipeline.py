@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardkit import _pipeline_schedules as sched  # noqa: E402
+from shardkit.pipeline import schedules as sched  # noqa: E402
 from shardkit.mesh import make_mesh  # noqa: E402
 from shardkit.pipeline import pipeline  # noqa: E402
 

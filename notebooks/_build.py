@@ -122,7 +122,7 @@ NOTEBOOKS = {
         ("md", "# 05 — Pipeline schedules and bubbles\n\nGPipe's bubble is (p−1)/(m+p−1) of the "
                "time; circular with v repeats (p−1)/(v·m+p−1); 1F1B has GPipe's bubble but keeps "
                "at most p microbatches of activations."),
-        ("code", SETUP + "\nimport jax, jax.numpy as jnp\nimport numpy as np\nfrom shardkit import _pipeline_schedules as sched"),
+        ("code", SETUP + "\nimport jax, jax.numpy as jnp\nimport numpy as np\nfrom shardkit.pipeline import schedules as sched"),
         ("code", 'p, m = 4, 8\nfor name, v in (("gpipe", 1), ("circular", 2)):\n'
                  '    tab = sched.forward_table(p, m, v)\n    busy = tab.item >= 0\n'
                  '    print(f"{name:9s} ticks={busy.shape[0]} bubble={1 - busy.mean():.3f} formula={(p - 1) / (v * m + p - 1):.3f}")'),

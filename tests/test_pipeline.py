@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
-from shardkit import _pipeline_schedules as sched
+from shardkit.pipeline import schedules as sched
 from shardkit.mesh import make_mesh
 from shardkit.pipeline import pipeline
 

@@ -7,11 +7,11 @@ its trace note (``plan.note("pipeline", ...)``) and the leaves' specs; nothing i
 from __future__ import annotations
 
 
-from .. import _pipeline_schedules as sched
+from ..pipeline import schedules as sched
 
 
 def pipeline_ticks(note: dict) -> int:
-    """Ticks of the schedule table ``sk.pipeline`` scans (``_pipeline_schedules``)."""
+    """Ticks of the schedule table ``sk.pipeline`` scans (``pipeline.schedules``)."""
     p, m, v = note["stages"], note["microbatches"], note.get("repeats", 1)
     if note["schedule"] == "1f1b":
         return int(sched.one_f_one_b_table(p, m).op.shape[0])

@@ -17,12 +17,15 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from . import _pipeline_schedules as sched
-from ._pipeline_schedules import ONE_F_ONE_B_SCOPE
+from . import schedules as sched
+from .forward import forward
+from .schedules import ONE_F_ONE_B_SCOPE
+from .stage import mean_loss, put, row_spec, take, varying
 
 
 def _acc_dtype(dtype):
@@ -40,8 +43,6 @@ def _add(acc, d):
 def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb, rng, *,
                       mesh, axis, data, p, m):
     """Returns (mean loss, (d params_s, d loss_params, d x_mb)) for a 1F1B pipeline."""
-    from .pipeline import _put, _row_spec, _take, _varying
-
     tab = sched.one_f_one_b_table(p, m)
     down = [(s, s + 1) for s in range(p - 1)]
     up = [(s + 1, s) for s in range(p - 1)]
@@ -53,7 +54,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
         # Varying before the switch: the transpose of an implicit invariant->varying cast is a
         # psum, which must not end up inside a branch only some stages take (nor, over data,
         # inside the loop at all: the data reduction is the one psum after the scan).
-        params_l, loss_params, x_mb, extras_mb, targets_mb = _varying(
+        params_l, loss_params, x_mb, extras_mb, targets_mb = varying(
             (jax.tree.map(lambda a: a[0], params_l), loss_params, x_mb, extras_mb, targets_mb),
             everywhere)  # params_l: (v=1, k, ...)
         zero_h = jnp.zeros_like(x_mb[0])
@@ -61,18 +62,18 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
                                               tab.recv_act, tab.recv_grad))
 
         def stage_out(P_, h, mb):
-            return chunk(P_, 0, h, stage, mb, _take(extras_mb, mb))
+            return chunk(P_, 0, h, stage, mb, take(extras_mb, mb))
 
         def stage_loss(P_, LP, h, mb):
-            return loss_fn(LP, stage_out(P_, h, mb), _take(targets_mb, mb)).astype(jnp.float32)
+            return loss_fn(LP, stage_out(P_, h, mb), take(targets_mb, mb)).astype(jnp.float32)
 
         def tick(carry, row):
             op, mb, a_slot, g_slot, r_act, r_grad = (r[stage] for r in row)
             recv_h, recv_g, act_ring, grad_ring, acc = carry
-            act_ring = _put(act_ring, recv_h, r_act)
-            grad_ring = _put(grad_ring, recv_g, r_grad)
-            h = jnp.where(stage == 0, _take(x_mb, mb), _take(act_ring, a_slot))
-            g = _take(grad_ring, g_slot)
+            act_ring = put(act_ring, recv_h, r_act)
+            grad_ring = put(grad_ring, recv_g, r_grad)
+            h = jnp.where(stage == 0, take(x_mb, mb), take(act_ring, a_slot))
+            g = take(grad_ring, g_slot)
 
             def idle(acc):
                 return zero_h, zero_h, acc
@@ -91,13 +92,13 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
 
             def bwd_last(acc):
                 _, vjp = jax.vjp(lambda P_, LP, h: stage_loss(P_, LP, h, mb), params_l, loss_params, h)
-                d_p, d_l, d_h = vjp(_varying(jnp.float32(1.0 / (m * n_data)), everywhere))
+                d_p, d_l, d_h = vjp(varying(jnp.float32(1.0 / (m * n_data)), everywhere))
                 return zero_h, d_h, _grads(acc, d_p, d_l, d_h)
 
             def _grads(acc, d_p, d_l, d_h):
                 gp, gl, gx, loss = acc
                 gl = gl if d_l is None else _add(gl, d_l)
-                gx = _put(gx, d_h, jnp.where(stage == 0, mb, m))  # only stage 0 owns dx
+                gx = put(gx, d_h, jnp.where(stage == 0, mb, m))  # only stage 0 owns dx
                 return _add(gp, d_p), gl, gx, loss
 
             # The scope names the switch in the compiled HLO, so explain() can weight its
@@ -111,7 +112,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
 
         acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
                jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
-        init = _varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
+        init = varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
                          jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), everywhere)
         *_, (gp, gl, gx, loss) = lax.scan(tick, init, rows)[0]
         if data:  # the one reduction over data per step
@@ -121,7 +122,7 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
         gp = jax.tree.map(lambda a: a[None], gp)
         return loss, (gp, gl, gx)
 
-    spec, row = P(axis), _row_spec(data)
+    spec, row = P(axis), row_spec(data)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     rows_of = lambda t: jax.tree.map(lambda _: row, t)  # noqa: E731
     loss, (gp, gl, gx) = jax.shard_map(
@@ -132,3 +133,32 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
     )(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)
     cast = lambda d, a: d.astype(jnp.result_type(a))  # noqa: E731
     return loss, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))
+
+
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb, rng, *,
+                 mesh, axis, data, p, m):
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
+                         (extras_mb, targets_mb, rng))
+
+    def primal(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
+        y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=1)
+        return mean_loss(loss_fn, loss_params, y_mb, targets_mb)
+
+    def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
+        loss, grads = one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb,
+                                        targets_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
+        return loss, grads
+
+    def bwd(grads, g):
+        scaled = jax.tree.map(lambda d: (d * g).astype(d.dtype), grads)
+        return (*scaled, *jax.tree.map(_zero_cotangent, avals))
+
+    run = jax.custom_vjp(primal)
+    run.defvjp(fwd, bwd)
+    return run(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)

@@ -9,7 +9,7 @@ How it runs: a ``jax.shard_map`` that is manual over the pipe axis and the *data
 batch axes among ``replica``/``data``/``fsdp``: ``batch_axes=``, by default the active plan's),
 while ``tensor`` (and any other axis) stays under the compiler, so TP inside a stage works as
 before. Every schedule
-is a numpy table (``_pipeline_schedules``) with one row per tick; a ``lax.scan`` walks the rows,
+is a numpy table (``schedules``) with one row per tick; a ``lax.scan`` walks the rows,
 each device reads its own column, runs its layer group through ``lax.cond``/``lax.switch`` (an
 idle device skips the compute) and hands activations on with ``lax.ppermute``.
 
@@ -67,16 +67,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from . import _pipeline_schedules as sched
-from .plan import note, noting
+from ..plan import note, noting
+from .explicit import one_f_one_b
+from .forward import forward
+from .stage import REMAT, chunk_runner, mean_loss, merge, split, stage_residuals
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
-_REMAT = {"none": None, "full": "full", "dots": jax.checkpoint_policies.dots_saveable,
-          "dots_saveable": jax.checkpoint_policies.dots_saveable}
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
 
@@ -136,28 +133,28 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     L = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                     extras, targets, rng)
     k = L // (p * v)
-    chunk = _chunk_runner(stage_fn, k, m, p, extras is not None, rng, remat)
+    chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat)
     # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
     # a plain reshape of the contiguous layer sharding.
     params_s = jax.tree.map(
         lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
-    x_mb, extras_mb, targets_mb = _split(x, m), _split(extras, m), _split(targets, m)
+    x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
             "data_axes": data}
     if schedule == "1f1b" and rng is None and noting():
         try:
-            info["stage_residuals"] = _stage_residuals(chunk, params_s, x_mb, extras_mb,
+            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb,
                                                        math.prod(mesh.shape[a] for a in data))
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     note("pipeline", info)
     if schedule == "1f1b":
-        return _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
+        return one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
                             rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
-    y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
+    y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
-        return _merge(y_mb)
-    return _mean_loss(loss_fn, loss_params, y_mb, targets_mb)
+        return merge(y_mb)
+    return mean_loss(loss_fn, loss_params, y_mb, targets_mb)
 
 
 def _resolve_mesh(mesh, axis):
@@ -179,7 +176,7 @@ def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:
     if batch_axes is None:
         if rng is not None:
             return ()
-        from .plan import active_plan
+        from ..plan import active_plan
 
         plan = active_plan()
         same = plan is not None and tuple(plan.mesh.axis_names) == tuple(mesh.axis_names)
@@ -203,8 +200,8 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
                 extras, targets, rng) -> int:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
-    if remat not in _REMAT:
-        raise ValueError(f"unknown remat {remat!r}; choose one of {tuple(_REMAT)}")
+    if remat not in REMAT:
+        raise ValueError(f"unknown remat {remat!r}; choose one of {tuple(REMAT)}")
     if schedule == "1f1b" and loss_fn is None:
         raise ValueError("schedule='1f1b' needs loss_fn (and loss_params/targets): its backward "
                          "runs inside the pipeline, interleaved with the forward. Pass loss_fn, or "
@@ -255,182 +252,3 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
                          "output to the next layer, so project to another width outside "
                          "pipeline() (before it, or in loss_fn)")
     return L
-
-
-def _split(tree, m):
-    """(B, ...) -> (m, B/m, ...) with microbatch i = rows i, i+m, ... (keeps data sharding)."""
-    return jax.tree.map(
-        lambda a: jnp.swapaxes(a.reshape((a.shape[0] // m, m) + a.shape[1:]), 0, 1), tree)
-
-
-def _merge(a):
-    return jnp.swapaxes(a, 0, 1).reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
-
-
-def _mean_loss(loss_fn, loss_params, y_mb, targets_mb):
-    losses = jax.vmap(lambda y, t: loss_fn(loss_params, y, t))(y_mb, targets_mb)
-    return jnp.mean(losses.astype(jnp.float32))
-
-
-def _chunk_runner(stage_fn, k, m, p, has_extras, rng, remat):
-    """chunk(params_l (v, k, ...), rep, h, group, mb, extras_mb) runs group ``rep``'s k layers."""
-
-    def chunk(params_l, rep, h, group, mb, extras_mb):
-        def layer(h, xs):
-            lp, j = xs
-            kw = {}
-            if has_extras:
-                kw["extras"] = extras_mb
-            if rng is not None:
-                kw["rng"] = jax.random.fold_in(jax.random.fold_in(rng, group * k + j), mb)
-            return stage_fn(lp, h, **kw), None
-
-        # The weights are the scan's xs: autodiff then reads them from the operand in the
-        # backward (a residual that is an xs slice is forwarded, not stacked). Slicing them
-        # inside the body instead makes every slice a saved residual — a copy of the stage's
-        # weights per tick (GPipe) or per backward op (1F1B).
-        weights = jax.tree.map(lambda a: a[rep], params_l)
-        return lax.scan(layer, h, (weights, jnp.arange(k)))[0]
-
-    return _remat(chunk, remat)
-
-
-def _stage_residuals(chunk, params_s, x_mb, extras_mb, n_data) -> list[tuple[tuple[int, ...], Any]]:
-    """For ``explain()``: the residuals (shape, dtype) one device's layer group saves for one
-    microbatch — what a 1F1B backward op rebuilds and holds while it runs. Shapes are local in
-    the manual axes (pipe, data), global in the others. Traced here, while the step is traced
-    (the stage may close over the step's values)."""
-    from jax._src.ad_checkpoint import saved_residuals
-
-    def local(a):
-        return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))
-
-    params_l = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)), params_s)
-    h, extras = local(x_mb), jax.tree.map(local, extras_mb)
-    res = saved_residuals(lambda P_, h, e: chunk(P_, 0, h, 0, 0, e), params_l, h, extras)
-    weights = {tuple(a.shape[2:]) for a in jax.tree.leaves(params_s)}  # the group's (k, ...) stacks
-    return [(tuple(a.shape), a.dtype) for a, where in res
-            if "from the argument" not in where and tuple(a.shape) not in weights]
-
-
-# Ops that only move or re-type data: never saved for the backward (recomputed there, free of
-# flops), so that nothing derived from a layer's weights — a reshape, a transpose, a cast, the
-# circular schedule's per-tick slice of its layer group — is stacked once per tick.
-_STRUCTURAL = frozenset({"dynamic_slice", "slice", "gather", "reshape", "squeeze", "expand_dims",
-                         "broadcast_in_dim", "transpose", "convert_element_type", "copy", "name"})
-
-
-def _save_all_but_structural(prim, *_, **__) -> bool:
-    return prim.name not in _STRUCTURAL
-
-
-def _remat(fn, remat):
-    if remat == "none":
-        return jax.checkpoint(fn, policy=_save_all_but_structural)
-    if remat == "full":
-        return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=_REMAT[remat])
-
-
-def _varying(tree, axes):
-    """Marks values as varying over ``axes`` (scan carries and switch inputs need it)."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-    def cast(a):
-        missing = tuple(x for x in axes if x not in jax.typeof(a).mat.varying)
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(cast, tree)
-
-
-def _row_spec(data, lead=1):
-    """Spec of a (m, rows, ...) microbatch stack (``lead`` = dims before the rows)."""
-    return P(*([None] * lead), data) if data else P()
-
-
-def _take(tree, i):
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
-
-
-def _put(buf, val, i):
-    return lax.dynamic_update_index_in_dim(buf, val, i, 0)
-
-
-def _forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, data, p, m, v):
-    """GPipe / circular forward; returns y as (m, B/m, ...). Backward via autodiff."""
-    tab = sched.forward_table(p, m, v)
-    shift = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
-    # Idle ticks compute too (on real activations; the result is discarded): a lax.cond here
-    # would hide from the scan that the weights are loop-invariant, so autodiff would save a
-    # copy of the stage's weights per tick. In lockstep SPMD the idle stage waits anyway.
-
-    def body(params_l, x_mb, extras_mb, rng):
-        stage = lax.axis_index(axis)
-        # Data-varying here, once: its transpose is the one psum over data after the loop.
-        params_l = _varying(jax.tree.map(lambda a: a[0], params_l), data)  # (v, k, ...)
-        x_mb, extras_mb = _varying((x_mb, extras_mb), (axis, *data))
-        zero_h = jnp.zeros_like(x_mb[0])
-        rows = tuple(jnp.asarray(a) for a in (tab.item, tab.loop_slot, tab.out_slot))
-
-        def tick(carry, row):
-            recv_h, loop_buf, out_buf = carry
-            item, loop_slot, out_slot = (r[stage] for r in row)
-            it = jnp.maximum(item, 0)
-            # A static rep for v == 1 keeps the weights loop-invariant: autodiff then saves
-            # them once, not once per tick.
-            mb, rep = it % m, (it // m if v > 1 else 0)
-            if v > 1:  # stage 0 parks the activation coming back from the last stage
-                loop_buf = _put(loop_buf, recv_h, loop_slot)
-                first_h = jnp.where(rep == 0, _take(x_mb, mb), _take(loop_buf, mb))
-            else:
-                first_h = _take(x_mb, mb)
-            h = jnp.where(stage == 0, first_h, recv_h)
-            y = chunk(params_l, rep, h, rep * p + stage, mb, _take(extras_mb, mb))
-            out_buf = _put(out_buf, y, out_slot)
-            recv_h = lax.ppermute(y, axis, shift) if shift else y
-            return (recv_h, loop_buf, out_buf), None
-
-        bufs = jnp.zeros((m + 1,) + zero_h.shape, zero_h.dtype)
-        loop_buf = bufs if v > 1 else jnp.zeros((), zero_h.dtype)
-        init = _varying((zero_h, loop_buf, bufs), (axis, *data))
-        _, _, out_buf = lax.scan(tick, init, rows)[0]
-        return out_buf[None, :m]
-
-    spec, rows = P(axis), _row_spec(data)
-    out = jax.shard_map(
-        body, mesh=mesh, axis_names={axis, *data},
-        in_specs=(jax.tree.map(lambda _: spec, params_s), rows, jax.tree.map(lambda _: rows, extras_mb),
-                  None if rng is None else P()),
-        out_specs=P(axis, None, data) if data else spec)(params_s, x_mb, extras_mb, rng)
-    return out[p - 1]  # only the last stage's buffer holds the outputs
-
-
-def _zero_cotangent(a):
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-        return jnp.zeros(a.shape, a.dtype)
-    return np.zeros(a.shape, jax.dtypes.float0)
-
-
-def _one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb, rng, *,
-                 mesh, axis, data, p, m):
-    from ._pipeline_1f1b import one_f_one_b_grads
-
-    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
-                         (extras_mb, targets_mb, rng))
-
-    def primal(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        y_mb = _forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=1)
-        return _mean_loss(loss_fn, loss_params, y_mb, targets_mb)
-
-    def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        loss, grads = one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb,
-                                        targets_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
-        return loss, grads
-
-    def bwd(grads, g):
-        scaled = jax.tree.map(lambda d: (d * g).astype(d.dtype), grads)
-        return (*scaled, *jax.tree.map(_zero_cotangent, avals))
-
-    run = jax.custom_vjp(primal)
-    run.defvjp(fwd, bwd)
-    return run(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)

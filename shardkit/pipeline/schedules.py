@@ -1,6 +1,6 @@
 """Pipeline schedule tables: which stage does what at every tick, as plain numpy.
 
-The tables are the single source of truth: ``pipeline.py`` scans over their rows (each device
+The tables are the single source of truth: the executors (``forward``, ``explicit``) scan over their rows (each device
 reads its own column), and ``bench/pipeline.py`` counts their idle cells to measure the bubble.
 Nothing here touches JAX, so the tables can be checked by eye or by a test without devices.
 

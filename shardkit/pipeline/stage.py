@@ -1,0 +1,123 @@
+"""What every pipeline executor shares: a stage's layer group as one function, the microbatch
+split, and the small shard_map helpers (row specs, ring-buffer take/put, varying casts).
+
+A *stage chunk* is ``k`` consecutive layers (one layer group); device ``s`` holds the groups
+``s, s+p, s+2p, ...`` stacked as ``(v, k, ...)`` (``v`` chunks per device).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+REMAT = {"none": None, "full": "full", "dots": jax.checkpoint_policies.dots_saveable,
+         "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+def split(tree, m):
+    """(B, ...) -> (m, B/m, ...) with microbatch i = rows i, i+m, ... (keeps data sharding)."""
+    return jax.tree.map(
+        lambda a: jnp.swapaxes(a.reshape((a.shape[0] // m, m) + a.shape[1:]), 0, 1), tree)
+
+
+def merge(a):
+    """Inverse of ``split`` for one array: (m, B/m, ...) -> (B, ...)."""
+    return jnp.swapaxes(a, 0, 1).reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
+def mean_loss(loss_fn, loss_params, y_mb, targets_mb):
+    """Mean over microbatches of ``loss_fn`` on each, in float32."""
+    losses = jax.vmap(lambda y, t: loss_fn(loss_params, y, t))(y_mb, targets_mb)
+    return jnp.mean(losses.astype(jnp.float32))
+
+
+def chunk_runner(stage_fn, k, has_extras, rng, remat):
+    """chunk(params_l (v, k, ...), rep, h, group, mb, extras_mb) runs chunk ``rep``'s k layers
+    (``group`` is its global layer-group index, for the rng fold)."""
+
+    def chunk(params_l, rep, h, group, mb, extras_mb):
+        def layer(h, xs):
+            lp, j = xs
+            kw = {}
+            if has_extras:
+                kw["extras"] = extras_mb
+            if rng is not None:
+                kw["rng"] = jax.random.fold_in(jax.random.fold_in(rng, group * k + j), mb)
+            return stage_fn(lp, h, **kw), None
+
+        # The weights are the scan's xs: autodiff then reads them from the operand in the
+        # backward (a residual that is an xs slice is forwarded, not stacked). Slicing them
+        # inside the body instead makes every slice a saved residual — a copy of the stage's
+        # weights per tick (GPipe) or per backward op (1F1B).
+        weights = jax.tree.map(lambda a: a[rep], params_l)
+        return lax.scan(layer, h, (weights, jnp.arange(k)))[0]
+
+    return with_remat(chunk, remat)
+
+
+def stage_residuals(chunk, params_s, x_mb, extras_mb, n_data) -> list[tuple[tuple[int, ...], Any]]:
+    """For ``explain()``: the residuals (shape, dtype) one device's layer group saves for one
+    microbatch — what an explicit backward op rebuilds and holds while it runs. Shapes are
+    local in the manual axes (pipe, data), global in the others. Traced while the step is
+    traced (the stage may close over the step's values)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    def local(a):
+        return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))
+
+    params_l = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)), params_s)
+    h, extras = local(x_mb), jax.tree.map(local, extras_mb)
+    res = saved_residuals(lambda P_, h, e: chunk(P_, 0, h, 0, 0, e), params_l, h, extras)
+    weights = {tuple(a.shape[2:]) for a in jax.tree.leaves(params_s)}  # the group's (k, ...) stacks
+    return [(tuple(a.shape), a.dtype) for a, where in res
+            if "from the argument" not in where and tuple(a.shape) not in weights]
+
+
+# Ops that only move or re-type data: never saved for the backward (recomputed there, free of
+# flops), so that nothing derived from a layer's weights — a reshape, a transpose, a cast, the
+# circular schedule's per-tick slice of its layer group — is stacked once per tick.
+_STRUCTURAL = frozenset({"dynamic_slice", "slice", "gather", "reshape", "squeeze", "expand_dims",
+                         "broadcast_in_dim", "transpose", "convert_element_type", "copy", "name"})
+
+
+def _save_all_but_structural(prim, *_, **__) -> bool:
+    return prim.name not in _STRUCTURAL
+
+
+def with_remat(fn, remat):
+    """``fn`` under the ``remat`` policy (a key of ``REMAT``)."""
+    if remat == "none":
+        return jax.checkpoint(fn, policy=_save_all_but_structural)
+    if remat == "full":
+        return jax.checkpoint(fn)
+    return jax.checkpoint(fn, policy=REMAT[remat])
+
+
+def varying(tree, axes):
+    """Marks values as varying over ``axes`` (scan carries and switch inputs need it)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def cast(a):
+        missing = tuple(x for x in axes if x not in jax.typeof(a).mat.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
+
+
+def row_spec(data, lead=1):
+    """Spec of a (m, rows, ...) microbatch stack (``lead`` = dims before the rows)."""
+    return P(*([None] * lead), data) if data else P()
+
+
+def take(tree, i):
+    """Row ``i`` of every leaf (a dynamic index)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def put(buf, val, i):
+    """``buf`` with row ``i`` replaced by ``val``."""
+    return lax.dynamic_update_index_in_dim(buf, val, i, 0)
