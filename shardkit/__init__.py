@@ -19,6 +19,7 @@ from .mesh import parse_mesh_spec as parse_mesh_spec
 from .mesh import use_cpu_devices as use_cpu_devices
 from .moe import moe as moe
 from .pipeline import pipeline as pipeline
+from .pipeline import pipeline_schedule as pipeline_schedule
 from .plan import Plan as Plan
 from .plan import active_plan as active_plan
 from .plan import constrain as constrain

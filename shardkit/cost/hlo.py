@@ -305,10 +305,12 @@ def _split_tuple(text: str) -> list[str]:
 
 
 def pipeline_branch_weights(note: dict) -> dict[int, list[float]] | None:
-    """1F1B's ``lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last])``: the fraction of
-    (tick, stage) cells of the schedule table with each op, for the conditional inside
-    ``sched.ONE_F_ONE_B_SCOPE`` only."""
-    if note.get("schedule") != "1f1b":
+    """The explicit pipeline executor's per-tick ``lax.switch`` (1F1B, interleaved 1F1B,
+    ZB-H1): the fraction of (tick, stage) cells of the schedule table taking each branch, for
+    the conditional inside ``sched.EXPLICIT_SCOPE`` only."""
+    if note.get("schedule") not in sched.EXPLICIT:
         return None
-    op = sched.one_f_one_b_table(note["stages"], note["microbatches"]).op
-    return {sched.ONE_F_ONE_B_SCOPE: [float(np.mean(op == k)) for k in range(5)]}
+    tab = sched.pipeline_schedule(note["schedule"], note["stages"], note["microbatches"],
+                                  note.get("repeats", 1))
+    pairs, index = sched.switch_branches(tab)
+    return {sched.EXPLICIT_SCOPE: [float(np.mean(index == k)) for k in range(len(pairs))]}

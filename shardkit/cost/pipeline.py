@@ -1,21 +1,56 @@
 """What ``sk.pipeline`` costs per device, for the step estimate (``fromstep``) and the
-analytic model (``formulas``): its schedule's ticks, the buffers it holds beside the saved
-residuals, the 1F1B loop's working set, and the collectives it issues. Everything is read off
-its trace note (``plan.note("pipeline", ...)``) and the leaves' specs; nothing is compiled.
+analytic model (``formulas``): its schedule's ticks and bubble, the buffers it holds beside the
+saved residuals, the explicit-backward loop's working set and recompute, and the collectives it
+issues. Everything is read off its trace note (``plan.note("pipeline", ...)``), the schedule
+table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothing is compiled.
 """
 
 from __future__ import annotations
 
-
 from ..pipeline import schedules as sched
 
 
+def schedule_table(note: dict) -> sched.Schedule:
+    """The table ``sk.pipeline`` executes for this note (GPipe/circular: forward + mirror)."""
+    return sched.pipeline_schedule(note["schedule"], note["stages"], note["microbatches"],
+                                   note.get("repeats", 1))
+
+
+def is_explicit(note: dict) -> bool:
+    """The schedule runs its backward inside the pipeline (1F1B, interleaved 1F1B, ZB-H1):
+    one ``lax.switch`` branch per tick, stage inputs in rings, the forward recomputed."""
+    return note["schedule"] in sched.EXPLICIT
+
+
 def pipeline_ticks(note: dict) -> int:
-    """Ticks of the schedule table ``sk.pipeline`` scans (``pipeline.schedules``)."""
+    """Ticks of the table ``sk.pipeline`` scans: the explicit schedules' whole table, the
+    GPipe/circular forward table (autodiff mirrors it)."""
     p, m, v = note["stages"], note["microbatches"], note.get("repeats", 1)
-    if note["schedule"] == "1f1b":
-        return int(sched.one_f_one_b_table(p, m).op.shape[0])
+    if is_explicit(note):
+        return schedule_table(note).ticks
     return int(sched.forward_table(p, m, v).item.shape[0])
+
+
+def pipeline_bubble(note: dict) -> float:
+    """Idle over busy (tick, stage) cells of the executed table: the bubble as a fraction of
+    the ideal time, (p-1)/m for GPipe and 1F1B, (p-1)/(v·m) interleaved (Narayanan et al.
+    2021), (p-1)/(3m) for ZB-H1 (Qi et al. 2024, unit F = B = W slots)."""
+    f = schedule_table(note).bubble_fraction
+    return f / (1.0 - f)
+
+
+def recompute_factor(note: dict, layers_per_chunk: int) -> float:
+    """Flops of the layers per step over the un-pipelined model's (forward F, backward 2F,
+    split B = W = F; Qi et al. 2024). 1F1B and interleaved 1F1B: the fused backward op
+    recomputes the chunk's forward, 4F/3F. ZB-H1: B and W are separate VJPs, each recomputing
+    the chunk's forward from its saved input (keeping B's per-layer residuals for W would cost
+    the memory the split saves); W also re-derives the input cotangents inside the chunk (all
+    but its first layer's), so F + (F + B) + (F + B·(k-1)/k + W) = (5 + (k-1)/k)F over 3F.
+    GPipe/circular: 1 (their idle-tick compute is counted apart, from the ticks)."""
+    if note["schedule"] == "zb-h1":
+        k = max(layers_per_chunk, 1)
+        return (5.0 + (k - 1) / k) / 3.0
+    return 4.0 / 3.0 if is_explicit(note) else 1.0
 
 
 def pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
@@ -46,18 +81,20 @@ def pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
 def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> float:
     """Bytes ``sk.pipeline`` holds beside the saved residuals: GPipe/circular the (m + 1)
     output slots and their cotangent; 1F1B the rings of stage inputs and cotangents, and a
-    second copy of the gradients (its custom_vjp returns them as residuals, then scales)."""
+    second copy of the gradients (its custom_vjp returns them as residuals, then scales).
+    The explicit schedules' ring sizes come from their table."""
     pm = pipe["microbatches"]
     act_mb = act_elems_x4 / pm
-    if pipe["schedule"] == "1f1b":
-        tab = sched.one_f_one_b_table(pipe["stages"], pm)
+    if is_explicit(pipe):
+        tab = schedule_table(pipe)
         return grad_bytes + (tab.act_ring + tab.grad_ring) * act_mb
     return 2 * (pm + 1) * act_mb
 
 
 def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
                       stage_residuals: float, stage_layers: int) -> float:
-    """Temporaries of ``sk.pipeline``'s 1F1B loop at its peak, a backward op, per device.
+    """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B,
+    ZB-H1; rings sized from the table) at its peak, a backward op, per device.
 
     The scan carries the f32 gradient accumulators (the stage's, the loss params', the input's
     ``(m + 1)`` microbatch rows) and the rings of stage inputs and cotangents; the backward op
@@ -67,7 +104,7 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     pipeline's input (all microbatches of a device's rows) stays alive throughout."""
     pm = pipe["microbatches"]
     act_mb = act_elems_x4 / pm
-    tab = sched.one_f_one_b_table(pipe["stages"], pm)
+    tab = schedule_table(pipe)
     carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
     backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
     return carry + backward_op + pm * act_mb
@@ -76,9 +113,10 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
 def pipelined_uses(pipe: dict, layers: int) -> float:
     """Layer applications per device per step, in units of one layer over the whole local
     batch: GPipe/circular run their k = L/(p·v) layers every tick (idle ticks compute too) on
-    a 1/m microbatch; 1F1B runs each of its L/p layers once per microbatch."""
+    a 1/m microbatch; the explicit schedules run each of their L/p layers' forward once per
+    microbatch (their backward ops' recompute: ``recompute_factor``)."""
     p, pm, v = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1)
-    if pipe["schedule"] == "1f1b":
+    if is_explicit(pipe):
         return layers / p
     return pipeline_ticks(pipe) * layers / (p * v) / pm
 
@@ -100,10 +138,10 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
         wire: bytes per element of the weights on the wire; bg: of gradients.
         n_data: devices along the data axes; step_m: the step's own microbatches.
 
-    * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (1F1B:
+    * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (explicit:
       its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
       GPipe/circular also move the last stage's m outputs and their cotangent once.
-    * ``pipe-relayout``: circular (v > 1) reorders the weights stage-major (forward) and the
+    * ``pipe-relayout``: circular and interleaved 1F1B (v > 1) reorder the weights stage-major (forward) and the
       gradients back (backward): XLA swaps halves with one all-to-all for p = 2, and adds a
       permute for p > 2.
     * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
@@ -121,13 +159,13 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
     ticks = pipeline_ticks(pipe)
     col["pipe-permute"] = 2 * ticks * act_mb * step_m
     counts["pipe-permute"] = 2 * ticks * step_m
-    if sched_ != "1f1b":
+    if v > 1:
+        hops = 1 if p == 2 else 2
+        col["pipe-relayout"] = 2 * stage * wire * hops * step_m
+        counts["pipe-relayout"] = 2 * hops * step_m
+    if not is_explicit(pipe):
         col["pipe-permute"] += 2 * pm * act_mb * step_m
         counts["pipe-permute"] += 2 * step_m
-        if v > 1:
-            hops = 1 if p == 2 else 2
-            col["pipe-relayout"] = 2 * stage * wire * hops * step_m
-            counts["pipe-relayout"] = 2 * hops * step_m
         col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
     else:
         col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
@@ -136,7 +174,7 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
         if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
             col["grad-reduce"] = (stage + rest + tied) * bg * step_m
             counts["grad-reduce"] = 2 * step_m
-        elif sched_ == "1f1b":
+        elif is_explicit(pipe):
             col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
             counts["grad-reduce"] = (pm + 1) * step_m
         else:

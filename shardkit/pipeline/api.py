@@ -69,11 +69,10 @@ import jax
 import jax.numpy as jnp
 
 from ..plan import note, noting
-from .explicit import one_f_one_b
+from .explicit import explicit_pipeline
 from .forward import forward
+from .schedules import EXPLICIT, SCHEDULES, check_schedule, pipeline_schedule
 from .stage import REMAT, chunk_runner, mean_loss, merge, split, stage_residuals
-
-SCHEDULES = ("gpipe", "circular", "1f1b")
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
 
@@ -141,16 +140,17 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
             "data_axes": data}
-    if schedule == "1f1b" and rng is None and noting():
+    if schedule in EXPLICIT and rng is None and noting():
         try:
             info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb,
                                                        math.prod(mesh.shape[a] for a in data))
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     note("pipeline", info)
-    if schedule == "1f1b":
-        return one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                            rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
+    if schedule in EXPLICIT:
+        return explicit_pipeline(pipeline_schedule(schedule, p, m, v), chunk, params_s, loss_fn,
+                                 loss_params, x_mb, extras_mb, targets_mb, rng, mesh=mesh,
+                                 axis=axis, data=data)
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return merge(y_mb)
@@ -202,18 +202,14 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; choose one of {tuple(REMAT)}")
-    if schedule == "1f1b" and loss_fn is None:
-        raise ValueError("schedule='1f1b' needs loss_fn (and loss_params/targets): its backward "
-                         "runs inside the pipeline, interleaved with the forward. Pass loss_fn, or "
-                         "use schedule='gpipe' or 'circular' to get y back")
-    if not isinstance(v, int) or v < 1:
-        raise ValueError(f"repeats must be a positive integer, got {v!r}")
-    if v > 1 and schedule != "circular":
-        raise ValueError(f"repeats={v} needs schedule='circular' (got {schedule!r}); "
-                         "or use repeats=1")
+    if schedule in EXPLICIT and loss_fn is None:
+        raise ValueError(f"schedule={schedule!r} needs loss_fn (and loss_params/targets): its "
+                         "backward runs inside the pipeline, interleaved with the forward. Pass "
+                         "loss_fn, or use schedule='gpipe' or 'circular' to get y back")
     if not isinstance(m, int) or m < p:
         raise ValueError(f"microbatches={m!r} but the {axis!r} axis has {p} stages; a pipeline "
                          f"needs microbatches >= stages: use microbatches >= {p}")
+    check_schedule(schedule, p, m, v)
     leaves = jax.tree.leaves(stage_params)
     if not leaves:
         raise ValueError("stage_params has no arrays; pass the stacked layer params")

@@ -1,10 +1,16 @@
-"""The 1F1B schedule's forward-and-backward pass (the custom_vjp forward of ``pipeline``).
+"""The table-driven explicit-backward executor: 1F1B, interleaved 1F1B and ZB-H1.
 
-One ``lax.scan`` over the rows of ``one_f_one_b_table``; per tick a device runs one of five
-branches with ``lax.switch`` (idle, forward, backward, and the last stage's forward+loss and
-backward-through-loss), then two ppermutes move activations down and cotangents up the pipe.
-A backward recomputes its stage from the saved input (``jax.vjp``), so the only per-microbatch
-state is a ring of ``act_ring`` (<= p) stage inputs: memory does not grow with ``m``.
+One ``lax.scan`` over the rows of a ``schedules.Schedule``; per tick a device reads its own
+column and runs one ``lax.switch`` branch — idle, F (forward; on the last layer group the
+per-microbatch loss), BW (fused backward: 1F1B, interleaved 1F1B), or, split for zero bubble
+(Qi et al., ICLR 2024), B (input gradient: ``jax.vjp`` of the stage w.r.t. its input only,
+sent upstream at once) and W (weight gradient: ``jax.vjp`` w.r.t. the chunk's weights only,
+from the saved stage input and the saved output cotangent, run later where the table put it).
+Every backward op recomputes its chunk's forward from the saved input, so the per-microbatch
+state is two rings (stage inputs, output cotangents) sized from the table, whatever ``m``.
+After the op, two ``ppermute``s move activations down and cotangents up the pipe (rings
+when a device holds several chunks: the last stage's chunk c feeds stage 0's chunk c+1,
+Narayanan et al. 2021).
 
 With data axes (``data``, manual like the pipe axis) a device holds its rows of every
 microbatch; ``loss_fn`` is a mean over rows, so each local loss is seeded with
@@ -17,14 +23,13 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from . import schedules as sched
 from .forward import forward
-from .schedules import ONE_F_ONE_B_SCOPE
+from .schedules import BW, EXPLICIT_SCOPE, IDLE, B, F, W, Schedule, switch_branches
 from .stage import mean_loss, put, row_spec, take, varying
 
 
@@ -40,12 +45,15 @@ def _add(acc, d):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d)
 
 
-def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb, rng, *,
-                      mesh, axis, data, p, m):
-    """Returns (mean loss, (d params_s, d loss_params, d x_mb)) for a 1F1B pipeline."""
-    tab = sched.one_f_one_b_table(p, m)
-    down = [(s, s + 1) for s in range(p - 1)]
-    up = [(s + 1, s) for s in range(p - 1)]
+def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
+                   rng, *, mesh, axis, data):
+    """Runs ``tab``; returns (mean loss, (d params_s, d loss_params, d x_mb))."""
+    p, m, v = tab.stages, tab.microbatches, tab.repeats
+    pairs, branch = switch_branches(tab)
+    dx_row = np.where((np.arange(p)[None, :] == 0) & (tab.chunk == 0) & np.isin(tab.op, (B, BW)), tab.mb, m)
+    ring = v > 1
+    down = [(s, (s + 1) % p) for s in range(p)] if ring else [(s, s + 1) for s in range(p - 1)]
+    up = [(s, (s - 1) % p) for s in range(p)] if ring else [(s + 1, s) for s in range(p - 1)]
     n_data = math.prod(mesh.shape[a] for a in data)
     everywhere = (axis, *data)
 
@@ -56,55 +64,73 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
         # inside the loop at all: the data reduction is the one psum after the scan).
         params_l, loss_params, x_mb, extras_mb, targets_mb = varying(
             (jax.tree.map(lambda a: a[0], params_l), loss_params, x_mb, extras_mb, targets_mb),
-            everywhere)  # params_l: (v=1, k, ...)
+            everywhere)  # params_l: (v, k, ...)
         zero_h = jnp.zeros_like(x_mb[0])
-        rows = tuple(jnp.asarray(a) for a in (tab.op, tab.mb, tab.act_slot, tab.grad_slot,
-                                              tab.recv_act, tab.recv_grad))
-
-        def stage_out(P_, h, mb):
-            return chunk(P_, 0, h, stage, mb, take(extras_mb, mb))
-
-        def stage_loss(P_, LP, h, mb):
-            return loss_fn(LP, stage_out(P_, h, mb), take(targets_mb, mb)).astype(jnp.float32)
+        seed = varying(jnp.float32(1.0 / (m * n_data)), everywhere)
+        rows = tuple(jnp.asarray(a) for a in (branch, tab.mb, tab.chunk, tab.act_slot, tab.grad_slot,
+                                              tab.recv_act, tab.recv_grad, dx_row))
 
         def tick(carry, row):
-            op, mb, a_slot, g_slot, r_act, r_grad = (r[stage] for r in row)
+            br, mb, c, a_slot, g_slot, r_act, r_grad, dx = (r[stage] for r in row)
             recv_h, recv_g, act_ring, grad_ring, acc = carry
             act_ring = put(act_ring, recv_h, r_act)
             grad_ring = put(grad_ring, recv_g, r_grad)
-            h = jnp.where(stage == 0, take(x_mb, mb), take(act_ring, a_slot))
+            h = jnp.where(a_slot < 0, take(x_mb, mb), take(act_ring, jnp.maximum(a_slot, 0)))
             g = take(grad_ring, g_slot)
+            c = c if ring else 0  # static for one chunk: no dynamic slice of the weights
+            weights = jax.tree.map(lambda a: a[c], params_l) if not ring else take(params_l, c)
 
-            def idle(acc):
-                return zero_h, zero_h, acc
+            def out(Wc, h):
+                return chunk(jax.tree.map(lambda a: a[None], Wc), 0, h, c * p + stage, mb,
+                             take(extras_mb, mb))
 
-            def fwd(acc):
-                return stage_out(params_l, h, mb), zero_h, acc
+            def loss(Wc, LP, h):
+                return loss_fn(LP, out(Wc, h), take(targets_mb, mb)).astype(jnp.float32)
 
-            def bwd(acc):
-                _, vjp = jax.vjp(lambda P_, h: stage_out(P_, h, mb), params_l, h)
-                d_p, d_h = vjp(g)
-                return zero_h, d_h, _grads(acc, d_p, None, d_h)
+            def add_w(acc, d_w, d_l=None):
+                gp, gl, gx, total = acc
+                if ring:
+                    gp = jax.tree.map(lambda a, d: put(a, take(a, c) + d.astype(a.dtype), c), gp, d_w)
+                else:
+                    gp = jax.tree.map(lambda a, d: a.at[0].add(d.astype(a.dtype)), gp, d_w)
+                return gp, gl if d_l is None else _add(gl, d_l), gx, total
 
-            def fwd_last(acc):
-                gp, gl, gx, loss = acc
-                return zero_h, zero_h, (gp, gl, gx, loss + stage_loss(params_l, loss_params, h, mb))
+            def add_x(acc, d_h):  # only stage 0's first chunk owns dx (row m = discard)
+                gp, gl, gx, total = acc
+                return gp, gl, put(gx, d_h.astype(gx.dtype), dx), total
 
-            def bwd_last(acc):
-                _, vjp = jax.vjp(lambda P_, LP, h: stage_loss(P_, LP, h, mb), params_l, loss_params, h)
-                d_p, d_l, d_h = vjp(varying(jnp.float32(1.0 / (m * n_data)), everywhere))
-                return zero_h, d_h, _grads(acc, d_p, d_l, d_h)
-
-            def _grads(acc, d_p, d_l, d_h):
-                gp, gl, gx, loss = acc
-                gl = gl if d_l is None else _add(gl, d_l)
-                gx = put(gx, d_h, jnp.where(stage == 0, mb, m))  # only stage 0 owns dx
-                return _add(gp, d_p), gl, gx, loss
+            def run(op, on_loss):
+                def branch_fn(acc):
+                    if op == IDLE:
+                        return zero_h, zero_h, acc
+                    if op == F and not on_loss:
+                        return out(weights, h), zero_h, acc
+                    if op == F:
+                        gp, gl, gx, total = acc
+                        return zero_h, zero_h, (gp, gl, gx, total + loss(weights, loss_params, h))
+                    if op == B:  # input gradient only, sent upstream now
+                        if on_loss:
+                            d_h = jax.vjp(lambda h: loss(weights, loss_params, h), h)[1](seed)[0]
+                        else:
+                            d_h = jax.vjp(lambda h: out(weights, h), h)[1](g)[0]
+                        return zero_h, d_h, add_x(acc, d_h)
+                    if op == W:  # weight gradient, deferred into the bubble by the table
+                        if on_loss:
+                            d_w, d_l = jax.vjp(lambda Wc, LP: loss(Wc, LP, h), weights, loss_params)[1](seed)
+                            return zero_h, zero_h, add_w(acc, d_w, d_l)
+                        d_w = jax.vjp(lambda Wc: out(Wc, h), weights)[1](g)[0]
+                        return zero_h, zero_h, add_w(acc, d_w)
+                    if on_loss:  # BW: both at once (1F1B)
+                        d_w, d_l, d_h = jax.vjp(lambda Wc, LP, h: loss(Wc, LP, h), weights, loss_params, h)[1](seed)
+                    else:
+                        (d_w, d_h), d_l = jax.vjp(out, weights, h)[1](g), None
+                    return zero_h, d_h, add_x(add_w(acc, d_w, d_l), d_h)
+                return branch_fn
 
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
-            with jax.named_scope(ONE_F_ONE_B_SCOPE):
-                send_h, send_g, acc = lax.switch(op, [idle, fwd, bwd, fwd_last, bwd_last], acc)
+            with jax.named_scope(EXPLICIT_SCOPE):
+                send_h, send_g, acc = lax.switch(br, [run(o, l) for o, l in pairs], acc)
             if p > 1:
                 send_h = lax.ppermute(send_h, axis, down)
                 send_g = lax.ppermute(send_g, axis, up)
@@ -113,26 +139,26 @@ def one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, ta
         acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
                jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
         init = varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
-                         jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), everywhere)
-        *_, (gp, gl, gx, loss) = lax.scan(tick, init, rows)[0]
+                        jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), everywhere)
+        *_, (gp, gl, gx, total) = lax.scan(tick, init, rows)[0]
         if data:  # the one reduction over data per step
-            gp, gl, loss = lax.psum((gp, gl, loss), data)
+            gp, gl, total = lax.psum((gp, gl, total), data)
         # Loss, loss_params grads and dx live on one stage each; psum broadcasts them.
-        loss, gl, gx = lax.psum((loss / (m * n_data), gl, gx[:m]), axis)
+        total, gl, gx = lax.psum((total / (m * n_data), gl, gx[:m]), axis)
         gp = jax.tree.map(lambda a: a[None], gp)
-        return loss, (gp, gl, gx)
+        return total, (gp, gl, gx)
 
     spec, row = P(axis), row_spec(data)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     rows_of = lambda t: jax.tree.map(lambda _: row, t)  # noqa: E731
-    loss, (gp, gl, gx) = jax.shard_map(
+    total, (gp, gl, gx) = jax.shard_map(
         body, mesh=mesh, axis_names={axis, *data},
         in_specs=(jax.tree.map(lambda _: spec, params_s), rep(loss_params), row, rows_of(extras_mb),
                   rows_of(targets_mb), None if rng is None else P()),
         out_specs=(P(), (jax.tree.map(lambda _: spec, params_s), rep(loss_params), row)),
     )(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)
     cast = lambda d, a: d.astype(jnp.result_type(a))  # noqa: E731
-    return loss, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))
+    return total, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))
 
 
 def _zero_cotangent(a):
@@ -141,19 +167,23 @@ def _zero_cotangent(a):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
-def one_f_one_b(chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb, rng, *,
-                 mesh, axis, data, p, m):
+def explicit_pipeline(tab: Schedule, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
+                      rng, *, mesh, axis, data):
+    """The mean loss as a ``jax.custom_vjp``: its forward runs the whole table (forwards, the
+    per-microbatch loss, the backward ops) and keeps the gradients as residuals; its backward
+    only scales them by the incoming cotangent. Without differentiation the primal runs the
+    autodiff forward (GPipe / circular), which computes the same loss."""
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                          (extras_mb, targets_mb, rng))
+    p, m, v = tab.stages, tab.microbatches, tab.repeats
 
     def primal(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=1)
+        y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
         return mean_loss(loss_fn, loss_params, y_mb, targets_mb)
 
     def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
-        loss, grads = one_f_one_b_grads(chunk, loss_fn, params_s, loss_params, x_mb, extras_mb,
-                                        targets_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m)
-        return loss, grads
+        return explicit_grads(tab, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
+                              rng, mesh=mesh, axis=axis, data=data)
 
     def bwd(grads, g):
         scaled = jax.tree.map(lambda d: (d * g).astype(d.dtype), grads)

@@ -1,10 +1,16 @@
 """Pipeline schedule tables: which stage does what at every tick, as plain numpy.
 
-The tables are the single source of truth: the executors (``forward``, ``explicit``) scan over their rows (each device
-reads its own column), and ``bench/pipeline.py`` counts their idle cells to measure the bubble.
-Nothing here touches JAX, so the tables can be checked by eye or by a test without devices.
+The tables are the single source of truth: the executors (``forward``, ``explicit``) scan over
+their rows (each device reads its own column), ``sk.pipeline_schedule`` returns them, and
+``bench/pipeline.py`` and the cost model count their cells. Nothing here touches JAX, so a
+table can be checked by eye (``print(sk.pipeline_schedule("zb-h1", stages=4, microbatches=8))``)
+or by a test without devices.
 
-Conventions: ``p`` stages, ``m`` microbatches, ``v`` repeats (layer groups per device).
+Conventions: ``p`` stages, ``m`` microbatches, ``v`` repeats (layer chunks per device; chunk
+``c`` on stage ``s`` is layer group ``c·p + s``). One tick is one unit slot: one forward (F),
+one input-gradient backward (B), one weight-gradient backward (W), or, for the schedules
+that do not split the backward, one fused backward (BW). Qi et al. (ICLR 2024, "Zero Bubble
+Pipeline Parallelism") count F = B = W for their bubble figures; a tick here is that unit.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ import functools
 
 import numpy as np
 
-# The named scope around 1F1B's per-tick ``lax.switch``: it reaches the compiled HLO as the
-# conditional's ``op_name``, which is how ``explain()`` finds that switch among a model's own conds.
-ONE_F_ONE_B_SCOPE = "shardkit_1f1b_tick"
+# The named scope around the explicit executor's per-tick ``lax.switch``: it reaches the
+# compiled HLO as the conditional's ``op_name``, which is how ``explain()`` finds that switch
+# among a model's own conds.
+EXPLICIT_SCOPE = "shardkit_pipeline_tick"
 
-IDLE, FWD, BWD, FWD_LAST, BWD_LAST = 0, 1, 2, 3, 4
+IDLE, F, B, W, BW = 0, 1, 2, 3, 4
+OP_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W", BW: "BW"}
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
+EXPLICIT = ("1f1b", "interleaved-1f1b", "zb-h1")  # backward inside the pipeline, table-driven
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +50,13 @@ class ForwardTable:
     out_slot: np.ndarray
 
 
+@functools.lru_cache(maxsize=256)
 def forward_table(p: int, m: int, v: int = 1) -> ForwardTable:
     """Circular schedule (GPipe when ``v == 1``): stage ``s`` runs item ``t - s`` at tick ``t``.
 
     Requires ``m >= p`` so that an item leaving stage p-1 is back at stage 0 no later than
-    the tick that needs it (``p`` ticks later, needed ``m`` ticks later).
+    the tick that needs it (``p`` ticks later, needed ``m`` ticks later). Cached: treat the
+    arrays as read-only.
     """
     ticks = v * m + p - 1
     t = np.arange(ticks)[:, None]
@@ -59,117 +71,96 @@ def forward_table(p: int, m: int, v: int = 1) -> ForwardTable:
     # The ppermute of tick t-1 delivers stage p-1's result to stage 0 at tick t.
     loops_back = done[:-1] & (last[:-1] // m < v - 1)
     loop_slot[1:, 0] = np.where(loops_back, last[:-1] % m, m)
-    return ForwardTable(item, loop_slot, out_slot)
+    return _frozen(ForwardTable(item, loop_slot, out_slot))
 
 
 @dataclasses.dataclass(frozen=True)
-class OneFOneBTable:
-    """A 1F1B schedule with one-unit forward and backward slots, run in lockstep.
+class Schedule:
+    """A pipeline schedule as a tick × stage table; the explicit executor scans exactly this.
 
     Attributes:
-        op: (ticks, p) int32 in {IDLE, FWD, BWD, FWD_LAST, BWD_LAST}.
-        mb: (ticks, p) int32; the microbatch of the op (0 when idle).
-        act_slot: (ticks, p) int32; ring slot holding the op's saved stage input.
-        grad_slot: (ticks, p) int32; ring slot holding a BWD's incoming cotangent.
-        recv_act: (ticks, p) int32; where the activation arriving at this tick is stored
-            (``act_ring`` = discard).
-        recv_grad: (ticks, p) int32; where the arriving cotangent is stored
-            (``grad_ring`` = discard).
-        act_ring: ring size for saved stage inputs: the most microbatches any stage holds
-            between receiving an input and finishing its backward (at most ~p, whatever m).
-        grad_ring: ring size for cotangents waiting for their backward.
+        name: the schedule (one of ``SCHEDULES``).
+        stages, microbatches, repeats: ``p``, ``m``, ``v``.
+        op: (ticks, p) int32 in {IDLE, F, B, W, BW}.
+        mb: (ticks, p) int32; the op's microbatch (0 when idle).
+        chunk: (ticks, p) int32; the op's layer chunk on its stage (0 when idle).
+        loss: (ticks, p) bool; the op is on the last layer group (F computes the loss there,
+            B/W/BW start from the loss instead of an arriving cotangent).
+        act_slot: (ticks, p) int32; ring slot of the op's saved stage input; -1: read the
+            pipeline input ``x`` (stage 0, chunk 0).
+        grad_slot: (ticks, p) int32; ring slot of the cotangent of the op's output (B, W, BW
+            off the loss cells), else 0.
+        recv_act: (ticks, p) int32; where the activation arriving at this tick (sent by the
+            previous stage the tick before) is stored; ``act_ring`` = nothing to keep.
+        recv_grad: (ticks, p) int32; likewise for the cotangent arriving from the next stage.
+        act_ring, grad_ring: ring sizes (stage inputs; output cotangents waiting for B/W).
+        peak_activations: per stage, the most microbatch-chunks whose saved input is alive at
+            once (from its F to its last backward op, W or BW): the activation memory in units
+            of one microbatch's stage input.
+        executed: ``"explicit"`` (the table is scanned by the explicit-backward executor) or
+            ``"autodiff"`` (GPipe/circular: the F half is ``forward_table``, scanned; the BW half
+            is autodiff's mirror of it).
     """
 
+    name: str
+    stages: int
+    microbatches: int
+    repeats: int
     op: np.ndarray
     mb: np.ndarray
+    chunk: np.ndarray
+    loss: np.ndarray
     act_slot: np.ndarray
     grad_slot: np.ndarray
     recv_act: np.ndarray
     recv_grad: np.ndarray
     act_ring: int
     grad_ring: int
+    peak_activations: tuple[int, ...]
+    executed: str
+
+    @property
+    def ticks(self) -> int:
+        """Rows of the table."""
+        return int(self.op.shape[0])
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle (tick, stage) cells over all cells."""
+        return float(np.count_nonzero(self.op == IDLE) / self.op.size)
+
+    @property
+    def formula_bubble(self) -> float:
+        """The published bubble as a fraction of the total time, in the table's unit slots:
+        GPipe/1F1B (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021), circular and
+        interleaved 1F1B (p-1)/(v·m+p-1) (Narayanan et al. 2021: (p-1)/(v·m) of the ideal time),
+        ZB-H1 (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with F = B = W (Qi et al. 2024)."""
+        return formula_bubble(self.name, self.stages, self.microbatches, self.repeats)
+
+    def __str__(self) -> str:
+        cells = [[_cell(self, t, s) for t in range(self.ticks)] for s in range(self.stages)]
+        width = max(len(c) for row in cells for c in row)
+        head = (f"{self.name}: p={self.stages} m={self.microbatches} v={self.repeats}, "
+                f"{self.ticks} ticks, bubble {self.bubble_fraction:.3f} (formula "
+                f"{self.formula_bubble:.3f}), peak activations {list(self.peak_activations)}")
+        return "\n".join([head] + [f"stage {s}: " + " ".join(c.ljust(width) for c in row)
+                                   for s, row in enumerate(cells)])
 
 
-def _one_f_one_b_order(p: int, s: int, m: int) -> list[tuple[int, int]]:
-    warmup = min(p - s - 1, m)
-    ops = [(FWD, i) for i in range(warmup)]
-    f, b = warmup, 0
-    while f < m or b < m:
-        if f < m:
-            ops.append((FWD, f))
-            f += 1
-        if b < m:
-            ops.append((BWD, b))
-            b += 1
-    return ops
+def _cell(tab: Schedule, t: int, s: int) -> str:
+    op = int(tab.op[t, s])
+    if op == IDLE:
+        return "."
+    text = f"{OP_LETTERS[op]}{tab.mb[t, s]}"
+    return text + (f"/{tab.chunk[t, s]}" if tab.repeats > 1 else "")
 
 
-@functools.lru_cache(maxsize=256)
-def one_f_one_b_table(p: int, m: int) -> OneFOneBTable:
-    """Simulates PipeDream-flush 1F1B: each stage runs its op list in order, an op starting
-    once its inputs arrived (ppermute takes one tick). Takes ``2 (m + p - 1)`` ticks. Cached
-    (``sk.search`` asks for the same tables thousands of times): treat the arrays as read-only."""
-    orders = [_one_f_one_b_order(p, s, m) for s in range(p)]
-    pos = [0] * p
-    f_done: dict[tuple[int, int], int] = {}
-    b_done: dict[tuple[int, int], int] = {}
-    rows: list[list[tuple[int, int]]] = []
-    t = 0
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        row = []
-        for s in range(p):
-            if pos[s] == len(orders[s]):
-                row.append((IDLE, -1))
-                continue
-            kind, i = orders[s][pos[s]]
-            if kind == FWD:
-                ready = s == 0 or f_done.get((s - 1, i), t) < t
-            else:
-                ready = f_done.get((s, i), t) < t and (s == p - 1 or b_done.get((s + 1, i), t) < t)
-            row.append((kind, i) if ready else (IDLE, -1))
-        for s, (kind, i) in enumerate(row):
-            if kind != IDLE:
-                (f_done if kind == FWD else b_done)[(s, i)] = t
-                pos[s] += 1
-        rows.append(row)
-        t += 1
-    ticks = len(rows)
-    kind = np.array([[k for k, _ in r] for r in rows], np.int32)
-    mb = np.array([[i for _, i in r] for r in rows], np.int32)
-
-    # Ring sizes: microbatches alive between arrival and their backward, per stage.
-    def arrival_f(s: int, i: int) -> int:  # stage 0 reads its input straight from x
-        return f_done[(s, i)] if s == 0 else f_done[(s - 1, i)] + 1
-
-    def arrival_b(s: int, i: int) -> int:
-        return f_done[(s, i)] + 1 if s == p - 1 else b_done[(s + 1, i)] + 1
-
-    def ring(arrive) -> int:
-        most = 1
-        for s in range(p):
-            for tt in range(ticks):
-                alive = sum(arrive(s, i) <= tt <= b_done[(s, i)] for i in range(m))
-                most = max(most, alive)
-        return most
-
-    act_ring, grad_ring = ring(arrival_f), ring(arrival_b)
-    op = kind.copy()
-    op[:, p - 1] = np.where(kind[:, p - 1] == FWD, FWD_LAST, np.where(kind[:, p - 1] == BWD, BWD_LAST, IDLE))
-    idle = kind == IDLE
-    mbz = np.where(idle, 0, mb)
-    recv_act = np.full((ticks, p), act_ring, np.int32)
-    recv_grad = np.full((ticks, p), grad_ring, np.int32)
-    for tt in range(1, ticks):
-        for s in range(p):
-            if s > 0 and kind[tt - 1, s - 1] == FWD:
-                recv_act[tt, s] = mb[tt - 1, s - 1] % act_ring
-            if s < p - 1 and kind[tt - 1, s + 1] == BWD:
-                recv_grad[tt, s] = mb[tt - 1, s + 1] % grad_ring
-    arrays = dict(op=op, mb=mbz.astype(np.int32), act_slot=(mbz % act_ring).astype(np.int32),
-                  grad_slot=(mbz % grad_ring).astype(np.int32), recv_act=recv_act, recv_grad=recv_grad)
-    for a in arrays.values():
-        a.flags.writeable = False  # shared by every caller through the cache
-    return OneFOneBTable(**arrays, act_ring=act_ring, grad_ring=grad_ring)
+def formula_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The published bubble fraction of total time (see ``Schedule.formula_bubble``)."""
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)
+    v = v if schedule in ("circular", "interleaved-1f1b") else 1
+    return (p - 1) / (v * m + p - 1)
 
 
 def bubble_fraction(busy: np.ndarray) -> float:
@@ -177,7 +168,234 @@ def bubble_fraction(busy: np.ndarray) -> float:
     return float(1.0 - np.count_nonzero(busy) / busy.size)
 
 
-def formula_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """The published bubble fraction of total time: (p-1)/(v·m+p-1) (v = 1 for GPipe, 1F1B)."""
-    v = v if schedule == "circular" else 1
-    return (p - 1) / (v * m + p - 1)
+def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
+    """Raises ValueError for a schedule this module cannot build."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"repeats must be a positive integer, got {v!r}")
+    if v > 1 and schedule not in ("circular", "interleaved-1f1b"):
+        raise ValueError(f"repeats={v} needs schedule='circular' or 'interleaved-1f1b' (got "
+                         f"{schedule!r}); or use repeats=1")
+    if not isinstance(p, int) or p < 1:
+        raise ValueError(f"stages must be a positive integer, got {p!r}")
+    if not isinstance(m, int) or m < p:
+        raise ValueError(f"microbatches={m!r} but there are {p} stages; a pipeline needs "
+                         f"microbatches >= stages: use microbatches >= {p}")
+    if schedule == "interleaved-1f1b" and m % p:
+        raise ValueError(f"interleaved-1f1b runs microbatches in groups of the {p} stages "
+                         f"(Narayanan et al. 2021), but microbatches={m}; use a multiple of {p}")
+
+
+@functools.lru_cache(maxsize=512)
+def pipeline_schedule(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> Schedule:
+    """The tick × stage table of ``schedule`` (cached: treat its arrays as read-only).
+
+    Args:
+        schedule: one of ``SCHEDULES``.
+        stages: ``p``, devices along the pipe axis.
+        microbatches: ``m >= p`` (a multiple of ``p`` for ``"interleaved-1f1b"``).
+        repeats: ``v``, layer chunks per device (``"circular"``, ``"interleaved-1f1b"``).
+
+    Returns:
+        A frozen ``Schedule``.
+
+    Raises:
+        ValueError: unknown schedule, ``repeats`` for a schedule without chunks, too few
+            microbatches.
+    """
+    p, m, v = stages, microbatches, repeats
+    check_schedule(schedule, p, m, v)
+    if schedule in ("gpipe", "circular"):
+        return _autodiff_schedule(schedule, p, m, v)
+    if schedule == "zb-h1":
+        orders = [_one_f_one_b_order(p, s, m, B) for s in range(p)]
+    elif schedule == "interleaved-1f1b":
+        orders = [_interleaved_order(p, s, m, v) for s in range(p)]
+    else:
+        orders = [_one_f_one_b_order(p, s, m, BW) for s in range(p)]
+    return _table(schedule, p, m, v, _simulate(p, v, orders, split=schedule == "zb-h1"))
+
+
+def _one_f_one_b_order(p: int, s: int, m: int, back: int) -> list[tuple[int, int, int]]:
+    """PipeDream-flush 1F1B (Narayanan et al. 2021): p-s-1 warmup forwards, then F/back pairs."""
+    warmup = min(p - s - 1, m)
+    ops = [(F, i, 0) for i in range(warmup)]
+    f, b = warmup, 0
+    while f < m or b < m:
+        if f < m:
+            ops.append((F, f, 0))
+            f += 1
+        if b < m:
+            ops.append((back, b, 0))
+            b += 1
+    return ops
+
+
+def _interleaved_order(p: int, s: int, m: int, v: int) -> list[tuple[int, int, int]]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): microbatches go through the chunks in
+    groups of p; (p-s-1)·2 + (v-1)·p warmup forwards (all of them when m == p), then F/BW pairs."""
+    total = m * v
+
+    def at(k: int, forward: bool) -> tuple[int, int]:
+        c = (k % (p * v)) // p
+        return (k // (p * v)) * p + k % p, c if forward else v - 1 - c
+
+    warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
+    ops = [(F, *at(k, True)) for k in range(warmup)]
+    for j in range(total - warmup):
+        ops += [(F, *at(warmup + j, True)), (BW, *at(j, False))]
+    ops += [(BW, *at(j, False)) for j in range(total - warmup, total)]
+    return ops
+
+
+def _simulate(p: int, v: int, orders: list, split: bool) -> list[list[tuple[int, int, int]]]:
+    """Runs each stage's op list in order, in lockstep: an op starts once its inputs arrived
+    (a ppermute takes one tick). With ``split`` (zero bubble) the W ops are not in the lists:
+    a stage runs its oldest pending W whenever its next F/B cannot start, or when its next op
+    is an F but p microbatches are already alive on it (1F1B's peak), so W fills the bubble
+    and memory stays at 1F1B's (Qi et al. 2024, ZB-H1)."""
+    pos = [0] * p
+    done: dict[tuple[int, int, int, int], int] = {}  # (kind, stage, mb, chunk) -> tick
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    alive = [0] * p
+    back = B if split else BW
+    rows: list[list[tuple[int, int, int]]] = []
+    t = 0
+    last = (p - 1, v - 1)
+
+    def ready(kind, s, i, c) -> bool:
+        before = lambda *key: done.get(key, t) < t  # noqa: E731
+        if kind == F:
+            return (s == 0 and c == 0) or (before(F, s - 1, i, c) if s > 0 else before(F, p - 1, i, c - 1))
+        if not before(F, s, i, c):
+            return False
+        if (s, c) == last:
+            return True
+        return before(back, s + 1, i, c) if s < p - 1 else before(back, 0, i, c + 1)
+
+    while any(pos[s] < len(orders[s]) for s in range(p)) or any(pending_w):
+        row = []
+        for s in range(p):
+            op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
+            go = op is not None and ready(*op[:1], s, *op[1:])
+            if split and op is not None and op[0] == F and alive[s] >= p:
+                go = False
+            if go:
+                row.append(op)
+            elif split and pending_w[s]:
+                row.append((W, *pending_w[s][0]))
+            else:
+                row.append((IDLE, 0, 0))
+        for s, (kind, i, c) in enumerate(row):
+            if kind == IDLE:
+                continue
+            done[(kind, s, i, c)] = t
+            if kind == W:
+                pending_w[s].pop(0)
+                alive[s] -= 1
+            else:
+                pos[s] += 1
+                alive[s] += kind == F
+                if kind == B and split:
+                    pending_w[s].append((i, c))
+                elif kind == BW:
+                    alive[s] -= 1
+        rows.append(row)
+        t += 1
+        if t > 16 * sum(len(o) for o in orders) + 64:
+            raise RuntimeError("pipeline schedule simulation did not finish (deadlocked op order)")
+    return rows
+
+
+def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
+    ticks = len(rows)
+    op = np.array([[k for k, _, _ in r] for r in rows], np.int32)
+    mb = np.array([[i for _, i, _ in r] for r in rows], np.int32)
+    chunk = np.array([[c for _, _, c in r] for r in rows], np.int32)
+    loss = (op != IDLE) & (np.arange(p)[None, :] == p - 1) & (chunk == v - 1)
+    where = {(int(op[t, s]), s, int(mb[t, s]), int(chunk[t, s])): t
+             for t in range(ticks) for s in range(p) if op[t, s] != IDLE}
+    back = BW if BW in op else B
+    last_use = {(s, i, c): where.get((W, s, i, c), where.get((BW, s, i, c)))
+                for (k, s, i, c) in where if k == F}
+
+    # Arrivals: an F (not on the last group) sends its output to the next stage (stage p-1's
+    # chunk c goes to stage 0's chunk c+1); a backward sends the input cotangent upstream.
+    act_in, grad_in = {}, {}
+    for (k, s, i, c), t in where.items():
+        if k == F and not (s == p - 1 and c == v - 1):
+            act_in[(s + 1, i, c) if s < p - 1 else (0, i, c + 1)] = t + 1
+        if k == back and not (s == 0 and c == 0):
+            grad_in[(s - 1, i, c) if s > 0 else (p - 1, i, c - 1)] = t + 1
+    act_slots, act_ring = _allocate(act_in, last_use)
+    grad_slots, grad_ring = _allocate(grad_in, last_use)
+
+    act_slot = np.zeros((ticks, p), np.int32)
+    grad_slot = np.zeros((ticks, p), np.int32)
+    recv_act = np.full((ticks, p), act_ring, np.int32)
+    recv_grad = np.full((ticks, p), grad_ring, np.int32)
+    for (k, s, i, c), t in where.items():
+        act_slot[t, s] = act_slots.get((s, i, c), -1)
+        grad_slot[t, s] = grad_slots.get((s, i, c), 0)
+    for key, t in act_in.items():
+        recv_act[t, key[0]] = act_slots[key]
+    for key, t in grad_in.items():
+        recv_grad[t, key[0]] = grad_slots[key]
+    peak = []
+    for s in range(p):
+        lives = [(where[(F, s, i, c)], last_use[(s, i, c)]) for (ss, i, c) in last_use if ss == s]
+        peak.append(max(sum(a <= t <= b for a, b in lives) for t in range(ticks)))
+    return _frozen(Schedule(name, p, m, v, op, mb, chunk, loss, act_slot, grad_slot, recv_act,
+                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit"))
+
+
+def _allocate(arrive: dict, last_use: dict) -> tuple[dict, int]:
+    """Ring slots per stage: a value occupies its slot from its arrival tick to its last use,
+    both included (a tick stores its arrival before it reads). Returns (slot per key, ring)."""
+    slots, ring = {}, 1
+    for s in {k[0] for k in arrive}:
+        free_at: list[int] = []  # per slot, the first tick it is free again
+        for key in sorted((k for k in arrive if k[0] == s), key=arrive.get):
+            t0 = arrive[key]
+            j = next((j for j, f in enumerate(free_at) if f <= t0), len(free_at))
+            if j == len(free_at):
+                free_at.append(0)
+            free_at[j] = last_use[key] + 1
+            slots[key] = j
+        ring = max(ring, len(free_at))
+    return slots, ring
+
+
+def _autodiff_schedule(name: str, p: int, m: int, v: int) -> Schedule:
+    """GPipe / circular as a Schedule: ``forward_table``'s F cells, then autodiff's mirror of
+    them as BW cells (every microbatch's residuals stay alive: peak m·v per stage)."""
+    item = forward_table(p, m, v).item
+    fwd = np.where(item >= 0, F, IDLE).astype(np.int32)
+    op = np.concatenate([fwd, np.where(item[::-1] >= 0, BW, IDLE)]).astype(np.int32)
+    it = np.concatenate([item, item[::-1]])
+    mb = np.where(it >= 0, it % m, 0).astype(np.int32)
+    chunk = np.where(it >= 0, it // m, 0).astype(np.int32)
+    loss = (op != IDLE) & (np.arange(p)[None, :] == p - 1) & (chunk == v - 1)
+    zeros = np.zeros_like(op)
+    return _frozen(Schedule(name, p, m, v, op, mb, chunk, loss, zeros - 1, zeros, zeros, zeros,
+                            0, 0, (m * v,) * p, "autodiff"))
+
+
+def _frozen(tab):
+    for f in dataclasses.fields(tab):
+        a = getattr(tab, f.name)
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False  # shared by every caller through the cache
+    return tab
+
+
+def switch_branches(tab: Schedule) -> tuple[tuple[tuple[int, bool], ...], np.ndarray]:
+    """The explicit executor's ``lax.switch`` branches for ``tab``: the (op, on-the-loss-cell)
+    pairs the table uses, in order (idle first), and each cell's branch index. ``explain()``
+    weights the compiled switch's branches by how often the table takes each."""
+    pairs = sorted({(int(o), bool(l)) for o, l in zip(tab.op.ravel(), tab.loss.ravel())} | {(IDLE, False)})
+    index = np.zeros(tab.op.shape, np.int32)
+    for j, (o, l) in enumerate(pairs):
+        index[(tab.op == o) & (tab.loss == l)] = j
+    return tuple(pairs), index

@@ -1,0 +1,118 @@
+"""The schedule tables (``sk.pipeline_schedule``), checked without devices: every op once,
+dependencies respected, ring slots never overwritten while in use, bubbles equal to the
+published formulas, ZB-H1's activation memory within 1F1B's."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import shardkit as sk
+from shardkit.pipeline import schedules as sched
+
+EXPLICIT = [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+SIZES = [(p, mult * p) for p in (2, 4, 8) for mult in (1, 2, 4, 8)]
+
+
+def cells(tab):
+    """{(op, stage, microbatch, chunk): tick} and a check that no op runs twice."""
+    where = {}
+    for t, s in itertools.product(range(tab.ticks), range(tab.stages)):
+        if tab.op[t, s] != sched.IDLE:
+            key = (int(tab.op[t, s]), s, int(tab.mb[t, s]), int(tab.chunk[t, s]))
+            assert key not in where, f"{key} runs twice"
+            where[key] = t
+    return where
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+@pytest.mark.parametrize("name,v", EXPLICIT)
+def test_every_op_once_and_in_dependency_order(name, v, p, m):
+    tab = sk.pipeline_schedule(name, stages=p, microbatches=m, repeats=v)
+    where = cells(tab)
+    split = name == "zb-h1"
+    back = sched.B if split else sched.BW
+    kinds = (sched.F, sched.B, sched.W) if split else (sched.F, sched.BW)
+    want = {(k, s, i, c) for k in kinds for s in range(p) for i in range(m) for c in range(v)}
+    assert set(where) == want  # exactly one F, B, W (or BW) per microbatch, chunk and stage
+    for (k, s, i, c), t in where.items():
+        if k == sched.F and (s, c) != (0, 0):  # input sent by the previous stage a tick before
+            prev = (sched.F, s - 1, i, c) if s > 0 else (sched.F, p - 1, i, c - 1)
+            assert where[prev] < t
+        if k == back:
+            assert where[(sched.F, s, i, c)] < t
+            if (s, c) != (p - 1, v - 1):  # the cotangent comes from the next stage
+                nxt = (back, s + 1, i, c) if s < p - 1 else (back, 0, i, c + 1)
+                assert where[nxt] < t
+        if k == sched.W:
+            assert where[(sched.B, s, i, c)] < t
+    assert tab.loss.sum() == len(kinds) * m  # the last group's ops start from the loss
+    assert np.all(tab.loss <= ((np.arange(p) == p - 1) & (tab.chunk == v - 1)))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16), (8, 16)])
+@pytest.mark.parametrize("name,v", EXPLICIT)
+def test_rings_hold_every_value_until_its_last_use(name, v, p, m):
+    """Replays the table with symbolic ring slots: each read finds the value it needs."""
+    tab = sk.pipeline_schedule(name, stages=p, microbatches=m, repeats=v)
+    act = [[None] * (tab.act_ring + 1) for _ in range(p)]
+    grad = [[None] * (tab.grad_ring + 1) for _ in range(p)]
+    sent_h, sent_g = [None] * p, [None] * p
+    for t in range(tab.ticks):
+        got_h = [sent_h[(s - 1) % p] for s in range(p)]
+        got_g = [sent_g[(s + 1) % p] for s in range(p)]
+        sent_h, sent_g = [None] * p, [None] * p
+        for s in range(p):
+            act[s][tab.recv_act[t, s]] = got_h[s]
+            grad[s][tab.recv_grad[t, s]] = got_g[s]
+            op, i, c = int(tab.op[t, s]), int(tab.mb[t, s]), int(tab.chunk[t, s])
+            if op == sched.IDLE:
+                continue
+            if (s, c) != (0, 0):
+                assert act[s][tab.act_slot[t, s]] == ("h", s, i, c), (t, s)
+            else:
+                assert tab.act_slot[t, s] == -1
+            if op != sched.F and not tab.loss[t, s]:
+                assert grad[s][tab.grad_slot[t, s]] == ("g", s, i, c), (t, s)
+            if op == sched.F and not tab.loss[t, s]:
+                sent_h[s] = ("h", s + 1, i, c) if s < p - 1 else ("h", 0, i, c + 1)
+            if op in (sched.B, sched.BW) and (s, c) != (0, 0):
+                sent_g[s] = ("g", s - 1, i, c) if s > 0 else ("g", p - 1, i, c - 1)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_bubbles_equal_the_published_formulas(p, m):
+    for name, v in [("gpipe", 1), ("circular", 2), ("circular", 3), *EXPLICIT]:
+        tab = sk.pipeline_schedule(name, stages=p, microbatches=m, repeats=v)
+        assert tab.bubble_fraction == pytest.approx(tab.formula_bubble, abs=1e-12), name
+    zb = sk.pipeline_schedule("zb-h1", stages=p, microbatches=m).bubble_fraction
+    f1b = sk.pipeline_schedule("1f1b", stages=p, microbatches=m).bubble_fraction
+    # Qi et al. 2024: (p-1)(F+B-W) against 1F1B's (p-1)(F+B+W): 1/3 of 1F1B's bubble time.
+    assert zb / (1 - zb) == pytest.approx(f1b / (1 - f1b) / 3)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_h1_keeps_1f1b_activation_memory(p, m):
+    zb = sk.pipeline_schedule("zb-h1", stages=p, microbatches=m)
+    f1b = sk.pipeline_schedule("1f1b", stages=p, microbatches=m)
+    assert f1b.peak_activations == tuple(range(p, 0, -1))  # stage s holds p - s inputs
+    assert max(zb.peak_activations) <= max(f1b.peak_activations) == p  # whatever m
+    assert f1b.act_ring <= p and zb.act_ring <= p
+
+
+def test_printed_table():
+    text = str(sk.pipeline_schedule("zb-h1", stages=2, microbatches=2))
+    assert text.splitlines()[1:] == ["stage 0: F0 F1 .  B0 W0 B1 W1",
+                                     "stage 1: .  F0 B0 F1 B1 W0 W1"]
+    assert "bubble 0.143" in text
+    assert "F0/1" in str(sk.pipeline_schedule("interleaved-1f1b", stages=2, microbatches=2, repeats=2))
+
+
+def test_schedule_errors():
+    for kw, match in [(dict(schedule="zb-v"), "unknown pipeline schedule"),
+                      (dict(schedule="zb-h1", repeats=2), "needs schedule='circular' or"),
+                      (dict(schedule="1f1b", microbatches=2), "microbatches >= 4"),
+                      (dict(schedule="interleaved-1f1b", microbatches=6, repeats=2), "multiple of 4")]:
+        args = {"schedule": "1f1b", "stages": 4, "microbatches": 8, **kw}
+        with pytest.raises(ValueError, match=match):
+            sk.pipeline_schedule(args.pop("schedule"), **args)
