@@ -13,9 +13,10 @@ replica dimension sharded over ``axis``, and the inner step is the ordinary shar
 ``jax.vmap``-ed over it with ``spmd_axis_name=axis`` — each replica's DP/ZeRO/TP layout over the
 other axes is what the plan without ``axis`` gives, and the compiled inner program has no
 collective over ``axis`` at all (``DiLoCoStep.traffic`` reads that off the HLO). Building blocks
-that open their own ``shard_map`` (``sk.pipeline``, ``sk.moe``, ``sk.context_attention``) cannot
-run under that vmap in jax 0.10.2; such a loss is refused with a ``ValueError`` when the step is
-first traced.
+that open their own ``shard_map`` (``sk.pipeline``, ``sk.moe``, ``sk.context_attention``) run
+inside the replicas too: the vmap is traced under ``mesh.vmapping_over(axis)``, which tells them
+to make ``axis`` manual in their shard_maps as well (jax 0.10.2 rejects a shard_map that leaves
+a vmap's spmd axis to the compiler).
 
 The sync is a separate compiled program per fragment, run by the step right after the inner
 step that completes an interval, rather than a ``lax.cond`` inside one program: a conditional
@@ -44,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._diloco import fragment_map, replica_mean, sent_bytes
 from .cost.hlo import traffic_from_hlo
+from .mesh import vmapping_over
 from .plan import Plan
 from .rules import AxisRules, ShardingError, spec_axes
 
@@ -303,19 +305,10 @@ class DiLoCoStep:
                 return (new.params, new.opt_state, new.model_state, new.skipped, new.streak, new.loss_scale), metrics
 
             b_axes = jax.tree.map(lambda x: 0 if x.ndim else None, rows)
-            try:
+            with vmapping_over(self.axis):  # building blocks make the replica axis manual too
                 outs, metrics = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, b_axes), spmd_axis_name=self.axis)(
                     state.params, state.opt_state, state.model_state, state.skipped, state.streak,
                     state.loss_scale, rows)
-            except (ValueError, NameError) as e:
-                if repr(self.axis) not in str(e) and f"axis name: {self.axis}" not in str(e) \
-                        and f"axis: {self.axis}" not in str(e):
-                    raise
-                raise ValueError(
-                    f"DiLoCo runs each replica's step under jax.vmap(spmd_axis_name={self.axis!r}), and a "
-                    "building block of this loss that opens its own shard_map (sk.pipeline, sk.moe, "
-                    f"sk.context_attention) cannot run under it in jax {jax.__version__}. Inside DiLoCo "
-                    f"replicas use data/ZeRO/tensor parallelism. JAX said: {e}") from e
         params, opt_state, model_state, skipped, streak, loss_scale = outs
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
                              skipped=skipped, streak=streak, loss_scale=loss_scale), metrics

@@ -6,10 +6,12 @@ that cross slices or hosts (the slow links), so a layout can keep its fast axes 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -44,6 +46,34 @@ def use_cpu_devices(n: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+
+
+_VMAPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("shardkit_vmapped_axes",
+                                                                         default=frozenset())
+
+
+def vmapped_axes() -> frozenset[str]:
+    """Mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps over while a function is
+    traced (``sk.DiLoCo``'s replica axis around its replicas' step; see ``vmapping_over``)."""
+    return _VMAPPED.get()
+
+
+@contextlib.contextmanager
+def vmapping_over(*axes: str) -> Iterator[None]:
+    """Declares that what is traced inside runs under ``jax.vmap(spmd_axis_name=axes)``.
+
+    A building block that opens its own ``jax.shard_map`` manual over some axes (``sk.pipeline``,
+    ``sk.moe``, ``sk.context_attention``) adds these axes to its manual set: jax 0.10.2 rejects
+    a shard_map that leaves a vmap's spmd axis to the compiler ("Axes mentioned in
+    `manual_axis_type` ... should be of type `Manual`"), while one that makes it manual too
+    batches correctly (each slice of the mapped dimension on its own devices, no collective over
+    the mapped axis). The block's own specs never name these axes: vmap adds them.
+    """
+    token = _VMAPPED.set(_VMAPPED.get() | frozenset(axes))
+    try:
+        yield
+    finally:
+        _VMAPPED.reset(token)
 
 
 def backend_started() -> bool:

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .mesh import vmapped_axes
 from .plan import note
 from .rules import path_str
 
@@ -145,8 +146,12 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     else:
         tok = P(tok_axes if len(tok_axes) > 1 else tok_axes[0])
         wspecs = jax.tree.map(lambda _: P(axis) if n > 1 else P(), expert_params)
-        shard = jax.shard_map(local, mesh=mesh, axis_names=set(tok_axes),
-                              in_specs=(tok, tok, wspecs), out_specs=(tok, tok, tok))
+        mapped = vmapped_axes()
+        # Under a vmap over a mesh axis (sk.DiLoCo's replicas) that axis is made manual too and
+        # the varying-axes type check is off: jax 0.10.2's batching of the body neither casts
+        # unbatched values to vary over the vmap's axis nor infers its outputs do.
+        shard = jax.shard_map(local, mesh=mesh, axis_names=set(tok_axes) | mapped,
+                              in_specs=(tok, tok, wspecs), out_specs=(tok, tok, tok), check_vma=not mapped)
         y_NxD, idx_NxK, keep_NxK = shard(x_NxD, probs_NxE, expert_params)
     routed_E = jnp.sum(jax.nn.one_hot(idx_NxK, E, dtype=F32), axis=(0, 1))
     aux = {
@@ -242,7 +247,8 @@ def _token_axes(mesh, axis, batch_axes, manual, n) -> tuple[str, ...]:
             raise ValueError(f"moe: batch_axes {bad} must be data-like mesh axes {_DATA_LIKE}; the mesh "
                              f"has {dict(mesh.shape)}. Pass some of those, or () to leave the tokens' "
                              "data sharding to the compiler")
-    return tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1
+    mapped = vmapped_axes()  # a vmap's spmd axis (sk.DiLoCo's replicas) is not the tokens'
+    return tuple(a for a in mesh.axis_names if a not in manual and a not in mapped and mesh.shape[a] > 1
                  and ((a in batch_axes and a in _DATA_LIKE) or (a == axis and n > 1)))
 
 

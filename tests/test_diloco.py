@@ -236,17 +236,41 @@ def test_errors():
     with pytest.raises(ValueError, match=r"3 parameter leaves and no stacked layer dimension"):
         step.init(params())
 
-    # A building block with its own shard_map cannot run under the replicas' vmap (jax 0.10.2).
-    cp = sk.Plan(sk.make_mesh("replica=2,context=4"), rules=[(r".*", ())])
 
-    def attention_loss(p, batch):
-        q = (batch["x"] @ p["w"])[:, :, None, :]  # (B, T, 1 head, D)
-        return jnp.mean(sk.context_attention(q, q, q, axis="context") ** 2)
+def blocks_loss(p, batch):
+    """Context-parallel attention, then a mixture-of-experts block: both open shard_maps."""
+    x_BxTxD = sk.constrain(batch["x"], ("batch", "context", None))
+    q = (x_BxTxD @ p["q"]).reshape(*x_BxTxD.shape[:2], 2, 4)  # (B, T, 2 heads, 4)
+    h_BxTxD = x_BxTxD + sk.context_attention(q, q, q, causal=True, load_balance=False).reshape(x_BxTxD.shape)
+    y, _ = sk.moe(h_BxTxD, h_BxTxD @ p["router"], lambda e, t: jnp.tanh(t @ e["w"]), {"w": p["experts"]},
+                    top_k=2)
+    return jnp.mean((h_BxTxD + y - batch["y"]) ** 2)  # (the router's losses are not means over rows)
 
-    step = sk.train_step(cp, optax.sgd(0.1), outer=sk.DiLoCo(every=2))(attention_loss)
-    state = step.init({"w": jnp.eye(8)})
-    with pytest.raises(ValueError, match=r"(?s)opens its own shard_map.*sk.context_attention.*JAX said"):
-        step(state, {"x": np.ones((2, 16, 8), np.float32)})
+
+def test_building_blocks_with_their_own_shard_map_run_inside_the_replicas():
+    """sk.context_attention and sk.moe under DiLoCo (replica=2,context=2,expert=2): at H=1 with
+    SGD it is data parallelism over replica x expert, and the inner program has no collective
+    over `replica` (the blocks make the vmap's replica axis manual in their shard_maps)."""
+    mesh = sk.make_mesh("replica=2,context=2,expert=2")
+    plan = sk.Plan(mesh, rules=[(r"experts", ("expert",)), (r".*", ())], batch_axes=("replica", "expert"),
+                   axis_rules={"batch": ("replica", "expert"), "context": "context"})
+    r = np.random.default_rng(0)
+    init = {"q": r.normal(size=(8, 8)) * 0.3, "router": r.normal(size=(8, 4)) * 0.3,
+            "experts": r.normal(size=(4, 8, 8)) * 0.3}
+    init = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), init)
+    batches = [{"x": r.normal(size=(8, 8, 8)).astype(np.float32), "y": r.normal(size=(8, 8, 8)).astype(np.float32)}
+               for _ in range(4)]
+    dp = sk.train_step(plan, optax.sgd(0.1))(blocks_loss)
+    dl = sk.train_step(plan, optax.sgd(0.1), outer=sk.DiLoCo(every=1, optimizer=optax.sgd(1.0)))(blocks_loss)
+    s_dp, s_dl = dp.init(init), dl.init(init)
+    for batch in batches:
+        s_dp, m_dp = dp(s_dp, batch)
+        s_dl, m_dl = dl(s_dl, batch)
+        np.testing.assert_allclose(float(m_dl["loss"]), float(m_dp["loss"]), rtol=1e-5)
+    for k in init:
+        np.testing.assert_allclose(s_dl.outer.params[0][k], s_dp.params[k], atol=1e-5)
+    inner = dl.diloco.traffic(s_dl, batches[0])
+    assert inner["inner"] == 0, inner
 
 
 @pytest.mark.slow

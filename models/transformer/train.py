@@ -417,10 +417,9 @@ def diloco_from(args, shape, cfg: Config):
     if cfg.layers % max(args.diloco_fragments, 1):
         raise FlagError("--diloco-fragments", f"{args.diloco_fragments} fragments do not divide the "
                         f"{cfg.layers} layers; use a divisor of {cfg.layers}")
-    blocks = [a for a in ("pipe", "context", "expert") if shape.get(a, 1) > 1]
-    if blocks:  # sk.pipeline / context_attention / moe open shard_maps DiLoCo's vmap cannot hold
-        raise FlagError("--mesh", f"--diloco-every runs replicas of data/fsdp/tensor layouts; drop {blocks} "
-                        "(pipelines, context and expert parallelism do not run inside DiLoCo replicas yet)")
+    if shape.get("pipe", 1) > 1:  # sk.pipeline's shard_map under DiLoCo's vmap: not built yet
+        raise FlagError("--mesh", "--diloco-every runs replicas of data/fsdp/tensor/context/expert layouts; "
+                        "drop `pipe` (pipelines do not run inside DiLoCo replicas yet)")
     if "replica" not in shape:
         raise FlagError("--mesh", f"--diloco-every needs a `replica` axis, e.g. --mesh replica=2,data=4; got {shape}")
     try:
