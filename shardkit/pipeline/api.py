@@ -1,4 +1,4 @@
-"""Pipeline parallelism over one mesh axis: GPipe, circular (interleaved) and 1F1B.
+"""Pipeline parallelism over one mesh axis: GPipe, circular, 1F1B, interleaved 1F1B, ZB-H1.
 
 ``pipeline(stage_fn, stage_params, x, microbatches=m, schedule=...)`` applies a stack of ``L``
 identical layers (``stage_params`` leaves carry a leading ``L`` dimension) to ``x``, with the
@@ -19,15 +19,18 @@ idle device skips the compute) and hands activations on with ``lax.ppermute``.
   activation leaving the last stage loops back to stage 0 for the next group. Microbatch ``i``
   is the rows ``i, i+m, i+2m, ...`` of the batch, so a batch sharded over data axes stays
   sharded inside every microbatch.
-* **1F1B**: a ``jax.custom_vjp`` whose forward runs the whole 1F1B schedule (forwards,
-  per-microbatch loss on the last stage, backwards through an explicit per-stage ``jax.vjp``
-  that recomputes the stage from its saved input) and returns the gradients as residuals; the
-  custom backward only scales them by the incoming cotangent. A stage keeps at most ~p stage
-  inputs in a ring buffer, whatever ``m``. Without differentiation the primal runs GPipe.
-  Gradients never flow to ``extras`` or ``targets``.
+* **1F1B**, **interleaved 1F1B** (``repeats=v`` chunks per device, Narayanan et al. 2021)
+  and **ZB-H1** (Qi et al., ICLR 2024: backward split into an input-gradient op B and a
+  weight-gradient op W that fills the bubble): a ``jax.custom_vjp`` whose forward runs the
+  whole table (``sk.pipeline_schedule``: forwards, per-microbatch loss on the last layer
+  group, backward ops through explicit per-chunk ``jax.vjp``s that recompute the chunk from
+  its saved input; see ``explicit``) and returns the gradients as residuals; the custom
+  backward only scales them by the incoming cotangent. Stage inputs and waiting cotangents sit
+  in ring buffers sized from the table, whatever ``m``. Without differentiation the primal
+  runs GPipe / circular. Gradients never flow to ``extras`` or ``targets``.
 
 Why the data axes are manual: a stage's weight gradient is produced on every tick (GPipe,
-circular) or every backward op (1F1B). With data compiler-managed, XLA all-reduces it over data
+circular) or every backward op (explicit schedules). With data compiler-managed, XLA all-reduces it over data
 right where it is produced, inside the loop: ~m times the traffic of a data-parallel step.
 Manual data axes give each device its own rows of every microbatch (``in_specs``
 ``P(None, data)`` on the microbatch rows) and the parameters replicated over data (ZeRO-1/2
@@ -39,7 +42,7 @@ The gradients then stay local in the loop and are reduced over data once, after 
   over data after the backward scan. (Left implicit, the cast would sit at the point of use,
   inside the tick, and the psum with it.) The loss is computed outside the shard_map on the
   merged output, so any ``loss_fn`` stays exact.
-* 1F1B: the custom_vjp forward accumulates local gradients over the scan and ``psum``s them
+* Explicit schedules: the custom_vjp forward accumulates local gradients over the scan and ``psum``s them
   over data once. ``loss_fn`` runs on a device's rows of a microbatch, so it must be a mean
   over the microbatch rows (as MSE / cross-entropy means are): the global loss is then the
   mean of the local ones, and the backward seeds every local loss with ``1 / (m · n_data)``.
@@ -50,13 +53,14 @@ old traffic): a key drawn on a device's rows only would not reproduce the un-sha
 Memory: autodiff of the tick loop saves activations only. A layer group's weights are its layer
 scan's ``xs`` and ops that only move or re-type data (slices, reshapes, transposes, casts) are
 recomputed in the backward rather than saved, so nothing derived from the weights — circular's
-per-tick slice of its group included — is kept once per tick. 1F1B trades compute for memory:
-a backward op recomputes its stage's forward (4/3 of the layers' flops) and only one
-microbatch's residuals are alive at a time.
+per-tick slice of its group included — is kept once per tick. The explicit schedules trade
+compute for memory: a backward op recomputes its chunk's forward (1F1B: 4/3 of the layers'
+flops; ZB-H1's B and W both do, ``cost.pipeline.recompute_factor``) and only one microbatch's
+residuals are alive at a time.
 
-Bubble fractions of the tables (``bench/pipeline.py`` checks them): GPipe and 1F1B
-(p-1)/(m+p-1) (1F1B counted in forward/backward slots of equal length), circular
-(p-1)/(v·m+p-1).
+Bubble fractions of the tables (``bench/pipeline.py`` checks them; ``Schedule.formula_bubble``):
+GPipe and 1F1B (p-1)/(m+p-1) (1F1B counted in forward/backward slots of equal length), circular
+and interleaved 1F1B (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1) in unit F = B = W slots.
 """
 
 from __future__ import annotations
@@ -94,9 +98,11 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         x: activations ``(B, ...)``; ``B`` a multiple of ``microbatches`` (times the size of
             the data axes that shard the batch).
         microbatches: ``m >= stages``.
-        schedule: ``"gpipe"``, ``"circular"`` (uses ``repeats``) or ``"1f1b"`` (needs
-            ``loss_fn``).
-        repeats: layer groups per device for ``"circular"``; 1 otherwise.
+        schedule: ``"gpipe"``, ``"circular"`` (uses ``repeats``), or one of the explicit-
+            backward schedules, which need ``loss_fn``: ``"1f1b"``, ``"interleaved-1f1b"``
+            (uses ``repeats``; ``m`` a multiple of the stages), ``"zb-h1"``.
+        repeats: layer groups per device for ``"circular"`` / ``"interleaved-1f1b"``; 1
+            otherwise.
         axis: the mesh axis the layers are split over.
         loss_fn: optional ``loss_fn(loss_params, y_mb, targets_mb) -> scalar``.
         loss_params: pytree passed to ``loss_fn`` (e.g. the output head); differentiable.
@@ -112,7 +118,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             module docstring); ``()`` keeps them compiler-managed. Default: the active plan's
             ``batch_axes`` (under ``sk.train_step``), else the mesh's ``replica``/``data``/
             ``fsdp`` axes; only data-like axes of size > 1 other than ``axis`` count, and none
-            when ``rng`` is given. With data axes and ``"1f1b"``, ``loss_fn`` must be a mean
+            when ``rng`` is given. With data axes and an explicit schedule, ``loss_fn`` must be a mean
             over the microbatch's rows.
 
     Returns:
@@ -122,7 +128,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     Raises:
         ValueError: unknown schedule or remat, no mesh or ``axis`` not in it, too few
             microbatches, indivisible batch or layer count, a shape-changing ``stage_fn``,
-            ``"1f1b"`` without ``loss_fn``, or ``batch_axes`` naming non-data axes or given
+            an explicit schedule without ``loss_fn``, or ``batch_axes`` naming non-data axes or given
             with ``rng``.
     """
     mesh = _resolve_mesh(mesh, axis)
