@@ -246,7 +246,8 @@ def reference(corpus, initial):
 
 
 @pytest.mark.parametrize("name", ["dp", "zero1", "zero3", "fsdp_tp", "tp_sp", "pp_gpipe",
-                                  "pp_circular", "pp_1f1b", "dp_pp_tp", "dp_pp_tp_1f1b"])
+                                  "pp_circular", "pp_1f1b", "dp_pp_tp", "dp_pp_tp_1f1b", "pp_zb",
+                                  "pp_interleaved", "dp_pp_tp_zb"])
 def test_layout_matches_one_device(name, corpus, initial, reference):
     losses, params = train(LAYOUTS[name], corpus, initial)
     ref_losses, ref_params = reference["fp32"]

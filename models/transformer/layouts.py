@@ -60,9 +60,10 @@ def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,
         cfg: the model; when its ``kv_heads`` do not divide the tensor axis, K/V projections
             are replicated over it (every TP rank keeps all kv heads) instead of failing.
         sequence_parallel: shard the residual stream's sequence dim over ``tensor``.
-        vocab_parallel: shard the embedding/head's vocabulary over ``tensor`` (turned off for
-            1F1B on meshes with data and tensor axes: XLA's SPMD partitioner aborts on a
-            vocab-sharded head inside the 1F1B loss branch there).
+        vocab_parallel: shard the embedding/head's vocabulary over ``tensor`` (on by default;
+            every layout keeps it, the explicit pipeline schedules on data×pipe×tensor too:
+            XLA's old abort on a vocab-sharded head in the 1F1B loss branch is gone since the
+            pipeline's data axes are manual).
     """
     table = dict(RULES)
     if not vocab_parallel:
@@ -84,7 +85,7 @@ class Layout:
         zero: ZeRO stage over the data axes.
         sequence_parallel: see ``axis_rules``.
         schedule: pipeline schedule when the mesh has a ``pipe`` axis.
-        repeats: layer chunks per stage (circular schedule).
+        repeats: layer chunks per stage (circular, interleaved-1f1b).
     """
 
     mesh: str
@@ -108,7 +109,11 @@ LAYOUTS: dict[str, Layout] = {
     "pp_1f1b": Layout("data=4,pipe=2", zero=1, schedule="1f1b"),
     "tp_pp": Layout("tensor=2,pipe=4"),
     "dp_pp_tp": Layout("data=2,pipe=2,tensor=2"),
-    "dp_pp_tp_1f1b": Layout("data=2,pipe=2,tensor=2", schedule="1f1b", vocab_parallel=False),
+    "dp_pp_tp_1f1b": Layout("data=2,pipe=2,tensor=2", schedule="1f1b"),
+    # Zero-bubble (backward split into input and weight gradients) and interleaved 1F1B.
+    "pp_zb": Layout("data=4,pipe=2", zero=1, schedule="zb-h1"),
+    "pp_interleaved": Layout("data=4,pipe=2", zero=1, schedule="interleaved-1f1b", repeats=2),
+    "dp_pp_tp_zb": Layout("data=2,pipe=2,tensor=2", schedule="zb-h1"),
     "hybrid": Layout("data=2,fsdp=2,tensor=2", sequence_parallel=True),
     # Mixture of experts (Config.moe_experts > 0): experts over `expert`, with DP, TP inside
     # each expert, FSDP, and a pipeline.

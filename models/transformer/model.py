@@ -33,14 +33,20 @@ from .config import Config
 F32 = jnp.float32
 
 
+# Schedules whose pipeline returns activations (backward by autodiff); the others take the
+# loss inside the pipeline.
+AUTODIFF_SCHEDULES = ("gpipe", "circular")
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineSpec:
     """How to run the layer stack over the ``pipe`` mesh axis with ``sk.pipeline``.
 
     Attributes:
         microbatches: microbatches per step (the batch is split along its leading dim).
-        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
-        repeats: layer chunks per stage for the circular (interleaved) schedule.
+        schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"``, ``"interleaved-1f1b"`` or
+            ``"zb-h1"`` (the last three run their backward inside the pipeline).
+        repeats: layer chunks per stage (``"circular"``, ``"interleaved-1f1b"``).
     """
 
     microbatches: int = 4
@@ -417,14 +423,14 @@ def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = Non
     """Mean next-token cross entropy; ``batch = {"inputs": (B,T), "targets": (B,T)}``;
     ``rng`` (training) turns on ``Config.dropout``.
 
-    Under the 1F1B schedule the loss is computed inside the pipeline (its backward pass is
-    explicit), so the head goes in as ``loss_params``. Under context parallelism the batch
+    Under the explicit-backward schedules (1F1B, interleaved 1F1B, ZB-H1) the loss is computed
+    inside the pipeline, so the head goes in as ``loss_params``. Under context parallelism the batch
     is reordered for causal load balancing first (``sk.context_shard``).
     """
     if model.cfg.moe_experts and pipeline is None:
         return moe_loss_fn(model, batch, rng=rng)[0]
     batch = _context_order(batch)
-    if pipeline is not None and pipeline.schedule == "1f1b":
+    if pipeline is not None and pipeline.schedule not in AUTODIFF_SCHEDULES:
         eps = model.cfg.norm_eps
         return model.hidden(
             batch["inputs"], pipeline=pipeline, loss_params=model.head_params(),

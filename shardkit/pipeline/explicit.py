@@ -77,12 +77,14 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             grad_ring = put(grad_ring, recv_g, r_grad)
             h = jnp.where(a_slot < 0, take(x_mb, mb), take(act_ring, jnp.maximum(a_slot, 0)))
             g = take(grad_ring, g_slot)
-            c = c if ring else 0  # static for one chunk: no dynamic slice of the weights
-            weights = jax.tree.map(lambda a: a[c], params_l) if not ring else take(params_l, c)
+            # The chunk's weights as a (1, k, ...) stack; one chunk: the operand itself (a slice
+            # and re-stack of tensor-sharded weights would cost XLA a copy of the stage).
+            c = c if ring else 0
+            weights = (jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c, 1, 0), params_l)
+                       if ring else params_l)
 
             def out(Wc, h):
-                return chunk(jax.tree.map(lambda a: a[None], Wc), 0, h, c * p + stage, mb,
-                             take(extras_mb, mb))
+                return chunk(Wc, 0, h, c * p + stage, mb, take(extras_mb, mb))
 
             def loss(Wc, LP, h):
                 return loss_fn(LP, out(Wc, h), take(targets_mb, mb)).astype(jnp.float32)
@@ -90,9 +92,10 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             def add_w(acc, d_w, d_l=None):
                 gp, gl, gx, total = acc
                 if ring:
-                    gp = jax.tree.map(lambda a, d: put(a, take(a, c) + d.astype(a.dtype), c), gp, d_w)
+                    gp = jax.tree.map(lambda a, d: lax.dynamic_update_slice_in_dim(
+                        a, lax.dynamic_slice_in_dim(a, c, 1, 0) + d.astype(a.dtype), c, 0), gp, d_w)
                 else:
-                    gp = jax.tree.map(lambda a, d: a.at[0].add(d.astype(a.dtype)), gp, d_w)
+                    gp = _add(gp, d_w)
                 return gp, gl if d_l is None else _add(gl, d_l), gx, total
 
             def add_x(acc, d_h):  # only stage 0's first chunk owns dx (row m = discard)
