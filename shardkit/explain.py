@@ -147,7 +147,8 @@ class Report:
     def comparison(self) -> list[dict]:
         """Rows ``{"quantity", "estimate", "compiled", "caveat"}`` for every quantity both sides
         have (a collective the program does not execute counts as 0 compiled bytes); ``caveat``
-        says why an estimate is only a bound (None: modelled)."""
+        says why an estimate is approximate, or (``"not modelled: ..."``) why it is not modelled —
+        the rendered table then prints the reason instead of the number (None: modelled)."""
         compiled = self.compiled()
         est = self.estimate or {}
         rows = [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
@@ -195,8 +196,9 @@ class Report:
                 ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("nan")
                 fmt = (lambda v: f"{v:.3g}") if r["quantity"].startswith("flops") else _human
                 caveat = r["caveat"] or "modelled"
-                est.add_row(r["quantity"], fmt(r["estimate"]), fmt(r["compiled"]), f"{ratio:.2f}",
-                            caveat.split(":")[0])
+                shown = not caveat.startswith("not modelled")  # the reason, not a number
+                est.add_row(r["quantity"], fmt(r["estimate"]) if shown else "unmodelled", fmt(r["compiled"]),
+                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0])
                 if r["caveat"]:
                     footnotes.append(f"{r['quantity']}: {r['caveat']}")
             parts.append(est)

@@ -4,8 +4,9 @@ Python-loop MLP with an embedding lookup, a CNN, a scanned GPT written against
 
 Every figure the estimate prints is within 10% of the compiled program's, or its row carries
 the estimate's own caveat (``Report.comparison()[i]["caveat"]``: what XLA decides that the model
-cannot see) — and then it stays within the bound stated below for that layout, so that a gap
-cannot grow unnoticed, and on the side its caveat names ("a lower bound" never over-estimates).
+cannot see) — a "not modelled" row, which the report prints as the reason instead of a number —
+and then it stays within the bound stated below for that layout, so that a gap cannot grow
+unnoticed, and on the side its caveat names ("a lower bound" never over-estimates).
 """
 
 import pytest
@@ -16,8 +17,6 @@ TOL = 0.10
 # (family, mesh, zero) -> {quantity: tolerance} for rows the estimate marks with a caveat
 # (the measured ratio in the comment).
 CAVEAT_BOUNDS = {
-    ("mlp", "tensor=8", 0): {"memory/temporaries": 0.25, "memory/peak": 0.25},  # 0.81, 0.84
-    ("mlp", "data=2,fsdp=2,tensor=2", 1): {"memory/temporaries": 0.15},  # 0.90
     ("cnn", "data=8", 3): {"collective/param-gather": 0.55, "collective/other": 1.0},  # 0.5; 1 KiB vs 0
     ("cnn", "tensor=8", 0): {"collective/tensor-reduce": 0.25},  # 1.15
     ("cnn", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.25},
@@ -29,17 +28,22 @@ CAVEAT_BOUNDS = {
 }
 
 
-CASES = [(f, mesh, zero) for f in F.FAMILIES for mesh, zero in F.LAYOUTS] + [
-    ("moe", mesh, zero) for mesh, zero in F.EXPERT_LAYOUTS]
+CASES = [(f, mesh, zero, None) for f in F.FAMILIES for mesh, zero in F.LAYOUTS] + [
+    ("moe", mesh, zero, None) for mesh, zero in F.EXPERT_LAYOUTS] + [
+    # The program reader's rule for what XLA:CPU materialises for a reduction was found
+    # on the MLP's tensor=8 step at 32 rows (0.77 -> 0.93); held here at 8x the batch too
+    # (0.88 -> 1.07, the hybrid 0.87 -> 0.97).
+    ("mlp", "tensor=8", 0, 256), ("mlp", "data=2,fsdp=2,tensor=2", 1, 256)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,mesh,zero", CASES)
-def test_estimate_holds_on_unseen_families(family, mesh, zero):
-    step, state, batch = F.build(family, mesh, zero)
+@pytest.mark.parametrize("family,mesh,zero,rows", CASES)
+def test_estimate_holds_on_unseen_families(family, mesh, zero, rows):
+    step, state, batch = F.build(family, mesh, zero, rows=rows)
     report = step.explain(state, batch)
     bounds = CAVEAT_BOUNDS.get((family, mesh, zero), {})
     bad = []
+    text = None
     for row in report.comparison():
         q, est, comp, caveat = row["quantity"], row["estimate"], row["compiled"], row["caveat"]
         if est == 0 and comp == 0:
@@ -48,6 +52,11 @@ def test_estimate_holds_on_unseen_families(family, mesh, zero):
         if abs(ratio - 1) <= TOL:
             continue
         where = f"{q}: estimate {est:,.0f} compiled {comp:,.0f} ratio {ratio:.3f}"
+        if caveat is not None and caveat.startswith("not modelled"):
+            # Beyond 10%, the report must print the reason, not the number.
+            text = text or report.render(width=250)
+            if f"{q}: {caveat}" not in text:
+                bad.append(f"{where}: not modelled, yet the report does not say so")
         if caveat is None:
             bad.append(f"{where}, not within {TOL:.0%} and not marked as a bound")
         elif abs(ratio - 1) > bounds.get(q, TOL):
@@ -67,6 +76,8 @@ def test_report_marks_bounded_rows():
     rows = {r["quantity"]: r for r in report.comparison()}
     assert rows["memory/temporaries"]["caveat"].startswith("approximate")
     assert rows["memory/params"]["caveat"] is None
+    for q in ("memory/temporaries", "memory/peak"):  # 0.77 and 0.81 before XLA:CPU's reductions were modelled
+        assert rows[q]["estimate"] == pytest.approx(rows[q]["compiled"], rel=TOL)
     text = report.render(width=200)
     assert "memory/temporaries: approximate" in text and "modelled?" in text
 

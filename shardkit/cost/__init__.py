@@ -5,14 +5,17 @@ Two kinds of figures, always labelled:
 * **compiled** — read from an XLA program: ``step.explain()`` compiles this exact step;
   ``simulate``/``step.explain(mesh=...)`` compiles it for a mesh that does not exist here
   (a subprocess with N simulated CPU devices, abstract inputs, nothing allocated).
-* **modelled** — one set of formulas (``formulas``), fed either by a ``ModelShape`` (``estimate``,
-  ``search``: thousands of layouts in seconds) or by a real step's leaves
-  (``estimate_for_step``). Step time is only ever modelled: ``steptime`` turns flops and
+* **modelled** — one set of per-role formulas (``roles``: ZeRO state, data and tensor-parallel
+  traffic, step temporaries, activations, MoE and context traffic), fed either by a
+  ``ModelShape`` (``formulas.estimate``, ``search``: thousands of layouts in seconds) or by a
+  real step's leaf sums and traced program (``fromstep``, ``estimate_for_step``). Step time is only ever modelled: ``steptime`` turns flops and
   collective bytes into seconds with each accelerator's ``Efficiency`` and link table.
 
-Modules: ``shapes`` (ModelShape, Layout, Estimate), ``formulas``, ``fromstep``, ``pipeline``
-(what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo`` (reading compiled programs),
-``rank`` (layout search), ``simulated`` (compiling for meshes that are not here).
+Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``fromstep``,
+``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it),
+``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
+(reading compiled programs), ``rank`` (layout search), ``simulated`` (compiling for meshes that
+are not here).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import hardware as hardware
-from .formulas import activation_bytes as activation_bytes, estimate as estimate
+from .formulas import estimate as estimate
+from .roles import activation_bytes as activation_bytes
 from .shapes import (DECODER_SIZES as DECODER_SIZES, ROLES as ROLES, Estimate as Estimate,
                      Layout as Layout, ModelShape as ModelShape, model_shape as model_shape,
                      tokens_in as tokens_in)

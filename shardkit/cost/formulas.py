@@ -1,5 +1,7 @@
-"""The cost model's formulas: per-device memory, collective bytes and flops of a layout
-(``estimate``); ``steptime`` turns them into seconds. ``sk.cost`` is the public face.
+"""The cost model fed by a ``ModelShape``: per-device memory, collective bytes and flops of a
+layout (``estimate``), counted from the model's sizes and handed to the per-role formulas in
+``roles`` (which ``fromstep`` feeds from a real step); ``steptime`` turns them into seconds.
+``sk.cost`` is the public face.
 
 Sources: ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054),
 Megatron tensor parallelism and activation memory (Shoeybi et al. 2019, arXiv:1909.08053;
@@ -20,6 +22,8 @@ import numpy as np
 from ..precision import Precision
 from . import hardware as hw_lib
 from .pipeline import pipeline_ticks, pipeline_traffic
+from .roles import (activation_bytes, context_traffic, data_traffic, moe_traffic, step_temporaries, tensor_traffic,
+                    zero_state)
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
 from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
 
@@ -88,14 +92,13 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     p_layers = (ms.layer_params - ms.expert_params) / (lo.tensor * lo.pipe) + p_expert
     p_dev = p_layers + (ms.params - ms.layer_params) / lo.tensor
     s_param = lo.fsdp * (lo.data if lo.zero == 3 else 1)
-    s_opt = lo.fsdp * (lo.data if lo.zero >= 1 else 1)
     s_grad = lo.fsdp * (lo.data if lo.zero >= 2 else 1)
-    x_param, x_opt, x_grad = ((lo.expert if lo.zero >= z else 1) for z in (3, 1, 2))
 
     def split(s: int, x: int) -> float:  # elements per device under ZeRO's shard
         return ((p_dev - p_expert) / x + p_expert) / s
 
-    sharded = s_param * x_param > 1
+    state = zero_state(lo.zero, model=split(lo.fsdp, 1), shard=split(lo.fsdp * lo.data, lo.expert))
+    sharded = lo.fsdp > 1 or (lo.zero == 3 and lo.data * lo.expert > 1)
     L_dev = max(ms.layers // lo.pipe, 1)
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
@@ -109,8 +112,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
         act += 2 * b * T * ms.vocab * 4 / lo.tensor / lo.context
-    mem = {"params": split(s_param, x_param) * bp, "opt_state": 2 * split(s_opt, x_opt) * bo}
-    grads = split(s_grad, x_grad) * max(bg, 4 if lo.microbatches > 1 else bg)
+    mem = {"params": state["params"] * bp, "opt_state": 2 * state["opt_state"] * bo}  # Adam: 2 moments
+    grads = state["grads"] * max(bg, 4 if lo.microbatches > 1 else bg)
     mem["grads"] = grads
     mem["activations"] = act
     mem["batch"] = 2 * global_batch * T * 4 / replicas
@@ -119,7 +122,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     if one_f_one_b:  # the loop's f32 gradient accumulator, its update's copy, a fresh vjp
         gathered += 3 * p_layers * 4
     new_params = p_dev * bp / (s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
-    mem["temporaries"] = max(grads + act + gathered, grads + new_params)
+    mem["temporaries"] = step_temporaries(pass_peak=grads + act + gathered, grads=grads, update=new_params)
     mem["peak"] = mem["arguments"] + mem["temporaries"]
 
     m = lo.microbatches
@@ -146,17 +149,13 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         data_traffic(col, counts, reduced=m * (p_dev + tied), reduce_ops=m * max(L_dev, 1),
                      bg=bg, wire=bc, bp=bp)
     if lo.tensor > 1 and ms.d_model:
-        # 1F1B's backward op recomputes the forward: its 2 all-reduces per layer run again.
-        n_red = m * ((6 if one_f_one_b else 4) * L_dev + 2)
-        col["tensor-reduce"] = n_red * tokens_mb * ms.d_model * bc
-        counts["tensor-reduce"] = n_red
-        if lo.sequence_parallel:
-            # Each layer's 2 TP regions: an all-gather before (forward), its transpose and a
-            # re-gather of the saved sequence shard for the weight gradients (backward)
-            # (Korthikanti et al. 2022, sec. 4.2.2); + the head's input.
-            n_gather = m * (6 * L_dev + 1)
-            col["tensor-gather"] = n_gather * tokens_mb * ms.d_model * bc
-            counts["tensor-gather"] = n_gather
+        # Each layer's 2 TP regions (attention, MLP) close with a row-parallel weight (reduced in
+        # the forward; again in 1F1B's recomputed forward) and open with a column-parallel one
+        # (reduced in the backward); the vocab-parallel embedding and head add one each.
+        recomputed = 2 * L_dev if one_f_one_b else 0
+        tensor_traffic(col, counts, forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
+                       head_gather=True, tokens=tokens_mb, width=ms.d_model, wire=bc, microbatches=m,
+                       sequence_parallel=lo.sequence_parallel)
     if lo.expert > 1 and ms.experts:
         # Every MoE layer of every microbatch sends its tokens to their experts and back,
         # forward and backward (sk.moe; inside a pipeline's stages XLA moves them instead).
@@ -248,106 +247,3 @@ def diloco_speedup(model: Any, layout: Layout, hardware: str | hw_lib.Hardware =
     dp = dataclasses.replace(layout, replica=1, diloco_every=1, data=layout.data * layout.replica)
     return (estimate(model, dp, hardware, global_batch=global_batch, **kw).step_time
             / estimate(model, layout, hardware, global_batch=global_batch, **kw).step_time)
-
-
-def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: float = 0.0,
-                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, bg: int, wire: int, bp: int) -> None:
-    """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020), added into
-    ``col`` (bytes) and ``counts``: the one formula both estimators use, fed by a
-    ``ModelShape`` (``estimate``) or by a real step's leaf sums (``fromstep``).
-
-    * ``grad-reduce``: every gradient element is reduced once per reduction (``reduced``
-      elements in all, over ``reduce_ops`` collectives; counted as bytes reduced, so an
-      all-reduce and a reduce-scatter of the same gradient count the same);
-    * ``param-gather`` under ZeRO-3/FSDP: each use of a sharded weight gathers it (``gathered``
-      elements over ``gather_ops`` collectives, in the compute dtype on the wire);
-    * ``param-gather`` under ZeRO-1/2: the updated shards are gathered once per step into the
-      replicated parameters (``zero12_gathered`` elements, in the parameter dtype).
-    """
-    col["grad-reduce"] += reduced * bg
-    counts["grad-reduce"] += reduce_ops
-    if gathered:
-        col["param-gather"] += gathered * wire
-        counts["param-gather"] += gather_ops
-    elif zero12_gathered:
-        col["param-gather"] += zero12_gathered * bp
-        counts["param-gather"] += 1
-
-
-def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
-    """Saved activation bytes of one layer for one microbatch (Korthikanti et al. 2022,
-    Table 2; the constants assume 16-bit activations, scaled to ``bc`` bytes)."""
-    if ms.act_bytes_per_token is not None:
-        return ms.act_bytes_per_token * b * s / lo.tensor
-    h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
-    if not h:
-        return 0.0
-    sbh = s * b * h
-    if lo.remat == "full":
-        per = 2 * sbh
-    elif lo.remat == "dots":  # selective recompute: attention scores are recomputed
-        per = sbh * 34 / t
-    elif lo.sequence_parallel and t > 1:
-        per = sbh / t * (34 + 5 * a * s / h)
-    elif t > 1:
-        per = sbh * (10 + 24 / t + 5 * a * s / (h * t))
-    else:
-        per = sbh * (34 + 5 * a * s / h)
-    return per * bc / 2
-
-
-def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
-                group_size: int | None, bytes_per_element: float, axis_size: int) -> float:
-    """All-to-all bytes per device per step of one ``sk.moe`` layer, counted as ``sk.Report``
-    counts them (the buffers each device hands to the all-to-all; ``steptime.collective_time``
-    applies the (n−1)/n that leaves the device).
-
-    A device's ``tokens`` go out as an ``(E, S, D)`` buffer: ``S = (tokens / group) · C`` slots
-    per expert, ``C = ceil(c · k · group / E)`` (``moe.expert_capacity``), so ≈ ``c · k · tokens``
-    rows; dropless pads each expert to all of the device's tokens (``S = tokens``: ``E/k`` times
-    the capacity-1 buffer). Dispatch and combine, forward and backward: four such buffers (the
-    GShard/Switch accounting, Lepikhin et al. 2020; Fedus et al. 2021). Zero without an expert
-    axis.
-    """
-    from ..moe import expert_capacity
-
-    if axis_size <= 1:
-        return 0.0
-    group = tokens if capacity_factor is None else group_size
-    slots = tokens // group * expert_capacity(group, top_k, experts, capacity_factor)
-    return 4.0 * experts * slots * d_model * bytes_per_element
-
-
-def context_traffic(*, kv_block: float, context: int, strategy: str = "ring", bytes_per_element: int,
-                    segment_block: float = 0.0, backward: bool = True) -> dict[str, float]:
-    """Per-device collective bytes of one ``sk.context_attention`` call (Liu et al. 2023, Ring
-    Attention), counted as ``sk.Report`` counts them.
-
-    ``kv_block``: elements of one device's K block (= its V block): local batch × T/c × kv
-    heads per device × head_dim. ``segment_block``: bytes of its segment ids (int32), which
-    travel with K/V. Gradient accumulators travel in float32.
-
-    * ``"ring"``, ``context-permute``: forward ``(c-1)`` K/V blocks; backward ``(c-1)`` K/V
-      blocks again plus ``c`` dK/dV blocks (each block's gradient rides the ring with it and
-      takes one more hop home), so about twice the forward.
-    * ``"allgather"``: ``context-gather`` the gathered K/V (``c`` blocks each) once: the
-      backward gathers the same K/V and XLA merges that gather with the forward's (measured
-      on the compiled step); ``context-reduce`` the bytes of dK/dV reduced (``c`` f32 blocks
-      each, reduce-scattered).
-
-    Zero for ``context == 1``.
-    """
-    c = context
-    out = {"context-permute": 0.0, "context-gather": 0.0, "context-reduce": 0.0}
-    if c <= 1:
-        return out
-    kv = 2 * kv_block * bytes_per_element + segment_block
-    passes = 2 if backward else 1
-    if strategy == "ring":
-        out["context-permute"] = passes * (c - 1) * kv + (c * 2 * kv_block * 4 if backward else 0.0)
-    elif strategy == "allgather":
-        out["context-gather"] = c * kv
-        out["context-reduce"] = c * 2 * kv_block * 4 if backward else 0.0
-    else:
-        raise ValueError(f"unknown context strategy {strategy!r}; choose 'ring' or 'allgather'")
-    return out

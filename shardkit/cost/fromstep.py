@@ -19,7 +19,8 @@ from . import hardware as hw_lib
 from .shapes import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
 from .program import ProgramReading, read_program
-from .formulas import data_traffic
+from .roles import data_traffic, step_temporaries, tensor_traffic, zero_state
+from .caveats import step_caveats
 from .pipeline import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, pipelined_uses)
 
@@ -130,7 +131,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     dims = collections.Counter(d for l, s in zip(leaves, stacked) for d in l.shape[int(s):])
     width = dims.most_common(1)[0][0] if dims else 0
 
-    mem = {"params": float(sum(stored) * bp)}
+    state_elems = zero_state(zero, model=sum(full), shard=sum(zshard))
+    mem = {"params": float(state_elems["params"] * bp)}
     opt_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.opt_state)
     opt_specs = plan.opt_state_specs(opt_abstract, state.params, lay)
     mem["opt_state"] = float(sum(_size(x.shape, s, mesh) * _itemsize(x.dtype) for x, s in
@@ -142,8 +144,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                              for x in jax.tree.leaves(batch)))
     scalars = 20 + (8 if state.loss_scale is not None else 0)
     mem["arguments"] = mem["params"] + mem["opt_state"] + mem["model_state"] + mem["batch"] + scalars
-    g_full, g_shard, g_comp = sum(full) * bg, sum(zshard) * bg, sum(comp) * bg
-    mem["grads"] = float(g_full if zero < 2 else g_shard)
+    g_comp = sum(comp) * bg
+    mem["grads"] = float(state_elems["grads"] * bg)
     grad_buffer = mem["grads"] * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
     tensor_dims = {l.shape[d] for l in leaves for d, e in enumerate(l.spec)
                    if any(a not in plan.batch_axes for a in entry_axes(e))}
@@ -173,7 +175,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         reduced = sum(whole) * bg if n_data > 1 else 0.0
         shard_update = sum(zshard) * bp if zero in (1, 2) and n_data > 1 else 0.0
         accumulate = mem["grads"] if m > 1 else 0.0
-        mem["temporaries"] = max(reading.peak, g_comp + reduced + shard_update) + accumulate
+        mem["temporaries"] = step_temporaries(pass_peak=reading.peak, grads=g_comp, reduced=reduced,
+                                              update=shard_update, throughout=accumulate)
         mem["activations"] = reading.residuals
     else:
         act, piped_act = _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims,
@@ -206,7 +209,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         new_params = sum(stored) * bp
         # The compute-dtype copy of the parameters (absent when compute == params dtype).
         cast = sum(stored) * bc if bc != bp else 0.0
-        mem["temporaries"] = max(backward, grad_buffer + new_params) + cast
+        mem["temporaries"] = step_temporaries(pass_peak=backward, grads=grad_buffer, update=new_params,
+                                              throughout=cast)
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
 
     tokens = tokens_in(batch)
@@ -232,14 +236,14 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                      gather_ops=m * sum(u for u, s, c in zip(uses, stored, comp) if s < c) if not pipe else 2 * m * L,
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
                      bg=bg, wire=wire, bp=bp)
-    act_bytes = tok_dev_mb * width * wire
-    # Without a pipeline or sequence parallelism the traced program's tensor-split
-    # contractions give the reductions (below); with them, the per-weight Megatron rule here.
+    # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
+    # parallelism the traced program's tensor-split contractions give the reductions; with them,
+    # Megatron's per-use count, one use per tensor-sharded weight (XLA does not merge the q/k/v or
+    # gate/up input-gradient reductions): a row-parallel one (split on its input dim) in the
+    # forward — again in 1F1B's recomputed forward —, a column-parallel one in the backward, a
+    # vocab-parallel lookup in the forward and, tied, as the output head in the backward.
+    fwd = bwd = regions = tables = n_tables = 0.0
     for l, s, t, tie, staged in zip(leaves, stacked, lookup, tied, piped) if (pipe or sp) else ():
-        # One all-reduce of (tokens × width) per use of a tensor-sharded weight: the output of
-        # a row-parallel one (forward), the input gradient of a column-parallel one (backward)
-        # (Megatron; XLA does not merge the q/k/v or gate/up input-gradient reductions). A tied
-        # vocab-parallel embedding is used twice: lookup (forward) and output head (backward).
         dims = [d for d, e in enumerate(l.spec)
                 if any(a not in plan.batch_axes and a != "pipe" for a in entry_axes(e))]
         if len(l.shape) < 2 or not dims:
@@ -248,34 +252,23 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         if staged:
             stack = pipelined_uses(pipe, stack)
         vocab_lookup = t and dims[0] == 0
-        uses = 2 if (vocab_lookup and tie) else 1
-        if staged and pipe["schedule"] == "1f1b" and dims[0] == int(s):
-            uses += 1  # a row-parallel stage weight: 1F1B's recomputed forward reduces again
-        if sp and vocab_lookup:
-            # Sequence parallel (Korthikanti et al. 2022): tokens are split over ``tensor``, so
-            # the lookup gathers the whole table and its gradient is reduced over ``tensor``
-            # at full size (no activation all-reduce); a tied head still reduces its input grad.
-            uses -= 1
-            col["tensor-gather"] += m * math.prod(l.shape) * bp
-            col["tensor-reduce"] += m * math.prod(l.shape) * bg
-            counts["tensor-gather"] += m
-            counts["tensor-reduce"] += m
-        col["tensor-reduce"] += uses * m * stack * act_bytes
-        counts["tensor-reduce"] += uses * m * stack
+        row = dims[0] == int(s)
+        if vocab_lookup and sp:  # tokens split over tensor: the whole table instead
+            tables, n_tables = tables + math.prod(l.shape), n_tables + 1
+        elif vocab_lookup or row:
+            fwd += stack
+        else:
+            bwd += stack
+        if vocab_lookup and tie:
+            bwd += stack
+        if staged and row and pipe["schedule"] == "1f1b":
+            fwd += stack
         if sp and s and l.shape[-1] == width and not vocab_lookup:
-            # Each TP region closes with a row-parallel weight (output into the residual
-            # stream, last dim = width). SP turns the region's all-reduces into reduce-scatters
-            # (counted above, bytes reduced) + all-gathers: one before the region (forward),
-            # its transpose (backward), and a re-gather of the saved sequence-sharded input
-            # for the weight gradients (Korthikanti et al. 2022, sec. 4.2.2): 3 per region.
-            col["tensor-gather"] += 3 * m * stack * act_bytes
-            counts["tensor-gather"] += 3 * m * stack
-    if not pipe and not sp:
-        col["tensor-reduce"] = m * reading.tensor_reduce * wire
-        counts["tensor-reduce"] = m * reading.tensor_reduce_ops
-    if sp and any(lookup):
-        col["tensor-gather"] += m * act_bytes  # the head's input, gathered off the sequence shards
-        counts["tensor-gather"] += m
+            regions += stack  # a region closes with a row-parallel weight into the residual stream
+    tensor_traffic(col, counts, forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),
+                   tokens=tok_dev_mb, width=width, wire=wire, microbatches=m, sequence_parallel=sp,
+                   tables=(tables, n_tables), param_bytes=bp, grad_bytes=bg,
+                   measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
     # Collectives the program writes itself (sk.context_attention's ring, sk.moe's all-to-alls,
     # a user's shard_map): read off the traced program, per microbatch.
     for role, (n, nbytes) in _explicit_roles(reading.explicit).items():
@@ -329,7 +322,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         notes.append("modelled flops: every matmul and convolution of the traced program, per device")
     tensor_split = [any(a not in plan.batch_axes and sizes.get(a, 1) > 1 for e in l.spec for a in entry_axes(e))
                     for l in leaves]
-    caveats = _caveats(reading, [s < c for s, c in zip(stored, comp)], tensor_split, bool(pipe),
+    caveats = step_caveats(reading, [s < c for s, c in zip(stored, comp)], tensor_split, bool(pipe),
                        bool(step.trace_notes.get("moe")))
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev, notes, caveats)
@@ -348,41 +341,6 @@ def _explicit_roles(explicit: dict) -> dict[str, tuple[float, float]]:
             continue
         n0, b0 = out.get(role, (0.0, 0.0))
         out[role] = (n0 + n, b0 + nbytes)
-    return out
-
-
-def _caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool) -> dict[str, str]:
-    """The quantities whose figure is only a bound, and why: choices XLA makes per program that
-    the model cannot see (each seen on a model family the model was not written against)."""
-    out = {"collective/other": "not modelled: permutes XLA adds to move blocks between two shardings"}
-    if any(g and c for g, c in zip(gathered, reading.conv)):
-        out["collective/param-gather"] = ("a lower bound: XLA may gather a convolution kernel again for "
-                                          "the backward convolutions (counted once per use)")
-    elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
-        out["collective/param-gather"] = ("approximate: inside a loop XLA decides per weight how often to "
-                                          "gather it for the backward (counted: forward + backward, once each)")
-    if not piped and reading.tensor_reduce and "memory/temporaries" not in out:
-        why = ("approximate: which buffers XLA keeps alive in a tensor-parallel backward is not modelled "
-               "(0.8 to 1.0 of the compiled figure on the models tried)")
-        out["memory/temporaries"] = out["memory/peak"] = why
-    if (reading.shard_maps or moe) and not piped:
-        # A shard_map (sk.moe, a user's own) is partitioned by hand inside; around it XLA
-        # decides where weights are gathered and kept and where tensor-split values meet.
-        region = "a shard_map's (sk.moe's) weights"
-        if any(tensor_split):
-            out["collective/tensor-reduce"] = (f"not modelled: the reductions XLA places around {region} when "
-                                               "they are tensor-split (only the matmuls outside are counted)")
-            why = f"approximate: how XLA partitions {region} over the tensor axes is not modelled"
-            for q in ("memory/temporaries", "memory/peak", "flops"):
-                out[q] = why
-        if any(gathered):
-            why = (f"approximate: how long XLA keeps {region} gathered (ZeRO-3/FSDP) for the backward "
-                   "is not modelled")
-            for q in ("collective/param-gather", "memory/temporaries", "memory/peak"):
-                out[q] = why
-    if any(t and c for t, c in zip(tensor_split, reading.conv)):
-        out["collective/tensor-reduce"] = ("approximate: how XLA reduces a tensor-split convolution's partial "
-                                           "sums is not modelled (one reduction per convolution counted)")
     return out
 
 
@@ -457,7 +415,6 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
     # Under a context axis, a dimension of the sequence's length is split over it (the
     # attention's own blocks are already local inside its shard_map).
     seq, ctx = (first[1] if len(first) > 1 else 0), sizes.get("context", 1)
-    n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
 
     def split_of(aval, leaf, manual=frozenset()):

@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax._src import core as jcore
 
+from . import xla_cpu
+
 # Ops XLA fuses into their consumers (loop fusion): elementwise math, casts, broadcasts and
 # layout changes. Everything else materialises its result.
 _FUSIBLE = {
@@ -145,46 +147,6 @@ def _elementwise_output(eqn, index: int) -> bool:
     return False
 
 
-def _transposed_operands(eqn) -> list:
-    if eqn.primitive.name == "conv_general_dilated":
-        return _transposed_conv_operands(eqn)
-    return _transposed_dot_operands(eqn)
-
-
-def _transposed_conv_operands(eqn) -> list:
-    """Operands of a convolution that XLA:CPU copies into its native layout first (input
-    batch-major with features last, kernel with its input and output features last) — the
-    weight-gradient convolution, which treats the batch as features, needs both copied."""
-    dn = eqn.params["dimension_numbers"]
-    if dn is None:
-        return []
-    out = []
-    for v, spec, want in ((eqn.invars[0], dn.lhs_spec, "lhs"), (eqn.invars[1], dn.rhs_spec, "rhs")):
-        rank = v.aval.ndim
-        spatial = tuple(range(1, rank - 1)) if want == "lhs" else tuple(range(rank - 2))
-        native = (0, rank - 1) + spatial if want == "lhs" else (rank - 1, rank - 2) + spatial
-        if tuple(spec) != native and not isinstance(v, jcore.Literal):
-            out.append(v)
-    return out
-
-
-def _transposed_dot_operands(eqn) -> list:
-    """Operands of a ``dot_general`` that XLA:CPU copies into its canonical layout first
-    (lhs ``[batch..., M, K]``, rhs ``[batch..., K, N]``: batch dims leading, the lhs's contracted
-    dims last, the rhs's right after its batch dims); GPU/TPU matmul libraries take transposed
-    operands as they are."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    out = []
-    for v, c, b, lhs in ((eqn.invars[0], lc, lb, True), (eqn.invars[1], rc, rb, False)):
-        if isinstance(v, jcore.Literal):
-            continue
-        nb, nc, rank = len(b), len(c), v.aval.ndim
-        want_c = tuple(range(rank - nc, rank)) if lhs else tuple(range(nb, nb + nc))
-        if tuple(b) != tuple(range(nb)) or tuple(c) != want_c:
-            out.append(v)
-    return out
-
-
 def _bytes(aval) -> float:
     return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
 
@@ -241,6 +203,7 @@ class _Reader:
             for u in e.invars:
                 if not isinstance(u, jcore.Literal):
                     consumers.setdefault(u, []).append(e.primitive.name)
+        reduced = xla_cpu.materialised_for_reductions(eqns, _FUSIBLE, _VIEW, _REDUCE) if self.canonical_dots else set()
         if not outputs_live:
             # A value that only reaches a nested jaxpr's output through reshapes and casts is
             # written straight into the caller's buffer too.
@@ -277,7 +240,7 @@ class _Reader:
                 if self.canonical_dots:
                     # An activation is copied for the op; a weight takes the layout the op
                     # wants for free (layout assignment picks it).
-                    inner_peak[i] = sum(self.size_of(u.aval, None) for u in _transposed_operands(e)
+                    inner_peak[i] = sum(self.size_of(u.aval, None) for u in xla_cpu.transposed_operands(e)
                                         if origin.get(u) is None)
                 inner_peak[i] = inner_peak.get(i, 0.0) + reduce_copy
                 for s in src[:2]:
@@ -323,7 +286,7 @@ class _Reader:
             outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
             materialise = name not in _FUSIBLE or any(
                 c not in _FUSIBLE and c not in _REDUCE for v in outs for c in consumers.get(v, ())) or (
-                name in _EXPENSIVE and any(len(consumers.get(v, ())) > 1 for v in outs))
+                name in _EXPENSIVE and any(len(consumers.get(v, ())) > 1 for v in outs)) or i in reduced
             if not materialise and not any(v in jaxpr_out for v in outs):
                 for v in e.outvars:
                     fused.add(v)

@@ -1,0 +1,44 @@
+"""What a step estimate cannot see: the quantities whose figure is approximate or not modelled,
+each with the reason (``Estimate.caveats``, shown by ``sk.Report`` beside the figure or instead
+of it). Each was found comparing the estimate with the compiled step on a model family the
+model was not written against (``tests/test_cost_families.py``, BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+
+def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool) -> dict[str, str]:
+    """The quantities whose figure is approximate or not modelled, and why: choices XLA makes per
+    program that the model cannot see (each seen on a model family the model was not written
+    against). A "not modelled" quantity's figure still times the step, but ``sk.Report`` prints
+    the reason instead of the number."""
+    out = {"collective/other": "not modelled: permutes XLA adds to move blocks between two shardings"}
+    if any(g and c for g, c in zip(gathered, reading.conv)):
+        out["collective/param-gather"] = ("not modelled: how often XLA gathers a convolution kernel for the "
+                                          "backward convolutions (one gather per use, a lower bound, is timed)")
+    elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
+        out["collective/param-gather"] = ("not modelled: inside a loop XLA decides per weight how often to "
+                                          "gather it for the backward (timed: forward + backward, once each)")
+    if not piped and reading.tensor_reduce and "memory/temporaries" not in out:
+        why = ("approximate: XLA's schedule of a tensor-parallel backward is not modelled (it may update a "
+               "parameter as soon as its gradient is ready and keep a copy of one still to be read; 0.91 to "
+               "1.07 of the compiled figure on the model families tried)")
+        out["memory/temporaries"] = out["memory/peak"] = why
+    if (reading.shard_maps or moe) and not piped:
+        # A shard_map (sk.moe, a user's own) is partitioned by hand inside; around it XLA
+        # decides where weights are gathered and kept and where tensor-split values meet.
+        region = "a shard_map's (sk.moe's) weights"
+        if any(tensor_split):
+            out["collective/tensor-reduce"] = (f"not modelled: the reductions XLA places around {region} when "
+                                               "they are tensor-split (only the matmuls outside are counted)")
+            why = f"not modelled: how XLA partitions {region} over the tensor axes"
+            for q in ("memory/temporaries", "memory/peak", "flops"):
+                out[q] = why
+        if any(gathered):
+            why = f"not modelled: how long XLA keeps {region} gathered (ZeRO-3/FSDP) for the backward"
+            for q in ("collective/param-gather", "memory/temporaries", "memory/peak"):
+                out[q] = why
+    if any(t and c for t, c in zip(tensor_split, reading.conv)):
+        out["collective/tensor-reduce"] = ("not modelled: how XLA reduces a tensor-split convolution's partial "
+                                           "sums (one reduction per convolution is timed)")
+    return out

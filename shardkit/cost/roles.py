@@ -1,0 +1,187 @@
+"""Per-role formulas: one function per collective role and memory kind, shared by both
+estimators — ``formulas.estimate`` feeds them sums derived from a ``ModelShape`` (``sk.search``),
+``fromstep.step_estimate`` feeds them a real step's leaf sums and traced-program readings
+(``step.explain()``). A role's rule lives here once; the callers only count.
+
+Sources: ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054); Megatron tensor
+parallelism (Shoeybi et al. 2019, arXiv:1909.08053) and its sequence-parallel form and
+activation memory (Korthikanti et al. 2022, arXiv:2205.05198); Ring Attention (Liu et al.
+2023); GShard/Switch all-to-alls (Lepikhin et al. 2020; Fedus et al. 2021). Bytes are counted
+like ``sk.Report``: per device per step; a reduction counts the bytes reduced (an all-reduce and
+a reduce-scatter of V both count V), a gather its gathered result.
+"""
+
+from __future__ import annotations
+
+from .shapes import Layout, ModelShape
+
+
+def zero_state(zero: int, *, model: float, shard: float) -> dict[str, float]:
+    """Elements one device keeps of the parameters, gradients and optimizer state (per moment)
+    under ZeRO stage ``zero`` (Rajbhandari et al. 2020, sec. 5): stage 1 shards the optimizer
+    state over the data axes, 2 the gradients too, 3 the parameters too.
+
+    Args:
+        model: elements per device as the model-parallel layout places them (tensor, pipe and
+            any explicitly sharded axis; a ``ModelShape``'s Ψ split, or a step's leaf spec sizes).
+        shard: elements per device with the data axes' ZeRO shard on top.
+    """
+    return {"params": shard if zero >= 3 else model, "grads": shard if zero >= 2 else model,
+            "opt_state": shard if zero >= 1 else model}
+
+
+def step_temporaries(*, pass_peak: float, grads: float, update: float, reduced: float = 0.0,
+                     throughout: float = 0.0) -> float:
+    """Temporary bytes of one training step: the larger of the forward + backward pass's own peak
+    (``pass_peak``: its activations, working buffers and, at its end, the gradients) and the
+    update's (the unreduced ``grads`` beside their ``reduced`` copy — a collective writes a new
+    buffer — and the new parameters, or ZeRO-1/2's new shard, before they are written back:
+    ``update``), plus what stays alive throughout (``throughout``: a microbatch gradient
+    accumulator, a compute-dtype copy of the parameters)."""
+    return max(pass_peak, grads + reduced + update) + throughout
+
+
+def tensor_traffic(col, counts, *, forward: float = 0.0, backward: float = 0.0, regions: float = 0.0,
+                   head_gather: bool = False, tokens: float = 0.0, width: float = 0.0, wire: int,
+                   microbatches: float = 1, sequence_parallel: bool = False,
+                   tables: tuple[float, float] = (0.0, 0.0), param_bytes: int = 4, grad_bytes: int = 4,
+                   measured: tuple[float, float] | None = None) -> None:
+    """Tensor-parallel collectives per device per step, added into ``col`` (bytes) and ``counts``:
+    the one formula both estimators use.
+
+    Megatron (Shoeybi et al. 2019): each use of a tensor-split weight leaves partial sums of one
+    (``tokens`` × ``width``) activation to all-reduce — a row-parallel weight's output in the
+    forward (again where the forward is recomputed; a vocab-parallel lookup too), a
+    column-parallel weight's input gradient in the backward. ``forward``/``backward``: how many
+    such uses one microbatch makes. Under sequence parallelism (Korthikanti et al. 2022, sec.
+    4.2.2) each becomes a reduce-scatter (the same bytes reduced) and each of the ``regions`` (a
+    column-parallel → row-parallel pair) adds three all-gathers: its input in the forward, the
+    transpose in the backward, and a re-gather of the saved sequence shard for the weight
+    gradients; ``head_gather``: one more for the output head's input. A vocab-parallel lookup
+    there sees tokens split over ``tensor``: it gathers its whole table (``param_bytes``) and
+    reduces its gradient at full size (``grad_bytes``) instead of reducing its output
+    (``tables``: ``(elements, tables)``, not counted in ``forward``).
+
+    ``measured``: ``(elements, reductions)`` per microbatch read off a traced program's
+    tensor-split contractions, which replace the per-use count.
+    """
+    m = microbatches
+    act = tokens * width * wire
+    if measured is not None:
+        col["tensor-reduce"] += m * measured[0] * wire
+        counts["tensor-reduce"] += m * measured[1]
+    else:
+        col["tensor-reduce"] += m * (forward + backward) * act
+        counts["tensor-reduce"] += m * (forward + backward)
+    if tables[1]:
+        col["tensor-gather"] += m * tables[0] * param_bytes
+        col["tensor-reduce"] += m * tables[0] * grad_bytes
+        counts["tensor-gather"] += m * tables[1]
+        counts["tensor-reduce"] += m * tables[1]
+    if sequence_parallel:
+        n_gather = 3 * regions + (1 if head_gather else 0)
+        col["tensor-gather"] += m * n_gather * act
+        counts["tensor-gather"] += m * n_gather
+
+
+def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: float = 0.0,
+                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, bg: int, wire: int, bp: int) -> None:
+    """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020), added into
+    ``col`` (bytes) and ``counts``: the one formula both estimators use, fed by a
+    ``ModelShape`` (``estimate``) or by a real step's leaf sums (``fromstep``).
+
+    * ``grad-reduce``: every gradient element is reduced once per reduction (``reduced``
+      elements in all, over ``reduce_ops`` collectives; counted as bytes reduced, so an
+      all-reduce and a reduce-scatter of the same gradient count the same);
+    * ``param-gather`` under ZeRO-3/FSDP: each use of a sharded weight gathers it (``gathered``
+      elements over ``gather_ops`` collectives, in the compute dtype on the wire);
+    * ``param-gather`` under ZeRO-1/2: the updated shards are gathered once per step into the
+      replicated parameters (``zero12_gathered`` elements, in the parameter dtype).
+    """
+    col["grad-reduce"] += reduced * bg
+    counts["grad-reduce"] += reduce_ops
+    if gathered:
+        col["param-gather"] += gathered * wire
+        counts["param-gather"] += gather_ops
+    elif zero12_gathered:
+        col["param-gather"] += zero12_gathered * bp
+        counts["param-gather"] += 1
+
+
+def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
+    """Saved activation bytes of one layer for one microbatch (Korthikanti et al. 2022,
+    Table 2; the constants assume 16-bit activations, scaled to ``bc`` bytes)."""
+    if ms.act_bytes_per_token is not None:
+        return ms.act_bytes_per_token * b * s / lo.tensor
+    h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
+    if not h:
+        return 0.0
+    sbh = s * b * h
+    if lo.remat == "full":
+        per = 2 * sbh
+    elif lo.remat == "dots":  # selective recompute: attention scores are recomputed
+        per = sbh * 34 / t
+    elif lo.sequence_parallel and t > 1:
+        per = sbh / t * (34 + 5 * a * s / h)
+    elif t > 1:
+        per = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    else:
+        per = sbh * (34 + 5 * a * s / h)
+    return per * bc / 2
+
+
+def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
+                group_size: int | None, bytes_per_element: float, axis_size: int) -> float:
+    """All-to-all bytes per device per step of one ``sk.moe`` layer, counted as ``sk.Report``
+    counts them (the buffers each device hands to the all-to-all; ``steptime.collective_time``
+    applies the (n−1)/n that leaves the device).
+
+    A device's ``tokens`` go out as an ``(E, S, D)`` buffer: ``S = (tokens / group) · C`` slots
+    per expert, ``C = ceil(c · k · group / E)`` (``moe.expert_capacity``), so ≈ ``c · k · tokens``
+    rows; dropless pads each expert to all of the device's tokens (``S = tokens``: ``E/k`` times
+    the capacity-1 buffer). Dispatch and combine, forward and backward: four such buffers (the
+    GShard/Switch accounting, Lepikhin et al. 2020; Fedus et al. 2021). Zero without an expert
+    axis.
+    """
+    from ..moe import expert_capacity
+
+    if axis_size <= 1:
+        return 0.0
+    group = tokens if capacity_factor is None else group_size
+    slots = tokens // group * expert_capacity(group, top_k, experts, capacity_factor)
+    return 4.0 * experts * slots * d_model * bytes_per_element
+
+
+def context_traffic(*, kv_block: float, context: int, strategy: str = "ring", bytes_per_element: int,
+                    segment_block: float = 0.0, backward: bool = True) -> dict[str, float]:
+    """Per-device collective bytes of one ``sk.context_attention`` call (Liu et al. 2023, Ring
+    Attention), counted as ``sk.Report`` counts them.
+
+    ``kv_block``: elements of one device's K block (= its V block): local batch × T/c × kv
+    heads per device × head_dim. ``segment_block``: bytes of its segment ids (int32), which
+    travel with K/V. Gradient accumulators travel in float32.
+
+    * ``"ring"``, ``context-permute``: forward ``(c-1)`` K/V blocks; backward ``(c-1)`` K/V
+      blocks again plus ``c`` dK/dV blocks (each block's gradient rides the ring with it and
+      takes one more hop home), so about twice the forward.
+    * ``"allgather"``: ``context-gather`` the gathered K/V (``c`` blocks each) once: the
+      backward gathers the same K/V and XLA merges that gather with the forward's (measured
+      on the compiled step); ``context-reduce`` the bytes of dK/dV reduced (``c`` f32 blocks
+      each, reduce-scattered).
+
+    Zero for ``context == 1``.
+    """
+    c = context
+    out = {"context-permute": 0.0, "context-gather": 0.0, "context-reduce": 0.0}
+    if c <= 1:
+        return out
+    kv = 2 * kv_block * bytes_per_element + segment_block
+    passes = 2 if backward else 1
+    if strategy == "ring":
+        out["context-permute"] = passes * (c - 1) * kv + (c * 2 * kv_block * 4 if backward else 0.0)
+    elif strategy == "allgather":
+        out["context-gather"] = c * kv
+        out["context-reduce"] = c * 2 * kv_block * 4 if backward else 0.0
+    else:
+        raise ValueError(f"unknown context strategy {strategy!r}; choose 'ring' or 'allgather'")
+    return out
