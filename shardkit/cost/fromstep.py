@@ -316,8 +316,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     notes = list(reading.notes)
     if not pipe:
         notes.append("modelled memory: a liveness simulation of the traced forward + backward pass with "
-                     "XLA's fusion rules; XLA's own fusion and scheduling choices have kept 10-20% more in "
-                     "some tensor-parallel backwards (BENCHMARKS.md)")
+                     "XLA's fusion rules: the bytes alive at once. XLA's temporaries are its packing of its "
+                     "buffers into one heap, which large steps leave fragmented (1.3-1.4x the bytes alive at "
+                     "once on a 1B transformer at 2048 tokens; not modelled, BENCHMARKS.md)")
     if flops_per_token is None and not pipe:
         notes.append("modelled flops: every matmul and convolution of the traced program, per device")
     tensor_split = [any(a not in plan.batch_axes and sizes.get(a, 1) > 1 for e in l.spec for a in entry_axes(e))
