@@ -149,8 +149,9 @@ def noisy_layer(lp, h_BxD, *, extras, rng):
     return jnp.where(keep_BxD, layer(lp, h_BxD), 0.0) * extras["mask_B"][:, None]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_extras_and_rng(devices, schedule):
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), _lane(False, "zb-h1", 1),
+                                        _lane(False, "interleaved-1f1b", 2)])
+def test_extras_and_rng(devices, schedule, v):
     """extras are split like x; the key is folded with the global layer, then the microbatch."""
     p, m = 2, 8  # a tick's activations (k layers x 2 rows x D) stay smaller than one D x D weight
     mesh = make_mesh(f"pipe={p}", devices=devices[:p])
@@ -170,8 +171,9 @@ def test_extras_and_rng(devices, schedule):
         return jnp.mean(jnp.stack(losses))
 
     def loss(params, head, x):
-        return pipeline(noisy_layer, params, x, microbatches=m, schedule=schedule, loss_fn=head_loss,
-                        loss_params=head, targets=t, extras={"mask_B": mask}, rng=key, mesh=mesh)
+        return pipeline(noisy_layer, params, x, microbatches=m, schedule=schedule, repeats=v,
+                        loss_fn=head_loss, loss_params=head, targets=t, extras={"mask_B": mask},
+                        rng=key, mesh=mesh)
 
     want = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, head, x)
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, head, x)
