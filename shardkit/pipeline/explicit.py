@@ -91,9 +91,11 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
 
             def add_w(acc, d_w, d_l=None):
                 gp, gl, gx, total = acc
-                if ring:
-                    gp = jax.tree.map(lambda a, d: lax.dynamic_update_slice_in_dim(
-                        a, lax.dynamic_slice_in_dim(a, c, 1, 0) + d.astype(a.dtype), c, 0), gp, d_w)
+                if ring:  # an elementwise select over the chunks: updated in place
+                    def upd(a, d):
+                        hit = (jnp.arange(v) == c).reshape((v,) + (1,) * (a.ndim - 1))
+                        return jnp.where(hit, a + d.astype(a.dtype), a)
+                    gp = jax.tree.map(upd, gp, d_w)
                 else:
                     gp = _add(gp, d_w)
                 return gp, gl if d_l is None else _add(gl, d_l), gx, total
