@@ -116,3 +116,18 @@ def test_schedule_errors():
         args = {"schedule": "1f1b", "stages": 4, "microbatches": 8, **kw}
         with pytest.raises(ValueError, match=match):
             sk.pipeline_schedule(args.pop("schedule"), **args)
+
+
+def test_cost_model_reads_the_tables():
+    """cost.pipeline's ticks, bubble and recompute follow the executed table, not 1F1B's."""
+    from shardkit.cost import pipeline as cost
+
+    for name, v, bubble in [("1f1b", 1, 3 / 8), ("interleaved-1f1b", 2, 3 / 16), ("zb-h1", 1, 3 / 24)]:
+        note = {"stages": 4, "microbatches": 8, "repeats": v, "schedule": name}
+        tab = sk.pipeline_schedule(name, stages=4, microbatches=8, repeats=v)
+        assert cost.pipeline_ticks(note) == tab.ticks
+        assert cost.pipeline_bubble(note) == pytest.approx(bubble)  # idle / busy: (p-1)/(v·m), /(3m)
+    zb = {"stages": 4, "microbatches": 8, "repeats": 1, "schedule": "zb-h1"}
+    assert cost.recompute_factor(zb, 1) == pytest.approx(5 / 3)
+    assert cost.recompute_factor({**zb, "schedule": "1f1b"}, 4) == pytest.approx(4 / 3)
+    assert cost.recompute_factor({**zb, "schedule": "gpipe"}, 4) == 1.0
