@@ -14,11 +14,13 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     the reason instead of the number."""
     out = {"collective/other": "not modelled: permutes XLA adds to move blocks between two shardings"}
     if any(g and c for g, c in zip(gathered, reading.conv)):
-        out["collective/param-gather"] = ("not modelled: how often XLA gathers a convolution kernel for the "
-                                          "backward convolutions (one gather per use, a lower bound, is timed)")
+        out["collective/param-gather"] = ("approximate: XLA decides how often to gather a convolution kernel "
+                                          "(counted: once per convolution that reads it, the backward's "
+                                          "input-gradient one reading it reversed; exact on the CNN family)")
     elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
-        out["collective/param-gather"] = ("not modelled: inside a loop XLA decides per weight how often to "
-                                          "gather it for the backward (timed: forward + backward, once each)")
+        out["collective/param-gather"] = ("approximate: inside a loop XLA decides per weight how often to "
+                                          "gather it for the backward (counted: forward + backward, once each; "
+                                          "exact on the model families tried)")
     if not piped and reading.tensor_reduce and "memory/temporaries" not in out:
         why = ("approximate: XLA's schedule of a tensor-parallel backward is not modelled (it may update a "
                "parameter as soon as its gradient is ready and keep a copy of one still to be read; 0.91 to "

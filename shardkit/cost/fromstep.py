@@ -229,8 +229,11 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                                                              for l, c, t in zip(leaves, comp, tied) if t)
         # ZeRO-3/FSDP gathers a weight where it is used: inside a loop (a layer scan) for the
         # forward and again for the backward, every microbatch; outside any loop once (XLA
-        # keeps the gathered copy for the backward). Pipelines gather per use, twice.
-        uses = [2 if (loop or pipe) else 1 for loop in reading.loop_use]
+        # keeps the gathered copy for the backward) — but once per distinct operand XLA reads:
+        # a tied table as the lookup reads it and as the head multiplies with it (transposed),
+        # a convolution kernel as the forward reads it and reversed, as the backward's
+        # input-gradient convolution reads it. Pipelines gather per use, twice.
+        uses = [2 if (loop or pipe) else max(1 + t, c) for loop, t, c in zip(reading.loop_use, tied, reading.conv)]
         data_traffic(col, counts, reduced=m * reduced, reduce_ops=m * L,
                      gathered=m * sum(u * c for u, s, c in zip(uses, stored, comp) if s < c) if fsdp else 0.0,
                      gather_ops=m * sum(u for u, s, c in zip(uses, stored, comp) if s < c) if not pipe else 2 * m * L,

@@ -63,6 +63,9 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and"
 _VIEW = {"reshape", "squeeze", "expand_dims", "convert_element_type", "sharding_constraint",
          "pvary", "pcast", "copy", "copy_p", "transpose", "broadcast_in_dim"}
 _MATMUL = {"dot_general", "conv_general_dilated"}
+# Ops that take part of a value (a stacked weight's one slice: ``w[:, i]``): a use of the
+# parameter for the readings, a value of its own for sizes.
+_SLICE = {"slice", "dynamic_slice", "index_in_dim", "rev"}
 # jaxpr collectives -> the HLO collective they become (``hlo.Traffic.kind``).
 _COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
                 "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
@@ -76,7 +79,8 @@ class ProgramReading:
     Attributes:
         lookup: per parameter leaf, whether it is indexed (``gather``: an embedding table).
         matmul: per parameter leaf, whether it is a matmul/convolution operand.
-        conv: per parameter leaf, whether it is a convolution's operand (a kernel).
+        conv: per parameter leaf, how many convolutions read it (0: not a kernel); the
+            backward's input-gradient convolution reads the kernel reversed (``rev``).
         loop_use: per parameter leaf, whether a loop body (``scan``/``while``) uses it: XLA
             then gathers a ZeRO-3 weight inside the loop, forward and backward (else once).
         flops: matmul + convolution flops one device executes for one microbatch (each op's
@@ -95,7 +99,7 @@ class ProgramReading:
 
     lookup: list[bool]
     matmul: list[bool]
-    conv: list[bool]
+    conv: list[int]
     loop_use: list[bool]
     flops: float
     total_flops: float
@@ -178,14 +182,21 @@ class _Reader:
         self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
-        self.conv = [False] * n_params
+        self.conv = [0] * n_params
         self.explicit: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+        self.sliced: set = set()  # vars holding a slice of a parameter (a use of it, not its layout)
         self.notes: list[str] = []
         self._times = 1.0
 
     def size_of(self, aval, leaf) -> float:
         d, t = self.split_of(aval, leaf, self.manual)
         return _bytes(aval) / (d * t)
+
+    def whole(self, origin: dict, v):
+        """The parameter leaf ``v`` is a whole view of (its per-device size follows the leaf's
+        layout), or None — also for a slice of one, which counts as a use of the leaf but is
+        sized like any other value."""
+        return None if isinstance(v, jcore.Literal) or v in self.sliced else origin.get(v)
 
     def run(self, jaxpr: jcore.Jaxpr, origin: dict, outputs_live: bool) -> tuple[float, float, float]:
         """Flops (one device's, all devices') and peak live bytes of ``jaxpr`` (its inputs excluded); ``origin`` maps vars to
@@ -214,13 +225,19 @@ class _Reader:
         for i, e in enumerate(eqns):
             name = e.primitive.name
             src = [origin.get(u) if not isinstance(u, jcore.Literal) else None for u in e.invars]
-            if name in _VIEW and src and src[0] is not None:
+            if (name in _VIEW or name in _SLICE) and src and src[0] is not None:
                 for v in e.outvars:
                     origin[v] = src[0]
+                    if name in _SLICE or e.invars[0] in self.sliced:
+                        self.sliced.add(v)
+            if self.in_loop:
+                for s_ in src:
+                    if s_ is not None:
+                        self.loop_use[s_] = True
             if name in _MATMUL:
                 # A device does the share of the most-split operand (or result): tokens split
                 # over data, features over tensor.
-                ops = [self.split_of(u.aval, origin.get(u), self.manual) for u in e.invars[:2]
+                ops = [self.split_of(u.aval, self.whole(origin, u), self.manual) for u in e.invars[:2]
                        if not isinstance(u, jcore.Literal)]
                 out_d, out_t = self.split_of(e.outvars[0].aval, None, self.manual)
                 total += _dot_flops(e)
@@ -234,19 +251,16 @@ class _Reader:
                     reduce_copy = self.size_of(e.outvars[0].aval, None)
                 else:
                     reduce_copy = 0.0
-                for s_ in src[:2]:
-                    if s_ is not None and self.in_loop:
-                        self.loop_use[s_] = True
                 if self.canonical_dots:
                     # An activation is copied for the op; a weight takes the layout the op
                     # wants for free (layout assignment picks it).
                     inner_peak[i] = sum(self.size_of(u.aval, None) for u in xla_cpu.transposed_operands(e)
-                                        if origin.get(u) is None)
+                                        if self.whole(origin, u) is None)
                 inner_peak[i] = inner_peak.get(i, 0.0) + reduce_copy
                 for s in src[:2]:
                     if s is not None:
                         self.matmul[s] = True
-                        self.conv[s] |= name == "conv_general_dilated"
+                        self.conv[s] += name == "conv_general_dilated"
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
             elif name in _COLLECTIVES:
@@ -262,6 +276,8 @@ class _Reader:
             for sub, outer, times in subs:
                 inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
                                 if not isinstance(ov, jcore.Literal) and ov in origin}
+                self.sliced.update(iv for iv, ov in zip(sub.invars, outer)
+                                   if not isinstance(ov, jcore.Literal) and ov in self.sliced)
                 if math.isnan(times):
                     self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
                     times = 1.0
@@ -301,12 +317,12 @@ class _Reader:
             for v in e.outvars:
                 if isinstance(v, jcore.DropVar):
                     continue
-                view = name in _VIEW and origin.get(v) is not None
+                view = name in _VIEW and self.whole(origin, v) is not None
                 # A nested jaxpr's outputs are written into its caller's buffers (a scan's
                 # stacked outputs, a call's results): counted there, not here.
                 inner_out = not outputs_live and v in jaxpr_out
                 size[v] = 0.0 if (view and name != "convert_element_type") or inner_out else \
-                    self.size_of(v.aval, origin.get(v))
+                    self.size_of(v.aval, self.whole(origin, v))
                 if name == "shard_map" and size[v] and _elementwise_output(e, e.outvars.index(v)):
                     # A residual the body computes elementwise from values it keeps anyway:
                     # once XLA has partitioned the shard_map away, it fuses the op into the
