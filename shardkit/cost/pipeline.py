@@ -39,17 +39,18 @@ def pipeline_bubble(note: dict) -> float:
     return f / (1.0 - f)
 
 
-def recompute_factor(note: dict, layers_per_chunk: int) -> float:
+def recompute_factor(note: dict) -> float:
     """Flops of the layers per step over the un-pipelined model's (forward F, backward 2F,
     split B = W = F; Qi et al. 2024). 1F1B and interleaved 1F1B: the fused backward op
     recomputes the chunk's forward, 4F/3F. ZB-H1: B and W are separate VJPs, each recomputing
     the chunk's forward from its saved input (keeping B's per-layer residuals for W would cost
-    the memory the split saves); W also re-derives the input cotangents inside the chunk (all
-    but its first layer's), so F + (F + B) + (F + B·(k-1)/k + W) = (5 + (k-1)/k)F over 3F.
-    GPipe/circular: 1 (their idle-tick compute is counted apart, from the ticks)."""
+    the memory the split saves), and W's VJP w.r.t. the weights still runs the input
+    cotangent through every layer of the chunk (it is the layer scan's transposed carry):
+    F + (F + B) + (F + B + W) = 6F over 3F, whatever the chunk's depth (compiled transformer
+    ``pp_zb``: 2.02). GPipe/circular: 1 (their idle-tick compute is counted apart, from the
+    ticks)."""
     if note["schedule"] == "zb-h1":
-        k = max(layers_per_chunk, 1)
-        return (5.0 + (k - 1) / k) / 3.0
+        return 2.0
     return 4.0 / 3.0 if is_explicit(note) else 1.0
 
 
