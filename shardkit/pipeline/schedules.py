@@ -31,7 +31,7 @@ SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
 EXPLICIT = ("1f1b", "interleaved-1f1b", "zb-h1")  # backward inside the pipeline, table-driven
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # array fields: compared by identity
 class ForwardTable:
     """A GPipe / circular forward schedule (backward comes from autodiff, mirrored).
 
@@ -74,7 +74,7 @@ def forward_table(p: int, m: int, v: int = 1) -> ForwardTable:
     return _frozen(ForwardTable(item, loop_slot, out_slot))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # array fields: compared by identity
 class Schedule:
     """A pipeline schedule as a tick × stage table; the explicit executor scans exactly this.
 
