@@ -22,7 +22,7 @@ from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")  # sk.pipeline_schedule's
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
 
 
@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     a("--microbatches", type=int, help="pipeline microbatches with a pipe axis (default 2 x "
       "stages), else gradient-accumulation microbatches (default 1)")
     a("--pipeline-schedule", default="gpipe", help=f"one of {', '.join(SCHEDULES)}")
-    a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular; default 2)")
+    a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular, interleaved-1f1b; default 2)")
     a("--diloco-every", type=int, help="DiLoCo: replicas on the mesh's `replica` axis sync every H "
       "steps (outer Nesterov SGD 0.7/0.9), e.g. --mesh replica=2,data=4 --diloco-every 50")
     a("--diloco-fragments", type=int, default=1, help="Streaming DiLoCo: layer fragments synced at "
@@ -137,7 +137,7 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
                         f"multiple of {tensor}")
     if cfg.d_ff % tensor or cfg.vocab % tensor:
         raise FlagError("--mesh", f"tensor={tensor} does not divide d_ff={cfg.d_ff} / vocab={cfg.vocab}")
-    repeats = args.pipeline_repeats or (2 if args.pipeline_schedule == "circular" else 1)
+    repeats = _repeats(args)
     if cfg.layers % (stages * repeats):
         raise FlagError("--layers", f"{cfg.layers} layers do not split into pipe={stages} stages "
                         f"x {repeats} repeats; use a multiple of {stages * repeats}")
@@ -270,16 +270,10 @@ def _run(args) -> int:
     pipe_mb, step_mb = check_layout(args, cfg, shape)
     train_tokens, val_tokens, data_name = load_data(args, cfg, tokenizer)
     sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
-    # XLA's SPMD partitioner aborts on a vocab-sharded head inside 1F1B's loss branch when the
-    # mesh has data and tensor axes: keep the vocabulary whole there (costs the head's memory).
-    vocab_parallel = not (shape.get("pipe", 1) > 1 and args.pipeline_schedule == "1f1b"
-                          and shape.get("tensor", 1) > 1 and plan_data_size(shape) > 1)
-    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp,
-                     vocab_parallel=vocab_parallel)
+    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp)
     pipeline = None
     if shape.get("pipe", 1) > 1:
-        repeats = args.pipeline_repeats or (2 if args.pipeline_schedule == "circular" else 1)
-        pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, repeats)
+        pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, _repeats(args))
 
     is_main = jax.process_index() == 0
     console = Console(quiet=args.quiet or not is_main, width=None if sys.stdout.isatty() else 150)
@@ -417,9 +411,6 @@ def diloco_from(args, shape, cfg: Config):
     if cfg.layers % max(args.diloco_fragments, 1):
         raise FlagError("--diloco-fragments", f"{args.diloco_fragments} fragments do not divide the "
                         f"{cfg.layers} layers; use a divisor of {cfg.layers}")
-    if shape.get("pipe", 1) > 1:  # sk.pipeline's shard_map under DiLoCo's vmap: not built yet
-        raise FlagError("--mesh", "--diloco-every runs replicas of data/fsdp/tensor/context/expert layouts; "
-                        "drop `pipe` (pipelines do not run inside DiLoCo replicas yet)")
     if "replica" not in shape:
         raise FlagError("--mesh", f"--diloco-every needs a `replica` axis, e.g. --mesh replica=2,data=4; got {shape}")
     try:
@@ -447,8 +438,8 @@ def replica_traffic(step, state, batch, compiled) -> float | None:
     return float(sent_bytes(traffic_from_hlo(compiled.as_text(), shape), "replica"))
 
 
-def plan_data_size(shape) -> int:
-    return math.prod(shape.get(a, 1) for a in ("replica", "data", "fsdp"))
+def _repeats(args) -> int:
+    return args.pipeline_repeats or (2 if args.pipeline_schedule in ("circular", "interleaved-1f1b") else 1)
 
 
 def _batch_sharding(plan):

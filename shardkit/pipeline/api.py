@@ -72,6 +72,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..mesh import vmapped_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
@@ -198,8 +199,9 @@ def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:
             raise ValueError(f"batch_axes={batch_axes} with rng: a key drawn on a device's rows would "
                              "not reproduce the un-sharded masks; leave batch_axes unset (or ()) "
                              "when passing rng")
-    return tuple(a for a in mesh.axis_names
-                 if a in batch_axes and a in _BATCH_AXES and a != axis and mesh.shape[a] > 1)
+    mapped = vmapped_axes()  # a vmap's spmd axis (sk.DiLoCo's replicas) is not the batch's here
+    return tuple(a for a in mesh.axis_names if a in batch_axes and a in _BATCH_AXES and a != axis
+                 and a not in mapped and mesh.shape[a] > 1)
 
 
 def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
@@ -229,7 +231,8 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
                          f"groups; use a layer count that is a multiple of {p * v}, or change "
                          "the stages/repeats")
     B = x.shape[0] if x.ndim else 0
-    data = math.prod(mesh.shape[a] for a in _BATCH_AXES if a in mesh.axis_names and a != axis)
+    data = math.prod(mesh.shape[a] for a in _BATCH_AXES
+                     if a in mesh.axis_names and a != axis and a not in vmapped_axes())
     if B % m or (B // m) % data:
         raise ValueError(f"batch {B} does not split into {m} microbatches of a size divisible by "
                          f"the data axes ({data} devices): need batch % (microbatches * {data}) "
