@@ -237,6 +237,22 @@ def test_errors():
         step.init(params())
 
 
+def assert_h1_sgd_is_data_parallel(plan, loss, init, batches):
+    """DiLoCo at H=1 with inner SGD and outer SGD(1) against plain DP on the same plan: same
+    losses and parameters (1e-5), and no replica-axis bytes in the inner program."""
+    dp = sk.train_step(plan, optax.sgd(0.1))(loss)
+    dl = sk.train_step(plan, optax.sgd(0.1), outer=sk.DiLoCo(every=1, optimizer=optax.sgd(1.0)))(loss)
+    s_dp, s_dl = dp.init(init), dl.init(init)
+    for batch in batches:
+        s_dp, m_dp = dp(s_dp, batch)
+        s_dl, m_dl = dl(s_dl, batch)
+        np.testing.assert_allclose(float(m_dl["loss"]), float(m_dp["loss"]), rtol=1e-5)
+    for k in init:
+        np.testing.assert_allclose(s_dl.outer.params[0][k], s_dp.params[k], atol=1e-5)
+    inner = dl.diloco.traffic(s_dl, batches[0])["inner"]
+    assert inner == 0, inner
+
+
 def blocks_loss(p, batch):
     """Context-parallel attention, then a mixture-of-experts block: both open shard_maps."""
     x_BxTxD = sk.constrain(batch["x"], ("batch", "context", None))
@@ -260,17 +276,7 @@ def test_building_blocks_with_their_own_shard_map_run_inside_the_replicas():
     init = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), init)
     batches = [{"x": r.normal(size=(8, 8, 8)).astype(np.float32), "y": r.normal(size=(8, 8, 8)).astype(np.float32)}
                for _ in range(4)]
-    dp = sk.train_step(plan, optax.sgd(0.1))(blocks_loss)
-    dl = sk.train_step(plan, optax.sgd(0.1), outer=sk.DiLoCo(every=1, optimizer=optax.sgd(1.0)))(blocks_loss)
-    s_dp, s_dl = dp.init(init), dl.init(init)
-    for batch in batches:
-        s_dp, m_dp = dp(s_dp, batch)
-        s_dl, m_dl = dl(s_dl, batch)
-        np.testing.assert_allclose(float(m_dl["loss"]), float(m_dp["loss"]), rtol=1e-5)
-    for k in init:
-        np.testing.assert_allclose(s_dl.outer.params[0][k], s_dp.params[k], atol=1e-5)
-    inner = dl.diloco.traffic(s_dl, batches[0])
-    assert inner["inner"] == 0, inner
+    assert_h1_sgd_is_data_parallel(plan, blocks_loss, init, batches)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
@@ -297,16 +303,7 @@ def test_pipelines_run_inside_the_replicas(schedule):
             "head": jnp.asarray(r.normal(size=(8, 8)) * 0.4, jnp.float32)}
     batches = [{"x": r.normal(size=(16, 8)).astype(np.float32), "y": r.normal(size=(16, 8)).astype(np.float32)}
                for _ in range(3)]
-    dp = sk.train_step(plan, optax.sgd(0.1))(loss)
-    dl = sk.train_step(plan, optax.sgd(0.1), outer=sk.DiLoCo(every=1, optimizer=optax.sgd(1.0)))(loss)
-    s_dp, s_dl = dp.init(init), dl.init(init)
-    for batch in batches:
-        s_dp, m_dp = dp(s_dp, batch)
-        s_dl, m_dl = dl(s_dl, batch)
-        np.testing.assert_allclose(float(m_dl["loss"]), float(m_dp["loss"]), rtol=1e-5)
-    for k in init:
-        np.testing.assert_allclose(s_dl.outer.params[0][k], s_dp.params[k], atol=1e-5)
-    assert dl.diloco.traffic(s_dl, batches[0])["inner"] == 0
+    assert_h1_sgd_is_data_parallel(plan, loss, init, batches)
 
 
 @pytest.mark.slow

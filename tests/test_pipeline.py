@@ -262,22 +262,27 @@ def test_train_step_matches_one_device(devices, mesh_spec, schedule, v, zero):
     np.testing.assert_allclose(got, want, rtol=RTOL)
 
 
-@pytest.mark.parametrize("schedule,v", SCHEDULES + [_lane(False, *sv) for sv in NEW_SCHEDULES])
-def test_stage_grads_reduced_over_data_once_per_step(devices, schedule, v):
-    """On data=2,pipe=4 the compiled step all-reduces the gradients over `data` once, after the
-    pipeline loop: about (stage params + head) bytes per device, not ticks x the stage (which
-    is what a compiler-managed data axis gives: a reduction on every tick / backward op)."""
-    m = 8
+def data_pipe_step(devices, zero, schedule, v, m):
+    """A train step on data=2,pipe=4 pipelining 8·v layers with the head's loss inside."""
     mesh = make_mesh("data=2,pipe=4", devices=devices)
-    plan = sk.Plan(mesh, rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
-    params, head, x, t = make_problem(4 * 2 * v)
+    plan = sk.Plan(mesh, rules=[(r"layers", ("pipe",)), (r".*", ())], zero=zero)
+    problem = params, head, _, _ = make_problem(4 * 2 * v)
 
     @sk.train_step(plan, optax.sgd(0.1))
     def step(model, batch):
         return pipeline(layer, model["layers"], batch["x"], microbatches=m, schedule=schedule, repeats=v,
                         loss_fn=head_loss, loss_params=model["head"], targets=batch["t"])
 
-    state = step.init({"layers": params, "head": head})
+    return step, step.init({"layers": params, "head": head}), problem
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES + [_lane(False, *sv) for sv in NEW_SCHEDULES])
+def test_stage_grads_reduced_over_data_once_per_step(devices, schedule, v):
+    """On data=2,pipe=4 the compiled step all-reduces the gradients over `data` once, after the
+    pipeline loop: about (stage params + head) bytes per device, not ticks x the stage (which
+    is what a compiler-managed data axis gives: a reduction on every tick / backward op)."""
+    m = 8
+    step, state, (params, head, x, t) = data_pipe_step(devices, 1, schedule, v, m)
     batch = {"x": x, "t": t}
     report = step.explain(state, batch)
     stage_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) // 4
@@ -299,17 +304,7 @@ def test_zero3_stage_weights_gathered_once_per_step(devices, schedule, v):
     """ZeRO-3 stage weights (sharded over `data`) are all-gathered at the pipeline's shard_map
     boundary: one stage's weights (+ the head) per step in the compiled program, never per
     microbatch or tick (m = 8 here: a per-microbatch gather would be 8x)."""
-    m = 8
-    mesh = make_mesh("data=2,pipe=4", devices=devices)
-    plan = sk.Plan(mesh, rules=[(r"layers", ("pipe",)), (r".*", ())], zero=3)
-    params, head, x, t = make_problem(4 * 2 * v)
-
-    @sk.train_step(plan, optax.sgd(0.1))
-    def step(model, batch):
-        return pipeline(layer, model["layers"], batch["x"], microbatches=m, schedule=schedule, repeats=v,
-                        loss_fn=head_loss, loss_params=model["head"], targets=batch["t"])
-
-    state = step.init({"layers": params, "head": head})
+    step, state, (params, head, x, t) = data_pipe_step(devices, 3, schedule, v, 8)
     report = step.explain(state, {"x": x, "t": t})
     stage_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) // 4
     head_bytes = sum(a.nbytes for a in jax.tree.leaves(head))
