@@ -18,8 +18,6 @@ TOL = 0.10
 # (the measured ratio in the comment).
 CAVEAT_BOUNDS = {
     ("cnn", "data=8", 3): {"collective/other": 1.0},  # 1 KiB vs 0
-    ("cnn", "tensor=8", 0): {"collective/tensor-reduce": 0.25},  # 1.15
-    ("cnn", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.25},
     ("moe", "data=8", 3): {"memory/temporaries": 0.25, "memory/peak": 0.25},  # 0.77, 0.80
     ("moe", "tensor=8", 0): {"memory/temporaries": 0.25, "memory/peak": 0.25, "flops": 0.2},  # 0.78, 0.79, 0.85
     ("moe", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.9},  # 0.14: marked not modelled

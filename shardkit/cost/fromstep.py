@@ -370,13 +370,16 @@ def _grad_reduce_elems(leaves, comp, grad_specs, data_axes, sizes) -> float:
 
 def n_tensor_of(shape, rows: int, tensor_dims: set[int], sizes) -> int:
     """The tensor-axis split of an activation: ``tensor`` when one of its feature dimensions
-    (those after its ``rows`` dimension: leading dims stack layers or ticks) is a tensor-sharded
-    weight dimension (the Megatron-split features), else 1."""
+    (those after its ``rows`` dimension, the first or second: a leading dim stacks layers or
+    ticks; without one, all of them) is a tensor-sharded weight dimension (the Megatron-split
+    features), else 1. A dimension of the rows' size further in is a feature, not the rows: a
+    convolution's weight gradient with as many channels as the batch has rows is split like
+    its weight, not reduced."""
     n = sizes.get("tensor", 1)
     if n <= 1:
         return 1
     shape = list(shape)
-    at = 0 if shape[:1] == [rows] else 1 if shape[1:2] == [rows] else (shape.index(rows) if rows in shape else -1)
+    at = 0 if shape[:1] == [rows] else 1 if shape[1:2] == [rows] else -1
     return n if any(d in tensor_dims for d in shape[at + 1:]) else 1
 
 
