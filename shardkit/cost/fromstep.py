@@ -423,11 +423,15 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
     # attention's own blocks are already local inside its shard_map).
     seq, ctx = (first[1] if len(first) > 1 else 0), sizes.get("context", 1)
     n_tensor = sizes.get("tensor", 1)
+    full = [math.prod(x.shape) for x in jax.tree.leaves(params)]
 
     def split_of(aval, leaf, manual=frozenset()):
         if leaf is not None:
-            # Larger than its compute layout: still split over the compiler's axes (a weight
-            # inside a shard_map that leaves ``tensor`` to XLA); else already local.
+            if not manual:  # any view of it (a scan's layer of a stack too) is split like it
+                return 1, full[leaf] / comp[leaf]
+            # Inside a shard_map: larger than its compute layout, still split over the
+            # compiler's axes (a weight inside a shard_map that leaves ``tensor`` to XLA); else
+            # already local.
             return 1, max(math.prod(aval.shape) / comp[leaf], 1.0)
         shape = list(aval.shape)
         # The rows, or the rows flattened with the sequence (a token list, as sk.moe routes it)

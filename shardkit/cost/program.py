@@ -185,12 +185,18 @@ class _Reader:
         self.conv = [0] * n_params
         self.explicit: dict[tuple[str, tuple[str, ...]], list[float]] = {}
         self.sliced: set = set()  # vars holding a slice of a parameter (a use of it, not its layout)
+        self.unsplit: set = set()  # vars known whole over the tensor axes (see ``split``)
         self.notes: list[str] = []
         self._times = 1.0
 
-    def size_of(self, aval, leaf) -> float:
+    def size_of(self, aval, leaf, var=None) -> float:
         d, t = self.split_of(aval, leaf, self.manual)
-        return _bytes(aval) / (d * t)
+        return _bytes(aval) / (d * (1 if var in self.unsplit else t))
+
+    def split(self, u, origin: dict) -> tuple[float, float]:
+        """``split_of`` for a var: one known to be whole over the tensor axes is not split there."""
+        d, t = self.split_of(u.aval, self.whole(origin, u), self.manual)
+        return d, (1 if u in self.unsplit else t)
 
     def whole(self, origin: dict, v):
         """The parameter leaf ``v`` is a whole view of (its per-device size follows the leaf's
@@ -237,9 +243,13 @@ class _Reader:
             if name in _MATMUL:
                 # A device does the share of the most-split operand (or result): tokens split
                 # over data, features over tensor.
-                ops = [self.split_of(u.aval, self.whole(origin, u), self.manual) for u in e.invars[:2]
-                       if not isinstance(u, jcore.Literal)]
+                ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
                 out_d, out_t = self.split_of(e.outvars[0].aval, None, self.manual)
+                if max(t for _, t in ops) <= 1 and out_t > 1:
+                    # A product of operands whole over the tensor axes is whole too, whatever
+                    # its sizes (a head's logits as wide as a tensor-split MLP).
+                    out_t = 1
+                    self.unsplit.update(e.outvars)
                 total += _dot_flops(e)
                 flops += _dot_flops(e) / max(d * t for d, t in ops + [(out_d, out_t)])
                 if max(t for _, t in ops) > 1 and out_t == 1:
@@ -298,6 +308,11 @@ class _Reader:
             if subs:
                 inner_peak[i] = inner_peak.get(i, 0.0) + sub_peak
 
+            if (name in _FUSIBLE or name in _REDUCE) and any(u in self.unsplit for u in e.invars
+                                                             if not isinstance(u, jcore.Literal)) and all(
+                    u in self.unsplit or self.split(u, origin)[1] <= 1 for u in e.invars
+                    if not isinstance(u, jcore.Literal)):
+                self.unsplit.update(e.outvars)  # elementwise math of whole values stays whole
             # Materialised or fused?
             outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
             materialise = name not in _FUSIBLE or any(
@@ -322,7 +337,7 @@ class _Reader:
                 # stacked outputs, a call's results): counted there, not here.
                 inner_out = not outputs_live and v in jaxpr_out
                 size[v] = 0.0 if (view and name != "convert_element_type") or inner_out else \
-                    self.size_of(v.aval, self.whole(origin, v))
+                    self.size_of(v.aval, self.whole(origin, v), v)
                 if name == "shard_map" and size[v] and _elementwise_output(e, e.outvars.index(v)):
                     # A residual the body computes elementwise from values it keeps anyway:
                     # once XLA has partitioned the shard_map away, it fuses the op into the
