@@ -20,7 +20,7 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
         out["collective/param-gather"] = ("approximate: inside a loop XLA decides per weight how often to "
                                           "gather it for the backward (counted: forward + backward, once each; "
-                                          "exact on the model families tried)")
+                                          "within 3% on the model families tried)")
     if not piped and reading.tensor_reduce and "memory/temporaries" not in out:
         why = ("approximate: XLA's schedule of a tensor-parallel backward is not modelled (it may update a "
                "parameter as soon as its gradient is ready and keep a copy of one still to be read; 0.91 to "

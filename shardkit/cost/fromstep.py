@@ -229,11 +229,11 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                                                              for l, c, t in zip(leaves, comp, tied) if t)
         # ZeRO-3/FSDP gathers a weight where it is used: inside a loop (a layer scan) for the
         # forward and again for the backward, every microbatch; outside any loop once (XLA
-        # keeps the gathered copy for the backward) — but once per distinct operand XLA reads:
-        # a tied table as the lookup reads it and as the head multiplies with it (transposed),
-        # a convolution kernel as the forward reads it and reversed, as the backward's
-        # input-gradient convolution reads it. Pipelines gather per use, twice.
-        uses = [2 if (loop or pipe) else max(1 + t, c) for loop, t, c in zip(reading.loop_use, tied, reading.conv)]
+        # keeps the gathered copy for the backward) — but a convolution kernel once per
+        # convolution that reads it (the backward's input-gradient one reads it reversed: a
+        # second operand). A tied table counts once: XLA gathered the scanned GPT family's twice
+        # (lookup, transposed head) but the recipe's once. Pipelines gather per use, twice.
+        uses = [2 if (loop or pipe) else max(1, c) for loop, c in zip(reading.loop_use, reading.conv)]
         data_traffic(col, counts, reduced=m * reduced, reduce_ops=m * L,
                      gathered=m * sum(u * c for u, s, c in zip(uses, stored, comp) if s < c) if fsdp else 0.0,
                      gather_ops=m * sum(u for u, s, c in zip(uses, stored, comp) if s < c) if not pipe else 2 * m * L,
@@ -290,7 +290,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     matmul = sum(c for c, l in zip(comp, leaves) if len(l.shape) >= 2)
     total = sum(math.prod(l.shape) for l in leaves)
     fpt = flops_per_token or 6.0 * total
-    flops = busy = fpt * (matmul / total if total else 1.0) * tokens / n_data
+    flops = busy = fpt * (matmul / total if total else 1.0) * tokens / n_data / ctx  # ctx: the sequence split
     if not pipe and flops_per_token is None:
         # The traced program's matmuls, not 6Ψ (a lookup table does no matmul).
         flops = busy = reading.flops * m
