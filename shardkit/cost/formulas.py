@@ -21,7 +21,7 @@ import numpy as np
 
 from ..precision import Precision
 from . import hardware as hw_lib
-from .pipeline import pipeline_ticks, pipeline_traffic
+from .pipeline import is_explicit, pipeline_ticks, pipeline_traffic, recompute_factor, schedule_table
 from .roles import (activation_bytes, context_traffic, data_traffic, moe_traffic, step_temporaries, tensor_traffic,
                     zero_state)
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
@@ -103,11 +103,15 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
     act = activation_bytes(ms, lo, b, T // lo.context, bc) * L_dev  # context: T/c tokens per device
-    one_f_one_b = lo.pipe > 1 and lo.schedule == "1f1b"
+    pipe_note = {"stages": lo.pipe, "microbatches": lo.microbatches, "repeats": lo.repeats,
+                 "schedule": lo.schedule}
+    one_f_one_b = lo.pipe > 1 and is_explicit(pipe_note)  # 1F1B, interleaved 1F1B, ZB-H1
     if one_f_one_b:
-        # sk.pipeline's 1F1B keeps a ring of <= p stage inputs and rebuilds one microbatch's
-        # residuals at a time in its backward op.
-        act += (lo.pipe + 1) * b * T * ms.d_model * bc
+        # sk.pipeline's explicit schedules keep rings of stage inputs (and ZB-H1's output
+        # cotangents waiting for their W), sized by the executed table, and rebuild one
+        # microbatch's residuals at a time in a backward op.
+        table = schedule_table(pipe_note)
+        act += (table.act_ring + table.grad_ring) * b * T * ms.d_model * bc
     elif lo.pipe > 1:
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
@@ -183,10 +187,10 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
 
     model_flops = ms.flops_per_token * global_batch * T / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
-    if one_f_one_b:  # the backward op recomputes its stage's forward from the saved input
-        recompute += 2.0 / 6.0
+    if one_f_one_b:  # backward ops recompute the chunk's forward from its saved input
+        recompute += recompute_factor(pipe_note) - 1.0
     flops = busy = model_flops * recompute
-    if lo.pipe > 1 and lo.schedule != "1f1b" and ms.layer_params:
+    if lo.pipe > 1 and not one_f_one_b and ms.layer_params:
         # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
         # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
         # time uses the busy flops; ``times``'s bubble stands for the idle ticks.

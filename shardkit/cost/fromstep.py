@@ -21,8 +21,8 @@ from .steptime import times
 from .program import ProgramReading, read_program
 from .roles import data_traffic, step_temporaries, tensor_traffic, zero_state
 from .caveats import step_caveats
-from .pipeline import (one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
-                       pipeline_traffic, pipelined_uses)
+from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
+                       pipeline_traffic, pipelined_uses, recompute_factor)
 
 
 def _microbatch(step, state, batch):
@@ -83,9 +83,9 @@ def _residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
         shape = list(aval.shape)
         in_pipe = pipe is not None and "shard_map" in where
         # Manual data axes stack GPipe/circular's residuals over them too, with a device's rows
-        # inside (1F1B's residuals are its gradients, which leave stacked over pipe only).
+        # inside (an explicit schedule's residuals are its gradients, stacked over pipe only).
         manual = (math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-                  if in_pipe and pipe["schedule"] != "1f1b" else 1)
+                  if in_pipe and not is_explicit(pipe) else 1)
         if in_pipe and shape and shape[0] % (pipe["stages"] * manual) == 0:
             nbytes /= pipe["stages"] * manual
             shape = shape[1:]
@@ -186,7 +186,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         # layer's intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer
         # and its unreduced gradient, whichever is larger. In a GPipe/circular pipeline the
         # residuals are stacked per tick; a tick's backward holds the cotangents of one tick's.
-        gpipe_like = pipe["schedule"] != "1f1b"
+        gpipe_like = not is_explicit(pipe)
         working = piped_act / pipeline_ticks(pipe) if gpipe_like else act / L
         if fsdp:
             working = max(working, layer_comp * (wire + bg))
@@ -201,7 +201,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                             for s, d in pipe["stage_residuals"])
             backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                         sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
-                                        max(L // pipe["stages"], 1))
+                                        max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1))
         else:
             working += pipeline_buffers(pipe, act_carried, g_comp)
             # A pipeline's backward starts after the loss's (whose residuals are freed by then).
@@ -264,8 +264,15 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
             bwd += stack
         if vocab_lookup and tie:
             bwd += stack
-        if staged and row and pipe["schedule"] == "1f1b":
-            fwd += stack
+        if staged and is_explicit(pipe):
+            # Backward ops recompute the chunk's forward (its row-parallel reductions again);
+            # ZB-H1 does so in B and in W, and W's weight VJP carries the input cotangent
+            # through the chunk's layers (its column-parallel reductions again).
+            redo = 2 if pipe["schedule"] == "zb-h1" else 1
+            if row:
+                fwd += redo * stack
+            elif redo > 1:
+                bwd += (redo - 1) * stack
         if sp and s and l.shape[-1] == width and not vocab_lookup:
             regions += stack  # a region closes with a row-parallel weight into the residual stream
     tensor_traffic(col, counts, forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),
@@ -296,7 +303,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         flops = busy = reading.flops * m
         fpt = reading.total_flops * m / max(tokens, 1)
     staged = sum(c for c, l, q in zip(comp, leaves, piped) if q and len(l.shape) >= 2)  # stage matmuls
-    if pipe and pipe["schedule"] != "1f1b" and matmul:
+    if pipe and not is_explicit(pipe) and matmul:
         # GPipe/circular ticks run every device's layer group, idle ones too (on garbage the
         # schedule then discards), so the program executes ticks/(v·m) × the stage's matmuls.
         # 1F1B's idle/forward/backward switch runs one branch a tick: no extra flops. The step
@@ -304,11 +311,13 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         extra = pipeline_ticks(pipe) / (pipe.get("repeats", 1) * pipe["microbatches"]) - 1
         flops = busy * (1 + extra * staged / matmul)
     elif pipe and matmul:
-        # A 1F1B backward op recomputes its stage's forward from the saved input (8 of 6 units
-        # of flops, loss included); the loss params (head) run on the last stage only, and the
-        # compiled figure averages the switch's branches over the stages.
-        flops = busy * 8 / 6 * (staged + (matmul - staged) / pipe["stages"]) / matmul
-        busy *= 8 / 6
+        # An explicit schedule's backward recomputes the chunk's forward from its saved input
+        # (1F1B, interleaved: 4/3 of the flops; ZB-H1's B and W each: 2x); the loss params
+        # (head) run on the last stage only, and the compiled figure averages the switch's
+        # branches over the stages.
+        rf = recompute_factor(pipe)
+        flops = busy * rf * (staged + (matmul - staged) / pipe["stages"]) / matmul
+        busy *= rf
     hw = _hardware(hardware, mesh)
     layout = Layout(data=math.prod(sizes[a] for a in ("replica", "data") if a in sizes),
                     fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=p, zero=zero,

@@ -122,6 +122,9 @@ def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_si
     """Every layout of ``devices`` the search considers: power-of-two ``tensor`` within a node
     dividing the heads, ``pipe`` dividing the layers, the rest split between ``data`` and
     ``fsdp``; ZeRO stages over ``data``; microbatches that divide the batch (≥ stages).
+    ``schedules`` may also name ``"interleaved-1f1b"`` (2 chunks per stage, microbatches a
+    multiple of the stages) and ``"zb-h1"``; they are not searched by default (as built they
+    recompute more than 1F1B: ``cost.pipeline.recompute_factor``).
     ``replicas`` > 1 adds DiLoCo layouts (``sk.DiLoCo``): that many copies of each layout of
     ``devices / replicas``, outermost, syncing every ``diloco_every`` steps (asked for, never
     by default: DiLoCo trains differently from data parallelism)."""
@@ -156,8 +159,8 @@ def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_si
                             continue
                         for r in remat:
                             for sched in (schedules if p > 1 else ("gpipe",)):
-                                v = 2 if sched == "circular" else 1
-                                if layers % (p * v):
+                                v = 2 if sched in ("circular", "interleaved-1f1b") else 1
+                                if layers % (p * v) or (sched == "interleaved-1f1b" and m % p):
                                     continue
                                 for sp in (sequence_parallel if t > 1 else (False,)):
                                     out.append(Layout(d, f, t, p, z, m, sched, v, r, sp))

@@ -156,7 +156,8 @@ class Layout:
             ``zero`` adds the ``data`` axis to ZeRO's sharding.
         zero: 0, 1, 2 or 3.
         microbatches: gradient-accumulation steps, or pipeline microbatches.
-        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"`` (with ``pipe > 1``).
+        schedule: one of ``sk.pipeline``'s schedules (``"gpipe"``, ``"circular"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zb-h1"``; with ``pipe > 1``).
         repeats: layer chunks per stage for ``"circular"``.
         remat: ``"none"``, ``"dots"`` (selective) or ``"full"``.
         sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
