@@ -121,7 +121,8 @@ NOTEBOOKS = {
     "05_pipeline_schedules": [
         ("md", "# 05 — Pipeline schedules and bubbles\n\nGPipe's bubble is (p−1)/(m+p−1) of the "
                "time; circular with v repeats (p−1)/(v·m+p−1); 1F1B has GPipe's bubble but keeps "
-               "at most p microbatches of activations."),
+               "at most p microbatches of activations; interleaved 1F1B and ZB-H1 shrink the bubble "
+               "further at 1F1B's memory."),
         ("code", SETUP + "\nimport jax, jax.numpy as jnp\nimport numpy as np\nfrom shardkit.pipeline import schedules as sched"),
         ("code", 'p, m = 4, 8\nfor name, v in (("gpipe", 1), ("circular", 2)):\n'
                  '    tab = sched.forward_table(p, m, v)\n    busy = tab.item >= 0\n'
@@ -129,6 +130,18 @@ NOTEBOOKS = {
         ("code", 'import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(7, 2))\n'
                  'ax.imshow((sched.forward_table(4, 8).item.T >= 0), aspect="auto", cmap="Greens")\n'
                  'ax.set_xlabel("tick"); ax.set_ylabel("stage"); ax.set_title("GPipe forward: busy cells"); plt.show()'),
+        ("md", "The explicit-backward schedules run their backward inside the pipeline, from a table "
+               "the compiled scan executes cell by cell: `sk.pipeline_schedule` returns it. 1F1B "
+               "fuses a microbatch's backward (BW); interleaved 1F1B (Narayanan et al. 2021) gives "
+               "each device v layer chunks, bubble (p−1)/(v·m) of the ideal time; ZB-H1 (Qi et al., "
+               "ICLR 2024) splits the backward into B (input gradient, sent upstream at once) and W "
+               "(weight gradient) and fills the cool-down bubble with W: a third of 1F1B's bubble "
+               "with 1F1B's p live microbatch inputs."),
+        ("code", 'print(sk.pipeline_schedule("zb-h1", stages=4, microbatches=8))\n'
+                 'for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):\n'
+                 '    t = sk.pipeline_schedule(name, stages=4, microbatches=8, repeats=v)\n'
+                 '    print(f"{name:17s} bubble {t.bubble_fraction:.3f} (formula {t.formula_bubble:.3f}) "\n'
+                 '          f"peak live inputs per stage {list(t.peak_activations)}")'),
         ("md", "Running one on the simulated devices: 4 layers over `pipe=4`, equal to the plain loop."),
         ("code", 'mesh = sk.make_mesh("data=2,pipe=4")\nW = jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3\n'
                  'x = jax.random.normal(jax.random.key(1), (8, 16))\nlayer = lambda w, h: jnp.tanh(h @ w)\n'
@@ -231,7 +244,10 @@ share = [e.time["bubble"] / e.step_time for e in (
     sk.cost.estimate("1b", sk.cost.Layout(data=16, pipe=4, zero=1, microbatches=m), "h100", global_batch=512,
                      memory_limit=1e12) for m in (4, 8, 16, 32))]
 assert share == sorted(share, reverse=True)  # more microbatches, a smaller bubble
-assert r.roles()["pipe-permute"] > 0''',
+assert r.roles()["pipe-permute"] > 0
+one, zb = (sk.pipeline_schedule(n, stages=4, microbatches=8) for n in ("1f1b", "zb-h1"))
+idle = lambda t: t.bubble_fraction / (1 - t.bubble_fraction)  # bubble over the ideal time
+assert abs(idle(zb) - idle(one) / 3) < 1e-12 and max(zb.peak_activations) == max(one.peak_activations) == 4''',
     "06_layouts_7b_256_gpus": '''assert sk.cost.EFFICIENCY["h100"].matmul == 0.52
 assert best.fits and best.memory["peak"] < 80e9  # the winner fits an 80 GB H100
 dp_only = sk.search("7b", devices=256, global_batch=512, tensor=[1], pipe=[1], fsdp=[1], zero=(1,))
