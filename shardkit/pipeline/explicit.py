@@ -28,8 +28,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .forward import forward
 from ..mesh import vmapped_axes
+from .forward import forward
 from .schedules import BW, EXPLICIT_SCOPE, IDLE, B, F, W, Schedule, switch_branches
 from .stage import mean_loss, put, row_spec, take, varying
 
