@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .mesh import vmapped_axes
+from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
 
@@ -274,14 +274,9 @@ def _mask(pq, pk, sq, sk, causal):
 def _sharded(cfg: _Config) -> Callable:
     """``f(q, k, v, seg) -> out`` with the ring (or all-gather) forward and backward."""
     seq = P(None, cfg.axis)
-    mapped = vmapped_axes()
-    # Under a vmap over a mesh axis (sk.DiLoCo's replicas) that axis is made manual too, and the
-    # varying-axes check is off: jax 0.10.2's batching of the body broadcasts unbatched values
-    # without casting them to vary over the vmap's axis, and then rejects mixing them. The
-    # check is a type check only; this block's gradients are its own custom VJP.
-    smap = lambda body, n_in, n_out: jax.shard_map(  # noqa: E731
-        body, mesh=cfg.mesh, axis_names={cfg.axis} | mapped, in_specs=(seq,) * n_in,
-        out_specs=(seq,) * n_out if n_out > 1 else seq, check_vma=not mapped)
+    smap = lambda body, n_in, n_out: block_shard_map(  # noqa: E731
+        body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
+        out_specs=(seq,) * n_out if n_out > 1 else seq)
 
     def forward(q, k, v, seg):
         args = (q, k, v) + ((seg,) if cfg.has_seg else ())

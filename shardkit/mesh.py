@@ -63,7 +63,8 @@ def vmapping_over(*axes: str) -> Iterator[None]:
     """Declares that what is traced inside runs under ``jax.vmap(spmd_axis_name=axes)``.
 
     A building block that opens its own ``jax.shard_map`` manual over some axes (``sk.pipeline``,
-    ``sk.moe``, ``sk.context_attention``) adds these axes to its manual set: jax 0.10.2 rejects
+    ``sk.moe``, ``sk.context_attention``; all through ``block_shard_map``) adds these axes to
+    its manual set: jax 0.10.2 rejects
     a shard_map that leaves a vmap's spmd axis to the compiler ("Axes mentioned in
     `manual_axis_type` ... should be of type `Manual`"), while one that makes it manual too
     batches correctly (each slice of the mapped dimension on its own devices, no collective over
@@ -74,6 +75,21 @@ def vmapping_over(*axes: str) -> Iterator[None]:
         yield
     finally:
         _VMAPPED.reset(token)
+
+
+def block_shard_map(body, *, mesh, axis_names, in_specs, out_specs):
+    """``jax.shard_map`` for a building block manual over ``axis_names`` (its own axis, a
+    pipeline's data axes), the rest left to the compiler.
+
+    Under ``vmapping_over(...)`` the vmap's axes are made manual too, and the varying-axes
+    check is off there: jax 0.10.2's batching of the body broadcasts unbatched values without
+    casting them to vary over the vmap's axis (nor infers that its outputs do), then rejects
+    mixing them. It is a type check only: every block at H=1 under DiLoCo still equals data
+    parallelism (tests/test_diloco.py).
+    """
+    mapped = vmapped_axes()
+    return jax.shard_map(body, mesh=mesh, axis_names=set(axis_names) | mapped, in_specs=in_specs,
+                         out_specs=out_specs, check_vma=not mapped)
 
 
 def backend_started() -> bool:

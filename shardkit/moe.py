@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .mesh import vmapped_axes
+from .mesh import block_shard_map, vmapped_axes
 from .plan import note
 from .rules import path_str
 
@@ -146,12 +146,8 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     else:
         tok = P(tok_axes if len(tok_axes) > 1 else tok_axes[0])
         wspecs = jax.tree.map(lambda _: P(axis) if n > 1 else P(), expert_params)
-        mapped = vmapped_axes()
-        # Under a vmap over a mesh axis (sk.DiLoCo's replicas) that axis is made manual too and
-        # the varying-axes type check is off: jax 0.10.2's batching of the body neither casts
-        # unbatched values to vary over the vmap's axis nor infers its outputs do.
-        shard = jax.shard_map(local, mesh=mesh, axis_names=set(tok_axes) | mapped,
-                              in_specs=(tok, tok, wspecs), out_specs=(tok, tok, tok), check_vma=not mapped)
+        shard = block_shard_map(local, mesh=mesh, axis_names=tok_axes, in_specs=(tok, tok, wspecs),
+                                out_specs=(tok, tok, tok))
         y_NxD, idx_NxK, keep_NxK = shard(x_NxD, probs_NxE, expert_params)
     routed_E = jnp.sum(jax.nn.one_hot(idx_NxK, E, dtype=F32), axis=(0, 1))
     aux = {

@@ -78,6 +78,7 @@ from .explicit import explicit_pipeline
 from .forward import forward
 from .schedules import EXPLICIT, SCHEDULES, check_schedule, pipeline_schedule
 from .stage import REMAT, chunk_runner, mean_loss, merge, split, stage_residuals
+
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..mesh import vmapped_axes
+from ..mesh import block_shard_map
 from .forward import forward
 from .schedules import BW, EXPLICIT_SCOPE, IDLE, B, F, W, Schedule, switch_branches
 from .stage import mean_loss, put, row_spec, take, varying
@@ -157,10 +157,8 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
     spec, row = P(axis), row_spec(data)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     rows_of = lambda t: jax.tree.map(lambda _: row, t)  # noqa: E731
-    # Under sk.DiLoCo's vmap its replica axis is manual here too, and jax 0.10.2's batching of the
-    # body cannot keep the varying-axes types (see mesh.vmapping_over): the check is off there.
-    total, (gp, gl, gx) = jax.shard_map(
-        body, mesh=mesh, axis_names={axis, *data} | vmapped_axes(), check_vma=not vmapped_axes(),
+    total, (gp, gl, gx) = block_shard_map(
+        body, mesh=mesh, axis_names={axis, *data},
         in_specs=(jax.tree.map(lambda _: spec, params_s), rep(loss_params), row, rows_of(extras_mb),
                   rows_of(targets_mb), None if rng is None else P()),
         out_specs=(P(), (jax.tree.map(lambda _: spec, params_s), rep(loss_params), row)),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..mesh import vmapped_axes
+from ..mesh import block_shard_map
 from .schedules import forward_table
 from .stage import put, row_spec, take, varying
 
@@ -60,10 +60,8 @@ def forward(chunk, params_s, x_mb, extras_mb, rng, *, mesh, axis, data, p, m, v)
         return out_buf[None, :m]
 
     spec, rows = P(axis), row_spec(data)
-    # Under sk.DiLoCo's vmap its replica axis is manual here too, and jax 0.10.2's batching of the
-    # body cannot keep the varying-axes types (see mesh.vmapping_over): the check is off there.
-    out = jax.shard_map(
-        body, mesh=mesh, axis_names={axis, *data} | vmapped_axes(), check_vma=not vmapped_axes(),
+    out = block_shard_map(
+        body, mesh=mesh, axis_names={axis, *data},
         in_specs=(jax.tree.map(lambda _: spec, params_s), rows, jax.tree.map(lambda _: rows, extras_mb),
                   None if rng is None else P()),
         out_specs=P(axis, None, data) if data else spec)(params_s, x_mb, extras_mb, rng)
