@@ -21,7 +21,8 @@ import numpy as np
 
 from ..precision import Precision
 from . import hardware as hw_lib
-from .pipeline import is_explicit, pipeline_ticks, pipeline_traffic, recompute_factor, schedule_table
+from .pipeline import (is_explicit, layout_note, pipeline_ticks, pipeline_traffic, recompute_factor,
+                       schedule_table)
 from .roles import (activation_bytes, context_traffic, data_traffic, moe_traffic, step_temporaries, tensor_traffic,
                     zero_state)
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
@@ -103,8 +104,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     layer_dev = p_layers / L_dev if ms.layers else 0.0
 
     act = activation_bytes(ms, lo, b, T // lo.context, bc) * L_dev  # context: T/c tokens per device
-    pipe_note = {"stages": lo.pipe, "microbatches": lo.microbatches, "repeats": lo.repeats,
-                 "schedule": lo.schedule}
+    pipe_note = layout_note(lo)
     one_f_one_b = lo.pipe > 1 and is_explicit(pipe_note)  # 1F1B, interleaved 1F1B, ZB-H1
     if one_f_one_b:
         # sk.pipeline's explicit schedules keep rings of stage inputs (and ZB-H1's output
@@ -179,9 +179,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # Activations cross the pipe in the compute dtype (the hardware table holds accelerators;
         # only XLA:CPU needs f32 there, which ``fromstep`` reads off a real step); sequence
         # parallelism shards them over ``tensor``.
-        note = {"stages": lo.pipe, "microbatches": m, "repeats": lo.repeats, "schedule": lo.schedule}
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
-        pipeline_traffic(col, counts, note, stage=p_layers, rest=p_dev - p_layers, tied=tied,
+        pipeline_traffic(col, counts, pipe_note, stage=p_layers, rest=p_dev - p_layers, tied=tied,
                          act_mb=tokens_mb * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
                          has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas)
 
@@ -196,8 +195,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
         layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
-        note = {"stages": lo.pipe, "microbatches": m, "repeats": lo.repeats, "schedule": lo.schedule}
-        extra = pipeline_ticks(note) / (lo.repeats * m) - 1
+        extra = pipeline_ticks(pipe_note) / (lo.repeats * m) - 1
         flops = busy * (1 + extra * layer_share)
     limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
     # A transformer's non-matmul kernels run at HBM speed (steptime.memory_bound_time); the

@@ -16,6 +16,13 @@ def schedule_table(note: dict) -> sched.Schedule:
                                    note.get("repeats", 1))
 
 
+def layout_note(layout) -> dict:
+    """The trace note a ``cost.Layout``'s pipeline would leave (what the analytic model and the
+    step time feed the functions here)."""
+    return {"stages": layout.pipe, "microbatches": layout.microbatches, "repeats": layout.repeats,
+            "schedule": layout.schedule}
+
+
 def is_explicit(note: dict) -> bool:
     """The schedule runs its backward inside the pipeline (1F1B, interleaved 1F1B, ZB-H1):
     one ``lax.switch`` branch per tick, stage inputs in rings, the forward recomputed."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from . import hardware as hw_lib
-from .pipeline import pipeline_bubble
+from .pipeline import layout_note, pipeline_bubble
 
 if TYPE_CHECKING:
     from .shapes import Layout, ModelShape
@@ -270,11 +270,10 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
             if kind == "permute":
                 group = 2
             t[role] += n * (collective_time(kind, nbytes * share / n, group, bw, lat) + eff.latency)
-    p, v, m = layout.pipe, layout.repeats, layout.microbatches
+    p = layout.pipe
     # Idle over busy cells of the table sk.pipeline executes: (p-1)/(v·m) for GPipe, circular,
     # 1F1B and interleaved 1F1B, (p-1)/(3m) for ZB-H1.
-    bubble = pipeline_bubble({"stages": p, "microbatches": m, "repeats": v, "schedule": layout.schedule}) \
-        if p > 1 else 0.0
+    bubble = pipeline_bubble(layout_note(layout)) if p > 1 else 0.0
     tensor = eff.exposed_tensor * (t["tensor-reduce"] + t["tensor-gather"])
     critical = (t["compute"] + tensor) * (1 + bubble)
     t["bubble"] = critical * bubble / (1 + bubble)
