@@ -62,6 +62,12 @@ class Report:
         notes: what else a reader must know about the figures (e.g. why there is no estimate).
         seconds: wall time spent on the figures, where measured (``simulate``: ``export``,
             ``compile``, ``subprocess``).
+        target: the accelerator the program was compiled for (``"h100"``, ``"tpu-v5p"``;
+            ``""``: this process's devices or simulated CPU devices).
+        device_memory: bytes of memory one device of the target has (0: unknown).
+        step_time: seconds per step by part, with ``step``; ``step_time_source`` says whose:
+            the TPU compiler's own ``optimal_seconds``, or the step-time model fed with the
+            compiled flops and collectives.
     """
 
     title: str
@@ -77,6 +83,21 @@ class Report:
     compiled_on: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    target: str = ""
+    device_memory: float = 0.0
+    step_time: dict[str, float] | None = None
+    step_time_source: str = ""
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the compiled peak fits in the target device's memory (None: unknown)."""
+        if not self.device_memory or "peak" not in self.memory:
+            return None
+        return self.memory["peak"] <= self.device_memory
+
+    def headroom(self) -> float | None:
+        """Device memory left at the compiled peak (negative: over by that much)."""
+        return None if self.fits is None else self.device_memory - self.memory["peak"]
 
     def collective_bytes(self) -> dict[str, int]:
         return {c.kind: c.bytes for c in self.collectives}
@@ -183,6 +204,7 @@ class Report:
                  "plan's layout; modelled: the analytic estimate"
                  + ("" if self.estimate else " (none here)"),
                  *(f"note: {n}" for n in self.notes),
+                 *self._target_lines(),
                  mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
                  f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
         if self.estimate:
@@ -204,6 +226,18 @@ class Report:
             parts.append(est)
             parts.extend(footnotes)
         return Group(*parts)
+
+    def _target_lines(self) -> list[str]:
+        lines = []
+        if self.fits is not None:
+            peak, room = self.memory["peak"], self.headroom()
+            verdict = (f"fits, {_human(room)} free" if room >= 0 else f"[bold red]does not fit[/bold red], "
+                       f"over by {_human(-room)}")
+            lines.append(f"{self.target or 'device'}: peak {_human(peak)} of {_human(self.device_memory)} "
+                         f"per device: {verdict}")
+        if self.step_time:
+            lines.append(f"step time {self.step_time['step'] * 1e3:.3g} ms ({self.step_time_source})")
+        return lines
 
     def render(self, html: bool = False, width: int = 110) -> str:
         from rich.console import Console

@@ -70,3 +70,37 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests expect 8 simulated CPU devices, got {len(devs)}"
     return devs
+
+
+# Compile accounting for bench/suite_time.py: with SHARDKIT_COMPILE_STATS=<file>, every worker
+# appends one JSON line per test: XLA compiles requested in this process (persistent-cache hits
+# included, so `compiles - cache_hits` were compiled here), and the seconds they took.
+_STATS_FILE = os.environ.get("SHARDKIT_COMPILE_STATS")
+if _STATS_FILE:
+    import json
+    import time
+
+    from jax._src import monitoring
+
+    _counts = {"compiles": 0, "cache_hits": 0, "compile_s": 0.0}
+
+    def _on_duration(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            _counts["compiles"] += 1
+            _counts["compile_s"] += duration
+
+    def _on_event(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            _counts["cache_hits"] += 1
+
+    monitoring.register_event_duration_secs_listener(_on_duration)
+    monitoring.register_event_listener(_on_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        before, t0 = dict(_counts), time.perf_counter()
+        yield
+        row = {k: _counts[k] - before[k] for k in _counts}
+        row.update(test=item.nodeid, wall_s=time.perf_counter() - t0, pid=os.getpid())
+        with open(_STATS_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -1,4 +1,6 @@
-"""Compiled figures for a mesh that is not here: the step is compiled for N simulated devices.
+"""Compiled figures for a mesh that is not here: the step is compiled for N devices of a target
+that need not be present — the GPU or TPU compiler itself, deviceless (``targets``), or N
+simulated CPU devices.
 
 XLA's buffer assignment and collective choices are only modelled by XLA itself, so for a
 layout that does not exist yet (``data=64,tensor=8`` on a laptop) the step is compiled for it:
@@ -6,15 +8,17 @@ layout that does not exist yet (``data=64,tensor=8`` on a laptop) the step is co
 1. the step is re-planned on a ``jax.sharding.AbstractMesh`` of the target sizes (same rules,
    precision and ZeRO stage unless overridden; ``TrainStep.with_plan``);
 2. traced with abstract inputs (``ShapeDtypeStruct``\\ s with the new shardings: nothing is
-   allocated) and exported for XLA:CPU (``jax.export``);
-3. a subprocess with N simulated CPU devices (``python -m shardkit.cost.simulated``)
-   compiles it with the step's donation and reads memory, collectives (through loops) and
-   flops off the compiled program (``explain.report_from_compiled``), returning a small JSON
-   summary — never the HLO itself.
+   allocated) and exported for the target's platform (``jax.export``: ``cuda``, ``tpu``,
+   ``cpu``);
+3. a subprocess (``python -m shardkit.cost.simulated``) makes N compile-only devices of the
+   target (a GPU target config or a TPU slice topology; for ``cpu``, N simulated CPU devices),
+   compiles the module with the step's donation and reads memory, collectives (through
+   loops) and flops off the compiled program (``explain.report_from_compiled``), returning a
+   small JSON summary — never the HLO itself. The user's process keeps its own backend.
 
-What is read is what XLA:CPU compiles: the collectives it picks (an all-reduce plus a slice
-where a GPU reduce-scatters; ``Report.roles`` counts bytes reduced, the same either way) and
-its buffers (it runs 16-bit dots in f32). The report says so.
+With ``target="cpu"`` what is read is XLA:CPU's program: the collectives it picks (an
+all-reduce plus a slice where a GPU reduce-scatters) and its buffers (it runs 16-bit dots in
+f32). The report says which compiler it read.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec a
 from ..explain import Collective, Report, Traffic, report_from_compiled, shard_bytes
 from ..mesh import parse_mesh_spec
 from ..plan import Plan
+from . import targets as targets_lib
 
 MAX_DEVICES = 4096
+# Compile-only GPU/TPU devices are descriptions, not threads: far more of them fit.
+MAX_TARGET_DEVICES = 65536
 _CPU = AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu")
 _SAME: Any = object()
 _CPU_NOTE = ("XLA:CPU's program: its collective choices (all-reduce + slice where GPUs "
@@ -49,13 +56,15 @@ class SimulationError(RuntimeError):
     """The subprocess that compiles for the simulated mesh failed (its stderr is in the message)."""
 
 
-def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES) -> AbstractMesh:
-    """An ``AbstractMesh`` (Auto axis types, XLA:CPU devices) for a mesh spec.
+def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES, target="cpu") -> AbstractMesh:
+    """An ``AbstractMesh`` (Auto axis types) of ``target``'s devices for a mesh spec.
 
     Args:
         spec: ``"data=64,tensor=8"``, a dict or ``(axis, size)`` pairs (no ``-1``), or an
             ``AbstractMesh`` / ``Mesh`` whose sizes and names are taken.
         max_devices: refuse larger meshes (each simulated device is a thread in the compiler).
+        target: whose devices (``sk.cost.targets``; a step traced on the mesh sees their
+            platform in ``sk.target_platform()``).
 
     Raises:
         ValueError: a malformed spec, or more than ``max_devices`` devices.
@@ -70,8 +79,11 @@ def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES) -> AbstractMesh:
                          f"max_devices={max_devices} simulated CPU devices. Pass a larger "
                          "max_devices= if this machine has the memory for it")
     names = tuple(a for a, _ in pairs)
+    t = targets_lib.get(target)
+    device = _CPU if t.platform == "cpu" else AbstractDevice(device_kind=t.name, num_cores=None,
+                                                              platform=t.device_platform)
     return AbstractMesh(tuple(s for _, s in pairs), names, axis_types=(AxisType.Auto,) * len(names),
-                        abstract_device=_CPU)
+                        abstract_device=device)
 
 
 def simulated_plan(plan: Plan, mesh: AbstractMesh, *, zero: int | None = None,
@@ -111,8 +123,8 @@ def abstract_inputs(step, state, batch):
     return state, batch
 
 
-def _export(step, state, batch) -> jax.export.Exported:
-    """The step as an XLA:CPU module over flat leaves (built-in containers only, so it
+def _export(step, state, batch, platform: str = "cpu") -> jax.export.Exported:
+    """The step as a module for ``platform`` over flat leaves (built-in containers only, so it
     serializes without registering TrainState). Donation is not exported: the child adds it."""
     state_leaves, state_tree = jax.tree.flatten(state)
     batch_leaves, batch_tree = jax.tree.flatten(batch)
@@ -124,7 +136,7 @@ def _export(step, state, batch) -> jax.export.Exported:
     fn = jax.jit(flat, in_shardings=([x.sharding for x in state_leaves], [x.sharding for x in batch_leaves]),
                  out_shardings=([x.sharding for x in state_leaves], step.plan.sharding(P())))
     with _on(step.plan):
-        return jax.export.export(fn, platforms=["cpu"])(state_leaves, batch_leaves)
+        return jax.export.export(fn, platforms=[platform])(state_leaves, batch_leaves)
 
 
 def _groups(state) -> dict[str, list[int]]:
@@ -141,8 +153,18 @@ def _groups(state) -> dict[str, list[int]]:
 
 def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_SAME,
              microbatches: int | None = None, estimate: bool = True, flops_per_token: float | None = None,
-             timeout: float = 1800.0, max_devices: int = MAX_DEVICES) -> Report:
+             timeout: float = 1800.0, max_devices: int | None = None, target: str = "cpu") -> Report:
     """Compiles ``step`` for a mesh that is not here and reports what it costs per device.
+
+    ``target`` picks the compiler: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"`` (XLA:GPU with
+    that device's target config, 8 GPUs per host), ``"tpu-v4"``, ``"tpu-v5e"``, ``"tpu-v5p"``,
+    ``"tpu-v6e"`` (XLA:TPU through libtpu, a slice of that many chips), or ``"cpu"`` (N
+    simulated CPU devices). Nothing of the target needs to be present: its compiler runs
+    deviceless in a subprocess (``pip install 'shardkit[cuda12]'`` / ``'shardkit[tpu]'``).
+    The report then holds that compiler's per-device memory against the device's
+    (``Report.fits``), its collectives, the matmul flops, and a step time: XLA:TPU's own
+    estimate where it gives one, else ``steptime.times`` fed with the compiled flops and
+    collectives (and the target's links).
 
     Args:
         step: a ``TrainStep`` after ``step.init`` (or ``abstract_state``).
@@ -155,19 +177,28 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         estimate: also compute the analytic estimate for the target layout.
         flops_per_token: passed to the estimate.
         timeout: seconds the compiling subprocess may take.
-        max_devices: see ``abstract_mesh``.
+        max_devices: see ``abstract_mesh`` (default 4,096 CPU devices, 65,536 GPUs or chips).
+        target: the accelerator to compile for (``sk.cost.targets.TARGETS``).
 
     Returns:
-        An ``sk.Report`` whose compiled figures come from XLA:CPU's program for the simulated
-        mesh (``Report.compiled_on`` says which), with the analytic estimate beside them.
+        An ``sk.Report`` whose compiled figures come from the target compiler's program
+        (``Report.compiled_on`` says which), with the analytic estimate beside them.
 
     Raises:
         ValueError: a malformed mesh spec or too many devices.
+        TargetError: an unknown target, a device count it has no topology for, or its
+            compiler is not installed (the message names the extra).
         ShardingError: the rules, batch or ZeRO stage do not fit the target mesh.
         SimulationError: the subprocess failed or timed out (with its stderr).
     """
     step.layout  # raises before init
-    amesh = abstract_mesh(mesh, max_devices=max_devices)
+    tgt = targets_lib.get(target)
+    targets_lib.require(tgt)
+    if max_devices is None:
+        max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
+    amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
+    if tgt.platform == "tpu":
+        targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -175,12 +206,12 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         sim.microbatches = microbatches
     abs_state, abs_batch = abstract_inputs(sim, state, batch)
     t0 = time.perf_counter()
-    exported = _export(sim, abs_state, abs_batch)
+    exported = _export(sim, abs_state, abs_batch, tgt.platform)
     t_export = time.perf_counter() - t0
     plan = sim.plan
     pipe = sim.trace_notes.get("pipeline")
     request = {
-        "mesh": [[a, int(s)] for a, s in amesh.shape.items()],
+        "mesh": [[a, int(s)] for a, s in amesh.shape.items()], "target": tgt.name,
         "donate": bool(sim.donate), "groups": _groups(abs_state),
         "title": f"{plan!r}, microbatches={sim.microbatches}", "data_axes": list(plan.batch_axes),
         # The branch weights need only these; the rest of the note is not JSON.
@@ -195,31 +226,63 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
     memory["grads"] = shard_bytes(grads)
     memory.update(out["memory"])
     axes = ",".join(f"{a}={s}" for a, s in amesh.shape.items())
+    if tgt.platform == "cpu":
+        compiled_on = f"simulated mesh {axes}: {amesh.size} XLA:CPU devices in a subprocess, abstract inputs"
+        notes = [f"compiled figures are {_CPU_NOTE}"]
+    else:
+        compiler = "XLA:GPU" if tgt.platform == "cuda" else "XLA:TPU"
+        compiled_on = (f"mesh {axes} of {amesh.size} × {tgt.name}: {compiler}, deviceless in a "
+                       "subprocess, abstract inputs")
+        notes = [f"compiled by {compiler} for {tgt.name} without the device: " + "; ".join(out["layout"])]
+        if tgt.platform == "cuda":
+            notes.append("XLA:GPU compiled without the device: no autotuning of matmul tiles, no cuDNN "
+                         "(fused attention needs the device); its executables have no cost analysis, "
+                         "so flops are the matmuls read off the program")
     report = Report(
         out["title"], memory, [Collective(**c) for c in out["collectives"]], out["flops"],
         traffic=[Traffic(**{**t, "axes": tuple(t["axes"])}) for t in out["traffic"]],
         matmul_flops=out["matmul_flops"], data_axes=tuple(plan.batch_axes),
         pipe_axis=(pipe or {}).get("axis"),
-        compiled_on=f"simulated mesh {axes}: {amesh.size} XLA:CPU devices in a subprocess, abstract inputs",
-        notes=[f"compiled figures are {_CPU_NOTE}",
+        compiled_on=compiled_on,
+        notes=[*notes,
                f"export {t_export:.1f} s; subprocess {out['seconds']['total']:.1f} s "
                f"(compile {out['seconds']['compile']:.1f} s)"],
         seconds={"export": t_export, "compile": out["seconds"]["compile"],
                  "subprocess": out["seconds"]["total"]})
+    if tgt.platform != "cpu":
+        report.target, report.device_memory = tgt.name, tgt.memory_bytes()
     if estimate:
         from .fromstep import step_estimate
+        from .steptime import times
 
+        hw = None if tgt.platform == "cpu" else tgt.hardware
         with _on(plan):
-            est = step_estimate(sim, abs_state, abs_batch, flops_per_token=flops_per_token)
+            est = step_estimate(sim, abs_state, abs_batch, flops_per_token=flops_per_token, hardware=hw)
         report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
         report.notes.extend(est.notes)
+        if hw is not None:
+            from . import hardware
+
+            report.step_time = times(report.roles(), report.role_counts(), report.matmul_flops,
+                                     hardware.lookup(hw), est.layout)
+            report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops and "
+                                       f"collectives, {hw} links")
+    if out.get("optimal_seconds"):
+        # XLA:TPU's own figure counts a while body once (a 10-trip matmul loop came out below
+        # the 1-trip one), so a scanned or accumulating step is under-timed: shown, not used.
+        report.notes.append(f"XLA:TPU's own estimate, optimal_seconds {out['optimal_seconds'] * 1e3:.3g} ms, "
+                            "counts each loop body once (layer scans, microbatches): not the step time")
+        report.seconds["xla_tpu_optimal"] = out["optimal_seconds"]
     return report
 
 
 def run_child(module: bytes, request: dict, *, timeout: float) -> dict:
     """Runs ``python -m shardkit.cost.simulated`` on a serialized module and returns its JSON."""
     n = math.prod(s for _, s in request["mesh"])
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
+    cpu = request.get("target", "cpu") == "cpu"
+    # JAX runs on CPU in the child either way: a GPU/TPU target's devices are compile-only
+    # descriptions from its plugin (and the CUDA plugin's driver check is skipped on CPU).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n if cpu else 1))
     # The child imports this very shardkit, installed or not (e.g. a script's sys.path insert).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -235,10 +298,10 @@ def run_child(module: bytes, request: dict, *, timeout: float) -> dict:
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
-            raise SimulationError(f"compiling for the simulated mesh {request['mesh']} took more than "
+            raise SimulationError(f"compiling for the mesh {request['mesh']} ({request.get('target', 'cpu')}) took more than "
                                   f"{timeout:.0f} s (timeout=); stderr tail:\n{_tail(e.stderr)}") from None
         if proc.returncode != 0:
-            raise SimulationError(f"compiling for the simulated mesh {request['mesh']} failed (exit "
+            raise SimulationError(f"compiling for the mesh {request['mesh']} ({request.get('target', 'cpu')}) failed (exit "
                                   f"{proc.returncode}); stderr tail:\n{_tail(proc.stderr)}")
         with open(os.path.join(tmp, "report.json")) as f:
             return json.load(f)
@@ -256,12 +319,19 @@ def _child(directory: str) -> None:
     with open(os.path.join(directory, "request.json")) as f:
         req = json.load(f)
     n = math.prod(s for _, s in req["mesh"])
-    jax.config.update("jax_num_cpu_devices", n)
-    from ..mesh import make_mesh
+    target = targets_lib.get(req.get("target", "cpu"))
+    pairs = [tuple(p) for p in req["mesh"]]
+    layout: list[str] = []
+    if target.platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", n)
+        from ..mesh import make_mesh
+
+        mesh = make_mesh(pairs)
+    else:
+        mesh, layout = targets_lib.device_mesh(target, pairs)
 
     with open(os.path.join(directory, "module.bin"), "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
-    mesh = make_mesh([tuple(p) for p in req["mesh"]])
     (args_sh, _) = exported.in_tree.unflatten(exported.in_shardings_jax(mesh))
     out_sh = exported.out_tree.unflatten(exported.out_shardings_jax(mesh))
     (args, _) = exported.in_tree.unflatten(exported.in_avals)
@@ -277,7 +347,10 @@ def _child(directory: str) -> None:
     memory["batch"] = shard_bytes(batch)
     report = report_from_compiled(compiled, req["title"], memory, mesh, tuple(req["data_axes"]),
                                   pipeline=req["pipeline"])
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
     out = {"title": report.title, "memory": report.memory, "flops": report.flops,
+           "optimal_seconds": float(cost.get("optimal_seconds", 0.0)), "layout": layout,
            "matmul_flops": report.matmul_flops,
            "collectives": [dataclasses.asdict(c) for c in report.collectives],
            "traffic": [dataclasses.asdict(t) for t in report.traffic],
