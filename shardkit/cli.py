@@ -2,7 +2,7 @@
 
 Each subcommand lives beside the concept it exposes and takes its own ``argv``:
 ``train NAME`` → ``models.NAME.__main__.main``, ``launch`` → ``shardkit.distributed.launch_main``,
-``plan`` → ``shardkit.cost.plan_main``. ``mesh`` is small enough to live here.
+``plan`` → ``models.transformer.plan.main`` (``shardkit.cost.plan_main`` with the recipe's step builder). ``mesh`` is small enough to live here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ RECIPES = ("transformer", "resnet")
 
 _TOOLS = {
     "launch": ("shardkit.distributed", "launch_main", "run a multi-process job on this machine (loopback)"),
-    "plan": ("shardkit.cost", "plan_main", "rank mesh layouts for a recipe model on N accelerators"),
+    # The recipe builds the steps that --verify compiles; the ranking itself is sk.cost.plan_main.
+    "plan": ("models.transformer.plan", "main", "rank mesh layouts for a recipe model on N accelerators"),
 }
 
 

@@ -48,6 +48,9 @@ class Config:
             (``jax.nn.dot_product_attention``; cuDNN flash attention needs a GPU and a 16-bit
             dtype), or ``"auto"``: cuDNN on GPU in bf16/fp16, XLA on GPU in f32, the
             reference elsewhere.
+        context_strategy: how attention runs on a ``context`` mesh axis
+            (``sk.context_attention``): ``"ring"`` (K/V blocks passed around the axis,
+            overlapping the next block's compute) or ``"allgather"`` (K/V gathered whole once).
     """
 
     vocab: int = 256
@@ -72,6 +75,7 @@ class Config:
     moe_aux_weight: float = 0.01
     moe_z_weight: float = 0.001
     attention: str = "auto"
+    context_strategy: str = "ring"
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "layers", "heads", "seq"):
@@ -98,6 +102,8 @@ class Config:
             raise ValueError(f"Config.dropout={self.dropout!r} must be in [0, 1)")
         if self.attention not in ATTENTION:
             raise ValueError(f"Config.attention={self.attention!r} is not one of {ATTENTION}")
+        if self.context_strategy not in ("ring", "allgather"):
+            raise ValueError(f"Config.context_strategy={self.context_strategy!r} is not one of ('ring', 'allgather')")
         if self.moe_experts:
             if not isinstance(self.moe_experts, int) or self.moe_experts < 1:
                 raise ValueError(f"Config.moe_experts={self.moe_experts!r} must be a positive integer (0: dense)")

@@ -117,6 +117,7 @@ class Attention(nnx.Module):
         self.v = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.o = _param(rngs, (H, Q, D), ("heads", "head_dim", "embed"), out_std)
         self.attention = cfg.attention
+        self.context_strategy = cfg.context_strategy
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
         q_BxTxHxQ = _dot("btd,dhq->bthq", x_BxTxD, self.q[...])
@@ -128,8 +129,9 @@ class Attention(nnx.Module):
         q_BxTxHxQ = apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2)
         k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
 
-        if context_size() > 1:  # the sequence stays split: ring attention over "context"
-            o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True)
+        if context_size() > 1:  # the sequence stays split: attention over "context"
+            o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True,
+                                             strategy=self.context_strategy)
         else:
             impl = attention_impl(self.attention, q_BxTxHxQ.dtype)
             o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl)

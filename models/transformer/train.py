@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
       "layer); default: dropless")
     a("--attention", help="auto (cuDNN flash attention on GPU, jnp softmax on CPU), reference, "
       "xla or cudnn")
+    a("--context-strategy", help="attention on a context axis: ring (default; K/V passed around) "
+      "or allgather (K/V gathered once)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--microbatches", type=int, help="pipeline microbatches with a pipe axis (default 2 x "
       "stages), else gradient-accumulation microbatches (default 1)")
@@ -105,6 +107,7 @@ def model_config(args) -> Config:
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
                                  ("seq", args.seq), ("remat", args.remat),
                                  ("dropout", args.dropout), ("attention", args.attention),
+                                 ("context_strategy", args.context_strategy),
                                  ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
                                  ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity))
                if v is not None}
@@ -113,7 +116,7 @@ def model_config(args) -> Config:
     except ValueError as e:
         flag = next((f for f in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
                                  "kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
-                                 "attention")
+                                 "context_strategy", "attention")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
 

@@ -3,8 +3,10 @@
 Two kinds of figures, always labelled:
 
 * **compiled** — read from an XLA program: ``step.explain()`` compiles this exact step;
-  ``simulate``/``step.explain(mesh=...)`` compiles it for a mesh that does not exist here
-  (a subprocess with N simulated CPU devices, abstract inputs, nothing allocated).
+  ``simulate``/``step.explain(mesh=..., target=...)`` compiles it for a mesh that does not
+  exist here, by the compiler of the accelerator named (XLA:GPU for ``"h100"``, XLA:TPU for
+  ``"tpu-v5p"``, deviceless; ``"cpu"``: N simulated CPU devices), in a subprocess, from
+  abstract inputs, nothing allocated.
 * **modelled** — one set of per-role formulas (``roles``: ZeRO state, data and tensor-parallel
   traffic, step temporaries, activations, MoE and context traffic), fed either by a
   ``ModelShape`` (``formulas.estimate``, ``search``: thousands of layouts in seconds) or by a
@@ -15,7 +17,7 @@ Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``f
 ``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it),
 ``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
 (reading compiled programs), ``rank`` (layout search), ``simulated`` (compiling for meshes that
-are not here).
+are not here) with ``targets`` (the GPU and TPU compilers, deviceless).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from .steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROO
                        register_links as register_links, times as times)
 
 __all__ = ["Efficiency", "Estimate", "Layout", "ModelShape", "estimate", "estimate_for_step",
-           "model_shape", "collective_time", "search", "simulate", "SimulationError", "weak_scaling", "plan_main", "DECODER_SIZES",
+           "model_shape", "collective_time", "search", "simulate", "simulate_many", "SimulationError",
+           "TARGETS", "TargetError", "weak_scaling", "plan_main", "DECODER_SIZES",
            "EFFICIENCY", "ROOFLINE", "register_efficiency", "register_links", "hardware"]
 hw_lib = hardware
 
@@ -136,9 +139,14 @@ def __getattr__(name):
         return SearchResult
     # Imported on first use: ``python -m shardkit.cost.simulated`` (its subprocess) must not
     # find the module already imported by the package.
-    if name in ("simulate", "SimulationError", "abstract_mesh"):
+    if name in ("simulate", "simulate_many", "SimulationError", "abstract_mesh"):
         from . import simulated
 
         return getattr(simulated, name)
+    if name in ("targets", "TARGETS", "TargetError"):
+        import importlib
+
+        targets = importlib.import_module(f"{__name__}.targets")
+        return targets if name == "targets" else getattr(targets, name)
     raise AttributeError(name)
 

@@ -171,7 +171,7 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
            memory_limit: float | None = None, seq: int | None = None, precision: str = "bf16",
            top: int | None = None, flops_per_token: float | None = None, verify: int = 0,
            build: Callable[[Layout], tuple] | None = None, step=None, state=None, batch=None,
-           timeout: float = 1800.0, **options) -> SearchResult:
+           timeout: float = 1800.0, target: str = "cpu", **options) -> SearchResult:
     ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
     cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch,
@@ -187,7 +187,8 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
     kept, same = _dedupe(ests)
     checked: list[Verified | None] = []
     if verify:
-        kept, same, checked = _verify(kept, same, verify, _compiler(build, step, state, batch, timeout), hw)
+        kept, same, checked = _verify(kept, same, verify, _job_for(build, step, state, batch), hw,
+                                      target=target, timeout=timeout)
     if top:
         kept, same, checked = kept[:top], same[:top], checked[:top]
     return SearchResult(ms.name, devices, hw.name, global_batch, kept, same, checked)
@@ -217,41 +218,49 @@ class Verified:
         return self.time.get("step", float("nan"))
 
 
-def _compiler(build, step, state, batch, timeout: float) -> Callable[[Layout], Any]:
-    """``layout -> sk.Report``: ``build(layout)``'s ``(step, state, batch)`` compiled on its
-    plan's mesh, or the given step re-planned on the layout's mesh, ZeRO stage and microbatches."""
-    from .simulated import simulate
-
+def _job_for(build, step, state, batch) -> Callable[[Layout], dict]:
+    """``layout -> simulate_many job``: ``build(layout)``'s ``(step, state, batch)`` on its plan's
+    mesh, or the given step re-planned on the layout's mesh, ZeRO stage and microbatches."""
     if build is not None:
-        def compile_built(lo: Layout):
+        def built(lo: Layout) -> dict:
             s, st, b = build(lo)
             if s.plan.mesh.size != lo.devices:
                 raise ValueError(f"build({lo}) returned a step planned on {dict(s.plan.mesh.shape)}, "
                                  f"not on the layout's {lo.devices} devices ({lo.mesh})")
-            return simulate(s, st, b, s.plan.mesh, estimate=False, timeout=timeout)
-        return compile_built
+            return {"step": s, "state": st, "batch": b, "mesh": s.plan.mesh}
+        return built
     if step is None or state is None or batch is None:
         raise ValueError("search(verify=k) compiles the top k layouts: give build=layout -> (step, state, "
                          "batch), or step=, state= and batch= (the step is re-planned on each layout's mesh)")
-    return lambda lo: simulate(step, state, batch, lo.mesh, zero=lo.zero, microbatches=lo.microbatches,
-                               estimate=False, timeout=timeout)
+    return lambda lo: {"step": step, "state": state, "batch": batch, "mesh": lo.mesh, "zero": lo.zero,
+                       "microbatches": lo.microbatches}
 
 
-def _verify(kept: list[Estimate], same: list[list[str]], k: int, compile_one, hw: hw_lib.Hardware):
-    """Compiles the best ``k`` layouts and re-ranks them: those whose compiled peak fits first,
-    by the step time re-timed with their compiled traffic; then the layouts not compiled, in
-    the analytic order; then compiled ones that do not fit, and those that failed to compile."""
+def _verify(kept: list[Estimate], same: list[list[str]], k: int, job_for, hw: hw_lib.Hardware, *,
+            target: str, timeout: float):
+    """Compiles the best ``k`` layouts for ``target`` (one subprocess for all) and re-ranks them:
+    those whose compiled peak fits first, by the step time re-timed with their compiled
+    traffic; then the layouts not compiled, in the analytic order; then compiled ones that do
+    not fit, and those that failed to compile."""
     from ..rules import ShardingError
-    from .simulated import SimulationError
+    from .simulated import SimulationError, simulate_many
 
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"verify must be a non-negative integer (layouts to compile), got {k!r}")
-    checked: list[Verified] = []
-    for e in kept[:k]:
+    jobs, errors = [], {}
+    for i, e in enumerate(kept[:k]):
         try:
-            report = compile_one(e.layout)
-        except (ShardingError, SimulationError) as err:
-            checked.append(Verified(None, float("nan"), False, {}, f"{type(err).__name__}: {err}"))
+            jobs.append(job_for(e.layout))
+        except (ShardingError, ValueError) as err:
+            errors[i] = err
+    reports = iter(simulate_many(jobs, target=target, timeout=timeout) if jobs else [])
+    checked: list[Verified] = []
+    for i, e in enumerate(kept[:k]):
+        report = errors.get(i) or next(reports)
+        if isinstance(report, Exception):
+            if not isinstance(report, (ShardingError, SimulationError, ValueError)):
+                raise report
+            checked.append(Verified(None, float("nan"), False, {}, f"{type(report).__name__}: {report}"))
             continue
         # The estimate's busy flops (``times`` divided them by the achievable matmul rate).
         flops = e.time["compute"] * hw.peak_flops * efficiency_for(hw).matmul
@@ -334,10 +343,14 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
     return rows
 
 
-def plan_main(argv: list[str]) -> int:
+def plan_main(argv: list[str], build_for: Callable | None = None) -> int:
+    """``shardkit plan``. ``build_for(size, global_batch, seq, precision, target)`` returns a
+    ``search(build=)`` function for the recipe (the ``shardkit`` command passes the
+    transformer recipe's); without one ``--verify`` is refused."""
     p = argparse.ArgumentParser(prog="shardkit plan", description=(
         "Rank mesh layouts of a bundled transformer size on N accelerators by estimated step "
-        "time (analytic model; no accelerator needed)."))
+        "time (analytic model; no accelerator needed); --verify K compiles the best K for --target "
+        "with that accelerator's compiler, deviceless, and re-ranks them."))
     p.add_argument("--model", default="1b", help="recipe size: 125m, 1b, 7b (default 1b)")
     p.add_argument("--devices", type=int, default=256)
     p.add_argument("--hardware", default="h100", help=f"one of {', '.join(sorted(hw_lib.HARDWARE))}")
@@ -345,6 +358,11 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--memory-limit", type=float, default=None, help="GB per device (default 90%% of HBM)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--verify", type=int, default=0, help="compile the best K layouts and re-rank them (default 0)")
+    p.add_argument("--target", default="cpu",
+                   help="compiler for --verify: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, "
+                        "cpu (simulated devices; default)")
+    p.add_argument("--precision", default="bf16")
     p.add_argument("--weak-scaling", action="store_true", help="also predict 8→N weak scaling of the best layout")
     p.add_argument("--json", default=None, help="write the ranked rows to this file")
     p.add_argument("--png", default=None, help="save a comparison chart of the top layouts")
@@ -352,9 +370,19 @@ def plan_main(argv: list[str]) -> int:
     from rich.console import Console
 
     console = Console(width=150)
+    global_batch = a.global_batch or 2 * a.devices
+    verify = {}
+    if a.verify:
+        if build_for is None:
+            print("shardkit plan: --verify needs the recipe's step builder (run it as `shardkit plan`)",
+                  file=sys.stderr)
+            return 2
+        verify = {"verify": a.verify, "target": a.target,
+                  "build": build_for(a.model, global_batch, a.seq, a.precision, a.target)}
     try:
-        res = search(a.model, a.devices, a.hardware, global_batch=a.global_batch or 2 * a.devices,
-                     seq=a.seq, memory_limit=a.memory_limit * 1e9 if a.memory_limit else None)
+        res = search(a.model, a.devices, a.hardware, global_batch=global_batch, seq=a.seq,
+                     precision=a.precision, memory_limit=a.memory_limit * 1e9 if a.memory_limit else None,
+                     **verify)
     except ValueError as e:
         print(f"shardkit plan: {e}", file=sys.stderr)
         return 2

@@ -191,8 +191,76 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         ShardingError: the rules, batch or ZeRO stage do not fit the target mesh.
         SimulationError: the subprocess failed or timed out (with its stderr).
     """
-    step.layout  # raises before init
     tgt = targets_lib.get(target)
+    job = _prepare(step, state, batch, mesh, tgt, zero=zero, batch_axes=batch_axes,
+                   microbatches=microbatches, max_devices=max_devices)
+    out = run_child([job.module], [job.request], timeout=timeout)[0]
+    if "error" in out:
+        raise SimulationError(out["error"])
+    return _assemble(job, out, estimate=estimate, flops_per_token=flops_per_token)
+
+
+def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_per_token: float | None = None,
+                  timeout: float = 3600.0) -> list[Report | Exception]:
+    """``simulate`` for several layouts, compiled one after another in one subprocess (one
+    start-up of JAX and the target's compiler instead of one per layout).
+
+    Args:
+        jobs: ``(step, state, batch, mesh)`` tuples, or dicts with those keys and any of
+            ``simulate``'s ``zero``, ``batch_axes``, ``microbatches``.
+        target: as ``simulate``, one for all jobs.
+        estimate, flops_per_token: as ``simulate`` (off by default: the compiled figures).
+        timeout: seconds for the whole subprocess.
+
+    Returns:
+        One entry per job, in order: its ``Report``, or the exception that job raised
+        (``ShardingError`` while planning, ``SimulationError`` when its compile failed) — one
+        layout that does not fit does not lose the others.
+
+    Raises:
+        TargetError: as ``simulate``.
+        SimulationError: the subprocess itself died or timed out.
+    """
+    tgt = targets_lib.get(target)
+    targets_lib.require(tgt)
+    prepared: list[Any] = []
+    for job in jobs:
+        kw = dict(job) if isinstance(job, dict) else dict(zip(("step", "state", "batch", "mesh"), job))
+        try:
+            prepared.append(_prepare(kw.pop("step"), kw.pop("state"), kw.pop("batch"), kw.pop("mesh"), tgt, **kw))
+        except Exception as err:  # noqa: BLE001 — a layout that fails to plan or trace is that job's answer
+            prepared.append(err)
+    ready = [p for p in prepared if isinstance(p, _Job)]
+    outs = iter(run_child([j.module for j in ready], [j.request for j in ready], timeout=timeout) if ready else [])
+    results: list[Report | Exception] = []
+    for p in prepared:
+        if not isinstance(p, _Job):
+            results.append(p)
+            continue
+        out = next(outs)
+        results.append(SimulationError(out["error"]) if "error" in out
+                       else _assemble(p, out, estimate=estimate, flops_per_token=flops_per_token))
+    return results
+
+
+@dataclasses.dataclass
+class _Job:
+    """One layout traced and exported for a target, ready for the child."""
+
+    sim: Any
+    target: targets_lib.Target
+    amesh: AbstractMesh
+    state: Any
+    batch: Any
+    module: bytes
+    request: dict
+    export_seconds: float
+
+
+def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | None = None,
+             batch_axes=_SAME, microbatches: int | None = None, max_devices: int | None = None) -> _Job:
+    """Re-plans ``step`` on ``mesh`` of ``tgt``'s devices, traces it abstractly and exports it."""
+    step.layout  # raises before init
     targets_lib.require(tgt)
     if max_devices is None:
         max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
@@ -218,7 +286,14 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         "pipeline": {k: pipe[k] for k in ("schedule", "stages", "microbatches", "repeats", "axis")
                      if k in pipe} if pipe else None,
     }
-    out = run_child(exported.serialize(), request, timeout=timeout)
+    return _Job(sim, tgt, amesh, abs_state, abs_batch, exported.serialize(), request, t_export)
+
+
+def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | None) -> Report:
+    """The ``Report`` from the child's summary of one compiled job."""
+    sim, tgt, amesh, abs_state, abs_batch = job.sim, job.target, job.amesh, job.state, job.batch
+    plan, t_export = sim.plan, job.export_seconds
+    pipe = sim.trace_notes.get("pipeline")
     grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.precision.grads, sharding=plan.sharding(s)),
                          abs_state.params, sim.specs("grads"))
     # In explain()'s order: the state's kinds, grads (bookkeeping), then the compiled figures.
@@ -267,7 +342,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
                                      hardware.lookup(hw), est.layout)
             report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops and "
                                        f"collectives, {hw} links")
-    if out.get("optimal_seconds"):
+    if out.get("optimal_seconds", 0.0) > 0:  # XLA:TPU answers -2 where it has no estimate
         # XLA:TPU's own figure counts a while body once (a 10-trip matmul loop came out below
         # the 1-trip one), so a scanned or accumulating step is under-timed: shown, not used.
         report.notes.append(f"XLA:TPU's own estimate, optimal_seconds {out['optimal_seconds'] * 1e3:.3g} ms, "
@@ -276,10 +351,12 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
     return report
 
 
-def run_child(module: bytes, request: dict, *, timeout: float) -> dict:
-    """Runs ``python -m shardkit.cost.simulated`` on a serialized module and returns its JSON."""
-    n = math.prod(s for _, s in request["mesh"])
-    cpu = request.get("target", "cpu") == "cpu"
+def run_child(modules: list[bytes], requests: list[dict], *, timeout: float) -> list[dict]:
+    """Runs ``python -m shardkit.cost.simulated`` on serialized modules (one target for all) and
+    returns one JSON summary per module (``{"error": ...}`` for one that failed to compile)."""
+    n = max(math.prod(s for _, s in r["mesh"]) for r in requests)
+    target = requests[0].get("target", "cpu")
+    cpu = target == "cpu"
     # JAX runs on CPU in the child either way: a GPU/TPU target's devices are compile-only
     # descriptions from its plugin (and the CUDA plugin's driver check is skipped on CPU).
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n if cpu else 1))
@@ -289,22 +366,28 @@ def run_child(module: bytes, request: dict, *, timeout: float) -> dict:
     # The parent's device-count flag would fight the child's.
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if not f.startswith("--xla_force_host_platform_device_count"))
+    what = (f"the mesh {requests[0]['mesh']}" if len(requests) == 1
+            else f"{len(requests)} meshes") + f" ({target})"
     with tempfile.TemporaryDirectory(prefix="shardkit-sim-") as tmp:
-        with open(os.path.join(tmp, "module.bin"), "wb") as f:
-            f.write(module)
-        with open(os.path.join(tmp, "request.json"), "w") as f:
-            json.dump(request, f)
-        cmd = [sys.executable, "-m", "shardkit.cost.simulated", tmp]
+        for i, (module, request) in enumerate(zip(modules, requests)):
+            with open(os.path.join(tmp, f"module{i}.bin"), "wb") as f:
+                f.write(module)
+            with open(os.path.join(tmp, f"request{i}.json"), "w") as f:
+                json.dump(request, f)
+        cmd = [sys.executable, "-m", "shardkit.cost.simulated", tmp, str(len(requests))]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
-            raise SimulationError(f"compiling for the mesh {request['mesh']} ({request.get('target', 'cpu')}) took more than "
-                                  f"{timeout:.0f} s (timeout=); stderr tail:\n{_tail(e.stderr)}") from None
+            raise SimulationError(f"compiling for {what} took more than {timeout:.0f} s (timeout=); "
+                                  f"stderr tail:\n{_tail(e.stderr)}") from None
         if proc.returncode != 0:
-            raise SimulationError(f"compiling for the mesh {request['mesh']} ({request.get('target', 'cpu')}) failed (exit "
-                                  f"{proc.returncode}); stderr tail:\n{_tail(proc.stderr)}")
-        with open(os.path.join(tmp, "report.json")) as f:
-            return json.load(f)
+            raise SimulationError(f"compiling for {what} failed (exit {proc.returncode}); stderr "
+                                  f"tail:\n{_tail(proc.stderr)}")
+        outs = []
+        for i in range(len(requests)):
+            with open(os.path.join(tmp, f"report{i}.json")) as f:
+                outs.append(json.load(f))
+        return outs
 
 
 def _tail(text, n: int = 4000) -> str:
@@ -313,24 +396,40 @@ def _tail(text, n: int = 4000) -> str:
     return (text or "")[-n:]
 
 
-def _child(directory: str) -> None:
-    """The subprocess: deserialize, compile with donation on N CPU devices, summarise."""
+def _child(directory: str, count: int) -> None:
+    """The subprocess: for each module, deserialize, compile with donation on the target's
+    devices, summarise; a module that fails to compile gets ``{"error": ...}``."""
+    requests = []
+    for i in range(count):
+        with open(os.path.join(directory, f"request{i}.json")) as f:
+            requests.append(json.load(f))
+    target = targets_lib.get(requests[0].get("target", "cpu"))
+    if target.platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", max(math.prod(s for _, s in r["mesh"]) for r in requests))
+    for i, req in enumerate(requests):
+        try:
+            out = _compile_one(os.path.join(directory, f"module{i}.bin"), req, target)
+        except Exception as err:  # noqa: BLE001 — reported for this module; the others go on
+            import traceback
+
+            out = {"error": f"compiling for the mesh {req['mesh']} ({target.name}) failed: "
+                            f"{type(err).__name__}: {_tail(str(err))}\n{_tail(traceback.format_exc(), 2000)}"}
+        with open(os.path.join(directory, f"report{i}.json"), "w") as f:
+            json.dump(out, f)
+
+
+def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
     t0 = time.perf_counter()
-    with open(os.path.join(directory, "request.json")) as f:
-        req = json.load(f)
-    n = math.prod(s for _, s in req["mesh"])
-    target = targets_lib.get(req.get("target", "cpu"))
     pairs = [tuple(p) for p in req["mesh"]]
+    n = math.prod(s for _, s in pairs)
     layout: list[str] = []
     if target.platform == "cpu":
-        jax.config.update("jax_num_cpu_devices", n)
         from ..mesh import make_mesh
 
-        mesh = make_mesh(pairs)
+        mesh = make_mesh(pairs, devices=jax.devices()[:n])
     else:
         mesh, layout = targets_lib.device_mesh(target, pairs)
-
-    with open(os.path.join(directory, "module.bin"), "rb") as f:
+    with open(path, "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
     (args_sh, _) = exported.in_tree.unflatten(exported.in_shardings_jax(mesh))
     out_sh = exported.out_tree.unflatten(exported.out_shardings_jax(mesh))
@@ -355,9 +454,8 @@ def _child(directory: str) -> None:
            "collectives": [dataclasses.asdict(c) for c in report.collectives],
            "traffic": [dataclasses.asdict(t) for t in report.traffic],
            "seconds": {"compile": t_compile, "total": time.perf_counter() - t0}}
-    with open(os.path.join(directory, "report.json"), "w") as f:
-        json.dump(out, f)
+    return out
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    _child(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,119 @@
+"""The recipe's layouts compiled for real accelerators, deviceless (``sk.cost.simulate_many``
+with ``target=``), and what each layout promises about the program its compiler emits.
+
+Used by ``test_targets_gpu.py`` (H100: one host of 8, two hosts of 8) and
+``test_targets_tpu.py`` (a TPU v5p slice of 8 chips). Each file compiles its whole sweep in one
+subprocess (a module fixture), then one test per layout checks the promises, so a failure
+names its layout. Without the compilers (``pip install -e '.[test]'`` brings them) the files
+skip with the install line.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import shardkit as sk
+from models.transformer.config import SIZES
+from models.transformer.layouts import LAYOUTS, Layout
+from models.transformer.plan import layout_step
+
+CFG = SIZES["test"].replace(layers=4)  # d_model 32, 4 heads / 2 kv heads, seq 16, vocab 256; 4 layers for pipe=4 and 2 stages × 2 chunks
+MOE = CFG.replace(moe_experts=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layout: Layout
+    moe: bool = False
+    context_strategy: str = "ring"
+
+    @property
+    def cfg(self):
+        cfg = MOE if self.moe else CFG
+        return cfg.replace(context_strategy=self.context_strategy) if self.context_strategy != "ring" else cfg
+
+
+# Every recipe layout on 8 devices, plus ZeRO-2, ZeRO-3 inside a pipeline, and the all-gather
+# context strategy (the recipe's named layouts use ring attention).
+CASES_8 = {name: Case(lo, moe=name.startswith("ep")) for name, lo in LAYOUTS.items()}
+CASES_8["zero2"] = Case(Layout("data=8", zero=2))
+CASES_8["pp_zero3"] = Case(Layout("data=4,pipe=2", zero=3, schedule="1f1b"))
+CASES_8["cp_allgather"] = Case(LAYOUTS["cp"], context_strategy="allgather")
+# Two H100 hosts: the outer axes cross InfiniBand.
+CASES_16 = {
+    "hybrid_16": Case(Layout("data=2,fsdp=2,tensor=4", zero=1, sequence_parallel=True)),
+    "zero2_16": Case(Layout("data=16", zero=2)),
+    "pp_1f1b_16": Case(Layout("data=2,pipe=2,tensor=4", schedule="1f1b")),
+    "pp_zb_16": Case(Layout("data=2,pipe=2,tensor=4", schedule="zb-h1")),
+    "ep_dp_16": Case(Layout("data=2,expert=8", zero=1), moe=True),
+}
+
+
+def require(target: str) -> None:
+    try:
+        sk.cost.targets.require(sk.cost.targets.get(target))
+    except sk.cost.TargetError as err:
+        pytest.skip(str(err))
+
+
+def compile_cases(cases: dict[str, Case], target: str) -> dict[str, object]:
+    """Every case compiled for ``target`` in one subprocess: name -> ``Report`` or exception."""
+    jobs = []
+    for case in cases.values():
+        devices = sk.cost.abstract_mesh(case.layout.mesh).size
+        step, state, batch = layout_step(case.layout, case.cfg, global_batch=2 * devices, target=target)
+        jobs.append({"step": step, "state": state, "batch": batch, "mesh": case.layout.mesh})
+    return dict(zip(cases, sk.cost.simulate_many(jobs, target=target, timeout=1800)))
+
+
+def axis_bytes(report, kind: str, axis: str) -> float:
+    """Bytes of ``kind`` collectives whose device groups span ``axis``."""
+    return sum(t.bytes for t in report.traffic if t.kind == kind and axis in t.axes)
+
+
+def check(name: str, case: Case, report, target: str) -> None:
+    """What the layout promises, on the target compiler's program."""
+    if isinstance(report, Exception):
+        raise report
+    lo, roles = case.layout, report.roles()
+    kinds = {c.kind for c in report.collectives}
+    assert report.target == target and report.fits, (report.memory, report.device_memory)
+    shape = dict(sk.cost.abstract_mesh(lo.mesh).shape)
+    data = [a for a in ("data", "fsdp", "expert") if shape.get(a, 1) > 1]
+    # Gradients are reduced over every data-like axis, by whatever collective the compiler picks.
+    if data:
+        assert roles["grad-reduce"] > 0, roles
+    if lo.zero == 0 and "fsdp" not in shape and "pipe" not in shape:
+        assert roles["param-gather"] == 0, roles  # plain DP/TP/EP/CP keep whole weights
+    if lo.zero >= 3 or "fsdp" in shape:
+        assert roles["param-gather"] > 0, roles  # FSDP gathers weights where they are used
+        assert report.memory["params"] < report.memory["opt_state"], report.memory
+    if lo.zero == 2 and target.startswith(("h", "a", "b")):
+        # ZeRO-2 on XLA:GPU: gradients reduce-scattered (XLA:CPU all-reduces and slices;
+        # XLA:TPU was seen to all-reduce too, at equal bytes reduced).
+        assert "reduce-scatter" in kinds, kinds
+    if shape.get("tensor", 1) > 1:
+        assert roles["tensor-reduce"] + roles["tensor-gather"] > 0, roles  # Megatron's row-parallel sums
+    if lo.sequence_parallel:
+        assert roles["tensor-gather"] > 0, roles  # the sequence gathered into each TP region
+    if shape.get("pipe", 1) > 1:
+        assert roles["pipe-permute"] > 0, roles  # microbatches move between stages
+        if lo.zero == 3:
+            # ZeRO-3 inside a pipeline: each stage's weights are gathered per step, not per
+            # microbatch tick: at most a forward and a backward gather of the stage's bf16
+            # weights (params bytes here are the f32 shard: ×data / 2 per gather).
+            stage_bf16 = report.memory["params"] * shape["data"] / 2
+            assert roles["param-gather"] <= 2 * stage_bf16 * 1.05, (roles["param-gather"], stage_bf16)
+    if shape.get("expert", 1) > 1 and "pipe" not in shape:
+        # Tokens dispatched to their experts. Nested in a pipeline's stages sk.moe runs under
+        # the compiler, and XLA:CPU, XLA:GPU and XLA:TPU all gather the expert weights there
+        # instead (no all-to-all; README, expert parallelism).
+        assert roles["expert-all-to-all"] > 0, roles
+        if shape == {"expert": shape["expert"]}:  # pure EP: expert weights stay where they live
+            assert axis_bytes(report, "all-gather", "expert") == 0, report.traffic
+    if shape.get("context", 1) > 1:
+        if case.context_strategy == "ring":
+            assert roles["context-permute"] > 0, roles  # K/V blocks around the ring
+        else:
+            assert roles["context-gather"] > 0 and roles["context-permute"] == 0, roles

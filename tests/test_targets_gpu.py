@@ -1,0 +1,50 @@
+"""Every recipe layout compiled by XLA:GPU for H100s without a GPU (one host of 8, and two
+hosts of 8 for the layouts whose outer axes cross hosts), with what each layout promises
+checked on that program (``target_sweep.check``)."""
+import pytest
+
+import shardkit as sk
+from target_sweep import CASES_8, CASES_16, check, compile_cases, require
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
+
+
+@pytest.fixture(scope="module")
+def h100():
+    require("h100")
+    return compile_cases({**CASES_8, **CASES_16}, "h100")
+
+
+@pytest.mark.parametrize("name", sorted({**CASES_8, **CASES_16}))
+def test_layout_compiles_for_h100_and_keeps_its_promises(name, h100):
+    check(name, {**CASES_8, **CASES_16}[name], h100[name], "h100")
+
+
+def test_two_hosts_put_the_outer_axes_across_infiniband(h100):
+    report = h100["hybrid_16"]
+    assert "2 host(s) × 8 NVIDIA H100 80GB HBM3; axes across hosts: data" in " ".join(report.notes)
+    assert report.device_memory == 84942979072  # the H100 SXM's memory as its driver reports it
+    assert report.step_time["step"] > 0 and "step-time model" in report.step_time_source
+    text = str(report)
+    assert "16 × h100: XLA:GPU" in text and "fits" in text
+
+
+def test_explain_with_a_target_compiles_this_step_for_it():
+    """The README's call: ``step.explain(state, batch, mesh=..., target="h100")`` on a step
+    planned on this process's 8 CPU devices."""
+    require("h100")
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    plan = sk.Plan(sk.make_mesh("data=4,tensor=2"), rules=[(r"w1", (None, "tensor")), (r"w2", ("tensor", None))],
+                   axis_rules={"batch": "data", "mlp": "tensor"}, zero=3, precision="bf16")
+    step = sk.train_step(plan, optax.adamw(1e-3))(
+        lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2))
+    state = step.init({"w1": jnp.ones((64, 256)) * 0.01, "w2": jnp.ones((256, 64)) * 0.01})
+    batch = {"x": np.ones((32, 64), np.float32), "y": np.ones((32, 64), np.float32)}
+    report = step.explain(state, batch, mesh="data=8,tensor=2", target="h100")
+    assert report.target == "h100" and report.fits
+    assert report.memory["params"] == (64 * 256 * 2 * 4) // 16  # ZeRO-3: f32 params over 16 devices
+    assert report.estimate and report.roles()["param-gather"] > 0
+    assert {c.kind for c in report.collectives} >= {"all-gather", "reduce-scatter"}

@@ -1,0 +1,41 @@
+"""Every recipe layout compiled by XLA:TPU (libtpu) for a TPU v5p slice of 8 chips without a
+TPU, with what each layout promises checked on that program (``target_sweep.check``)."""
+import pytest
+
+import shardkit as sk
+from target_sweep import CASES_8, check, compile_cases, require
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
+
+
+@pytest.fixture(scope="module")
+def v5p():
+    require("tpu-v5p")
+    return compile_cases(CASES_8, "tpu-v5p")
+
+
+@pytest.mark.parametrize("name", sorted(CASES_8))
+def test_layout_compiles_for_tpu_v5p_and_keeps_its_promises(name, v5p):
+    check(name, CASES_8[name], v5p[name], "tpu-v5p")
+
+
+def test_the_slice_and_the_compilers_own_estimate_are_reported(v5p):
+    report = v5p["hybrid"]
+    assert "v5p:2x2x2: mesh axes laid onto the torus" in " ".join(report.notes)
+    assert report.fits and report.device_memory == sk.cost.hardware.lookup("tpu-v5p").hbm_bytes
+    # XLA:TPU's own time estimate counts a loop body once (or is -2: none): shown, not used.
+    for r in v5p.values():
+        if "xla_tpu_optimal" in r.seconds:
+            assert r.seconds["xla_tpu_optimal"] > 0
+            assert any("counts each loop body once" in n for n in r.notes)
+
+
+def test_chip_counts_no_slice_has_and_unknown_targets_are_clear_errors():
+    from shardkit.cost import targets
+
+    with pytest.raises(sk.cost.TargetError, match="no TPU slice has 12 chips"):
+        targets.tpu_topology(targets.get("tpu-v5p"), 12)
+    with pytest.raises(sk.cost.TargetError, match="unknown target 'h800'.*h100"):
+        targets.get("h800")
+    assert targets.tpu_topology(targets.get("tpu-v5p"), 64) == ("v5p:4x4x4", 1)
+    assert targets.tpu_topology(targets.get("tpu-v5e"), 512) == ("v5e:16x16", 2)
