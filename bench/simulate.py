@@ -1,17 +1,20 @@
-"""Compiled per-device memory of the transformer recipe on meshes that are not here.
+"""Compiled per-device memory of the transformer recipe on meshes that are not here, by the
+compiler of the accelerator named (``--target h100``: XLA:GPU, ``tpu-v5p``: XLA:TPU, both
+deviceless; ``cpu``: N simulated XLA:CPU devices).
 
-The recipe's step (``models/transformer``: its model, loss, AdamW and clip) is planned on the
-target mesh, its state built abstractly (``step.abstract_state``: nothing allocated), and
-compiled for that mesh by ``sk.cost.simulate``: a subprocess with N simulated XLA:CPU devices.
-Columns: XLA's per-device peak (arguments + outputs − aliased + temporaries), its parts, the
+The recipe's step (``models/transformer/plan.py``: its model, loss, AdamW and clip) is planned
+on the target mesh, its state built abstractly (nothing allocated), and compiled for that mesh
+by ``sk.cost.simulate_many`` in one subprocess. Columns: the compiler's per-device peak
+(arguments + outputs − aliased + temporaries) against the device's memory, its parts, the
 analytic estimate of the same peak (modelled) and their ratio, the executed collective bytes
-per role, and the wall time (export in this process, compile in the child, total).
+per role, the modelled step time on the compiled flops and collectives, and the wall time
+(export in this process, compile in the child).
 
-    python bench/simulate.py [--size 1b] [--batch 256] [--seq 2048]
+    python bench/simulate.py [--target h100] [--size 1b] [--batch 256] [--seq 2048]
                              [--layouts fsdp=32,tensor=8:3 data=32,tensor=8:1 data=8,pipe=4,tensor=8:1:1f1b]
 
-A layout is ``MESH:ZERO[:SCHEDULE]``; with a ``pipe`` axis the recipe runs ``sk.pipeline``
-with 2 × stages microbatches and that schedule (default gpipe).
+A layout is ``MESH:ZERO[:SCHEDULE[:MICROBATCHES]]``; with a ``pipe`` axis the recipe runs
+``sk.pipeline`` with that schedule (default gpipe) and microbatches (default 2 × stages).
 """
 from __future__ import annotations
 
@@ -35,59 +38,69 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the size's)")
     ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--out", default="bench/results/simulate.json")
+    ap.add_argument("--remat", default=None, help="the model's remat policy (default: the size's)")
+    ap.add_argument("--target", default="cpu", help="h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
+    ap.add_argument("--out", default=None, help="JSON rows (default bench/results/simulate_<target>.json)")
     a = ap.parse_args()
+    a.out = a.out or f"bench/results/simulate_{a.target}.json"
     sk.use_cpu_devices(1)  # this process only traces; the compile runs in the child
-    import jax
-    import numpy as np
-    import optax
-    from flax import nnx
     from rich.console import Console
     from rich.table import Table
 
     from models.transformer.config import SIZES
-    from models.transformer.layouts import make_plan
-    from models.transformer.model import PipelineSpec, Transformer, flops_per_token, loss_fn
+    from models.transformer.model import flops_per_token
+    from models.transformer.plan import abstract_step
 
     cfg = SIZES[a.size] if a.seq is None else SIZES[a.size].replace(seq=a.seq)
-    batch = {k: jax.ShapeDtypeStruct((a.batch, cfg.seq), np.int32) for k in ("inputs", "targets")}
+    if a.remat:
+        cfg = cfg.replace(remat=a.remat)
     gib = 2 ** 30
-    t = Table(title=f"transformer {a.size} ({cfg.d_model}x{cfg.layers}, seq {cfg.seq}), global batch "
-                    f"{a.batch}, {a.precision}: compiled on simulated XLA:CPU devices")
-    for c in ("mesh", "zero", "devices", "peak GiB", "args", "temps", "est. peak", "est/compiled",
-              "grad-reduce", "param-gather", "tensor-reduce", "export s", "compile s", "total s"):
+    t = Table(title=f"transformer {a.size} ({cfg.d_model}x{cfg.layers}, seq {cfg.seq}, remat {cfg.remat}), "
+                    f"global batch {a.batch}, {a.precision}: compiled for {a.target}")
+    for c in ("mesh", "zero", "devices", "peak GiB", "of device", "args", "temps", "est. peak",
+              "est/compiled", "grad-reduce", "param-gather", "tensor-reduce", "pipe-permute",
+              "step ms", "export s", "compile s"):
         t.add_column(c, justify="left" if c == "mesh" else "right")
-    rows = []
+    jobs, names = [], []
     for spec in a.layouts:
         parts = spec.split(":")
-        mesh_spec, zero, schedule = parts[0], (parts[1:2] or ["0"])[0], (parts[2:3] or ["gpipe"])[0]
-        mesh = sk.cost.abstract_mesh(mesh_spec)
-        stages = mesh.shape.get("pipe", 1)
-        pipe = PipelineSpec(2 * stages, schedule, 2 if schedule == "circular" else 1) if stages > 1 else None
-        # As the recipe's train.py: 1F1B keeps the vocabulary whole beside data and tensor axes.
-        vocab_parallel = not (pipe and schedule == "1f1b" and mesh.shape.get("tensor", 1) > 1)
-        plan = make_plan(mesh, cfg, zero=int(zero), precision=a.precision, vocab_parallel=vocab_parallel)
-        step = sk.train_step(plan, optax.adamw(3e-4), clip_norm=1.0)(lambda m, b, pipe=pipe: loss_fn(m, b, pipe))
-        state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-        t0 = time.perf_counter()
-        r = sk.cost.simulate(step, state, batch, mesh, flops_per_token=flops_per_token(cfg))
-        wall = time.perf_counter() - t0
-        export_s, compile_s = r.seconds["export"], r.seconds["compile"]
+        mesh_spec, zero = parts[0], int((parts[1:2] or ["0"])[0])
+        schedule, mb = (parts[2:3] or ["gpipe"])[0], (parts[3:4] or [None])[0]
+        step, state, batch = abstract_step(
+            cfg, mesh_spec, global_batch=a.batch, zero=zero, precision=a.precision, schedule=schedule,
+            repeats=2 if schedule in ("circular", "interleaved-1f1b") else 1,
+            pipeline_microbatches=int(mb) if mb else None, target=a.target)
+        jobs.append({"step": step, "state": state, "batch": batch, "mesh": mesh_spec})
+        names.append((spec, mesh_spec, zero, schedule if "pipe=" in mesh_spec else ""))
+    t0 = time.perf_counter()
+    reports = sk.cost.simulate_many(jobs, target=a.target, estimate=True, flops_per_token=flops_per_token(cfg))
+    wall = time.perf_counter() - t0
+    rows = []
+    for (spec, mesh_spec, zero, schedule), r in zip(names, reports):
+        if isinstance(r, Exception):
+            t.add_row(spec, str(zero), "", f"[red]{type(r).__name__}[/red]", *[""] * 12)
+            rows.append({"mesh": mesh_spec, "zero": zero, "schedule": schedule, "error": str(r)[:2000]})
+            continue
         m, est, roles = r.memory, r.estimate or {}, r.roles()
-        row = {"mesh": mesh_spec, "zero": plan.zero, "schedule": schedule if pipe else "", "devices": mesh.size, "memory": m,
-               "estimate_peak": est.get("memory/peak"), "roles": roles, "export_s": export_s,
-               "compile_s": compile_s, "total_s": wall}
-        rows.append(row)
-        t.add_row(mesh_spec + (f" {schedule}" if pipe else ""), str(plan.zero), str(mesh.size), f"{m['peak'] / gib:.2f}",
+        step_s = (r.step_time or {}).get("step")
+        rows.append({"mesh": mesh_spec, "zero": zero, "schedule": schedule, "devices": int(sk.cost.abstract_mesh(mesh_spec).size),
+                     "memory": m, "device_memory": r.device_memory, "fits": r.fits,
+                     "estimate_peak": est.get("memory/peak"), "roles": roles, "step_s": step_s,
+                     "export_s": r.seconds["export"], "compile_s": r.seconds["compile"]})
+        t.add_row(mesh_spec + (f" {schedule}" if schedule else ""), str(zero), str(rows[-1]["devices"]),
+                  f"{m['peak'] / gib:.2f}", "fits" if r.fits else ("-" if r.fits is None else "[red]over[/red]"),
                   f"{m['arguments'] / gib:.2f}", f"{m['temporaries'] / gib:.2f}",
                   f"{est['memory/peak'] / gib:.2f}" if est else "-",
                   f"{est['memory/peak'] / m['peak']:.2f}" if est else "-",
-                  *(f"{roles[k] / gib:.2f}" for k in ("grad-reduce", "param-gather", "tensor-reduce")),
-                  f"{export_s:.1f}", f"{compile_s:.1f}", f"{wall:.1f}")
+                  *(f"{roles[k] / gib:.2f}" for k in ("grad-reduce", "param-gather", "tensor-reduce", "pipe-permute")),
+                  f"{step_s * 1e3:.0f}" if step_s else "-",
+                  f"{r.seconds['export']:.1f}", f"{r.seconds['compile']:.1f}")
     Console(width=200).print(t)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"size": a.size, "batch": a.batch, "seq": cfg.seq, "precision": a.precision, "rows": rows}, f, indent=1)
+        json.dump({"size": a.size, "batch": a.batch, "seq": cfg.seq, "precision": a.precision, "target": a.target,
+                   "remat": cfg.remat, "wall_s": wall, "rows": rows}, f, indent=1)
+    print(f"{len(jobs)} layouts compiled for {a.target} in {wall:.0f} s (one subprocess)")
 
 
 if __name__ == "__main__":

@@ -286,12 +286,14 @@ class TrainStep:
             raise ValueError(f"with_plan needs an sk.Plan, got {type(plan).__name__}")
         new = copy.copy(self)
         new.plan, new._in_flight, new._last_streak = plan, _in_flight_queue(plan), None
-        if self._diloco is not None:
-            raise ValueError("with_plan: a DiLoCo step cannot be re-planned yet; build it on the new plan")
         new._jitted, new._batch_shardings, new._state_shardings, new.trace_notes = {}, {}, None, {}
         lay = self._layout
         params = lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves])
         new._layout = plan._layout(params, self._logical, self._adapter.param_prefix)
+        if self._diloco is not None:  # the replicas' machinery, rebuilt on the new plan
+            new._diloco = None
+            new._diloco = DiLoCoStep(new, self._diloco.outer)
+            new._diloco.setup()
         return new
 
     @property

@@ -48,6 +48,24 @@ FAST_CASES = {
     "test_oracle.py::test_fp32_layout_matches_the_oracle": {"data=8-0-1", "data=2,fsdp=2,tensor=2-3-2"},
     "test_step.py::test_layout_matches_one_device": {"data=8-1", "data=2,fsdp=2,tensor=2-3"},
 }
+# Sweep cases that repeat a code path other cases of the same sweep run in the default lane
+# (BENCHMARKS.md, "Test suite time", lists why each is redundant): deselected unless
+# `--extended` is given. The target sweeps mark theirs in tests/target_sweep.py.
+EXTENDED_CASES: dict[str, set[str]] = {
+    # Compositions of paths the sweep checks one by one (dp_pp_tp_zb stays as the composition).
+    "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b"},
+    "test_cost.py::test_transformer_estimate_matches_compiled": {"zero1", "fsdp_tp", "tp_pp", "dp_pp_tp",
+                                                                 "dp_pp_tp_1f1b"},
+    # Each ZeRO stage once, over one and over two data axes.
+    "test_resnet.py::test_layouts_match_one_device": {"0-data=2,fsdp=4", "0-data=4,fsdp=2", "1-data=8",
+                                                      "1-data=2,fsdp=4", "3-data=8", "3-data=4,fsdp=2"},
+    # EP with a data axis / with FSDP: the same dispatch as ep, the batch split as in ep_tp.
+    "test_moe.py::test_recipe_ep_layouts_match_one_device": {"ep_dp", "ep_fsdp"},
+    # Accumulation, ZeRO-3 and TP against the oracle are each in another case.
+    "test_oracle.py::test_fp32_layout_matches_the_oracle": {"data=8-0-4", "fsdp=8-3-4", "data=2,tensor=4-1-2"},
+    "test_step.py::test_layout_matches_one_device": {"data=2,tensor=4-0", "data=2,fsdp=4-3",
+                                                     "data=2,fsdp=2,tensor=2-0"},
+}
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).
 SLOW_TESTS = {
@@ -63,13 +81,27 @@ SLOW_TESTS = {
 }
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended cases: sweep cases whose code paths other cases "
+                          "of the same sweep already run (nightly; not in the README's command)")
+
+
 def pytest_collection_modifyitems(config, items):
+    kept, extended = [], []
     for item in items:
         name = f"{item.path.name}::{item.originalname}"
         callspec = getattr(item, "callspec", None)
         if name in SLOW_TESTS or (name in FAST_CASES and callspec is not None
                                   and callspec.id not in FAST_CASES[name]):
             item.add_marker(pytest.mark.slow)
+        if (name in EXTENDED_CASES and callspec is not None and callspec.id in EXTENDED_CASES[name]):
+            item.add_marker(pytest.mark.extended)
+        (extended if item.get_closest_marker("extended") and not config.getoption("--extended")
+         else kept).append(item)
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

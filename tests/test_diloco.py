@@ -306,6 +306,24 @@ def test_pipelines_run_inside_the_replicas(schedule):
     assert_h1_sgd_is_data_parallel(plan, loss, init, batches)
 
 
+def test_a_pipeline_with_tensor_parallelism_inside_the_replicas_is_a_clear_error():
+    """replica=2,pipe=2,tensor=2: jax 0.10.2's vmap adds the replica axis to the stages'
+    tensor-sharding constraints, where it is manual; refused before tracing, naming the
+    layouts that work (found compiling the recipe's layouts for H100, tests/target_sweep.py)."""
+    plan = sk.Plan(sk.make_mesh("replica=2,pipe=2,tensor=2"), rules=[(r"layers", ("pipe", None, "tensor")), (r".*", ())],
+                   batch_axes=("replica",))
+
+    def loss(p, batch):
+        y = sk.pipeline(lambda w, h: jnp.tanh(h @ w), p["layers"], batch["x"], microbatches=2)
+        return jnp.mean((y - batch["y"]) ** 2)
+
+    step = sk.train_step(plan, optax.sgd(0.1), outer=sk.DiLoCo(axis="replica", every=4))(loss)
+    state = step.init({"layers": jnp.ones((4, 8, 8)) * 0.1})
+    batch = {"x": np.ones((8, 8), np.float32), "y": np.ones((8, 8), np.float32)}
+    with pytest.raises(ValueError, match=r"inside sk.DiLoCo's replicas.*\['tensor'\].*replica=2,pipe=2,data=2"):
+        step(state, batch)
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_replica_axis_across_two_processes_trains_like_one():

@@ -4,27 +4,27 @@ checked on that program (``target_sweep.check``)."""
 import pytest
 
 import shardkit as sk
-from target_sweep import CASES_8, CASES_16, check, compile_cases, require
+from target_sweep import CASES_8, CASES_16, EXTENDED_H100, check, compile_cases, params, require, selected
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
+CASES = {**CASES_8, **CASES_16}
 
 
 @pytest.fixture(scope="module")
-def h100():
+def h100(request):
     require("h100")
-    return compile_cases({**CASES_8, **CASES_16}, "h100")
+    return compile_cases(selected(CASES, EXTENDED_H100, request.config), "h100")
 
 
-@pytest.mark.parametrize("name", sorted({**CASES_8, **CASES_16}))
+@pytest.mark.parametrize("name", params(CASES, EXTENDED_H100))
 def test_layout_compiles_for_h100_and_keeps_its_promises(name, h100):
-    check(name, {**CASES_8, **CASES_16}[name], h100[name], "h100")
+    check(name, CASES[name], h100[name], "h100")
 
 
 def test_two_hosts_put_the_outer_axes_across_infiniband(h100):
     report = h100["hybrid_16"]
     assert "2 host(s) × 8 NVIDIA H100 80GB HBM3; axes across hosts: data" in " ".join(report.notes)
     assert report.device_memory == 84942979072  # the H100 SXM's memory as its driver reports it
-    assert report.step_time["step"] > 0 and "step-time model" in report.step_time_source
     text = str(report)
     assert "16 × h100: XLA:GPU" in text and "fits" in text
 
@@ -48,3 +48,6 @@ def test_explain_with_a_target_compiles_this_step_for_it():
     assert report.memory["params"] == (64 * 256 * 2 * 4) // 16  # ZeRO-3: f32 params over 16 devices
     assert report.estimate and report.roles()["param-gather"] > 0
     assert {c.kind for c in report.collectives} >= {"all-gather", "reduce-scatter"}
+    # Step time: the step-time model on the compiled flops and collectives, H100 figures.
+    assert report.step_time["step"] >= report.step_time["compute"] > 0
+    assert "step-time model" in report.step_time_source and "h100" in report.step_time_source

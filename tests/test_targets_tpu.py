@@ -3,18 +3,18 @@ TPU, with what each layout promises checked on that program (``target_sweep.chec
 import pytest
 
 import shardkit as sk
-from target_sweep import CASES_8, check, compile_cases, require
+from target_sweep import CASES_8, EXTENDED_TPU, check, compile_cases, params, require, selected
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 
 
 @pytest.fixture(scope="module")
-def v5p():
+def v5p(request):
     require("tpu-v5p")
-    return compile_cases(CASES_8, "tpu-v5p")
+    return compile_cases(selected(CASES_8, EXTENDED_TPU, request.config), "tpu-v5p")
 
 
-@pytest.mark.parametrize("name", sorted(CASES_8))
+@pytest.mark.parametrize("name", params(CASES_8, EXTENDED_TPU))
 def test_layout_compiles_for_tpu_v5p_and_keeps_its_promises(name, v5p):
     check(name, CASES_8[name], v5p[name], "tpu-v5p")
 

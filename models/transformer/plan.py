@@ -25,7 +25,8 @@ from .model import PipelineSpec, Transformer, loss_fn, moe_loss_fn
 
 def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precision: str = "bf16",
                   sequence_parallel: bool = False, schedule: str = "gpipe", repeats: int = 1,
-                  pipeline_microbatches: int | None = None, microbatches: int = 1, target: str = "cpu"):
+                  pipeline_microbatches: int | None = None, microbatches: int = 1, target: str = "cpu",
+                  outer: sk.DiLoCo | None = None):
     """``(step, abstract state, abstract batch)`` of the recipe (AdamW, clip 1.0) on ``mesh``.
 
     Args:
@@ -38,24 +39,26 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
         microbatches: gradient-accumulation steps of the train step.
         target: whose devices the mesh holds (``sk.cost.TARGETS``): the model picks its
             attention and matmul forms for that platform (``sk.target_platform``).
+        outer: ``sk.DiLoCo`` over the mesh's ``replica`` axis (the recipe's ``--diloco-every``).
     """
     amesh = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else sk.cost.abstract_mesh(mesh, target=target)
     plan = make_plan(amesh, cfg, zero=zero, precision=precision, sequence_parallel=sequence_parallel)
     stages = amesh.shape.get("pipe", 1)
     pipe = PipelineSpec(pipeline_microbatches or 2 * stages, schedule, repeats) if stages > 1 else None
     objective = moe_loss_fn if cfg.moe_experts else loss_fn
-    step = sk.train_step(plan, optax.adamw(3e-4), microbatches=microbatches, clip_norm=1.0)(
+    step = sk.train_step(plan, optax.adamw(3e-4), microbatches=microbatches, clip_norm=1.0, outer=outer)(
         lambda model, batch: objective(model, batch, pipe))
     state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     batch = {k: jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32) for k in ("inputs", "targets")}
     return step, state, batch
 
 
-def layout_step(layout: Layout, cfg: Config, *, global_batch: int, target: str = "cpu", precision: str = "bf16"):
+def layout_step(layout: Layout, cfg: Config, *, global_batch: int, target: str = "cpu", precision: str = "bf16",
+                outer: sk.DiLoCo | None = None):
     """``abstract_step`` for one of the recipe's named layouts (``layouts.LAYOUTS``)."""
     return abstract_step(cfg, layout.mesh, global_batch=global_batch, zero=layout.zero, precision=precision,
                          sequence_parallel=layout.sequence_parallel, schedule=layout.schedule,
-                         repeats=layout.repeats, target=target)
+                         repeats=layout.repeats, target=target, outer=outer)
 
 
 def builder(cfg: Config, *, global_batch: int, precision: str = "bf16",

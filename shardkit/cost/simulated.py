@@ -129,14 +129,24 @@ def _export(step, state, batch, platform: str = "cpu") -> jax.export.Exported:
     state_leaves, state_tree = jax.tree.flatten(state)
     batch_leaves, batch_tree = jax.tree.flatten(batch)
 
+    # A DiLoCo step's every-step program is its inner step (the replicas apart, metrics per
+    # replica); its syncs are other programs, run once per interval.
+    body = step.step_function() if step.diloco is None else step.diloco._inner_fn
+    metrics = P() if step.diloco is None else P(step.diloco.axis)
+
     def flat(state_leaves, batch_leaves):
-        new_state, metrics = step.step_function()(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
+        new_state, metrics = body(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
         return jax.tree.leaves(new_state), jax.tree.leaves(metrics)
 
     fn = jax.jit(flat, in_shardings=([x.sharding for x in state_leaves], [x.sharding for x in batch_leaves]),
-                 out_shardings=([x.sharding for x in state_leaves], step.plan.sharding(P())))
+                 out_shardings=([x.sharding for x in state_leaves], step.plan.sharding(metrics)))
     with _on(step.plan):
         return jax.export.export(fn, platforms=[platform])(state_leaves, batch_leaves)
+
+
+def _pipeline_note(step) -> dict | None:
+    """``sk.pipeline``'s trace note of the program exported (a DiLoCo step's is its replicas')."""
+    return (step.trace_notes if step.diloco is None else step.diloco.inner.trace_notes).get("pipeline")
 
 
 def _groups(state) -> dict[str, list[int]]:
@@ -277,7 +287,7 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
     exported = _export(sim, abs_state, abs_batch, tgt.platform)
     t_export = time.perf_counter() - t0
     plan = sim.plan
-    pipe = sim.trace_notes.get("pipeline")
+    pipe = _pipeline_note(sim)
     request = {
         "mesh": [[a, int(s)] for a, s in amesh.shape.items()], "target": tgt.name,
         "donate": bool(sim.donate), "groups": _groups(abs_state),
@@ -293,7 +303,7 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
     """The ``Report`` from the child's summary of one compiled job."""
     sim, tgt, amesh, abs_state, abs_batch = job.sim, job.target, job.amesh, job.state, job.batch
     plan, t_export = sim.plan, job.export_seconds
-    pipe = sim.trace_notes.get("pipeline")
+    pipe = _pipeline_note(sim)
     grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.precision.grads, sharding=plan.sharding(s)),
                          abs_state.params, sim.specs("grads"))
     # In explain()'s order: the state's kinds, grads (bookkeeping), then the compiled figures.
@@ -326,6 +336,11 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
                  "subprocess": out["seconds"]["total"]})
     if tgt.platform != "cpu":
         report.target, report.device_memory = tgt.name, tgt.memory_bytes()
+    if sim.diloco is not None:
+        report.notes.append(f"DiLoCo: the compiled program is the inner step every step runs (the "
+                            f"replicas apart over {sim.diloco.axis!r}); the syncs are separate programs run "
+                            f"every {sim.diloco.outer.every} steps (step.diloco.traffic), not in these figures")
+        estimate = False  # the analytic model has no DiLoCo term yet
     if estimate:
         from .fromstep import step_estimate
         from .steptime import times

@@ -137,6 +137,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     p = mesh.shape[axis]
     m, v = microbatches, repeats
     data = _data_axes(mesh, axis, batch_axes, rng)
+    _check_vmapped(mesh, axis, data)
     L = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                     extras, targets, rng)
     k = L // (p * v)
@@ -177,6 +178,23 @@ def _resolve_mesh(mesh, axis):
                          f"(shape {dict(mesh.shape)}); add it, e.g. make_mesh('data=2,{axis}=4'), "
                          "or pass axis=<one of those>")
     return mesh
+
+
+def _check_vmapped(mesh, axis: str, data) -> None:
+    """Inside ``sk.DiLoCo``'s replicas (a ``vmap`` with ``spmd_axis_name``) jax 0.10.2 adds the
+    replica axis to every sharding constraint traced in the stages, where that axis is manual,
+    and lowering then fails ("pspec P('replica', ..., 'tensor') contains a manual axes"). Only
+    constraints over compiler-owned axes (tensor, fsdp) trip it: refuse that combination
+    before tracing, naming the layouts that work."""
+    mapped = vmapped_axes()
+    auto = [a for a in mesh.axis_names if a != axis and a not in data and a not in mapped and mesh.shape[a] > 1]
+    if mapped and auto:
+        raise ValueError(
+            f"sk.pipeline inside sk.DiLoCo's replicas (over {sorted(mapped)}) with the compiler-owned "
+            f"axes {auto} of size > 1 is not supported with jax {jax.__version__}: vmap adds the replica "
+            "axis to the stages' sharding constraints, where it is manual. Use the pipeline with data "
+            f"axes only inside the replicas (e.g. replica=2,{axis}=2,data=2), or tensor parallelism "
+            "without a pipe axis (replica=2,data=2,tensor=2)")
 
 
 def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:
