@@ -1,4 +1,4 @@
-"""Writes notebooks/01..06 *executed* with nbformat + nbclient: ``python notebooks/_build.py``
+"""Writes notebooks/01..07 *executed* with nbformat + nbclient: ``python notebooks/_build.py``
 (a few minutes on 2 cores; ``python notebooks/_build.py 03_zero_memory`` rebuilds one).
 
 The notebooks are generated so that they stay reproducible and reviewable as code, and they are
@@ -193,6 +193,47 @@ NOTEBOOKS = {
                  'checked = sk.search("1b", devices=256, global_batch=256, pipe=[1], remat=("none",), verify=2, build=build)\n'
                  'checked.table(4)'),
     ],
+    "07_compile_for_the_cluster": [
+        ("md", "# 07 — Which layouts fit on 256 H100s, or a v5p-256, and what a step costs\n\n"
+               "The analytic search ranks thousands of layouts in seconds; then the best few are "
+               "*compiled by the compiler of the accelerator you would rent* — XLA:GPU for H100s, "
+               "XLA:TPU for a TPU v5p slice — on this CPU-only machine, without the devices "
+               "(deviceless ahead-of-time compilation: `target=`). What comes back is that "
+               "compiler's per-device memory against the device's (fits, and by how much), the "
+               "collectives it emits, and a step time from the step-time model fed with the "
+               "compiled flops and collectives. The model is the transformer recipe at its 1B size "
+               "(16 layers, d=2048, seq 2048), 256 sequences per step, without pipelines (their "
+               "compiles take longer)."),
+        ("code", SETUP),
+        ("code", 'from models.transformer.config import SIZES\nfrom models.transformer.plan import builder\n\n'
+                 'cfg = SIZES["1b"]\n'
+                 'def verified(hardware, target, k=3):\n'
+                 '    return sk.search("1b", devices=256, hardware=hardware, global_batch=256, pipe=[1], verify=k,\n'
+                 '                     target=target, build=builder(cfg, global_batch=256, target=target))\n\n'
+                 'h100 = verified("h100", "h100")\nh100.table(6)'),
+        ("md", "Each compiled layout's report: its peak against the H100's 80 GB, the collectives "
+               "XLA:GPU chose (reduce-scatters where XLA:CPU would all-reduce and slice), and the "
+               "step time re-timed on the compiled traffic beside the analytic one:"),
+        ("code", 'def summary(result):\n'
+                 '    for e, v in zip(result.estimates, result.verified):\n'
+                 '        if v is None:\n'
+                 '            continue\n'
+                 '        if v.report is None:\n'
+                 '            print(e.layout.mesh, "did not compile:", v.error[:160])\n'
+                 '            continue\n'
+                 '        r = v.report\n'
+                 '        kinds = ", ".join(f"{c.kind} x{c.count}" for c in r.collectives)\n'
+                 '        print(f"{e.layout.mesh:26s} zero={e.layout.zero} remat={e.layout.remat:5s} "\n'
+                 '              f"peak {r.memory[\'peak\'] / 2**30:6.2f} GiB of {r.device_memory / 2**30:5.1f} "\n'
+                 '              f"({\'fits\' if r.fits else \'OVER\'}); step {v.step_time * 1e3:7.1f} ms "\n'
+                 '              f"(analytic {e.step_time * 1e3:7.1f}); {kinds}")\n\n'
+                 'summary(h100)'),
+        ("md", "The same question for a TPU v5p slice of 256 chips (`v5p:4x8x8`), compiled by XLA:TPU "
+               "(libtpu); the mesh's axes are laid onto the torus where they map onto its physical "
+               "axes:"),
+        ("code", 'v5p = verified("tpu-v5p", "tpu-v5p")\nsummary(v5p)\n'
+                 'print(next(v.report for v in v5p.verified if v and v.report).notes[0])'),
+    ],
 }
 
 
@@ -253,6 +294,14 @@ assert best.fits and best.memory["peak"] < 80e9  # the winner fits an 80 GB H100
 dp_only = sk.search("7b", devices=256, global_batch=512, tensor=[1], pipe=[1], fsdp=[1], zero=(1,))
 assert not any(e.fits for e in dp_only.estimates)  # pure data parallelism does not fit
 assert sum(v is not None for v in checked.verified) == 2 and all(v.report is not None for v in checked.verified if v)''',
+    "07_compile_for_the_cluster": '''compiled = [v for r in (h100, v5p) for v in r.verified if v is not None and v.report is not None]
+assert len(compiled) == 6  # three layouts per target, each compiled by that target's compiler
+assert all("XLA:GPU" in v.report.compiled_on for v in h100.verified if v and v.report)
+assert all("XLA:TPU" in v.report.compiled_on for v in v5p.verified if v and v.report)
+assert any(v.fits for v in compiled) and all(v.step_time > 0 for v in compiled)
+# the H100 compiler reduce-scatters data-parallel gradients under ZeRO (XLA:CPU never does)
+assert any("reduce-scatter" in {c.kind for c in v.report.collectives} for v in h100.verified if v and v.report)
+''',
 }
 
 CHECKS_MD = ("md", "### Checks\nThe figures stated above, asserted; the tests re-run this notebook.")

@@ -65,6 +65,10 @@ EXTENDED_CASES: dict[str, set[str]] = {
     "test_oracle.py::test_fp32_layout_matches_the_oracle": {"data=8-0-4", "fsdp=8-3-4", "data=2,tensor=4-1-2"},
     "test_step.py::test_layout_matches_one_device": {"data=2,tensor=4-0", "data=2,fsdp=4-3",
                                                      "data=2,fsdp=2,tensor=2-0"},
+    # Six deviceless compiles of a 1B model for 256 devices (minutes): the committed notebook's
+    # outputs and checks are verified in the default run (test_notebooks_are_committed_executed),
+    # and every compile path it uses is in tests/test_targets_*.py.
+    "test_notebooks.py::test_notebook_runs_and_its_figures_hold": {"07_compile_for_the_cluster"},
 }
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).

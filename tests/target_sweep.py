@@ -46,9 +46,11 @@ CASES_8["diloco_tp"] = Case(Layout("replica=2,data=2,tensor=2", sequence_paralle
 CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), diloco=True)
 # Layouts whose every code path another case of the same sweep already compiles for that
 # target (a composition of paths compiled separately): run with --extended (conftest.py).
+# zero1 is zero2 without the reduce-scatter, tp is in tp_sp and hybrid, ep_tp is ep with tp's
+# sums, zero2_16 is zero2's reduce-scatter with hybrid_16's hosts.
 EXTENDED_H100 = {"fsdp_tp", "tp_pp", "dp_pp_tp", "dp_pp_tp_1f1b", "ep_dp", "ep_fsdp", "cp_tp",
-                 "dp_cp_fsdp", "pp_1f1b_16", "ep_dp_16"}
-EXTENDED_TPU = EXTENDED_H100 | {"zero1", "tp", "ep_tp", "dp_pp_tp_zb", "pp_circular"}
+                 "dp_cp_fsdp", "pp_1f1b_16", "ep_dp_16", "zero1", "tp", "ep_tp", "zero2_16"}
+EXTENDED_TPU = EXTENDED_H100 | {"dp_pp_tp_zb", "pp_circular", "fsdp"}
 # Two H100 hosts: the outer axes cross InfiniBand.
 CASES_16 = {
     "hybrid_16": Case(Layout("data=2,fsdp=2,tensor=4", zero=1, sequence_parallel=True)),
