@@ -223,7 +223,8 @@ NOTEBOOKS = {
                  '            continue\n'
                  '        r = v.report\n'
                  '        kinds = ", ".join(f"{c.kind} x{c.count}" for c in r.collectives)\n'
-                 '        print(f"{e.layout.mesh:26s} zero={e.layout.zero} remat={e.layout.remat:5s} "\n'
+                 '        sp = "+sp" if e.layout.sequence_parallel else ""\n'
+                 '        print(f"{e.layout.mesh + sp:26s} zero={e.layout.zero} remat={e.layout.remat:5s} "\n'
                  '              f"peak {r.memory[\'peak\'] / 2**30:6.2f} GiB of {r.device_memory / 2**30:5.1f} "\n'
                  '              f"({\'fits\' if r.fits else \'OVER\'}); step {v.step_time * 1e3:7.1f} ms "\n'
                  '              f"(analytic {e.step_time * 1e3:7.1f}); {kinds}")\n\n'
@@ -340,7 +341,13 @@ def execute(nb, timeout: int = 600) -> None:
 
 def _strip(nb) -> None:
     """Drops what changes from run to run without changing what a reader sees (timings,
-    kernel versions), so rebuilding an unchanged notebook leaves a small diff."""
+    kernel versions), so rebuilding an unchanged notebook leaves a small diff; and the CUDA
+    plugin's start-up log lines (stderr, where the target compilers are installed)."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if not (
+                o.get("name") == "stderr" and all("absl::InitializeLog" in line or "cudart_stub" in line
+                                                  for line in o.get("text", "").splitlines() if line.strip()))]
     nb.metadata.pop("widgets", None)
     nb.metadata.get("language_info", {}).pop("version", None)
     for cell in nb.cells:

@@ -81,8 +81,11 @@ class SearchResult:
                         f"exposed comm: data {eff.exposed_data:.0%}, tensor {eff.exposed_tensor:.0%})")
         checked = any(v is not None for v in self.verified)
         if checked:
-            t.caption = ("compiled: XLA:CPU's program for the layout on simulated devices (its buffers: "
-                         "16-bit dots in f32); step time re-timed with its collective bytes per role")
+            target = next((v.report.target for v in self.verified if v is not None and v.report is not None
+                           and v.report.target), "")
+            where = (f"{target}'s compiler's program for the layout, compiled deviceless" if target else
+                     "XLA:CPU's program for the layout on simulated devices (its buffers: 16-bit dots in f32)")
+            t.caption = f"compiled: {where}; step time re-timed with its collective bytes per role"
         for c in ("#", "mesh", "zero", "m", "remat", "pipe sched", "step (s)", "MFU", "tok/s/dev",
                   "mem/dev (GB)", "fits", "bound by", "+same") + (
                       ("compiled mem (GB)", "compiled step (s)", "compiled fits") if checked else ()):
