@@ -14,7 +14,9 @@ per role, the modelled step time on the compiled flops and collectives, and the 
                              [--layouts fsdp=32,tensor=8:3 data=32,tensor=8:1 data=8,pipe=4,tensor=8:1:1f1b]
 
 A layout is ``MESH:ZERO[:SCHEDULE[:MICROBATCHES]]``; with a ``pipe`` axis the recipe runs
-``sk.pipeline`` with that schedule (default gpipe) and microbatches (default 2 × stages).
+``sk.pipeline`` with that schedule (default gpipe) and microbatches (default 2 × stages),
+without one MICROBATCHES is gradient accumulation (SCHEDULE is then ignored: write ``-``).
+``--sp`` turns on sequence parallelism for every layout.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the size's)")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--remat", default=None, help="the model's remat policy (default: the size's)")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism over tensor")
     ap.add_argument("--target", default="cpu", help="h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
     ap.add_argument("--out", default=None, help="JSON rows (default bench/results/simulate_<target>.json)")
     a = ap.parse_args()
@@ -66,12 +69,14 @@ def main() -> None:
         parts = spec.split(":")
         mesh_spec, zero = parts[0], int((parts[1:2] or ["0"])[0])
         schedule, mb = (parts[2:3] or ["gpipe"])[0], (parts[3:4] or [None])[0]
+        piped = "pipe=" in mesh_spec
         step, state, batch = abstract_step(
             cfg, mesh_spec, global_batch=a.batch, zero=zero, precision=a.precision, schedule=schedule,
             repeats=2 if schedule in ("circular", "interleaved-1f1b") else 1,
-            pipeline_microbatches=int(mb) if mb else None, target=a.target)
+            pipeline_microbatches=int(mb) if mb and piped else None,
+            microbatches=int(mb) if mb and not piped else 1, sequence_parallel=a.sp, target=a.target)
         jobs.append({"step": step, "state": state, "batch": batch, "mesh": mesh_spec})
-        names.append((spec, mesh_spec, zero, schedule if "pipe=" in mesh_spec else ""))
+        names.append((spec, mesh_spec, zero, schedule if piped else (f"m={mb}" if mb else "")))
     t0 = time.perf_counter()
     reports = sk.cost.simulate_many(jobs, target=a.target, estimate=True, flops_per_token=flops_per_token(cfg))
     wall = time.perf_counter() - t0
