@@ -64,3 +64,18 @@ def test_explain_a_data_parallel_step():
     text = str(report)
     assert "per-device memory" in text and "all-reduce" in text
     assert "<table" in report._repr_html_() or "<pre" in report._repr_html_()
+
+
+def test_async_reduce_scatter_counts_its_shard_not_its_operand():
+    """XLA:GPU's async reduce-scatter returns ((operand), result): the bytes are the result's
+    (the shard), the bytes reduced the operand's — not the operand times the group."""
+    from shardkit.cost.hlo import collectives_from_hlo, traffic_from_hlo
+
+    hlo = """ENTRY %main (p: f32[1024,1024]) -> f32[128,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %reduce-scatter-start = ((f32[1024,1024]{1,0}), f32[128,1024]{1,0}) reduce-scatter-start(%p), channel_id=3, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+  ROOT %reduce-scatter-done = f32[128,1024]{1,0} reduce-scatter-done(%reduce-scatter-start)
+}"""
+    assert [(c.kind, c.bytes) for c in collectives_from_hlo(hlo)] == [("reduce-scatter", 128 * 1024 * 4)]
+    (t,) = traffic_from_hlo(hlo, {"d": 8})
+    assert (t.bytes, t.operand_bytes) == (128 * 1024 * 4, 1024 * 1024 * 4)

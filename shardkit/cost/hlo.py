@@ -122,9 +122,13 @@ def _collective_ops(hlo: str, branch_weights=None):
                 continue
             b = _shape_bytes(result)
             if op.endswith("-start") and result.startswith("("):
-                # async start ops return (operands..., results..., contexts): count the results
-                shapes = [_shape_bytes(s) for s in _split_tuple(result)]
-                b = max(shapes) if base == "all-gather" else shapes[0] if shapes else 0
+                # async start ops return (operands..., results..., contexts): count the results.
+                # An all-gather's result is its largest member, a reduce-scatter's its smallest
+                # (XLA:GPU: ((f32[1024,1024]), f32[128,1024]) — the operand comes first); the
+                # others' results are their operands' size.
+                shapes = [_shape_bytes(s) for s in _split_tuple(result) if "[]" not in s]  # no scalar contexts
+                b = (max(shapes) if base == "all-gather" else min(shapes) if base == "reduce-scatter"
+                     else shapes[0]) if shapes else 0
             yield base, m, b, line
 
 
