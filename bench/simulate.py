@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--remat", default=None, help="the model's remat policy (default: the size's)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism over tensor")
-    ap.add_argument("--target", default="cpu", help="h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
+    ap.add_argument("--target", default="cpu", help="h100, h200, a100, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
     ap.add_argument("--out", default=None, help="JSON rows (default bench/results/simulate_<target>.json)")
     a = ap.parse_args()
     a.out = a.out or f"bench/results/simulate_{a.target}.json"

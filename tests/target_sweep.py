@@ -146,3 +146,18 @@ def check(name: str, case: Case, report, target: str) -> None:
             assert roles["context-permute"] > 0, roles  # K/V blocks around the ring
         else:
             assert roles["context-gather"] > 0 and roles["context-permute"] == 0, roles
+
+
+def small_step():
+    """A tensor-parallel MLP under ZeRO-3 on this process's 8 CPU devices (the README's kind)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    plan = sk.Plan(sk.make_mesh("data=4,tensor=2"), rules=[(r"w1", (None, "tensor")), (r"w2", ("tensor", None))],
+                   axis_rules={"batch": "data", "mlp": "tensor"}, zero=3, precision="bf16")
+    step = sk.train_step(plan, optax.adamw(1e-3))(
+        lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2))
+    state = step.init({"w1": jnp.ones((64, 256)) * 0.01, "w2": jnp.ones((256, 64)) * 0.01})
+    batch = {"x": np.ones((32, 64), np.float32), "y": np.ones((32, 64), np.float32)}
+    return step, state, batch

@@ -4,7 +4,8 @@ checked on that program (``target_sweep.check``)."""
 import pytest
 
 import shardkit as sk
-from target_sweep import CASES_8, CASES_16, EXTENDED_H100, check, compile_cases, params, require, selected
+from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, check, compile_cases, params, require, selected,
+                          small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 CASES = {**CASES_8, **CASES_16}
@@ -33,16 +34,7 @@ def test_explain_with_a_target_compiles_this_step_for_it():
     """The README's call: ``step.explain(state, batch, mesh=..., target="h100")`` on a step
     planned on this process's 8 CPU devices."""
     require("h100")
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    plan = sk.Plan(sk.make_mesh("data=4,tensor=2"), rules=[(r"w1", (None, "tensor")), (r"w2", ("tensor", None))],
-                   axis_rules={"batch": "data", "mlp": "tensor"}, zero=3, precision="bf16")
-    step = sk.train_step(plan, optax.adamw(1e-3))(
-        lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2))
-    state = step.init({"w1": jnp.ones((64, 256)) * 0.01, "w2": jnp.ones((256, 64)) * 0.01})
-    batch = {"x": np.ones((32, 64), np.float32), "y": np.ones((32, 64), np.float32)}
+    step, state, batch = small_step()
     report = step.explain(state, batch, mesh="data=8,tensor=2", target="h100")
     assert report.target == "h100" and report.fits
     assert report.memory["params"] == (64 * 256 * 2 * 4) // 16  # ZeRO-3: f32 params over 16 devices
@@ -51,3 +43,14 @@ def test_explain_with_a_target_compiles_this_step_for_it():
     # Step time: the step-time model on the compiled flops and collectives, H100 figures.
     assert report.step_time["step"] >= report.step_time["compute"] > 0
     assert "step-time model" in report.step_time_source and "h100" in report.step_time_source
+
+
+@pytest.mark.parametrize("target,device_memory", [("h200", 151397597184), ("a100", 85100068864),
+                                                  ("b200", 191514411008)])
+def test_the_other_gpu_targets_compile(target, device_memory):
+    """H200, A100 (sm_80) and B200 (sm_100) from their shipped target configs, 2 hosts of 8."""
+    require(target)
+    step, state, batch = small_step()
+    (report,) = sk.cost.simulate_many([(step, state, batch, "data=8,tensor=2")], target=target)
+    assert report.target == target and report.fits and report.device_memory == device_memory
+    assert "2 host(s) × 8" in " ".join(report.notes) and "reduce-scatter" in {c.kind for c in report.collectives}

@@ -3,7 +3,7 @@ TPU, with what each layout promises checked on that program (``target_sweep.chec
 import pytest
 
 import shardkit as sk
-from target_sweep import CASES_8, EXTENDED_TPU, check, compile_cases, params, require, selected
+from target_sweep import CASES_8, EXTENDED_TPU, check, compile_cases, params, require, selected, small_step
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 
@@ -39,3 +39,15 @@ def test_chip_counts_no_slice_has_and_unknown_targets_are_clear_errors():
         targets.get("h800")
     assert targets.tpu_topology(targets.get("tpu-v5p"), 64) == ("v5p:4x4x4", 1)
     assert targets.tpu_topology(targets.get("tpu-v5e"), 512) == ("v5e:16x16", 2)
+
+
+@pytest.mark.parametrize("target,topology", [("tpu-v5e", "v5e:4x4"), ("tpu-v6e", "v6e:4x4")])
+def test_the_other_tpu_targets_compile(target, topology):
+    """TPU v5e and v6e slices of 16 chips (2-D tori); v4 is refused with the reason."""
+    require(target)
+    step, state, batch = small_step()
+    (report,) = sk.cost.simulate_many([(step, state, batch, "data=8,tensor=2")], target=target)
+    assert report.target == target and report.fits
+    assert f"{topology}: mesh axes laid onto the torus" in " ".join(report.notes)
+    with pytest.raises(sk.cost.TargetError, match="two devices per chip"):
+        sk.cost.targets.get("tpu-v4")

@@ -70,6 +70,9 @@ for _hw in (
     Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",), 3.35 * TB),
     Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",), 4.8 * TB),
     Hardware("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, ("a100",), 2.039 * TB),
+    # HGX B200 data sheet: 2.25 PFLOP/s dense BF16 and 180 GB HBM3e (7.7 TB/s) per GPU, NVLink 5
+    # 1.8 TB/s both ways (900 GB/s one way), one 400 Gb/s NIC per GPU (50 GB/s).
+    Hardware("b200", 2250e12, 180 * GB, 900 * GB, 50 * GB, ("b200",), 7.7 * TB),
     # Google Cloud A3 High (a3-highgpu-8g): H100 SXM over NVLink, but GPUDirect-TCPX between
     # VMs, 4 GPU NICs x 200 Gb/s per 8 GPUs → 12.5 GB/s per GPU (Google Cloud, "Networking and
     # GPU machines"). Same chip as "h100", so looked up by name only.

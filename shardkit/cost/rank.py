@@ -363,7 +363,7 @@ def plan_main(argv: list[str], build_for: Callable | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--verify", type=int, default=0, help="compile the best K layouts and re-rank them (default 0)")
     p.add_argument("--target", default="cpu",
-                   help="compiler for --verify: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, "
+                   help="compiler for --verify: h100, h200, a100, b200, tpu-v5e, tpu-v5p, tpu-v6e, "
                         "cpu (simulated devices; default)")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--weak-scaling", action="store_true", help="also predict 8→N weak scaling of the best layout")

@@ -167,7 +167,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
     """Compiles ``step`` for a mesh that is not here and reports what it costs per device.
 
     ``target`` picks the compiler: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"`` (XLA:GPU with
-    that device's target config, 8 GPUs per host), ``"tpu-v4"``, ``"tpu-v5e"``, ``"tpu-v5p"``,
+    that device's target config, 8 GPUs per host), ``"tpu-v5e"``, ``"tpu-v5p"``,
     ``"tpu-v6e"`` (XLA:TPU through libtpu, a slice of that many chips), or ``"cpu"`` (N
     simulated CPU devices). Nothing of the target needs to be present: its compiler runs
     deviceless in a subprocess (``pip install 'shardkit[cuda12]'`` / ``'shardkit[tpu]'``).
@@ -375,6 +375,11 @@ def run_child(modules: list[bytes], requests: list[dict], *, timeout: float) -> 
     # JAX runs on CPU in the child either way: a GPU/TPU target's devices are compile-only
     # descriptions from its plugin (and the CUDA plugin's driver check is skipped on CPU).
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n if cpu else 1))
+    if targets_lib.get(target).platform == "tpu":
+        # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes that drive
+        # TPU chips; a compile-only client drives none, so two compiles (two notebooks, two
+        # pytest workers) may hold it at once.
+        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # The child imports this very shardkit, installed or not (e.g. a script's sys.path insert).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
 # ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
 LINKS: dict[str, tuple[int, float, float]] = {
-    "h100": (8, 5e-6, 1.5e-5), "h200": (8, 5e-6, 1.5e-5), "a100": (8, 5e-6, 1.5e-5),
+    "h100": (8, 5e-6, 1.5e-5), "h200": (8, 5e-6, 1.5e-5), "a100": (8, 5e-6, 1.5e-5), "b200": (8, 5e-6, 1.5e-5),
     "h100-a3": (8, 5e-6, 1.5e-5),
     "tpu-v4": (4096, 2e-6, 5e-5), "tpu-v5e": (256, 2e-6, 5e-5), "tpu-v5p": (8960, 2e-6, 5e-5),
     "tpu-v6e": (256, 2e-6, 5e-5),
@@ -89,6 +89,8 @@ EFFICIENCY: dict[str, Efficiency] = {
     "h100-a3": Efficiency(0.52, 0.15, 0.7, 1.0, 2e-5),
     "h200": Efficiency(0.52, 0.15, 0.7, 1.0, 2e-5),  # H100's compute; its faster HBM is memory_bound_time's
     "a100": Efficiency(0.60, 0.15, 0.7, 1.0, 2e-5),  # Megatron: 52% of peak, 1T params, 3072 A100s
+    # No published B200 training run to fit yet: H100's figures, flagged as borrowed.
+    "b200": Efficiency(0.52, 0.15, 0.7, 1.0, 2e-5),
     "tpu-v4": Efficiency(0.65, 0.10, 0.5, 1.0, 1e-5),  # PaLM 46.2% at 6144 chips
     "tpu-v5e": Efficiency(0.65, 0.10, 0.5, 1.0, 1e-5),
     "tpu-v5p": Efficiency(0.75, 0.10, 0.5, 1.0, 1e-5),  # MaxText 64-70% end to end

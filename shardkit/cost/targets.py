@@ -84,7 +84,6 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("h200", "cuda", "h200", "gpu", extra="cuda12"),
     Target("a100", "cuda", "a100", "gpu", extra="cuda12"),
     Target("b200", "cuda", "b200", "gpu", extra="cuda12"),
-    Target("tpu-v4", "tpu", "tpu-v4", "tpu", per_host=4, tpu="v4", torus=3, extra="tpu"),
     Target("tpu-v5e", "tpu", "tpu-v5e", "tpu", per_host=4, tpu="v5e", torus=2, extra="tpu"),
     Target("tpu-v5p", "tpu", "tpu-v5p", "tpu", per_host=4, tpu="v5p", torus=3, extra="tpu"),
     Target("tpu-v6e", "tpu", "tpu-v6e", "tpu", per_host=4, tpu="v6e", torus=2, extra="tpu"),
@@ -100,13 +99,19 @@ def get(name: str | Target) -> Target:
     if isinstance(name, Target):
         return name
     key = str(name).lower()
+    if key == "tpu-v4":
+        # libtpu 0.0.42 describes a v4 chip as two devices (its TensorCores, no megacore),
+        # where JAX on a v4 slice sees one device per chip: per-device figures would be per core.
+        raise TargetError("target 'tpu-v4' is not supported: libtpu's compile-only v4 topology has two "
+                          "devices per chip (no megacore), unlike a v4 slice under JAX; use tpu-v5p "
+                          "(the same 3-D torus) or tpu-v5e / tpu-v6e")
     if key not in TARGETS:
         raise TargetError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
     return TARGETS[key]
 
 
 # The largest single slice per TPU generation (chips), beyond which slices are joined over DCN.
-_MAX_SLICE = {"v4": 4096, "v5p": 8192, "v5e": 256, "v6e": 256}
+_MAX_SLICE = {"v5p": 8192, "v5e": 256, "v6e": 256}
 
 
 def tpu_topology(target: Target, devices: int) -> tuple[str, int]:
