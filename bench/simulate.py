@@ -83,8 +83,11 @@ def main() -> None:
     rows = []
     for (spec, mesh_spec, zero, schedule), r in zip(names, reports):
         if isinstance(r, Exception):
-            t.add_row(spec, str(zero), "", f"[red]{type(r).__name__}[/red]", *[""] * 12)
-            rows.append({"mesh": mesh_spec, "zero": zero, "schedule": schedule, "error": str(r)[:2000]})
+            need = getattr(r, "required", None)  # sk.cost.DoesNotFit: the compiler said how much
+            t.add_row(spec, str(zero), "", f"{need / gib:.2f}" if need else f"[red]{type(r).__name__}[/red]",
+                      "[red]over[/red]" if need else "", *[""] * 11)
+            rows.append({"mesh": mesh_spec, "zero": zero, "schedule": schedule, "error": str(r)[:2000],
+                         "required": getattr(r, "required", None), "available": getattr(r, "available", None)})
             continue
         m, est, roles = r.memory, r.estimate or {}, r.roles()
         step_s = (r.step_time or {}).get("step")

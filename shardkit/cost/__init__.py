@@ -36,7 +36,7 @@ from .steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROO
                        register_links as register_links, times as times)
 
 __all__ = ["Efficiency", "Estimate", "Layout", "ModelShape", "estimate", "estimate_for_step",
-           "model_shape", "collective_time", "search", "simulate", "simulate_many", "SimulationError",
+           "model_shape", "collective_time", "search", "simulate", "simulate_many", "SimulationError", "DoesNotFit",
            "TARGETS", "TargetError", "weak_scaling", "plan_main", "DECODER_SIZES",
            "EFFICIENCY", "ROOFLINE", "register_efficiency", "register_links", "hardware"]
 hw_lib = hardware
@@ -139,7 +139,7 @@ def __getattr__(name):
         return SearchResult
     # Imported on first use: ``python -m shardkit.cost.simulated`` (its subprocess) must not
     # find the module already imported by the package.
-    if name in ("simulate", "simulate_many", "SimulationError", "abstract_mesh"):
+    if name in ("simulate", "simulate_many", "SimulationError", "DoesNotFit", "DoesNotFit", "abstract_mesh"):
         from . import simulated
 
         return getattr(simulated, name)

@@ -263,7 +263,8 @@ def _verify(kept: list[Estimate], same: list[list[str]], k: int, job_for, hw: hw
         if isinstance(report, Exception):
             if not isinstance(report, (ShardingError, SimulationError, ValueError)):
                 raise report
-            checked.append(Verified(None, float("nan"), False, {}, f"{type(report).__name__}: {report}"))
+            need = getattr(report, "required", float("nan"))  # DoesNotFit: the compiler's own figure
+            checked.append(Verified(None, need, False, {}, f"{type(report).__name__}: {report}"))
             continue
         # The estimate's busy flops (``times`` divided them by the achievable matmul rate).
         flops = e.time["compute"] * hw.peak_flops * efficiency_for(hw).matmul

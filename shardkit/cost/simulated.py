@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,30 @@ _CPU_NOTE = ("XLA:CPU's program: its collective choices (all-reduce + slice wher
 
 class SimulationError(RuntimeError):
     """The subprocess that compiles for the simulated mesh failed (its stderr is in the message)."""
+
+
+class DoesNotFit(SimulationError):
+    """The target's compiler refused the program for want of device memory (XLA:TPU does so
+    at compile time). ``required`` and ``available``: the bytes per device it reported."""
+
+    def __init__(self, message: str, required: float, available: float):
+        super().__init__(message)
+        self.required, self.available = required, available
+
+
+_OOM = re.compile(r"total memory required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM \(([0-9.]+)([KMGT])\)")
+
+
+def _compile_error(out: dict) -> SimulationError:
+    """The exception for a job the child could not compile: ``DoesNotFit`` for a compiler's
+    out-of-memory verdict, else ``SimulationError`` with the child's message."""
+    m = _OOM.search(out["error"])
+    if m is None:
+        return SimulationError(out["error"])
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    need, have = float(m.group(1)) * scale[m.group(2)], float(m.group(3)) * scale[m.group(4)]
+    return DoesNotFit(f"does not fit: the compiler needs {need / 2**30:.1f} GiB of temporaries per device, "
+                      f"the device has {have / 2**30:.1f} GiB ({out['error'].splitlines()[0][:300]})", need, have)
 
 
 def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES, target="cpu") -> AbstractMesh:
@@ -199,14 +224,16 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
         TargetError: an unknown target, a device count it has no topology for, or its
             compiler is not installed (the message names the extra).
         ShardingError: the rules, batch or ZeRO stage do not fit the target mesh.
-        SimulationError: the subprocess failed or timed out (with its stderr).
+        SimulationError: the subprocess failed or timed out (with its stderr); ``DoesNotFit``
+            (a subclass) where the target's compiler refused the program for want of device
+            memory (XLA:TPU does), with the bytes it needed.
     """
     tgt = targets_lib.get(target)
     job = _prepare(step, state, batch, mesh, tgt, zero=zero, batch_axes=batch_axes,
                    microbatches=microbatches, max_devices=max_devices)
     out = run_child([job.module], [job.request], timeout=timeout)[0]
     if "error" in out:
-        raise SimulationError(out["error"])
+        raise _compile_error(out)
     return _assemble(job, out, estimate=estimate, flops_per_token=flops_per_token)
 
 
@@ -248,7 +275,7 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
             results.append(p)
             continue
         out = next(outs)
-        results.append(SimulationError(out["error"]) if "error" in out
+        results.append(_compile_error(out) if "error" in out
                        else _assemble(p, out, estimate=estimate, flops_per_token=flops_per_token))
     return results
 
