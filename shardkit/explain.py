@@ -61,7 +61,8 @@ class Report:
             or a simulated mesh: ``sk.cost.simulate``).
         notes: what else a reader must know about the figures (e.g. why there is no estimate).
         seconds: wall time spent on the figures, where measured (``simulate``: ``export``,
-            ``compile``, ``subprocess``).
+            ``compile``, ``subprocess``); for a TPU target also ``xla_tpu_optimal``, XLA:TPU's
+            own step-time figure (it counts a loop body once: shown, not used).
         target: the accelerator the program was compiled for (``"h100"``, ``"tpu-v5p"``;
             ``""``: this process's devices or simulated CPU devices).
         device_memory: bytes of memory one device of the target has (0: unknown).

@@ -173,12 +173,13 @@ def test_search_verify_recompiles_and_reranks_the_top_layouts():
 def test_a_compilers_out_of_memory_verdict_is_does_not_fit_with_its_bytes():
     """XLA:TPU refuses, at compile time, a program whose temporaries exceed the chip's HBM: that
     is an answer (the layout does not fit, by how much), not a crash."""
-    from shardkit.cost.simulated import DoesNotFit, _compile_error
+    from shardkit.cost.compiler import compile_error
+    from shardkit.cost.simulated import DoesNotFit
 
-    err = _compile_error({"error": "compiling for the mesh [['fsdp', 256]] (tpu-v5p) failed: JaxRuntimeError: "
+    err = compile_error({"error": "compiling for the mesh [['fsdp', 256]] (tpu-v5p) failed: JaxRuntimeError: "
                                    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
                                    "HLO temporaries (158.05G) exceeds available HBM (95.74G)."})
     assert isinstance(err, DoesNotFit) and isinstance(err, SimulationError)
     assert err.required == 158.05 * 2**30 and err.available == 95.74 * 2**30
     assert "needs 158.1 GiB of temporaries per device, the device has 95.7 GiB" in str(err)
-    assert type(_compile_error({"error": "something else"})) is SimulationError
+    assert type(compile_error({"error": "something else"})) is SimulationError

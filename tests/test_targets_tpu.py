@@ -41,7 +41,8 @@ def test_chip_counts_no_slice_has_and_unknown_targets_are_clear_errors():
     assert targets.tpu_topology(targets.get("tpu-v5e"), 512) == ("v5e:16x16", 2)
 
 
-@pytest.mark.parametrize("target,topology", [("tpu-v5e", "v5e:4x4"), ("tpu-v6e", "v6e:4x4")])
+@pytest.mark.parametrize("target,topology", [
+    ("tpu-v5e", "v5e:4x4"), pytest.param("tpu-v6e", "v6e:4x4", marks=pytest.mark.extended)])  # both 2-D tori
 def test_the_other_tpu_targets_compile(target, topology):
     """TPU v5e and v6e slices of 16 chips (2-D tori); v4 is refused with the reason."""
     require(target)

@@ -17,7 +17,8 @@ Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``f
 ``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it),
 ``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
 (reading compiled programs), ``rank`` (layout search), ``simulated`` (compiling for meshes that
-are not here) with ``targets`` (the GPU and TPU compilers, deviceless).
+are not here) with ``targets`` (the GPU and TPU compilers, deviceless) and ``compiler`` (the
+subprocess that compiles).
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ def __getattr__(name):
         from .rank import SearchResult
 
         return SearchResult
-    # Imported on first use: ``python -m shardkit.cost.simulated`` (its subprocess) must not
-    # find the module already imported by the package.
+    # Imported on first use: a plain ``import shardkit`` stays light, and the compiling
+    # subprocess (``python -m shardkit.cost.compiler``) does not find its module imported twice.
     if name in ("simulate", "simulate_many", "SimulationError", "DoesNotFit", "DoesNotFit", "abstract_mesh"):
         from . import simulated
 

@@ -10,7 +10,7 @@ layout that does not exist yet (``data=64,tensor=8`` on a laptop) the step is co
 2. traced with abstract inputs (``ShapeDtypeStruct``\\ s with the new shardings: nothing is
    allocated) and exported for the target's platform (``jax.export``: ``cuda``, ``tpu``,
    ``cpu``);
-3. a subprocess (``python -m shardkit.cost.simulated``) makes N compile-only devices of the
+3. a subprocess (``python -m shardkit.cost.compiler``) makes N compile-only devices of the
    target (a GPU target config or a TPU slice topology; for ``cpu``, N simulated CPU devices),
    compiles the module with the step's donation and reads memory, collectives (through
    loops) and flops off the compiled program (``explain.report_from_compiled``), returning a
@@ -25,13 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
-import re
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any
 
@@ -39,10 +33,11 @@ import jax
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
-from ..explain import Collective, Report, Traffic, report_from_compiled, shard_bytes
+from ..explain import Collective, Report, Traffic, shard_bytes
 from ..mesh import parse_mesh_spec
 from ..plan import Plan
 from . import targets as targets_lib
+from .compiler import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
 
 MAX_DEVICES = 4096
 # Compile-only GPU/TPU devices are descriptions, not threads: far more of them fit.
@@ -51,34 +46,6 @@ _CPU = AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu")
 _SAME: Any = object()
 _CPU_NOTE = ("XLA:CPU's program: its collective choices (all-reduce + slice where GPUs "
              "reduce-scatter) and buffers (16-bit dots run in f32)")
-
-
-class SimulationError(RuntimeError):
-    """The subprocess that compiles for the simulated mesh failed (its stderr is in the message)."""
-
-
-class DoesNotFit(SimulationError):
-    """The target's compiler refused the program for want of device memory (XLA:TPU does so
-    at compile time). ``required`` and ``available``: the bytes per device it reported."""
-
-    def __init__(self, message: str, required: float, available: float):
-        super().__init__(message)
-        self.required, self.available = required, available
-
-
-_OOM = re.compile(r"total memory required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM \(([0-9.]+)([KMGT])\)")
-
-
-def _compile_error(out: dict) -> SimulationError:
-    """The exception for a job the child could not compile: ``DoesNotFit`` for a compiler's
-    out-of-memory verdict, else ``SimulationError`` with the child's message."""
-    m = _OOM.search(out["error"])
-    if m is None:
-        return SimulationError(out["error"])
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    need, have = float(m.group(1)) * scale[m.group(2)], float(m.group(3)) * scale[m.group(4)]
-    return DoesNotFit(f"does not fit: the compiler needs {need / 2**30:.1f} GiB of temporaries per device, "
-                      f"the device has {have / 2**30:.1f} GiB ({out['error'].splitlines()[0][:300]})", need, have)
 
 
 def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES, target="cpu") -> AbstractMesh:
@@ -233,7 +200,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
                    microbatches=microbatches, max_devices=max_devices)
     out = run_child([job.module], [job.request], timeout=timeout)[0]
     if "error" in out:
-        raise _compile_error(out)
+        raise compile_error(out)
     return _assemble(job, out, estimate=estimate, flops_per_token=flops_per_token)
 
 
@@ -275,7 +242,7 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
             results.append(p)
             continue
         out = next(outs)
-        results.append(_compile_error(out) if "error" in out
+        results.append(compile_error(out) if "error" in out
                        else _assemble(p, out, estimate=estimate, flops_per_token=flops_per_token))
     return results
 
@@ -391,118 +358,3 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
                             "counts each loop body once (layer scans, microbatches): not the step time")
         report.seconds["xla_tpu_optimal"] = out["optimal_seconds"]
     return report
-
-
-def run_child(modules: list[bytes], requests: list[dict], *, timeout: float) -> list[dict]:
-    """Runs ``python -m shardkit.cost.simulated`` on serialized modules (one target for all) and
-    returns one JSON summary per module (``{"error": ...}`` for one that failed to compile)."""
-    n = max(math.prod(s for _, s in r["mesh"]) for r in requests)
-    target = requests[0].get("target", "cpu")
-    cpu = target == "cpu"
-    # JAX runs on CPU in the child either way: a GPU/TPU target's devices are compile-only
-    # descriptions from its plugin (and the CUDA plugin's driver check is skipped on CPU).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n if cpu else 1))
-    if targets_lib.get(target).platform == "tpu":
-        # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes that drive
-        # TPU chips; a compile-only client drives none, so two compiles (two notebooks, two
-        # pytest workers) may hold it at once.
-        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    # The child imports this very shardkit, installed or not (e.g. a script's sys.path insert).
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    # The parent's device-count flag would fight the child's.
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
-    what = (f"the mesh {requests[0]['mesh']}" if len(requests) == 1
-            else f"{len(requests)} meshes") + f" ({target})"
-    with tempfile.TemporaryDirectory(prefix="shardkit-sim-") as tmp:
-        for i, (module, request) in enumerate(zip(modules, requests)):
-            with open(os.path.join(tmp, f"module{i}.bin"), "wb") as f:
-                f.write(module)
-            with open(os.path.join(tmp, f"request{i}.json"), "w") as f:
-                json.dump(request, f)
-        cmd = [sys.executable, "-m", "shardkit.cost.simulated", tmp, str(len(requests))]
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise SimulationError(f"compiling for {what} took more than {timeout:.0f} s (timeout=); "
-                                  f"stderr tail:\n{_tail(e.stderr)}") from None
-        if proc.returncode != 0:
-            raise SimulationError(f"compiling for {what} failed (exit {proc.returncode}); stderr "
-                                  f"tail:\n{_tail(proc.stderr)}")
-        outs = []
-        for i in range(len(requests)):
-            with open(os.path.join(tmp, f"report{i}.json")) as f:
-                outs.append(json.load(f))
-        return outs
-
-
-def _tail(text, n: int = 4000) -> str:
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    return (text or "")[-n:]
-
-
-def _child(directory: str, count: int) -> None:
-    """The subprocess: for each module, deserialize, compile with donation on the target's
-    devices, summarise; a module that fails to compile gets ``{"error": ...}``."""
-    requests = []
-    for i in range(count):
-        with open(os.path.join(directory, f"request{i}.json")) as f:
-            requests.append(json.load(f))
-    target = targets_lib.get(requests[0].get("target", "cpu"))
-    if target.platform == "cpu":
-        jax.config.update("jax_num_cpu_devices", max(math.prod(s for _, s in r["mesh"]) for r in requests))
-    for i, req in enumerate(requests):
-        try:
-            out = _compile_one(os.path.join(directory, f"module{i}.bin"), req, target)
-        except Exception as err:  # noqa: BLE001 — reported for this module; the others go on
-            import traceback
-
-            out = {"error": f"compiling for the mesh {req['mesh']} ({target.name}) failed: "
-                            f"{type(err).__name__}: {_tail(str(err))}\n{_tail(traceback.format_exc(), 2000)}"}
-        with open(os.path.join(directory, f"report{i}.json"), "w") as f:
-            json.dump(out, f)
-
-
-def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
-    t0 = time.perf_counter()
-    pairs = [tuple(p) for p in req["mesh"]]
-    n = math.prod(s for _, s in pairs)
-    layout: list[str] = []
-    if target.platform == "cpu":
-        from ..mesh import make_mesh
-
-        mesh = make_mesh(pairs, devices=jax.devices()[:n])
-    else:
-        mesh, layout = targets_lib.device_mesh(target, pairs)
-    with open(path, "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
-    (args_sh, _) = exported.in_tree.unflatten(exported.in_shardings_jax(mesh))
-    out_sh = exported.out_tree.unflatten(exported.out_shardings_jax(mesh))
-    (args, _) = exported.in_tree.unflatten(exported.in_avals)
-    t1 = time.perf_counter()
-    compiled = jax.jit(exported.call, in_shardings=args_sh, out_shardings=out_sh,
-                       donate_argnums=(0,) if req["donate"] else ()).lower(*args).compile()
-    t_compile = time.perf_counter() - t1
-    (state_sh, batch_sh), _ = compiled.input_shardings
-    placed = lambda avals, shs: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
-                                 for a, s in zip(avals, shs)]
-    state, batch = placed(args[0], state_sh), placed(args[1], batch_sh)
-    memory = {k: shard_bytes([state[i] for i in idx]) for k, idx in req["groups"].items()}
-    memory["batch"] = shard_bytes(batch)
-    report = report_from_compiled(compiled, req["title"], memory, mesh, tuple(req["data_axes"]),
-                                  pipeline=req["pipeline"])
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
-    out = {"title": report.title, "memory": report.memory, "flops": report.flops,
-           "optimal_seconds": float(cost.get("optimal_seconds", 0.0)), "layout": layout,
-           "matmul_flops": report.matmul_flops,
-           "collectives": [dataclasses.asdict(c) for c in report.collectives],
-           "traffic": [dataclasses.asdict(t) for t in report.traffic],
-           "seconds": {"compile": t_compile, "total": time.perf_counter() - t0}}
-    return out
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]))
