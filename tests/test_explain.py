@@ -79,3 +79,30 @@ def test_async_reduce_scatter_counts_its_shard_not_its_operand():
     assert [(c.kind, c.bytes) for c in collectives_from_hlo(hlo)] == [("reduce-scatter", 128 * 1024 * 4)]
     (t,) = traffic_from_hlo(hlo, {"d": 8})
     assert (t.bytes, t.operand_bytes) == (128 * 1024 * 4, 1024 * 1024 * 4)
+
+
+def test_a_loop_without_known_trip_count_runs_to_its_condition_bound():
+    """XLA:TPU writes no known_trip_count: a scan's loop runs while i < N, and its body's
+    collectives count N times (they counted once, under-reading every TPU program)."""
+    from shardkit.cost.hlo import collectives_from_hlo
+
+    hlo = """%cond (p: (s32[], f32[8])) -> pred[] {
+  %c = s32[]{:T(128)} constant(4)
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%body (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%q), index=1
+  %ar = f32[8]{0:T(128)} all-reduce(%x), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+ENTRY %main (a: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %a = (s32[], f32[8]) parameter(0)
+  ROOT %w = (s32[], f32[8]) while(%a), condition=%cond, body=%body
+}"""
+    (c,) = collectives_from_hlo(hlo)
+    assert (c.kind, c.count, c.static_count, c.bytes) == ("all-reduce", 4, 1, 4 * 8 * 4)

@@ -57,10 +57,29 @@ def _shape_bytes(text: str) -> int:
     return int(total)
 
 
+_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONST = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)")
+_LT = re.compile(r"compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),\s*direction=LT")
+
+
+def _trip_from_condition(lines: list[str]) -> int | None:
+    """A ``while`` loop's trip count from its condition, where the compiler wrote no
+    ``known_trip_count`` (XLA:TPU does not): the loop of a scan or fori_loop runs while its
+    counter, from 0 by 1, is below a constant (``compare(i, N), direction=LT``). None for any
+    other condition (the body then counts once, as before)."""
+    consts = {m.group(1): int(m.group(2)) for m in map(_CONST.match, lines) if m}
+    for line in lines:
+        m = _LT.search(line)
+        if m and m.group(1) in consts:
+            return consts[m.group(1)]
+    return None
+
+
 def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
           ) -> tuple[dict[str, list[str]], dict[str, float]]:
     """Splits HLO text into computations and counts how often each runs per step: an entry
-    computation once, a ``while`` body ``known_trip_count`` times its caller, others as called.
+    computation once, a ``while`` body ``known_trip_count`` times its caller (or, without one,
+    the bound of its ``i < N`` condition), others as called.
 
     A conditional runs one branch per call, which the text cannot tell; each branch counts
     once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
@@ -88,8 +107,11 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
     for name, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
+            n = int(trip.group(1)) if trip else None
+            if n is None and (cond := _COND.search(line)) is not None:
+                n = _trip_from_condition(comps.get(cond.group(1), []))
             for role, callee in _CALLEE.findall(line):
-                calls[name].append((callee, int(trip.group(1)) if (role == "body" and trip) else 1))
+                calls[name].append((callee, n if (role == "body" and n is not None) else 1))
             for group in _BRANCHES.findall(line):
                 branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
                 w = next((ws for marker, ws in (branch_weights or {}).items()
