@@ -23,10 +23,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
-from . import _model
+from . import _model, _update
 from .diloco import DiLoCo, DiLoCoStep
 from .plan import ParamLayout, Plan, collecting_notes
-from .precision import LossScale, cast_floats, cast_input, cast_like
+from .precision import LossScale, cast_floats, cast_input
 from .rules import ShardingError
 
 
@@ -79,61 +79,6 @@ class NonFiniteError(FloatingPointError):
         self.state = state
 
 
-def _split_output(out, adapter: _model.Adapter, has_model_state: bool):
-    """The loss function's return value → ``(loss, aux, collection_updates)``."""
-    updates = None
-    if isinstance(out, tuple):
-        if adapter.kind == "linen" and has_model_state and len(out) == 3:
-            loss, aux, updates = out
-        elif len(out) == 2:
-            loss, aux = out
-        else:
-            raise ValueError(
-                f"the loss function returned a tuple of {len(out)}; return loss, (loss, aux), or "
-                "for Linen models with mutable collections (loss, aux, updated_collections)")
-    else:
-        loss, aux = out, None
-    loss = jnp.asarray(loss)
-    if loss.shape != ():
-        raise ValueError(f"the loss function must return a scalar loss, got shape {loss.shape}; reduce it (e.g. .mean())")
-    return loss, aux, updates
-
-
-def _global_view(batch, plan: Plan):
-    """Shapes of the global batch: on several hosts each passes the rows its devices hold, as
-    host arrays — a share of the batch axes' blocks (all of them when the batch axes stay inside
-    each host, e.g. a tensor axis spanning the hosts), as ``make_array_from_process_local_data``
-    reads it."""
-    if jax.process_count() == 1:
-        return batch
-    n = plan.batch_size_multiple
-    spec = plan.batch_specs(jax.ShapeDtypeStruct((n,), jnp.float32))
-    local = {idx[0].indices(n)[:2] for idx in plan.sharding(spec).addressable_devices_indices_map((n,)).values()}
-    blocks = len({start for start, _ in local})
-    grow = lambda x: (jax.ShapeDtypeStruct((x.shape[0] * n // blocks,) + x.shape[1:], x.dtype)  # noqa: E731
-                      if not isinstance(x, jax.Array) and getattr(x, "ndim", 0) else x)
-    return jax.tree.map(grow, batch)
-
-
-def _mean_over_microbatches(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return x.mean(axis=0)
-    return x.sum(axis=0)
-
-
-def _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite) -> None:
-    if not isinstance(plan, Plan):
-        raise ValueError(f"train_step needs an sk.Plan, got {type(plan).__name__}")
-    if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
-        raise ValueError(f"train_step needs an Optax GradientTransformation, got {optimizer!r}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if clip_norm is not None and not clip_norm > 0:
-        raise ValueError(f"clip_norm must be positive (or None), got {clip_norm!r}")
-    if max_nonfinite is not None and (not isinstance(max_nonfinite, int) or max_nonfinite < 1):
-        raise ValueError(f"max_nonfinite must be a positive integer (or None), got {max_nonfinite!r}")
-
-
 class TrainStep:
     """The object ``@sk.train_step`` returns: ``init``, ``__call__``, ``lower``, ``explain``."""
 
@@ -141,7 +86,7 @@ class TrainStep:
                  microbatches: int = 1, clip_norm: float | None = None,
                  skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True,
                  outer=None):
-        _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
+        _update.check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
         self.fn, self.plan, self.tx = fn, plan, optimizer
         self.microbatches, self.clip_norm, self.donate = microbatches, clip_norm, donate
         self.skip_nonfinite = skip_nonfinite or plan.precision.loss_scaling or max_nonfinite is not None
@@ -347,7 +292,7 @@ class TrainStep:
         key = (treedef, tuple(tuple(getattr(x, "shape", ())) for x in leaves))
         shardings = self._batch_shardings.get(key)
         if shardings is None:  # validated once per batch structure and shape
-            shardings = self.plan.shardings(self.plan.batch_specs(_global_view(batch, self.plan), self.microbatches))
+            shardings = self.plan.shardings(self.plan.batch_specs(_update.global_view(batch, self.plan), self.microbatches))
             self._batch_shardings[key] = shardings
 
         def put(x, s):
@@ -433,20 +378,7 @@ class TrainStep:
         return explain_step(self, state, batch, flops_per_token=flops_per_token)
 
     def _loss(self, params_g, model_state, batch, key, scale):
-        """Loss (scaled under fp16) and ``(loss, aux, new_model_state)`` for one (micro)batch."""
-        prec, adapter = self.plan.precision, self._adapter
-        model = adapter.assemble(cast_floats(params_g, prec.compute), model_state)
-        batch = cast_floats(batch, prec.compute)
-        out = self.fn(model, batch, rng=key) if self._takes_rng else self.fn(model, batch)
-        has_state = bool(jax.tree.leaves(model_state))
-        loss, aux, updates = _split_output(out, adapter, has_state)
-        if updates is not None:
-            new_state = {**model_state, **updates}
-        else:
-            new_state = adapter.harvest(model, model_state)
-        new_state = cast_like(new_state, model_state) if has_state else model_state
-        loss = loss.astype(jnp.float32)
-        return (loss * scale if scale is not None else loss), (loss, aux, new_state)
+        return _update.loss(self, params_g, model_state, batch, key, scale)
 
     def _step(self, state: TrainState, batch):
         # Runs at trace time only: what the loss's building blocks note (e.g. sk.pipeline's
@@ -457,80 +389,7 @@ class TrainStep:
         return out
 
     def _step_body(self, state: TrainState, batch):
-        plan, prec, m = self.plan, self.plan.precision, self.microbatches
-        grad_sh = self._param_shardings("grads")
-        constrain = jax.lax.with_sharding_constraint
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if self._takes_rng else None
-        scale = state.loss_scale.scale if state.loss_scale is not None else None
-        params_g = cast_floats(state.params, prec.grads)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        if m == 1:
-            (_, (loss, aux, model_state)), grads = grad_fn(params_g, state.model_state, batch, key, scale)
-            grads = constrain(grads, grad_sh)
-        else:
-            # Microbatch i takes rows i, i+m, i+2m, ...: every device keeps its own rows, so
-            # splitting needs no communication (a contiguous split would move data).
-            mb_sh = plan.sharding(plan.microbatch_spec())
-            split = lambda x: constrain(jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1), mb_sh) if x.ndim else x  # noqa: E731
-            batches = jax.tree.map(split, batch)
-            row_sh = plan.sharding(P(plan.batch_axes)) if plan.batch_axes else plan.sharding(P())
-            acc_dtype = jnp.promote_types(prec.grads, jnp.float32)
-
-            def body(carry, xs):
-                acc, ms = carry
-                mb, i = xs
-                mb = jax.tree.map(lambda x: constrain(x, row_sh) if x.ndim else x, mb)
-                k = jax.random.fold_in(key, i) if key is not None else None
-                (_, (loss, aux, ms)), g = grad_fn(params_g, ms, mb, k, scale)
-                acc = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), acc, constrain(g, grad_sh))
-                return (constrain(acc, grad_sh), ms), (loss, aux)
-
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dtype), state.params)
-            scalars = jax.tree.map(lambda x: x if x.ndim else jnp.broadcast_to(x, (m,)), batches)
-            (grads, model_state), (losses, auxs) = jax.lax.scan(
-                body, (constrain(zeros, grad_sh), state.model_state), (scalars, jnp.arange(m)))
-            grads = jax.tree.map(lambda g: g / m, grads)
-            loss = losses.mean()
-            aux = jax.tree.map(_mean_over_microbatches, auxs)
-        if scale is not None:
-            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
-        finite = jnp.isfinite(loss)
-        if self.skip_nonfinite:
-            finite = finite & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        grad_norm = optax.tree.norm(grads)
-        if self.clip_norm is not None:
-            # As optax.clip_by_global_norm: no epsilon (it would leave every clipped gradient
-            # short of clip_norm by 1e-6/norm); a zero norm gives clip/0 = inf, a factor of 1.
-            factor = jnp.minimum(1.0, self.clip_norm / grad_norm)
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-        upd_sh = self._param_shardings("update")
-        # ZeRO-1/2: each device updates only its shard of the parameters; the all-gather back to
-        # the parameter layout happens once, on the new parameters.
-        grads, params = constrain(grads, upd_sh), constrain(state.params, upd_sh)
-        updates, opt_state = self.tx.update(grads, state.opt_state, params)
-        new_params = cast_like(optax.apply_updates(params, updates), state.params)
-        new_params = constrain(new_params, self._param_shardings("params"))
-        opt_state = cast_like(opt_state, state.opt_state)
-        if self.skip_nonfinite:
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-            new_params, opt_state = keep(new_params, state.params), keep(opt_state, state.opt_state)
-            model_state = keep(model_state, state.model_state)
-        bad = (~finite).astype(jnp.int32)
-        new_state = state.replace(
-            step=state.step + 1, params=new_params, opt_state=opt_state, model_state=model_state,
-            skipped=state.skipped + bad, streak=(state.streak + bad) * bad,
-            loss_scale=None if state.loss_scale is None else state.loss_scale.adjust(finite, prec))
-        metrics = {"loss": loss.astype(prec.output), "grad_norm": grad_norm.astype(jnp.float32)}
-        if aux is not None:
-            metrics["aux"] = cast_floats(aux, prec.output)
-        if self.skip_nonfinite:
-            metrics["skipped"] = new_state.skipped
-            metrics["finite"] = finite
-        if self.max_nonfinite is not None:
-            metrics["nonfinite_streak"] = new_state.streak  # not donated: read a step later
-        if state.loss_scale is not None:
-            metrics["loss_scale"] = scale
-        return new_state, metrics
+        return _update.step_body(self, state, batch)
 
 
 def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatches: int = 1,
@@ -569,7 +428,7 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
     variables (with mutable collections, return ``(loss, aux, updated_collections)``). A loss
     with an ``rng`` parameter gets a fresh key each step (and each microbatch).
     """
-    _check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
+    _update.check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
 
     def wrap(fn: Callable) -> TrainStep:
         return TrainStep(fn, plan, optimizer, microbatches=microbatches, clip_norm=clip_norm,
