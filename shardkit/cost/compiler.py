@@ -22,7 +22,7 @@ import time
 
 import jax
 
-from ..explain import report_from_compiled, shard_bytes
+from .report import report_from_compiled, shard_bytes
 from . import targets as targets_lib
 
 

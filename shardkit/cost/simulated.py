@@ -33,7 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
-from ..explain import Collective, Report, Traffic, shard_bytes
+from .hlo import Collective, Traffic
+from .report import Report, shard_bytes
 from ..mesh import parse_mesh_spec
 from ..plan import Plan
 from . import targets as targets_lib

@@ -1,0 +1,309 @@
+"""The ``Report`` of what a compiled step costs per device — memory, collectives, flops — and
+how it is read off a compiled program.
+
+``cost`` (estimates, target compiles) and ``explain`` (the report of a step compiled here) both
+build reports, so the report and its reading of compiled programs live here, below both: neither
+imports the other to get them.
+
+Memory comes two ways: from the shard sizes of the state (exact bookkeeping) and from XLA's
+``memory_analysis()`` of the compiled program (arguments, outputs, temporaries). Collectives are
+read off the post-partitioning HLO and counted as executed: an op inside a ``while`` body (a
+``lax.scan`` over layers or microbatches) counts ``known_trip_count`` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from collections import defaultdict
+from typing import Any
+
+import jax
+import numpy as np
+
+from .hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic,
+                  collectives_from_hlo as collectives_from_hlo,
+                  matmul_flops_from_hlo as matmul_flops_from_hlo,
+                  pipeline_branch_weights as _pipeline_branch_weights,
+                  traffic_from_hlo as traffic_from_hlo)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of jax Arrays or ShapeDtypeStructs with shardings
+    (the largest per-device share, which is what limits memory)."""
+    per_device: dict[Any, float] = defaultdict(float)
+    everywhere = 0  # unsharded leaves, and shards on an AbstractMesh (one on every device)
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        itemsize = np.dtype(x.dtype).itemsize if hasattr(x, "dtype") else 0
+        if sharding is None:
+            everywhere += math.prod(x.shape) * itemsize
+        elif isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+            everywhere += math.prod(sharding.shard_shape(x.shape)) * itemsize
+        else:
+            shard = sharding.shard_shape(x.shape)
+            for d in sharding.device_set:
+                per_device[d] += math.prod(shard) * itemsize
+    return int(max(per_device.values(), default=0) + everywhere)
+
+
+@dataclasses.dataclass
+class Report:
+    """What one compiled step costs per device.
+
+    Attributes:
+        title: the plan and step it describes.
+        memory: per-device bytes by kind: ``params``, ``opt_state``, ``model_state``,
+            ``grads`` (transient, in the gradient layout), ``batch`` — from the shard sizes —
+            and ``arguments``, ``outputs``, ``aliased``, ``temporaries``, ``peak`` from the
+            compiled program (``peak`` = arguments + outputs − aliased + temporaries).
+        collectives: executed collectives per kind.
+        flops: per-device flops from XLA's ``cost_analysis()`` (XLA counts a loop body once).
+        estimate: the analytic model's figures (*modelled*), when available (``sk.cost``).
+        caveats: estimate quantity -> why its figure is only a bound or an approximation.
+        compiled_on: which program the compiled figures were read from (this process's mesh,
+            or a simulated mesh: ``sk.cost.simulate``).
+        notes: what else a reader must know about the figures (e.g. why there is no estimate).
+        seconds: wall time spent on the figures, where measured (``simulate``: ``export``,
+            ``compile``, ``subprocess``); for a TPU target also ``xla_tpu_optimal``, XLA:TPU's
+            own step-time figure (it counts a loop body once: shown, not used).
+        target: the accelerator the program was compiled for (``"h100"``, ``"tpu-v5p"``;
+            ``""``: this process's devices or simulated CPU devices).
+        device_memory: bytes of memory one device of the target has (0: unknown).
+        step_time: seconds per step by part, with ``step``; ``step_time_source`` says whose:
+            the TPU compiler's own ``optimal_seconds``, or the step-time model fed with the
+            compiled flops and collectives.
+    """
+
+    title: str
+    memory: dict[str, int]
+    collectives: list[Collective]
+    flops: float
+    estimate: dict[str, float] | None = None
+    caveats: dict[str, str] = dataclasses.field(default_factory=dict)
+    traffic: list[Traffic] = dataclasses.field(default_factory=list)
+    matmul_flops: float = 0.0
+    data_axes: tuple[str, ...] = ()
+    pipe_axis: str | None = None
+    compiled_on: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    target: str = ""
+    device_memory: float = 0.0
+    step_time: dict[str, float] | None = None
+    step_time_source: str = ""
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the compiled peak fits in the target device's memory (None: unknown)."""
+        if not self.device_memory or "peak" not in self.memory:
+            return None
+        return self.memory["peak"] <= self.device_memory
+
+    def headroom(self) -> float | None:
+        """Device memory left at the compiled peak (negative: over by that much)."""
+        return None if self.fits is None else self.device_memory - self.memory["peak"]
+
+    def collective_bytes(self) -> dict[str, int]:
+        return {c.kind: c.bytes for c in self.collectives}
+
+    def roles(self) -> dict[str, float]:
+        """Executed collective bytes by what they are for, read off the mesh axes they span:
+        ``grad-reduce`` (all-reduce/reduce-scatter over a data axis; bytes reduced, so XLA:CPU's
+        all-reduce + slice and a GPU reduce-scatter count the same), ``param-gather``
+        (all-gathers over a data axis: ZeRO), ``tensor-reduce`` / ``tensor-gather`` (over other
+        axes: Megatron TP, sequence parallel), ``pipe-permute`` (collective-permutes),
+        ``pipe-reduce`` (all-reduces over the pipeline axis alone: ``sk.pipeline``'s psums),
+        ``pipe-relayout`` (with a pipeline: all-to-alls over its axis and permutes between
+        non-neighbours, i.e. circular's stage-major weight order), ``context-permute`` /
+        ``context-gather`` (``sk.context_attention``'s ring / all-gather of K/V over a
+        ``context`` axis), ``expert-all-to-all`` (``sk.moe``'s dispatch and combine over an
+        ``expert`` axis), ``other`` (the rest, e.g.
+        permutes XLA adds to reorder blocks between two shardings: nothing the estimate
+        models, so ``comparison()`` lists it whenever it is not zero)."""
+        out = dict.fromkeys(_ROLES, 0.0)
+        for role, t in self._with_roles():
+            out[role] += t.operand_bytes if role in ("pipe-reduce", "grad-reduce", "tensor-reduce") else t.bytes
+        return out
+
+    def role_counts(self) -> dict[str, int]:
+        """Executed collectives by role (as ``roles()`` names them), through loops."""
+        out = dict.fromkeys(_ROLES, 0)
+        for role, t in self._with_roles():
+            out[role] += t.count
+        return out
+
+    def _with_roles(self):
+        pipe = self.pipe_axis
+        for t in self.traffic:
+            # A context axis reduces the (replicated) weights' gradients like a data axis.
+            data = bool(set(t.axes) & (set(self.data_axes) | {"context"}))
+            if "expert" in t.axes and t.kind == "all-to-all":
+                yield "expert-all-to-all", t
+            elif ("context" in t.axes and not set(t.axes) & set(self.data_axes)
+                  and t.kind in ("collective-permute", "all-gather")):
+                yield ("context-permute" if t.kind == "collective-permute" else "context-gather"), t
+            elif pipe and t.kind == "all-reduce" and t.axes == (pipe,):
+                yield "pipe-reduce", t
+            elif pipe and ((t.kind == "collective-permute" and t.axes != (pipe,))
+                           or (t.kind == "all-to-all" and pipe in t.axes)):
+                yield "pipe-relayout", t
+            elif t.kind in ("all-reduce", "reduce-scatter"):
+                yield ("grad-reduce" if data else "tensor-reduce"), t
+            elif t.kind == "all-gather":
+                yield ("param-gather" if data else "tensor-gather"), t
+            elif t.kind == "collective-permute" and pipe:
+                yield "pipe-permute", t
+            else:
+                yield "other", t
+
+    def compiled(self) -> dict[str, float]:
+        """Every compiled figure under the names the estimate uses (``memory/peak``,
+        ``collective/all-reduce``, ``collective/grad-reduce``, ``flops``, ...). ``flops`` is
+        the matmul flops counted through loops (``flops/xla`` is XLA's own figure, which counts
+        a ``while`` body once); all figures are per device per step."""
+        out = {f"memory/{k}": float(v) for k, v in self.memory.items()}
+        out.update({f"collective/{c.kind}": float(c.bytes) for c in self.collectives})
+        if self.traffic:
+            out.update({f"collective/{k}": v for k, v in self.roles().items()})
+        out["flops"] = float(self.matmul_flops or self.flops)
+        out["flops/xla"] = float(self.flops)
+        return out
+
+    def comparison(self) -> list[dict]:
+        """Rows ``{"quantity", "estimate", "compiled", "caveat"}`` for every quantity both sides
+        have (a collective the program does not execute counts as 0 compiled bytes); ``caveat``
+        says why an estimate is approximate, or (``"not modelled: ..."``) why it is not modelled —
+        the rendered table then prints the reason instead of the number (None: modelled)."""
+        compiled = self.compiled()
+        est = self.estimate or {}
+        rows = [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
+                for q in est if q in compiled or q.startswith("collective/")]
+        if est and compiled.get("collective/other"):
+            rows.append({"quantity": "collective/other", "estimate": float(est.get("collective/other", 0.0)),
+                         "compiled": compiled["collective/other"]})
+        for r in rows:
+            r["caveat"] = self.caveats.get(r["quantity"])
+        return rows
+
+    def __rich__(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        mem = Table(title="per-device memory", title_justify="left")
+        mem.add_column("kind"); mem.add_column("bytes", justify="right"); mem.add_column("", justify="right")
+        mem.add_column("from")
+        for k, v in self.memory.items():
+            mem.add_row(k, f"{v:,}", _human(v), "compiled" if k in _COMPILED_MEMORY else "shard sizes")
+        col = Table(title="collectives executed per step (per device)", title_justify="left")
+        for c in ("kind", "count", "ops in program", "bytes", ""):
+            col.add_column(c, justify="left" if c == "kind" else "right")
+        for c in self.collectives:
+            col.add_row(c.kind, str(c.count), str(c.static_count), f"{c.bytes:,}", _human(c.bytes))
+        if not self.collectives:
+            col.add_row("(none)", "0", "0", "0", "")
+        where = f" for {self.compiled_on}" if self.compiled_on else ""
+        parts = [f"[bold]{self.title}[/bold]",
+                 f"compiled (read from XLA's program{where}): {', '.join(_COMPILED_MEMORY)} memory, "
+                 "collectives, flops; shard sizes: the state's, batch's and gradients' bytes in the "
+                 "plan's layout; modelled: the analytic estimate"
+                 + ("" if self.estimate else " (none here)"),
+                 *(f"note: {n}" for n in self.notes),
+                 *self._target_lines(),
+                 mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
+                 f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
+        if self.estimate:
+            est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
+            footnotes: list[str] = []
+            for c in ("quantity", "estimate", "compiled", "ratio", "modelled?"):
+                est.add_column(c, justify="right" if c in ("estimate", "compiled", "ratio") else "left")
+            for r in self.comparison():
+                if not r["estimate"] and not r["compiled"]:
+                    continue  # neither side has it: nothing to compare
+                ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("nan")
+                fmt = (lambda v: f"{v:.3g}") if r["quantity"].startswith("flops") else _human
+                caveat = r["caveat"] or "modelled"
+                shown = not caveat.startswith("not modelled")  # the reason, not a number
+                est.add_row(r["quantity"], fmt(r["estimate"]) if shown else "unmodelled", fmt(r["compiled"]),
+                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0])
+                if r["caveat"]:
+                    footnotes.append(f"{r['quantity']}: {r['caveat']}")
+            parts.append(est)
+            parts.extend(footnotes)
+        return Group(*parts)
+
+    def _target_lines(self) -> list[str]:
+        lines = []
+        if self.fits is not None:
+            peak, room = self.memory["peak"], self.headroom()
+            verdict = (f"fits, {_human(room)} free" if room >= 0 else f"[bold red]does not fit[/bold red], "
+                       f"over by {_human(-room)}")
+            lines.append(f"{self.target or 'device'}: peak {_human(peak)} of {_human(self.device_memory)} "
+                         f"per device: {verdict}")
+        if self.step_time:
+            lines.append(f"step time {self.step_time['step'] * 1e3:.3g} ms ({self.step_time_source})")
+        return lines
+
+    def render(self, html: bool = False, width: int = 110) -> str:
+        from rich.console import Console
+
+        console = Console(file=io.StringIO(), width=width, record=True, force_terminal=False)
+        console.print(self)
+        return console.export_html(inline_styles=True) if html else console.export_text()
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def _repr_html_(self) -> str:
+        return self.render(html=True)
+
+
+_ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute",
+          "pipe-reduce", "pipe-relayout", "context-permute", "context-gather", "expert-all-to-all", "other")
+_COMPILED_MEMORY = ("arguments", "outputs", "aliased", "temporaries", "peak")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program from XLA's ``memory_analysis()``: ``arguments``,
+    ``outputs``, ``aliased`` (donated), ``temporaries`` and ``peak`` = arguments + outputs −
+    aliased + temporaries (XLA's buffer assignment, not a measured high-water mark); ``{}``
+    where the backend reports nothing."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    args, outs = ma.argument_size_in_bytes, ma.output_size_in_bytes
+    alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
+    return {"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp,
+            "peak": args + outs - alias + temp}
+
+
+def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None,
+                         mesh=None, data_axes: tuple[str, ...] = (), pipeline: dict | None = None) -> Report:
+    """A ``Report`` for any compiled JAX program (``jax.jit(f).lower(...).compile()``).
+
+    With ``mesh`` the collectives are also attributed to mesh axes (``Report.traffic``).
+    ``pipeline`` (``sk.pipeline``'s trace note) names the pipe axis, and for 1F1B weights the
+    branches of its per-tick ``lax.switch`` by how often the schedule table takes each
+    (averaged over stages), so collectives and matmuls inside a backward branch count m times,
+    not once per tick.
+    """
+    weights = _pipeline_branch_weights(pipeline) if pipeline else None
+    mem = {**(memory or {}), **compiled_memory(compiled)}
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    flops = float((cost or {}).get("flops", 0.0))
+    hlo = compiled.as_text()
+    traffic = traffic_from_hlo(hlo, dict(mesh.shape), weights) if mesh is not None else []
+    return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
+                  matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
+                  pipe_axis=(pipeline or {}).get("axis"))
