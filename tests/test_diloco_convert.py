@@ -75,3 +75,28 @@ def test_dp_checkpoint_resumes_as_diloco_and_diloco_as_dp(tmp_path):
     with pytest.raises(CheckpointError, match=r"(?s)head: saved \(8, 8\), expected \(8, 4\).*data-parallel checkpoint"
                                               r" restored into a DiLoCo run"):
         Checkpointer(tmp_path / "dp").restore(plan, like=other.init(wrong))
+
+
+@pytest.mark.parametrize("phases", ["dp-diloco-dp"])
+def test_recipe_warm_starts_diloco_from_a_dp_checkpoint(tmp_path, capsys, phases):
+    """--stop-after ends a DP phase of a 6-step schedule at step 3 with a checkpoint;
+    --init-from continues it as DiLoCo from step 3 (the same data position), then back as DP."""
+    import json
+
+    from models.transformer import train
+
+    small = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--cpu-devices", "0",
+             "--quiet", "--eval-batches", "1", "--mesh", "replica=2,data=4", "--steps", "6", "--eval-every", "6"]
+    assert train.main([*small, "--stop-after", "3", "--checkpoint-dir", str(tmp_path / "dp")]) == 0
+    out = tmp_path / "m.jsonl"
+    assert train.main([*small, "--init-from", str(tmp_path / "dp"), "--diloco-every", "2", "--diloco-fragments", "2",
+                       "--metrics-out", str(out), "--checkpoint-dir", str(tmp_path / "dl")]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [3, 4, 5]
+    assert Checkpointer(tmp_path / "dl").latest_step() == 6
+    assert train.main([*small, "--steps", "7", "--init-from", str(tmp_path / "dl"), "--metrics-out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [6]
+    capsys.readouterr()
+    assert train.main([*small, "--stop-after", "9"]) == 2
+    assert "--stop-after: must be in 1..--steps (6)" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import time
 
 import shardkit as sk
 
-from ..checkpointing import open_and_resume
+from ..checkpointing import init_from, open_and_resume
 from ..common import metrics as metrics_lib
 from ..common import runconfig
 from ..common import schedules
@@ -94,6 +94,10 @@ def parser() -> argparse.ArgumentParser:
     a("--checkpoint-dir", help="save checkpoints here (Orbax; any mesh or ZeRO stage can restore them)")
     a("--checkpoint-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    a("--init-from", help="start from the latest checkpoint in this directory (its step, data position "
+      "and state; a data-parallel one warm-starts a DiLoCo run, a DiLoCo one resumes as DP)")
+    a("--stop-after", type=int, help="stop (evaluate, checkpoint) after this many steps of the --steps "
+      "schedule, e.g. a warm-start phase that --init-from continues")
     a("--cpu-devices", type=int, default=8, help="simulated CPU devices; 0 = use the real "
       "accelerators")
     a("--quiet", action="store_true", help="no tables or progress bar")
@@ -226,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume and not args.checkpoint_dir:
             raise FlagError("--resume", "needs --checkpoint-dir")
+        if args.stop_after is not None and not 0 < args.stop_after <= args.steps:
+            raise FlagError("--stop-after", f"must be in 1..--steps ({args.steps}), got {args.stop_after}")
         if args.checkpoint_every < 1:
             raise FlagError("--checkpoint-every", f"must be a positive integer, got {args.checkpoint_every}")
         try:  # checked before any compile: the trace window is used only once training runs
@@ -308,6 +314,9 @@ def _run(args) -> int:
     console.print(data_lib.describe(train_tokens, val_tokens, data_name))
     state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)), seed=args.seed)
     ckpt, state, start, position = open_and_resume(args.checkpoint_dir, args.resume, plan, state, console)
+    if args.init_from and not start:
+        state, start, position = init_from(args.init_from, plan, state, console)
+    stop = args.stop_after or args.steps
     if not args.quiet:
         console.print(plan.describe(step.model(state)))
 
@@ -347,11 +356,11 @@ def _run(args) -> int:
     guard, stopped = sk.checkpoint.PreemptionGuard(), False
     try:
         with Progress(*columns, console=console, disable=args.quiet) as progress:
-            task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
+            task = progress.add_task("train", total=stop, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
             # Each batch goes to the devices two steps before its step; the checkpoint records
             # the position after the batch just used, not after those placed ahead.
             feed = sk.prefetch(batches, step, size=2, position=lambda: batches.position)
-            for i in range(start, args.steps):
+            for i in range(start, stop):
                 batch = next(feed)
                 t = time.perf_counter()
                 with profiler.step(i):
@@ -370,7 +379,7 @@ def _run(args) -> int:
                     if out:
                         out.write(json.dumps(row) + "\n")
                     tb.write(row)
-                done = i + 1 == args.steps
+                done = i + 1 == stop
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
                     progress.console.print(f"step {i + 1}: train loss {last_loss:.4f}  "
