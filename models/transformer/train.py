@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
       "staggered steps (divides --layers)")
     a("--diloco-compress", choices=["bf16", "int8", "int4"], help="quantise the outer gradients sent "
       "between replicas")
+    a("--diloco-overlap", type=int, default=0, help="Streaming DiLoCo: a fragment's outer all-reduce runs "
+      "beside the next inner step and its result is merged τ steps later (default 0: no overlap)")
+    a("--diloco-mix", type=float, default=0.0, help="α of that merge: θ_r ← α·θ_r + (1−α)·θ_outer (default 0)")
     a("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (default 0.7)")
     a("--diloco-outer-momentum", type=float, default=0.9, help="its Nesterov momentum (default 0.9; 0 = "
       "plain SGD, and with --diloco-outer-lr 1 plain parameter averaging)")
@@ -417,8 +420,9 @@ def _run(args) -> int:
 def diloco_from(args, shape, cfg: Config):
     """The ``sk.DiLoCo`` the --diloco-* flags ask for, or None."""
     if args.diloco_every is None:
-        if args.diloco_fragments != 1 or args.diloco_compress:
-            raise FlagError("--diloco-every", "--diloco-fragments/--diloco-compress need --diloco-every H")
+        if args.diloco_fragments != 1 or args.diloco_compress or args.diloco_overlap or args.diloco_mix:
+            raise FlagError("--diloco-every", "--diloco-fragments/--diloco-compress/--diloco-overlap/--diloco-mix "
+                            "need --diloco-every H")
         return None
     if cfg.layers % max(args.diloco_fragments, 1):
         raise FlagError("--diloco-fragments", f"{args.diloco_fragments} fragments do not divide the "
@@ -431,9 +435,11 @@ def diloco_from(args, shape, cfg: Config):
         m = args.diloco_outer_momentum
         outer = optax.sgd(args.diloco_outer_lr, momentum=m or None, nesterov=bool(m))
         return sk.DiLoCo(axis="replica", every=args.diloco_every, fragments=args.diloco_fragments,
-                         compress=args.diloco_compress, optimizer=outer)
+                         compress=args.diloco_compress, optimizer=outer, overlap=args.diloco_overlap,
+                         mix=args.diloco_mix)
     except ValueError as e:
-        raise FlagError("--diloco-every", str(e)) from None
+        flag = next((f for f in ("overlap", "mix") if f"{f}=" in str(e).split(":")[0]), "every")
+        raise FlagError(f"--diloco-{flag}", str(e)) from None
 
 
 def replica_traffic(step, state, batch, compiled) -> float | None:
