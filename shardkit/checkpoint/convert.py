@@ -38,9 +38,23 @@ def _field(name: str) -> str:
     return name.split("/", 1)[0]
 
 
-def _put(fn, t, *args):
-    """``fn(*args)`` computed on the devices straight into ``t``'s dtype and sharding."""
-    return jax.jit(lambda *a: fn(*a).astype(t.dtype), out_shardings=t.sharding)(*args)
+class _put:
+    """``fn(*args)``, to be computed on the devices straight into ``t``'s dtype and sharding;
+    ``_computed`` runs every one of a tree in one compiled program."""
+
+    def __init__(self, fn, t, *args):
+        self.fn, self.t, self.args = fn, t, args
+
+
+def _computed(tree):
+    jobs = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _put)) if isinstance(x, _put)]
+    if not jobs:
+        return tree
+
+    def body(args):
+        return [j.fn(*a).astype(j.t.dtype) for j, a in zip(jobs, args)]
+    out = iter(jax.jit(body, out_shardings=[j.t.sharding for j in jobs])([j.args for j in jobs]))
+    return jax.tree.map(lambda x: next(out) if isinstance(x, _put) else x, tree, is_leaf=lambda x: isinstance(x, _put))
 
 
 class Conversion:
@@ -135,7 +149,7 @@ def _to_diloco(dp, target, like):
         if _field(name) in PER_REPLICA:
             return _put(lambda a: jnp.broadcast_to(a, t.shape), t, x)
         return x
-    return jax.tree_util.tree_map_with_path(one, target)
+    return _computed(jax.tree_util.tree_map_with_path(one, target))
 
 
 def _to_dp(dl, target):
@@ -176,4 +190,4 @@ def _to_dp(dl, target):
         raise CheckpointError("a DiLoCo checkpoint does not fit the data-parallel state being restored "
                               f"({len(wrong)} leaves differ):\n" + "\n".join(wrong) +
                               "\nRestore with the model/optimizer config it was saved with.")
-    return out
+    return _computed(out)
