@@ -66,6 +66,9 @@ _MATMUL = {"dot_general", "conv_general_dilated"}
 # Ops that take part of a value (a stacked weight's one slice: ``w[:, i]``): a use of the
 # parameter for the readings, a value of its own for sizes.
 _SLICE = {"slice", "dynamic_slice", "index_in_dim", "rev"}
+# Primitives whose body the reader cannot see (a kernel written for one backend): their flops
+# and buffers are not counted (``ProgramReading.unseen``).
+_OPAQUE = {"pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "mosaic_gpu_call", "tpu_custom_call"}
 # jaxpr collectives -> the HLO collective they become (``hlo.Traffic.kind``).
 _COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
                 "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
@@ -95,6 +98,10 @@ class ProgramReading:
             the collectives the program writes itself (inside ``shard_map``), through loops.
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         notes: what the reader could not see into.
+        unseen: what the program holds that the model cannot see, ``{kind: description}``:
+            ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
+            ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
+            activations that is not a layer scan: a time recurrence inside a layer).
     """
 
     lookup: list[bool]
@@ -110,6 +117,7 @@ class ProgramReading:
     notes: list[str]
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
+    unseen: dict = dataclasses.field(default_factory=dict)
 
 
 def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
@@ -187,6 +195,7 @@ class _Reader:
         self.sliced: set = set()  # vars holding a slice of a parameter (a use of it, not its layout)
         self.unsplit: set = set()  # vars known whole over the tensor axes (see ``split``)
         self.notes: list[str] = []
+        self.unseen: dict[str, str] = {}
         self._times = 1.0
 
     def size_of(self, aval, leaf, var=None) -> float:
@@ -229,6 +238,8 @@ class _Reader:
                 self.lookup[src[0]] = True
             elif name in _COLLECTIVES:
                 self._collective(e)
+            elif name in _OPAQUE or "custom_call" in name:
+                self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
             self._nested(p, i, e, origin)
             self._buffer(p, i, e, origin)
         return p.flops, p.total, self._sweep(p, jaxpr, outputs_live)
@@ -266,6 +277,12 @@ class _Reader:
                 self.matmul[s] = True
                 self.conv[s] += e.primitive.name == "conv_general_dilated"
 
+    def _scans_weights(self, e, origin: dict) -> bool:
+        """Whether a ``scan`` walks over stacked parameters (a layer scan, forward or backward)
+        rather than over activations only (a recurrence: time steps, chunks)."""
+        xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+        return any(not isinstance(u, jcore.Literal) and u in origin for u in xs)
+
     def _collective(self, e) -> None:
         """A collective the program writes itself: its executions and result bytes."""
         axes = e.params.get("axis_name", e.params.get("axes", ()))
@@ -289,7 +306,11 @@ class _Reader:
                                if not isinstance(ov, jcore.Literal) and ov in self.sliced)
             if math.isnan(times):
                 self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
+                self.unseen.setdefault("while", "a while loop of unknown trip count (its body counted once)")
                 times = 1.0
+            if name == "scan" and times > 1 and not self.manual and not self._scans_weights(e, origin):
+                self.unseen.setdefault("recurrence", f"a scan of {times:.0f} steps over activations (a "
+                                                     "recurrence inside a layer, not a layer scan)")
             loop = name in ("scan", "while")
             self.in_loop += loop
             outer_manual = self.manual
@@ -446,5 +467,5 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
-                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps)
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
 
