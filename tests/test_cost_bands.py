@@ -190,3 +190,22 @@ def test_every_family_prints_no_unflagged_peak_under_the_compiled_one(where, fam
     with jax.numpy_rank_promotion("allow"):  # flaxmodels relies on implicit rank promotion
         report = step.explain(state, batch, mesh=mesh, target="h100")
     assert not _peak_is_honest(report), f"{family} {mesh} ZeRO-{zero}"
+
+
+def test_cudnn_convolutions_count_their_flops():
+    # XLA:GPU writes convolutions as cuDNN custom calls (forward, input and filter gradients):
+    # each is 2 x forward output x window x input features (they were counted as 0).
+    from shardkit.cost.hlo import matmul_flops_from_hlo
+
+    conv = 'window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$conv'
+    hlo = "\n".join([
+        "HloModule m", "",
+        "ENTRY %main (x: f32[8,16,16,32], w: f32[64,3,3,32]) -> f32[64,3,3,32] {",
+        "  %x = f32[8,16,16,32]{3,2,1,0} parameter(0)",
+        "  %w = f32[64,3,3,32]{3,2,1,0} parameter(1)",
+        f'  %c = (f32[8,16,16,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %w), {conv}BiasActivationForward"',
+        "  %y = f32[8,16,16,64]{3,2,1,0} get-tuple-element(%c), index=0",
+        f'  %d = (f32[8,16,16,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%y, %w), {conv}BackwardInput"',
+        f'  ROOT %f = (f32[64,3,3,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %y), {conv}BackwardFilter"',
+        "}"])
+    assert matmul_flops_from_hlo(hlo) == 3 * 2 * (8 * 16 * 16 * 64) * 9 * 32
