@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from . import _model
+from . import _model, offload
 from .plan import Plan
 from .precision import cast_floats, cast_like
 
@@ -133,6 +133,9 @@ def step_body(step, state, batch):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if step._takes_rng else None
     scale = state.loss_scale.scale if state.loss_scale is not None else None
     grads, value, aux, model_state = gradients(step, state, batch, key, scale)
+    if "opt_state" in step.plan.offload:  # from host memory, once the gradients exist
+        grads, opt_state = offload.to_device(state.opt_state, step._opt_shardings(state.params, memory=False), grads)
+        state = state.replace(opt_state=opt_state)
     if scale is not None:
         grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
     finite = jnp.isfinite(value)

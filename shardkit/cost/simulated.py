@@ -89,7 +89,7 @@ def simulated_plan(plan: Plan, mesh: AbstractMesh, *, zero: int | None = None,
         batch_axes = None if plan.batch_axes == default else plan.batch_axes
     return Plan(mesh, rules=plan.rules, axis_rules=plan.axis_rules,
                 zero=plan.zero if zero is None else zero, precision=plan.precision,
-                batch_axes=batch_axes, strict=plan.strict)
+                batch_axes=batch_axes, strict=plan.strict, offload=plan.offload)
 
 
 @contextlib.contextmanager
