@@ -43,3 +43,36 @@ def test_offload_errors_name_the_choices():
     mesh = sk.make_mesh("data=8")
     with pytest.raises(ValueError, match=r"offload=.*\['activations'\].*\['opt_state'\]"):
         sk.Plan(mesh, offload=("activations",))
+
+
+@pytest.mark.parametrize("target", ["h100", pytest.param("tpu-v5p", marks=pytest.mark.extended)])
+def test_offload_moves_the_state_bytes_from_device_to_host_on_the_target_compiler(target):
+    """Compiled deviceless for 8 devices of the target: the device arguments drop by the
+    optimizer state's bytes and the host arguments are exactly them (XLA:TPU pads each small
+    array to its tiles, so there they are the padded state: at least the state's bytes)."""
+    from target_sweep import require
+
+    require(target)
+    _, state, step = _train("data=8", 1, (), steps=1)
+    _, off_state, off_step = _train("data=8", 1, ("opt_state",), steps=1)
+    batch = next(batches(1))
+    on, off = sk.cost.simulate_many([(step, state, batch, "data=8"), (off_step, off_state, batch, "data=8")],
+                                    target=target)
+    opt = on.memory["opt_state"]
+    assert "host_peak" not in on.memory and off.offloaded == ("opt_state",)
+    host = off.memory["host_arguments"]
+    assert host == opt if target == "h100" else host >= opt
+    assert on.memory["arguments"] - off.memory["arguments"] == host == off.memory["host_outputs"]
+
+
+def test_offloaded_state_checkpoints_and_restores_into_host_memory(tmp_path):
+    _, state, step = _train("data=8", 1, ("opt_state",), steps=2)
+    ckpt = sk.Checkpointer(tmp_path, async_save=False)
+    ckpt.save(state)
+    restored = ckpt.restore(step.plan, like=step.init(init_params, seed=1))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert restored.opt_state[0].nu["w2"].sharding.memory_kind == "pinned_host"
+    batch = next(batches(1))
+    np.testing.assert_allclose(float(step(restored, batch)[1]["loss"]), float(step(state, batch)[1]["loss"]), rtol=1e-6)

@@ -142,6 +142,10 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
     (args_sh, _) = exported.in_tree.unflatten(exported.in_shardings_jax(mesh))
     out_sh = exported.out_tree.unflatten(exported.out_shardings_jax(mesh))
     (args, _) = exported.in_tree.unflatten(exported.in_avals)
+    if req.get("memory_kinds"):  # offloaded state: the step's own memory kinds, in and out
+        kinds = req["memory_kinds"]
+        args_sh = ([s.with_memory_kind(k) if k else s for s, k in zip(args_sh[0], kinds)], args_sh[1])
+        out_sh = ([s.with_memory_kind(k) if k else s for s, k in zip(out_sh[0], kinds)], out_sh[1])
     t1 = time.perf_counter()
     compiled = jax.jit(exported.call, in_shardings=args_sh, out_shardings=out_sh,
                        donate_argnums=(0,) if req["donate"] else ()).lower(*args).compile()

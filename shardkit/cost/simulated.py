@@ -36,6 +36,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec a
 from .hlo import Collective, Traffic
 from .report import Report, shard_bytes
 from ..mesh import parse_mesh_spec
+from .. import offload
 from ..plan import Plan
 from . import targets as targets_lib
 from .compiler import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
@@ -287,6 +288,8 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
         "mesh": [[a, int(s)] for a, s in amesh.shape.items()], "target": tgt.name,
         "donate": bool(sim.donate), "groups": _groups(abs_state),
         "title": f"{plan!r}, microbatches={sim.microbatches}", "data_axes": list(plan.batch_axes),
+        # The exported module's shardings lose their memory kinds: offloaded state's are sent.
+        "memory_kinds": [x.sharding.memory_kind for x in jax.tree.leaves(abs_state)] if plan.offload else None,
         # The branch weights need only these; the rest of the note is not JSON.
         "pipeline": {k: pipe[k] for k in ("schedule", "stages", "microbatches", "repeats", "axis")
                      if k in pipe} if pipe else None,
@@ -329,6 +332,7 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
                f"(compile {out['seconds']['compile']:.1f} s)"],
         seconds={"export": t_export, "compile": out["seconds"]["compile"],
                  "subprocess": out["seconds"]["total"]})
+    offload.annotate(report, plan)
     if tgt.platform != "cpu":
         report.target, report.device_memory = tgt.name, tgt.memory_bytes()
     if sim.diloco is not None:
