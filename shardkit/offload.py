@@ -61,26 +61,20 @@ def to_device(tree, shardings, after):
     return after, jax.device_put(tree, device)
 
 
-def remat_policy(name: str, names: Sequence[str] = ()):
-    """A ``jax.checkpoint`` policy by name: ``"offload"`` saves the activations tagged with
-    ``names`` (``jax.ad_checkpoint.checkpoint_name``) to pinned host memory and recomputes the
-    rest; ``"save"`` keeps them on the device; ``"none"`` recomputes everything.
-
-    Raises:
-        ValueError: an unknown name, or ``"offload"`` with no names to offload.
+def remat_policy(names: Sequence[str] | None = None):
+    """A ``jax.checkpoint`` policy that keeps a layer's saved activations in pinned host memory
+    and recomputes the rest: with ``names``, the activations tagged with them
+    (``jax.ad_checkpoint.checkpoint_name``: ``save_and_offload_only_these_names``); without,
+    the outputs of matmuls with no batch dimensions, i.e. the weight-stationary projections
+    (``offload_dot_with_no_batch_dims``: the offloading form of ``dots_with_no_batch_dims``).
     """
     cp = jax.checkpoint_policies
-    if name == "offload":
-        if not names:
-            raise ValueError("remat_policy('offload', names): name the activations to offload "
-                             "(the checkpoint_name tags the model puts on them)")
-        return cp.save_and_offload_only_these_names(names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-                                                    offload_src="device", offload_dst=HOST)
-    if name == "save":
-        return cp.save_only_these_names(*names)
-    if name == "none":
-        return cp.nothing_saveable
-    raise ValueError(f"unknown remat policy {name!r}; choose 'offload', 'save' or 'none'")
+    if names is None:
+        return cp.offload_dot_with_no_batch_dims("device", HOST)
+    if isinstance(names, str) or not names:
+        raise ValueError(f"remat_policy(names=...) takes a non-empty list of checkpoint_name tags, got {names!r}")
+    return cp.save_and_offload_only_these_names(names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+                                                offload_src="device", offload_dst=HOST)
 
 
 def annotate(report, plan) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
 ATTENTION = ("auto", "reference", "xla", "cudnn")
 
 
@@ -29,7 +29,8 @@ class Config:
             ``init_std / sqrt(2·layers)`` (GPT-2).
         remat: activation checkpointing per layer: ``"none"``, ``"full"`` (recompute
             everything), ``"dots"`` (save matmul outputs) or ``"dots_no_batch"`` (save only
-            matmuls without batch dims, i.e. weight-stationary ones).
+            matmuls without batch dims, i.e. weight-stationary ones) or ``"offload"`` (as
+            ``"dots_no_batch"``, saved in pinned host memory: ``sk.offload.remat_policy``).
         scan_unroll: layers per iteration of the layer scan (``lax.scan(unroll=...)``);
             1 keeps compile time flat in depth, ``layers`` unrolls fully (XLA's
             ``cost_analysis`` counts a loop body once, so exact flop counts need it).

@@ -277,6 +277,7 @@ def _remat(fn, policy: str):
         "full": None,
         "dots": jax.checkpoint_policies.checkpoint_dots,
         "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        "offload": sk.offload.remat_policy(),  # as dots_no_batch, saved in pinned host memory
     }
     return jax.checkpoint(fn, policy=policies[policy])
 

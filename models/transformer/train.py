@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     a("--heads", type=int, help="attention heads")
     a("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
     a("--seq", type=int, help="sequence length")
-    a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
+    a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch, offload (as dots_no_batch, "
+      "kept in host memory)")
     a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
     a("--moe-experts", type=int, help="experts per mixture-of-experts layer (default 0: dense); "
       "split over an `expert` mesh axis, e.g. --mesh data=2,expert=4")
