@@ -93,7 +93,7 @@ def test_offload_remat_policy_keeps_gradients():
 
     ref = jax.grad(loss)(w, None)
     for policy in (sk.offload.remat_policy(), sk.offload.remat_policy(["h"])):
-        np.testing.assert_allclose(jax.grad(loss)(w, policy), ref, rtol=1e-6)
+        np.testing.assert_allclose(jax.grad(loss)(w, policy), ref, rtol=1e-6, atol=1e-6)  # recomputed: fused anew
     with pytest.raises(ValueError, match="checkpoint_name"):
         sk.offload.remat_policy([])
 
