@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
       "fsdp, tensor, pipe (default data=2,fsdp=2,tensor=2)")
     a("--zero", type=int, default=0, help="ZeRO stage 0-3 over the data axes")
     a("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    a("--offload", default="", help="state kept in pinned host memory between steps, comma-separated: "
+      "opt_state (the optimizer state, ZeRO-sharded; brought to the device for the update)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="shard norms/residuals over seq on the tensor axis (default: on when tensor > 1)")
     a("--layers", type=int, help="decoder layers (overrides --size)")
@@ -122,12 +124,20 @@ def model_config(args) -> Config:
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
 
 
+def _offload(args) -> tuple[str, ...]:
+    return tuple(k for k in args.offload.split(",") if k)
+
+
 def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     """Flag checks that need the mesh; returns (pipeline microbatches, step microbatches)."""
     if args.zero not in (0, 1, 2, 3):
         raise FlagError("--zero", f"ZeRO stage {args.zero} is not 0, 1, 2 or 3")
     if args.precision not in PRECISIONS:
         raise FlagError("--precision", f"unknown precision {args.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    bad = [k for k in _offload(args) if k not in sk.offload.KINDS]
+    if bad:
+        raise FlagError("--offload", f"cannot offload {', '.join(bad)}; choose from {', '.join(sk.offload.KINDS)} "
+                        "(activations: --remat offload)")
     if args.pipeline_schedule not in SCHEDULES:
         raise FlagError("--pipeline-schedule", f"unknown schedule {args.pipeline_schedule!r}; "
                         f"choose one of {', '.join(SCHEDULES)}")
@@ -274,7 +284,8 @@ def _run(args) -> int:
     pipe_mb, step_mb = check_layout(args, cfg, shape)
     train_tokens, val_tokens, data_name = load_data(args, cfg, tokenizer)
     sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
-    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp)
+    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp,
+                     offload=_offload(args))
     pipeline = None
     if shape.get("pipe", 1) > 1:
         pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, _repeats(args))
