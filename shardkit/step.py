@@ -97,6 +97,7 @@ class TrainStep:
         self._takes_rng = "rng" in inspect.signature(fn).parameters
         self._adapter: _model.Adapter | None = None
         self._layout: ParamLayout | None = None
+        self._overwrite = None
         self._logical: dict = {}
         self._state_shardings = None
         self._jitted: dict = {}
@@ -178,6 +179,9 @@ class TrainStep:
     def _setup(self, u: _model.Unpacked):
         self._adapter, self._logical = u.adapter, u.logical
         self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
+        # Parameters the step overwrites with their gradient (sk.fp8's amax histories).
+        self._overwrite = (self._layout.tree([l.path in u.overwrite for l in self._layout.leaves])
+                           if u.overwrite else None)
         self.plan.state_specs(u.model_state, u.logical)  # validates the model state's rules now
         if self._diloco is not None:
             self._diloco.setup()

@@ -43,6 +43,7 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
         offload: ``sk.Plan``'s (the recipe's ``--offload opt_state``).
     """
     amesh = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else sk.cost.abstract_mesh(mesh, target=target)
+    cfg = cfg.replace(fp8=precision == "fp8")
     plan = make_plan(amesh, cfg, zero=zero, precision=precision, sequence_parallel=sequence_parallel, offload=offload)
     stages = amesh.shape.get("pipe", 1)
     pipe = PipelineSpec(pipeline_microbatches or 2 * stages, schedule, repeats) if stages > 1 else None

@@ -23,7 +23,7 @@ from . import data as data_lib
 from .config import SIZES, Config
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")  # sk.pipeline_schedule's
-PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
+PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
 
 
 
@@ -112,7 +112,8 @@ def model_config(args) -> Config:
                                  ("dropout", args.dropout), ("attention", args.attention),
                                  ("context_strategy", args.context_strategy),
                                  ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
-                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity))
+                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity),
+                                 ("fp8", True if args.precision == "fp8" else None))
                if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
@@ -146,6 +147,9 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     if not args.lr > 0:
         raise FlagError("--lr", f"must be positive, got {args.lr}")
     tensor, stages = mesh_shape.get("tensor", 1), mesh_shape.get("pipe", 1)
+    if args.precision == "fp8" and stages > 1:
+        raise FlagError("--precision", "fp8 with a pipe axis is not supported: sk.pipeline sums its "
+                        "microbatches' gradients, and fp8's amax histories need their max; drop pipe= from --mesh")
     if cfg.heads % tensor:
         raise FlagError("--heads", f"{cfg.heads} heads do not split over tensor={tensor}; use a "
                         f"multiple of {tensor}")
