@@ -88,6 +88,7 @@ def fp8_einsum(spec: str, x: jax.Array, kernel: jax.Array, meta: jax.Array) -> j
 
 
 def _forward(spec, x, kernel, meta):
+    _transposed(spec)  # a spec the backward pass cannot transpose fails here, at trace time
     sx, sk = _scale(meta[0], E4M3), _scale(meta[1], E4M3)
     qx, qk = _quantize(x, sx, E4M3), _quantize(kernel, sk, E4M3)
     y = jnp.einsum(spec, qx, qk, preferred_element_type=F32) * (sx * sk)
@@ -123,7 +124,7 @@ class Fp8Dot(nnx.Module):
     def __init__(self, history: int = HISTORY):
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"Fp8Dot(history={history!r}): the amax history needs at least one step")
-        self.meta = Fp8Meta(jnp.zeros((3, history), F32), sharding=(None, None))
+        self.meta = Fp8Meta(jnp.zeros((3, history), F32), out_sharding=(None, None))
 
     def __call__(self, spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
         return fp8_einsum(spec, x, kernel, self.meta[...])

@@ -224,8 +224,10 @@ class Report:
                  + ("" if self.estimate else " (none here)"),
                  *(f"note: {n}" for n in self.notes),
                  *self._target_lines(),
-                 mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
-                 f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
+                 mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}"
+                 + (f" ({self.fp8_matmul_flops / self.matmul_flops:.0%} in fp8 GEMMs)"
+                    if self.fp8_matmul_flops and self.matmul_flops else "")
+                 + f"; XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
         if self.estimate:
             est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
             footnotes: list[str] = []
@@ -366,4 +368,5 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     traffic = traffic_from_hlo(hlo, dict(mesh.shape), weights) if mesh is not None else []
     return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
                   matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
-                  pipe_axis=(pipeline or {}).get("axis"))
+                  pipe_axis=(pipeline or {}).get("axis"),
+                  fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True))
