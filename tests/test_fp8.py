@@ -75,7 +75,9 @@ def test_the_step_writes_the_amax_histories_and_takes_their_max_over_microbatche
     grads = jax.jit(jax.grad(step.microbatch_loss(state)))(state.params, batch)
     norm = np.sqrt(sum(float(jnp.sum(grads[k] ** 2)) for k in ("w1", "w2")))
     state, metrics = step(state, batch)
-    assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)  # the histories are not in it
+    # The histories are not in the norm (they alone exceed it); each microbatch's gradient is
+    # rounded to E5M2 apart, hence 1e-3.
+    assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-3)
     amax_x = float(np.abs(batch["x"].astype(jnp.bfloat16)).max())
     meta = np.asarray(state.params["d1"]["meta"])  # max over the microbatches: the batch's amax
     assert meta[0, 0] == pytest.approx(amax_x, rel=1e-2) and (meta[:, 1:] == 0).all()
