@@ -274,11 +274,13 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
     return [Traffic(k, a, s, round(c), round(b), round(o)) for (k, a, s), (c, b, o) in acc.items()]
 
 
-def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None) -> float:
+def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,
+                          fp8_only: bool = False) -> float:
     """Flops of every ``dot`` (2 × result elements × contracted size) and ``convolution`` (2 ×
     result elements × window × input features per group), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
-    runs one of its switch's branches, not all of them)."""
+    runs one of its switch's branches, not all of them). ``fp8_only``: only dots whose first
+    operand is fp8 (``f8e4m3fn``, ``f8e5m2``: ``sk.fp8``'s GEMMs)."""
     comps, mult = _walk(hlo, branch_weights)
     total = 0.0
     for name, lines in comps.items():
@@ -300,6 +302,8 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if d is None:
                 continue
             lhs = d.group(2) or shapes.get(d.group(3), "")
+            if fp8_only and not lhs.startswith("f8"):
+                continue
             lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
             res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
             c = _LHS_C.search(line)
