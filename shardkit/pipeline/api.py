@@ -77,7 +77,9 @@ from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
 from .schedules import EXPLICIT, SCHEDULES, check_schedule, pipeline_schedule
-from .stage import REMAT, chunk_runner, has_own_remat, mean_loss, merge, split, stage_residuals
+from .split import SplitBackward
+from .stage import (REMAT, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split, stage_residuals,
+                    with_remat)
 
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
@@ -161,9 +163,13 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             pass
     note("pipeline", info)
     if schedule in EXPLICIT:
-        return explicit_pipeline(pipeline_schedule(schedule, p, m, v), chunk, params_s, loss_fn,
-                                 loss_params, x_mb, extras_mb, targets_mb, rng, mesh=mesh,
-                                 axis=axis, data=data)
+        tab = pipeline_schedule(schedule, p, m, v)
+        split_ops = None
+        if tab.w_ring:  # B and W apart: B keeps what W needs (no recompute)
+            layer = layer_runner(stage_fn, k, extras is not None, rng)
+            split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
+        return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
+                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops)
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return merge(y_mb)

@@ -35,20 +35,32 @@ def mean_loss(loss_fn, loss_params, y_mb, targets_mb):
     return jnp.mean(losses.astype(jnp.float32))
 
 
+def layer_runner(stage_fn, k, has_extras, rng):
+    """one(lp, h, j, group, mb, extras_mb) applies layer ``j`` of layer group ``group`` (its
+    ``extras``, its ``rng`` folded with the global layer index, then the microbatch)."""
+
+    def one(lp, h, j, group, mb, extras_mb):
+        kw = {}
+        if has_extras:
+            kw["extras"] = extras_mb
+        if rng is not None:
+            kw["rng"] = jax.random.fold_in(jax.random.fold_in(rng, group * k + j), mb)
+        return stage_fn(lp, h, **kw)
+
+    return one
+
+
 def chunk_runner(stage_fn, k, has_extras, rng, remat, own_remat=False):
     """chunk(params_l (v, k, ...), rep, h, group, mb, extras_mb) runs chunk ``rep``'s k layers
     (``group`` is its global layer-group index, for the rng fold). ``own_remat``: ``stage_fn``
     already checkpoints itself (``has_own_remat``); see ``with_remat``."""
 
+    one = layer_runner(stage_fn, k, has_extras, rng)
+
     def chunk(params_l, rep, h, group, mb, extras_mb):
         def layer(h, xs):
             lp, j = xs
-            kw = {}
-            if has_extras:
-                kw["extras"] = extras_mb
-            if rng is not None:
-                kw["rng"] = jax.random.fold_in(jax.random.fold_in(rng, group * k + j), mb)
-            return stage_fn(lp, h, **kw), None
+            return one(lp, h, j, group, mb, extras_mb), None
 
         # The weights are the scan's xs: autodiff then reads them from the operand in the
         # backward (a residual that is an xs slice is forwarded, not stacked). Slicing them
@@ -140,5 +152,5 @@ def take(tree, i):
 
 
 def put(buf, val, i):
-    """``buf`` with row ``i`` replaced by ``val``."""
-    return lax.dynamic_update_index_in_dim(buf, val, i, 0)
+    """``buf`` with row ``i`` replaced by ``val`` (pytrees of the same structure)."""
+    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, i, 0), buf, val)
