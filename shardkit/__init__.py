@@ -3,6 +3,8 @@
 from . import checkpoint as checkpoint
 from . import cost as cost
 from . import distributed as distributed
+from . import fp8 as fp8
+from . import offload as offload
 from . import viz as viz
 from .checkpoint import Checkpointer as Checkpointer
 from .context import context_attention as context_attention

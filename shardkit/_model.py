@@ -60,6 +60,7 @@ class Unpacked:
     params: Any
     model_state: Any
     logical: dict[str, tuple]  # path -> logical axis names, for leaves that carry them
+    overwrite: frozenset = frozenset()  # paths of parameters whose gradient is their new value (sk.fp8)
 
 
 def is_linen_variables(obj) -> bool:
@@ -104,13 +105,20 @@ def _unbox(tree):
     return jax.tree.map(one, tree, is_leaf=_is_boxed)
 
 
+def _overwritten(params) -> frozenset:
+    """Paths of the NNX parameters whose class sets ``overwrite_with_gradient`` (``sk.fp8``'s
+    amax histories): the step writes their gradient over them instead of optimizing them."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_boxed)[0]
+    return frozenset(path_str(k) for k, v in leaves if getattr(type(v), "overwrite_with_gradient", False))
+
+
 def unpack(model) -> Unpacked:
     """Splits a model (NNX module or State, Linen variables, or plain pytree) into plain trees."""
     if isinstance(model, nnx.Module):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         # Paths are unique across a module's variables, so one table serves params and state.
         return Unpacked(Adapter("nnx", graphdef), nnx.to_pure_dict(params), nnx.to_pure_dict(rest),
-                        {**_logical(params), **_logical(rest)})
+                        {**_logical(params), **_logical(rest)}, _overwritten(params))
     if isinstance(model, nnx.State):
         return Unpacked(Adapter("pytree"), nnx.to_pure_dict(model), {}, _logical(model))
     if is_linen_variables(model):

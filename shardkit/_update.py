@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from . import _model
+from . import _model, offload
 from .plan import Plan
 from .precision import cast_floats, cast_like
 
@@ -110,20 +110,25 @@ def gradients(step, state, batch, key, scale):
     row_sh = plan.sharding(P(plan.batch_axes)) if plan.batch_axes else plan.sharding(P())
     acc_dtype = jnp.promote_types(prec.grads, jnp.float32)
 
+    # sk.fp8's amax histories: each microbatch's "gradient" is the new history; their max is
+    # the step's (the same rolled history, the largest amax in front).
+    overwrite = step._overwrite if step._overwrite is not None else jax.tree.map(lambda _: False, state.params)
+    add = lambda a, b, o: jnp.maximum(a, b.astype(acc_dtype)) if o else a + b.astype(acc_dtype)  # noqa: E731
+
     def body(carry, xs):
         acc, ms = carry
         mb, i = xs
         mb = jax.tree.map(lambda x: constrain(x, row_sh) if x.ndim else x, mb)
         k = jax.random.fold_in(key, i) if key is not None else None
         (_, (value, aux, ms)), g = grad_fn(params_g, ms, mb, k, scale)
-        acc = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), acc, constrain(g, grad_sh))
+        acc = jax.tree.map(add, acc, constrain(g, grad_sh), overwrite)
         return (constrain(acc, grad_sh), ms), (value, aux)
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dtype), state.params)
     scalars = jax.tree.map(lambda x: x if x.ndim else jnp.broadcast_to(x, (m,)), batches)
     (grads, model_state), (losses, auxs) = jax.lax.scan(
         body, (constrain(zeros, grad_sh), state.model_state), (scalars, jnp.arange(m)))
-    grads = jax.tree.map(lambda g: g / m, grads)
+    grads = jax.tree.map(lambda g, o: g if o else g / m, grads, overwrite)
     return grads, losses.mean(), jax.tree.map(_mean_over_microbatches, auxs), model_state
 
 
@@ -133,6 +138,13 @@ def step_body(step, state, batch):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if step._takes_rng else None
     scale = state.loss_scale.scale if state.loss_scale is not None else None
     grads, value, aux, model_state = gradients(step, state, batch, key, scale)
+    overwrite = None
+    if step._overwrite is not None:  # new values (sk.fp8), kept apart from the gradients proper
+        overwrite = grads
+        grads = jax.tree.map(lambda g, o: jnp.zeros_like(g) if o else g, grads, step._overwrite)
+    if "opt_state" in step.plan.offload:  # from host memory, once the gradients exist
+        grads, opt_state = offload.to_device(state.opt_state, step._opt_shardings(state.params, memory=False), grads)
+        state = state.replace(opt_state=opt_state)
     if scale is not None:
         grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
     finite = jnp.isfinite(value)
@@ -145,6 +157,8 @@ def step_body(step, state, batch):
         factor = jnp.minimum(1.0, step.clip_norm / grad_norm)
         grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
     new_params, opt_state = apply_gradients(step, state, grads)
+    if overwrite is not None:
+        new_params = jax.tree.map(lambda p, g, o: g.astype(p.dtype) if o else p, new_params, overwrite, step._overwrite)
     if step.skip_nonfinite:
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_params, opt_state = keep(new_params, state.params), keep(opt_state, state.opt_state)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from . import cost
+from . import cost, offload
 from .cost.hlo import Collective as Collective, Traffic as Traffic, collectives_from_hlo as collectives_from_hlo
 from .cost.report import (Report as Report, compiled_memory as compiled_memory,
                           report_from_compiled as report_from_compiled, shard_bytes as shard_bytes)
@@ -38,6 +38,7 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     title = f"{plan!r}, microbatches={step.microbatches}"
     report = report_from_compiled(compiled, title, memory, plan.mesh, plan.batch_axes,
                                   pipeline=step.trace_notes.get("pipeline"))
+    offload.annotate(report, plan)
     report.compiled_on = (f"this process's mesh {','.join(f'{a}={n}' for a, n in plan.mesh.shape.items())} "
                           f"({plan.mesh.size} {plan.mesh.devices.flat[0].platform} devices)")
     est = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token)

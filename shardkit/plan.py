@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _model, _zero
+from . import _model, _zero, offload as _offload
 from .precision import Precision
 from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes, leaf_info,
                     resolve, validate)
@@ -73,6 +73,9 @@ class Plan:
             than 128 elements per data device (a PRNG key, a 10-class head's bias) are
             replicated with a note even under ``strict``: their replica is noise next to any
             weight matrix. Gradients under ZeRO-2 follow the parameters' ZeRO shard.
+        offload: what lives in pinned host memory between steps: ``("opt_state",)`` keeps the
+            optimizer state there (ZeRO's specs, host memory), brought to the device for the
+            update inside the step and written back (``sk.offload``). Default ``()``.
     """
 
     mesh: Mesh
@@ -82,6 +85,7 @@ class Plan:
     precision: Precision | str = "fp32"
     batch_axes: Sequence[str] | str | None = None
     strict: bool = True
+    offload: Sequence[str] | str = ()
 
     def __post_init__(self):
         # An AbstractMesh (sizes and names, no devices) plans for a mesh that is not here (sk.cost.simulate).
@@ -107,6 +111,7 @@ class Plan:
         object.__setattr__(self, "axis_rules", axis_rules)
         object.__setattr__(self, "precision", Precision.resolve(self.precision))
         object.__setattr__(self, "batch_axes", batch_axes)
+        object.__setattr__(self, "offload", _offload.check(self.offload))
         # One AxisRules table serves many meshes: a standard axis the mesh lacks is dropped
         # (size 1) when specs are resolved; any other unknown name is a typo and an error.
         entries = list(axis_rules.entries) if axis_rules else []
@@ -349,7 +354,9 @@ class Plan:
 
     def __repr__(self) -> str:
         axes = ",".join(f"{n}={s}" for n, s in self.mesh.shape.items())
-        return f"Plan(mesh='{axes}', zero={self.zero}, precision={self.precision.name!r}, batch_axes={self.batch_axes})"
+        offload = f", offload={self.offload}" if self.offload else ""
+        return (f"Plan(mesh='{axes}', zero={self.zero}, precision={self.precision.name!r}, "
+                f"batch_axes={self.batch_axes}{offload})")
 
 
 try:

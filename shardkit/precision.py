@@ -29,6 +29,10 @@ class Precision:
         loss_scaling: dynamic loss scaling (for fp16): scale the loss up, unscale the
             gradients, skip steps whose gradients are not finite.
         init_scale, growth_interval, growth_factor, backoff_factor: the dynamic scale's knobs.
+        fp8: the model's dense matmuls run in fp8 (``sk.fp8.Fp8Dot``: E4M3 forward, E5M2
+            gradients, delayed scaling); the ``"fp8"`` preset is ``"bf16"`` with this on. The
+            step cannot rewrite a model's matmuls: the model uses ``sk.fp8`` where this is on.
+            Compiling for a target without fp8 matmuls (A100, TPU v5p) is refused.
     """
 
     params: Any = jnp.float32
@@ -41,18 +45,21 @@ class Precision:
     growth_interval: int = 2000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
+    fp8: bool = False
 
-    PRESETS = ("fp32", "bf16", "bf16-pure", "fp16")
+    PRESETS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
 
     @classmethod
     def preset(cls, name: str) -> "Precision":
-        """``"fp32"``, ``"bf16"`` (f32 master, bf16 compute), ``"bf16-pure"``, ``"fp16"``."""
+        """``"fp32"``, ``"bf16"`` (f32 master, bf16 compute), ``"bf16-pure"``, ``"fp16"``,
+        ``"fp8"`` (``"bf16"`` with fp8 matmuls: ``sk.fp8``)."""
         f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
         table = {
             "fp32": cls(),
             "bf16": cls(compute=bf16),
             "bf16-pure": cls(params=bf16, compute=bf16, grads=bf16, opt_state=bf16, output=f32),
             "fp16": cls(compute=f16, loss_scaling=True),
+            "fp8": cls(compute=bf16, fp8=True),
         }
         if name not in table:
             raise ValueError(f"unknown precision {name!r}; choose one of {list(table)} or pass sk.Precision(...)")

@@ -23,7 +23,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
-from . import _model, _update
+from . import _model, _update, offload
 from .diloco import DiLoCo, DiLoCoStep
 from .plan import ParamLayout, Plan, collecting_notes
 from .precision import LossScale, cast_floats, cast_input
@@ -87,6 +87,9 @@ class TrainStep:
                  skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True,
                  outer=None):
         _update.check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
+        if outer is not None and plan.offload:
+            raise ValueError(f"offload={plan.offload} with outer=sk.DiLoCo(...) is not supported: DiLoCo keeps "
+                             "per-replica state on the device; drop one of the two")
         self.fn, self.plan, self.tx = fn, plan, optimizer
         self.microbatches, self.clip_norm, self.donate = microbatches, clip_norm, donate
         self.skip_nonfinite = skip_nonfinite or plan.precision.loss_scaling or max_nonfinite is not None
@@ -94,6 +97,7 @@ class TrainStep:
         self._takes_rng = "rng" in inspect.signature(fn).parameters
         self._adapter: _model.Adapter | None = None
         self._layout: ParamLayout | None = None
+        self._overwrite = None
         self._logical: dict = {}
         self._state_shardings = None
         self._jitted: dict = {}
@@ -175,6 +179,9 @@ class TrainStep:
     def _setup(self, u: _model.Unpacked):
         self._adapter, self._logical = u.adapter, u.logical
         self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
+        # Parameters the step overwrites with their gradient (sk.fp8's amax histories).
+        self._overwrite = (self._layout.tree([l.path in u.overwrite for l in self._layout.leaves])
+                           if u.overwrite else None)
         self.plan.state_specs(u.model_state, u.logical)  # validates the model state's rules now
         if self._diloco is not None:
             self._diloco.setup()
@@ -188,9 +195,12 @@ class TrainStep:
     def _param_shardings(self, kind: str = "params"):
         return self.plan.shardings(self._specs(kind))
 
-    def _opt_shardings(self, params):
+    def _opt_shardings(self, params, memory: bool = True):
+        """The optimizer state's shardings; in host memory where the plan offloads it
+        (``memory=False``: the same specs in device memory, where the update runs)."""
         abstract = jax.eval_shape(self.tx.init, params)
-        return self.plan.shardings(self.plan.opt_state_specs(abstract, params, self._layout))
+        shardings = self.plan.shardings(self.plan.opt_state_specs(abstract, params, self._layout))
+        return offload.to_host(shardings) if memory and "opt_state" in self.plan.offload else shardings
 
     def _cast_opt(self, opt_state):
         dtype = self.plan.precision.opt_state

@@ -192,6 +192,32 @@ def test_remat(devices, remat, schedule):
     assert_close(got, want)
 
 
+def test_a_self_checkpointing_layer_is_not_wrapped_again(devices):
+    """A layer under its own ``jax.checkpoint`` (a recipe's remat="full") keeps only its inputs
+    inside the stage: wrapped again by the stage's save-all checkpoint it saved every
+    intermediate (the outer policy reaches into the nested checkpoint). Exact on circular,
+    whose chunk then recomputes (the per-tick slice of its groups is not saved)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from shardkit.pipeline.stage import chunk_runner, has_own_remat
+
+    own = jax.checkpoint(layer)
+    params, head, x, t = make_problem(4)
+    one = jax.tree.map(lambda a: a[0], params)
+    assert has_own_remat(own, one, x) and not has_own_remat(layer, one, x)
+    stack = jax.tree.map(lambda a: a[None, :2], params)  # (v=1, k=2, ...)
+    chunk = chunk_runner(own, 2, False, None, "none", own_remat=True)
+    res = saved_residuals(lambda P_, h: chunk(P_, 0, h, 0, 0, None), stack, x)
+    assert sorted(tuple(a.shape) for a, where in res if "argument" not in where) == [(2, D), (2, D, D), (2, B, D)]
+    mesh = make_mesh("pipe=2", devices=devices[:2])
+    want = jax.value_and_grad(sequential_loss, argnums=(0, 1))(params, head, x, t)
+    got = jax.jit(jax.value_and_grad(
+        lambda params, head: pipeline(own, params, x, microbatches=2, schedule="circular", repeats=2,
+                                      loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
+        argnums=(0, 1)))(params, head)
+    assert_close(got, want)
+
+
 def test_errors(devices):
     mesh = make_mesh("data=2,pipe=4", devices=devices)
     params, head, x, t = make_problem(8)

@@ -509,6 +509,7 @@ def test_flops_match_compiled_step():
     (["--mesh", "data=4,pipe=2", "--pipeline-schedule", "zigzag"], "--pipeline-schedule"),
     (["--data", "/no/such/tokens.bin"], "--data"),
     (["--batch", "10"], "--batch"),
+    (["--offload", "params"], "--offload"),
 ])
 def test_bad_flags_fail_with_one_line(argv, flag, capsys):
     from models.transformer.__main__ import main

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
 ATTENTION = ("auto", "reference", "xla", "cudnn")
 
 
@@ -29,7 +29,11 @@ class Config:
             ``init_std / sqrt(2·layers)`` (GPT-2).
         remat: activation checkpointing per layer: ``"none"``, ``"full"`` (recompute
             everything), ``"dots"`` (save matmul outputs) or ``"dots_no_batch"`` (save only
-            matmuls without batch dims, i.e. weight-stationary ones).
+            matmuls without batch dims, i.e. weight-stationary ones) or ``"offload"`` (as
+            ``"dots_no_batch"``, saved in pinned host memory: ``sk.offload.remat_policy``).
+        fp8: the attention projections and MLP matmuls in fp8 (``sk.fp8.Fp8Dot``: E4M3
+            forward, E5M2 gradients, delayed scaling; the recipe's ``--precision fp8``);
+            attention scores, MoE experts and the output head stay in the compute dtype.
         scan_unroll: layers per iteration of the layer scan (``lax.scan(unroll=...)``);
             1 keeps compile time flat in depth, ``layers`` unrolls fully (XLA's
             ``cost_analysis`` counts a loop body once, so exact flop counts need it).
@@ -76,6 +80,7 @@ class Config:
     moe_z_weight: float = 0.001
     attention: str = "auto"
     context_strategy: str = "ring"
+    fp8: bool = False
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "layers", "heads", "seq"):

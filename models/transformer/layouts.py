@@ -132,8 +132,8 @@ LAYOUTS: dict[str, Layout] = {
 
 
 def make_plan(mesh, cfg: Config, *, zero: int = 0, precision: str = "fp32",
-              sequence_parallel: bool = False, vocab_parallel: bool = True) -> sk.Plan:
-    """The ``sk.Plan`` for the transformer on ``mesh``."""
+              sequence_parallel: bool = False, vocab_parallel: bool = True, offload: tuple[str, ...] = ()) -> sk.Plan:
+    """The ``sk.Plan`` for the transformer on ``mesh`` (``offload``: ``sk.Plan``'s)."""
     rules = axis_rules(mesh.shape, cfg, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     batch = tuple(a for a in mesh.axis_names if a in BATCH_AXES)
-    return sk.Plan(mesh, axis_rules=rules, zero=zero, precision=precision, batch_axes=batch)
+    return sk.Plan(mesh, axis_rules=rules, zero=zero, precision=precision, batch_axes=batch, offload=offload)

@@ -75,6 +75,19 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b)
 
 
+class Dots(nnx.Module):
+    """A layer's named weight matmuls: ``_dot`` (compute dtype), or with ``cfg.fp8`` one
+    ``sk.fp8.Fp8Dot`` each, holding that matmul's amax histories."""
+
+    def __init__(self, cfg: Config, names: tuple[str, ...]):
+        self.fp8 = cfg.fp8
+        for name in names if cfg.fp8 else ():
+            setattr(self, name, sk.fp8.Fp8Dot())
+
+    def __call__(self, name: str, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        return getattr(self, name)(spec, x, w) if self.fp8 else _dot(spec, x, w)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.scale = _param(rngs, (cfg.d_model,), ("embed",), None)
@@ -118,11 +131,12 @@ class Attention(nnx.Module):
         self.o = _param(rngs, (H, Q, D), ("heads", "head_dim", "embed"), out_std)
         self.attention = cfg.attention
         self.context_strategy = cfg.context_strategy
+        self.dots = Dots(cfg, ("q", "k", "v", "o"))
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
-        q_BxTxHxQ = _dot("btd,dhq->bthq", x_BxTxD, self.q[...])
-        k_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.k[...])
-        v_BxTxKxQ = _dot("btd,dkq->btkq", x_BxTxD, self.v[...])
+        q_BxTxHxQ = self.dots("q", "btd,dhq->bthq", x_BxTxD, self.q[...])
+        k_BxTxKxQ = self.dots("k", "btd,dkq->btkq", x_BxTxD, self.k[...])
+        v_BxTxKxQ = self.dots("v", "btd,dkq->btkq", x_BxTxD, self.v[...])
         q_BxTxHxQ = constrain(q_BxTxHxQ, ("batch", "context", "heads", None))
         k_BxTxKxQ = constrain(k_BxTxKxQ, ("batch", "context", "kv_heads", None))
         v_BxTxKxQ = constrain(v_BxTxKxQ, ("batch", "context", "kv_heads", None))
@@ -136,7 +150,7 @@ class Attention(nnx.Module):
             impl = attention_impl(self.attention, q_BxTxHxQ.dtype)
             o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl)
         o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", "context", "heads", None))
-        return _dot("bthq,hqd->btd", o_BxTxHxQ, self.o[...])
+        return self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...])
 
 
 def context_size() -> int:
@@ -197,12 +211,13 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.up = _param(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.down = _param(rngs, (F, D), ("mlp", "embed"), out_std)
+        self.dots = Dots(cfg, ("gate", "up", "down"))
 
     def __call__(self, x_BxTxD):
-        gate_BxTxF = _dot("btd,df->btf", x_BxTxD, self.gate[...])
-        up_BxTxF = _dot("btd,df->btf", x_BxTxD, self.up[...])
+        gate_BxTxF = self.dots("gate", "btd,df->btf", x_BxTxD, self.gate[...])
+        up_BxTxF = self.dots("up", "btd,df->btf", x_BxTxD, self.up[...])
         h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "context", "mlp"))
-        return _dot("btf,fd->btd", h_BxTxF, self.down[...])
+        return self.dots("down", "btf,fd->btd", h_BxTxF, self.down[...])
 
 
 class MoE(nnx.Module):
@@ -277,6 +292,7 @@ def _remat(fn, policy: str):
         "full": None,
         "dots": jax.checkpoint_policies.checkpoint_dots,
         "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        "offload": sk.offload.remat_policy(),  # as dots_no_batch, saved in pinned host memory
     }
     return jax.checkpoint(fn, policy=policies[policy])
 

@@ -23,7 +23,7 @@ from . import data as data_lib
 from .config import SIZES, Config
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")  # sk.pipeline_schedule's
-PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
+PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
 
 
 
@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
       "fsdp, tensor, pipe (default data=2,fsdp=2,tensor=2)")
     a("--zero", type=int, default=0, help="ZeRO stage 0-3 over the data axes")
     a("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
+    a("--offload", default="", help="state kept in pinned host memory between steps, comma-separated: "
+      "opt_state (the optimizer state, ZeRO-sharded; brought to the device for the update)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
       help="shard norms/residuals over seq on the tensor axis (default: on when tensor > 1)")
     a("--layers", type=int, help="decoder layers (overrides --size)")
@@ -51,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
     a("--heads", type=int, help="attention heads")
     a("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
     a("--seq", type=int, help="sequence length")
-    a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch")
+    a("--remat", help="activation checkpointing: none, full, dots, dots_no_batch, offload (as dots_no_batch, "
+      "kept in host memory)")
     a("--dropout", type=float, help="residual dropout rate while training (default 0: off)")
     a("--moe-experts", type=int, help="experts per mixture-of-experts layer (default 0: dense); "
       "split over an `expert` mesh axis, e.g. --mesh data=2,expert=4")
@@ -116,7 +119,8 @@ def model_config(args) -> Config:
                                  ("dropout", args.dropout), ("attention", args.attention),
                                  ("context_strategy", args.context_strategy),
                                  ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
-                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity))
+                                 ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity),
+                                 ("fp8", True if args.precision == "fp8" else None))
                if v is not None}
     try:
         return SIZES[args.size].replace(**changes)
@@ -128,12 +132,20 @@ def model_config(args) -> Config:
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
 
 
+def _offload(args) -> tuple[str, ...]:
+    return tuple(k for k in args.offload.split(",") if k)
+
+
 def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     """Flag checks that need the mesh; returns (pipeline microbatches, step microbatches)."""
     if args.zero not in (0, 1, 2, 3):
         raise FlagError("--zero", f"ZeRO stage {args.zero} is not 0, 1, 2 or 3")
     if args.precision not in PRECISIONS:
         raise FlagError("--precision", f"unknown precision {args.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    bad = [k for k in _offload(args) if k not in sk.offload.KINDS]
+    if bad:
+        raise FlagError("--offload", f"cannot offload {', '.join(bad)}; choose from {', '.join(sk.offload.KINDS)} "
+                        "(activations: --remat offload)")
     if args.pipeline_schedule not in SCHEDULES:
         raise FlagError("--pipeline-schedule", f"unknown schedule {args.pipeline_schedule!r}; "
                         f"choose one of {', '.join(SCHEDULES)}")
@@ -142,6 +154,9 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     if not args.lr > 0:
         raise FlagError("--lr", f"must be positive, got {args.lr}")
     tensor, stages = mesh_shape.get("tensor", 1), mesh_shape.get("pipe", 1)
+    if args.precision == "fp8" and stages > 1:
+        raise FlagError("--precision", "fp8 with a pipe axis is not supported: sk.pipeline sums its "
+                        "microbatches' gradients, and fp8's amax histories need their max; drop pipe= from --mesh")
     if cfg.heads % tensor:
         raise FlagError("--heads", f"{cfg.heads} heads do not split over tensor={tensor}; use a "
                         f"multiple of {tensor}")
@@ -282,7 +297,8 @@ def _run(args) -> int:
     pipe_mb, step_mb = check_layout(args, cfg, shape)
     train_tokens, val_tokens, data_name = load_data(args, cfg, tokenizer)
     sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
-    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp)
+    plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp,
+                     offload=_offload(args))
     pipeline = None
     if shape.get("pipe", 1) > 1:
         pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, _repeats(args))

@@ -206,6 +206,11 @@ def _digests(tree) -> dict[str, _Digest | None]:
             out[name] = None
             continue
         s = getattr(x, "sharding", None)
+        if getattr(s, "memory_kind", None) == "pinned_host":
+            # Offloaded state (sk.offload): XLA computes on device memory, so the leaf is hashed
+            # from a device copy of its blocks, in the same layout.
+            x = jax.device_put(x, s.with_memory_kind("device"))
+            s = x.sharding
         if isinstance(s, NamedSharding) and _evenly_sharded(x):
             sharded.setdefault(s.mesh, []).append((name, x))
         else:  # numpy leaves, single-device or uneven shardings: one sum, placed by XLA

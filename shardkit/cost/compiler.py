@@ -142,6 +142,10 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
     (args_sh, _) = exported.in_tree.unflatten(exported.in_shardings_jax(mesh))
     out_sh = exported.out_tree.unflatten(exported.out_shardings_jax(mesh))
     (args, _) = exported.in_tree.unflatten(exported.in_avals)
+    if req.get("memory_kinds"):  # offloaded state: the step's own memory kinds, in and out
+        kinds = req["memory_kinds"]
+        args_sh = ([s.with_memory_kind(k) if k else s for s, k in zip(args_sh[0], kinds)], args_sh[1])
+        out_sh = ([s.with_memory_kind(k) if k else s for s, k in zip(out_sh[0], kinds)], out_sh[1])
     t1 = time.perf_counter()
     compiled = jax.jit(exported.call, in_shardings=args_sh, out_shardings=out_sh,
                        donate_argnums=(0,) if req["donate"] else ()).lower(*args).compile()
@@ -158,7 +162,7 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
     out = {"title": report.title, "memory": report.memory, "flops": report.flops,
            "optimal_seconds": float(cost.get("optimal_seconds", 0.0)), "layout": layout,
-           "matmul_flops": report.matmul_flops,
+           "matmul_flops": report.matmul_flops, "fp8_matmul_flops": report.fp8_matmul_flops,
            "collectives": [dataclasses.asdict(c) for c in report.collectives],
            "traffic": [dataclasses.asdict(t) for t in report.traffic],
            "seconds": {"compile": t_compile, "total": time.perf_counter() - t0}}

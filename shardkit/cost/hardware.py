@@ -35,6 +35,7 @@ class Hardware:
         inter_node_bw: bytes/s per chip, one direction, across nodes/slices (InfiniBand / DCN).
         device_kinds: lower-case substrings of ``jax.Device.device_kind`` that identify it.
         hbm_bandwidth: bytes/s of device memory (what memory-bound kernels run at; 0: unknown).
+        fp8_flops: dense fp8 flop/s per chip (0: no fp8 matmuls; ``precision="fp8"`` is refused).
     """
 
     name: str
@@ -44,6 +45,7 @@ class Hardware:
     inter_node_bw: float
     device_kinds: tuple[str, ...] = ()
     hbm_bandwidth: float = 0.0
+    fp8_flops: float = 0.0
 
 
 HARDWARE: dict[str, Hardware] = {}
@@ -67,16 +69,18 @@ def register_hardware(hw: Hardware, *, overwrite: bool = False) -> Hardware:
 # 0.819, v5p 2.765, v6e 1.64).
 TB = 1e12
 for _hw in (
-    Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",), 3.35 * TB),
-    Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",), 4.8 * TB),
+    # Dense FP8 (data sheets, without sparsity): H100/H200 SXM 1,979 TFLOP/s, B200 4.5 PFLOP/s;
+    # A100 and the TPUs here have no fp8 matmuls.
+    Hardware("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, ("h100",), 3.35 * TB, 1979e12),
+    Hardware("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, ("h200",), 4.8 * TB, 1979e12),
     Hardware("a100", 312e12, 80 * GB, 300 * GB, 25 * GB, ("a100",), 2.039 * TB),
     # HGX B200 data sheet: 2.25 PFLOP/s dense BF16 and 180 GB HBM3e (7.7 TB/s) per GPU, NVLink 5
     # 1.8 TB/s both ways (900 GB/s one way), one 400 Gb/s NIC per GPU (50 GB/s).
-    Hardware("b200", 2250e12, 180 * GB, 900 * GB, 50 * GB, ("b200",), 7.7 * TB),
+    Hardware("b200", 2250e12, 180 * GB, 900 * GB, 50 * GB, ("b200",), 7.7 * TB, 4500e12),
     # Google Cloud A3 High (a3-highgpu-8g): H100 SXM over NVLink, but GPUDirect-TCPX between
     # VMs, 4 GPU NICs x 200 Gb/s per 8 GPUs → 12.5 GB/s per GPU (Google Cloud, "Networking and
     # GPU machines"). Same chip as "h100", so looked up by name only.
-    Hardware("h100-a3", 989e12, 80 * GB, 450 * GB, 12.5 * GB, (), 3.35 * TB),
+    Hardware("h100-a3", 989e12, 80 * GB, 450 * GB, 12.5 * GB, (), 3.35 * TB, 1979e12),
     # TPUs: ICI per chip = links × one-way per-link bandwidth (scaling book), DCN ~6.25 GB/s
     # per chip.
     Hardware("tpu-v4", 275e12, 32 * GB, 6 * 45 * GB, 6.25 * GB, ("tpu v4",), 1.2 * TB),

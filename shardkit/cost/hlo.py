@@ -172,6 +172,11 @@ _DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+dot\(\s*(?:(\S+\[[0
 _NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
 _LHS_C = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CONV = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+convolution\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)")
+# XLA:GPU lowers convolutions to cuDNN custom calls: forward (x, w) -> y, backward input
+# (dy, w) -> dx, backward filter (x, dy) -> dw, each with the forward convolution's dim_labels.
+_CUDNN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?(\S+?\])\S*\s"
+                    r".*?custom-call\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)"
+                    r".*custom_call_target=\"__cudnn\$conv(\w+)\"")
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 
@@ -269,11 +274,13 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
     return [Traffic(k, a, s, round(c), round(b), round(o)) for (k, a, s), (c, b, o) in acc.items()]
 
 
-def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None) -> float:
+def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,
+                          fp8_only: bool = False) -> float:
     """Flops of every ``dot`` (2 × result elements × contracted size) and ``convolution`` (2 ×
     result elements × window × input features per group), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
-    runs one of its switch's branches, not all of them)."""
+    runs one of its switch's branches, not all of them). ``fp8_only``: only dots whose first
+    operand is fp8 (``f8e4m3fn``, ``f8e5m2``: ``sk.fp8``'s GEMMs)."""
     comps, mult = _walk(hlo, branch_weights)
     total = 0.0
     for name, lines in comps.items():
@@ -288,10 +295,15 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (cv := _CONV.match(line)) is not None:
                 total += m * _conv_flops(line, cv, shapes)
                 continue
+            if "__cudnn$conv" in line and (cd := _CUDNN.match(line)) is not None:
+                total += m * _cudnn_conv_flops(line, cd, shapes)
+                continue
             d = _DOT.match(line)
             if d is None:
                 continue
             lhs = d.group(2) or shapes.get(d.group(3), "")
+            if fp8_only and not lhs.startswith("f8"):
+                continue
             lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
             res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
             c = _LHS_C.search(line)
@@ -311,6 +323,21 @@ def _conv_flops(line: str, cv, shapes: dict) -> float:
         raise HloParseError(f"cannot read this convolution's shapes: {line.strip()[:300]}")
     size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
     return 2.0 * math.prod(res) * size * rhs_dims[labels.group(1).index("i")]
+
+
+def _cudnn_conv_flops(line: str, cd, shapes: dict) -> float:
+    """A cuDNN convolution's flops: 2 × the forward output's elements × window × the kernel's
+    input features, whichever of the three passes it is (the forward output is the result of
+    the forward, the first operand of the input gradient, the second of the filter gradient;
+    the kernel the second operand, or the filter gradient's result)."""
+    dims = lambda t: _ints(t.split("[", 1)[1].split("]", 1)[0]) if "[" in t else []  # noqa: E731
+    res, a, b, kind = cd.group(1), shapes.get(cd.group(2), ""), shapes.get(cd.group(3), ""), cd.group(4)
+    y, kernel = {"BackwardInput": (a, b), "BackwardFilter": (b, res)}.get(kind, (res, b))
+    window, labels = _WINDOW.search(line), _DIM_LABELS.search(line)
+    if not dims(y) or not dims(kernel) or labels is None or "i" not in labels.group(1):
+        raise HloParseError(f"cannot read this cuDNN convolution's shapes: {line.strip()[:300]}")
+    size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
+    return 2.0 * math.prod(dims(y)) * size * dims(kernel)[labels.group(1).index("i")]
 
 
 def _split_tuple(text: str) -> list[str]:

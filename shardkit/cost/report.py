@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -74,6 +75,12 @@ class Report:
         step_time: seconds per step by part, with ``step``; ``step_time_source`` says whose:
             the TPU compiler's own ``optimal_seconds``, or the step-time model fed with the
             compiled flops and collectives.
+        offloaded: the state kinds the plan keeps in pinned host memory (``Plan.offload``);
+            their ``memory`` rows are host bytes, and the compiled ``host_*`` rows (host
+            arguments, outputs, aliased, temporaries, ``host_peak``) are what the program holds
+            in host memory — device rows and ``peak`` exclude them.
+        fp8_matmul_flops: of ``matmul_flops``, those of dots whose operands are fp8 (counted at
+            the target's fp8 peak by the step-time model).
     """
 
     title: str
@@ -93,6 +100,8 @@ class Report:
     device_memory: float = 0.0
     step_time: dict[str, float] | None = None
     step_time_source: str = ""
+    offloaded: tuple[str, ...] = ()
+    fp8_matmul_flops: float = 0.0
 
     @property
     def fits(self) -> bool | None:
@@ -172,10 +181,13 @@ class Report:
         return out
 
     def comparison(self) -> list[dict]:
-        """Rows ``{"quantity", "estimate", "compiled", "caveat"}`` for every quantity both sides
-        have (a collective the program does not execute counts as 0 compiled bytes); ``caveat``
-        says why an estimate is approximate, or (``"not modelled: ..."``) why it is not modelled —
-        the rendered table then prints the reason instead of the number (None: modelled)."""
+        """Rows ``{"quantity", "estimate", "compiled", "caveat", "band"}`` for every quantity both
+        sides have (a collective the program does not execute counts as 0 compiled bytes);
+        ``caveat`` says why an estimate is approximate, or (``"not modelled: ..."``) why it is not
+        modelled — the rendered table then prints the reason instead of the number (None:
+        modelled); ``band``: the estimate's measured error band on this target
+        (``sk.cost.bands``; None where not measured). A peak estimated more than 10% under the
+        compiled one always carries a caveat that says so."""
         compiled = self.compiled()
         est = self.estimate or {}
         rows = [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
@@ -183,8 +195,15 @@ class Report:
         if est and compiled.get("collective/other"):
             rows.append({"quantity": "collective/other", "estimate": float(est.get("collective/other", 0.0)),
                          "compiled": compiled["collective/other"]})
+        from .bands import label
+
         for r in rows:
             r["caveat"] = self.caveats.get(r["quantity"])
+            r["band"] = label(self.target, r["quantity"])
+            under = 1 - r["estimate"] / r["compiled"] if r["compiled"] else 0.0
+            if r["quantity"] == "memory/peak" and under > 0.10 and not (r["caveat"] or "").startswith("not modelled"):
+                r["caveat"] = (f"under-estimate: {under:.0%} under the compiled peak; plan with the compiled "
+                               "figure" + (f" ({r['caveat']})" if r["caveat"] else ""))
         return rows
 
     def __rich__(self):
@@ -194,8 +213,12 @@ class Report:
         mem = Table(title="per-device memory", title_justify="left")
         mem.add_column("kind"); mem.add_column("bytes", justify="right"); mem.add_column("", justify="right")
         mem.add_column("from")
+        host = self.offloaded or any(k.startswith("host_") for k in self.memory)
+        if host:
+            mem.add_column("where")
         for k, v in self.memory.items():
-            mem.add_row(k, f"{v:,}", _human(v), "compiled" if k in _COMPILED_MEMORY else "shard sizes")
+            row = [k, f"{v:,}", _human(v), "compiled" if k in _COMPILED_MEMORY or k.startswith("host_") else "shard sizes"]
+            mem.add_row(*row, *(["host" if k.startswith("host_") or k in self.offloaded else "device"] if host else []))
         col = Table(title="collectives executed per step (per device)", title_justify="left")
         for c in ("kind", "count", "ops in program", "bytes", ""):
             col.add_column(c, justify="left" if c == "kind" else "right")
@@ -211,12 +234,14 @@ class Report:
                  + ("" if self.estimate else " (none here)"),
                  *(f"note: {n}" for n in self.notes),
                  *self._target_lines(),
-                 mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}; "
-                 f"XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
+                 mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}"
+                 + (f" ({self.fp8_matmul_flops / self.matmul_flops:.0%} in fp8 GEMMs)"
+                    if self.fp8_matmul_flops and self.matmul_flops else "")
+                 + f"; XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
         if self.estimate:
             est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
             footnotes: list[str] = []
-            for c in ("quantity", "estimate", "compiled", "ratio", "modelled?"):
+            for c in ("quantity", "estimate", "compiled", "ratio", "modelled?", "band"):
                 est.add_column(c, justify="right" if c in ("estimate", "compiled", "ratio") else "left")
             for r in self.comparison():
                 if not r["estimate"] and not r["compiled"]:
@@ -226,7 +251,8 @@ class Report:
                 caveat = r["caveat"] or "modelled"
                 shown = not caveat.startswith("not modelled")  # the reason, not a number
                 est.add_row(r["quantity"], fmt(r["estimate"]) if shown else "unmodelled", fmt(r["compiled"]),
-                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0])
+                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0],
+                            (r["band"] or "not measured") if shown else "-")
                 if r["caveat"]:
                     footnotes.append(f"{r['quantity']}: {r['caveat']}")
             parts.append(est)
@@ -241,6 +267,9 @@ class Report:
                        f"over by {_human(-room)}")
             lines.append(f"{self.target or 'device'}: peak {_human(peak)} of {_human(self.device_memory)} "
                          f"per device: {verdict}")
+        if "host_peak" in self.memory:
+            lines.append(f"pinned host memory per device: {_human(self.memory['host_peak'])} (compiled; "
+                         f"offloaded: {', '.join(self.offloaded) or 'activations'})")
         if self.step_time:
             lines.append(f"step time {self.step_time['step'] * 1e3:.3g} ms ({self.step_time_source})")
         return lines
@@ -276,14 +305,58 @@ def compiled_memory(compiled) -> dict[str, int]:
     """Per-device bytes of a compiled program from XLA's ``memory_analysis()``: ``arguments``,
     ``outputs``, ``aliased`` (donated), ``temporaries`` and ``peak`` = arguments + outputs −
     aliased + temporaries (XLA's buffer assignment, not a measured high-water mark); ``{}``
-    where the backend reports nothing."""
+    where the backend reports nothing. A program that holds anything in host memory (offloaded
+    state or activations: ``sk.offload``) adds the same figures for host memory, ``host_*``;
+    the device figures exclude them."""
     ma = compiled.memory_analysis()
     if ma is None:
         return {}
     args, outs = ma.argument_size_in_bytes, ma.output_size_in_bytes
     alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
-    return {"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp,
-            "peak": args + outs - alias + temp}
+    out = {"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp,
+           "peak": args + outs - alias + temp}
+    host = [getattr(ma, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "alias", "temp")]
+    if not any(host):
+        # XLA:CPU counts host-memory parameters among its arguments and reports no host
+        # bytes: read them off the entry layout (memory space 5) and move them across.
+        h_args, h_outs = host_bytes_from_layout(compiled.as_text())
+        if h_args or h_outs:
+            h_alias = min(h_args, h_outs, alias)
+            out.update({"arguments": args - h_args, "outputs": outs - h_outs, "aliased": alias - h_alias,
+                        "peak": (args - h_args) + (outs - h_outs) - (alias - h_alias) + temp})
+            host = [h_args, h_outs, h_alias, 0]
+    if any(host):
+        h_args, h_outs, h_alias, h_temp = host
+        out.update({"host_arguments": h_args, "host_outputs": h_outs, "host_aliased": h_alias,
+                    "host_temporaries": h_temp, "host_peak": h_args + h_outs - h_alias + h_temp})
+    return out
+
+
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]\{([^}]*)\}")
+
+
+def host_bytes_from_layout(hlo: str) -> tuple[int, int]:
+    """``(argument bytes, output bytes)`` per device that a compiled program's entry layout
+    puts in host memory (memory space 5: ``S(5)`` in a layout, e.g. ``f32[8,16]{1,0:S(5)}``)."""
+    head = hlo[:hlo.find("\n")] if "\n" in hlo else hlo
+    start = head.find("entry_computation_layout={")
+    if start < 0:
+        return 0, 0
+    i, depth = start + len("entry_computation_layout={"), 1
+    for j in range(i, len(head)):
+        depth += {"{": 1, "}": -1}.get(head[j], 0)
+        if depth == 0:
+            break
+    args, _, outs = head[i:j].partition(")->")
+
+    def host(text: str) -> int:
+        return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+                   for t, dims, layout in _SHAPE.findall(text) if "S(5)" in layout and t in _BYTES)
+    return host(args), host(outs)
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None,
@@ -306,4 +379,5 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     traffic = traffic_from_hlo(hlo, dict(mesh.shape), weights) if mesh is not None else []
     return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
                   matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
-                  pipe_axis=(pipeline or {}).get("axis"))
+                  pipe_axis=(pipeline or {}).get("axis"),
+                  fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True))

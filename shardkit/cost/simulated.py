@@ -36,6 +36,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec a
 from .hlo import Collective, Traffic
 from .report import Report, shard_bytes
 from ..mesh import parse_mesh_spec
+from .. import offload
 from ..plan import Plan
 from . import targets as targets_lib
 from .compiler import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
@@ -89,7 +90,7 @@ def simulated_plan(plan: Plan, mesh: AbstractMesh, *, zero: int | None = None,
         batch_axes = None if plan.batch_axes == default else plan.batch_axes
     return Plan(mesh, rules=plan.rules, axis_rules=plan.axis_rules,
                 zero=plan.zero if zero is None else zero, precision=plan.precision,
-                batch_axes=batch_axes, strict=plan.strict)
+                batch_axes=batch_axes, strict=plan.strict, offload=plan.offload)
 
 
 @contextlib.contextmanager
@@ -272,6 +273,13 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
     amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
     if tgt.platform == "tpu":
         targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
+    if step.plan.precision.fp8 and tgt.platform != "cpu":
+        from . import hardware
+
+        if not hardware.lookup(tgt.hardware).fp8_flops:
+            raise targets_lib.TargetError(
+                f"precision='fp8': {tgt.name} has no fp8 matmuls; compile for an fp8 target "
+                f"(h100, h200, b200) or use precision='bf16' on {tgt.name}")
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -287,6 +295,8 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
         "mesh": [[a, int(s)] for a, s in amesh.shape.items()], "target": tgt.name,
         "donate": bool(sim.donate), "groups": _groups(abs_state),
         "title": f"{plan!r}, microbatches={sim.microbatches}", "data_axes": list(plan.batch_axes),
+        # The exported module's shardings lose their memory kinds: offloaded state's are sent.
+        "memory_kinds": [x.sharding.memory_kind for x in jax.tree.leaves(abs_state)] if plan.offload else None,
         # The branch weights need only these; the rest of the note is not JSON.
         "pipeline": {k: pipe[k] for k in ("schedule", "stages", "microbatches", "repeats", "axis")
                      if k in pipe} if pipe else None,
@@ -322,6 +332,7 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
         out["title"], memory, [Collective(**c) for c in out["collectives"]], out["flops"],
         traffic=[Traffic(**{**t, "axes": tuple(t["axes"])}) for t in out["traffic"]],
         matmul_flops=out["matmul_flops"], data_axes=tuple(plan.batch_axes),
+        fp8_matmul_flops=out.get("fp8_matmul_flops", 0.0),
         pipe_axis=(pipe or {}).get("axis"),
         compiled_on=compiled_on,
         notes=[*notes,
@@ -329,6 +340,7 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
                f"(compile {out['seconds']['compile']:.1f} s)"],
         seconds={"export": t_export, "compile": out["seconds"]["compile"],
                  "subprocess": out["seconds"]["total"]})
+    offload.annotate(report, plan)
     if tgt.platform != "cpu":
         report.target, report.device_memory = tgt.name, tgt.memory_bytes()
     if sim.diloco is not None:
@@ -348,8 +360,11 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
         if hw is not None:
             from . import hardware
 
-            report.step_time = times(report.roles(), report.role_counts(), report.matmul_flops,
-                                     hardware.lookup(hw), est.layout)
+            chip = hardware.lookup(hw)
+            # fp8 GEMMs run at the chip's fp8 peak: counted as the bf16 flops that take as long.
+            flops = report.matmul_flops - report.fp8_matmul_flops * (1 - chip.peak_flops / chip.fp8_flops) \
+                if report.fp8_matmul_flops and chip.fp8_flops else report.matmul_flops
+            report.step_time = times(report.roles(), report.role_counts(), flops, chip, est.layout)
             report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops and "
                                        f"collectives, {hw} links")
     if out.get("optimal_seconds", 0.0) > 0:  # XLA:TPU answers -2 where it has no estimate

@@ -77,7 +77,9 @@ from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
 from .schedules import EXPLICIT, SCHEDULES, check_schedule, pipeline_schedule
-from .stage import REMAT, chunk_runner, mean_loss, merge, split, stage_residuals
+from .split import SplitBackward
+from .stage import (REMAT, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split, stage_residuals,
+                    with_remat)
 
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
@@ -138,10 +140,14 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     m, v = microbatches, repeats
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
-    L = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
-                    extras, targets, rng)
+    L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
+                               extras, targets, rng)
     k = L // (p * v)
-    chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat)
+    if own_remat and remat == "none" and v > 1 and schedule not in EXPLICIT:
+        # Circular under autodiff with a self-checkpointing layer: unwrapped, the per-tick
+        # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
+        remat = "full"
+    chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat, own_remat)
     # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
     # a plain reshape of the contiguous layer sharding.
     params_s = jax.tree.map(
@@ -157,9 +163,13 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             pass
     note("pipeline", info)
     if schedule in EXPLICIT:
-        return explicit_pipeline(pipeline_schedule(schedule, p, m, v), chunk, params_s, loss_fn,
-                                 loss_params, x_mb, extras_mb, targets_mb, rng, mesh=mesh,
-                                 axis=axis, data=data)
+        tab = pipeline_schedule(schedule, p, m, v)
+        split_ops = None
+        if tab.w_ring:  # B and W apart: B keeps what W needs (no recompute)
+            layer = layer_runner(stage_fn, k, extras is not None, rng)
+            split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
+        return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
+                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops)
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return merge(y_mb)
@@ -268,11 +278,12 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
         kw["rng"] = rng
     x_mb = jax.ShapeDtypeStruct((B // m,) + x.shape[1:], x.dtype)
     layer0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
-    out = jax.eval_shape(lambda lp, h, kw: stage_fn(lp, h, **kw), layer0, x_mb, kw)
+    layer = lambda lp, h, kw: stage_fn(lp, h, **kw)  # noqa: E731
+    out = jax.eval_shape(layer, layer0, x_mb, kw)
     if not hasattr(out, "shape") or (out.shape, out.dtype) != (x_mb.shape, x_mb.dtype):
         got = (out.shape, out.dtype) if hasattr(out, "shape") else type(out).__name__
         raise ValueError(f"stage_fn must keep the microbatch shape and dtype {x_mb.shape} "
                          f"{x_mb.dtype}, but returned {got}; the pipeline hands each layer's "
                          "output to the next layer, so project to another width outside "
                          "pipeline() (before it, or in loss_fn)")
-    return L
+    return L, has_own_remat(layer, layer0, x_mb, kw)

@@ -100,6 +100,10 @@ class Schedule:
         executed: ``"explicit"`` (the table is scanned by the explicit-backward executor) or
             ``"autodiff"`` (GPipe/circular: the F half is ``forward_table``, scanned; the BW half
             is autodiff's mirror of it).
+        w_slot: (ticks, p) int32; split schedules (B and W apart): the ring slot where a B
+            leaves what its W needs (the chunk's per-layer residuals and cotangents, ``split``)
+            and where that W reads it; 0 elsewhere.
+        w_ring: that ring's size (0 without W ops): the most W's pending at once on a stage.
     """
 
     name: str
@@ -118,11 +122,21 @@ class Schedule:
     grad_ring: int
     peak_activations: tuple[int, ...]
     executed: str
+    w_slot: np.ndarray | None = None
+    w_ring: int = 0
 
     @property
     def ticks(self) -> int:
         """Rows of the table."""
         return int(self.op.shape[0])
+
+    @property
+    def pending_w(self) -> tuple[int, ...]:
+        """Per stage, the most W's waiting at once (their B done, their W not yet): what a
+        split schedule holds beyond 1F1B, in units of one chunk's per-layer residuals for one
+        microbatch (``split``). 0 for schedules without W ops."""
+        waiting = np.cumsum((self.op == B).astype(np.int32) - (self.op == W), axis=0)
+        return tuple(int(w) for w in waiting.max(axis=0)) if W in self.op else (0,) * self.stages
 
     @property
     def bubble_fraction(self) -> float:
@@ -317,8 +331,11 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
     where = {(int(op[t, s]), s, int(mb[t, s]), int(chunk[t, s])): t
              for t in range(ticks) for s in range(p) if op[t, s] != IDLE}
     back = BW if BW in op else B
-    last_use = {(s, i, c): where.get((W, s, i, c), where.get((BW, s, i, c)))
-                for (k, s, i, c) in where if k == F}
+    # From its F to its last backward op a microbatch-chunk is alive (W, BW); its stage input
+    # and output cotangent are read last by B or BW (W reads what its B kept, ``split``).
+    alive_until = {(s, i, c): where.get((W, s, i, c), where.get((BW, s, i, c)))
+                   for (k, s, i, c) in where if k == F}
+    last_use = {(s, i, c): where[(back, s, i, c)] for (k, s, i, c) in where if k == F}
 
     # Arrivals: an F (not on the last group) sends its output to the next stage (stage p-1's
     # chunk c goes to stage 0's chunk c+1); a backward sends the input cotangent upstream.
@@ -344,10 +361,16 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
         recv_grad[t, key[0]] = grad_slots[key]
     peak = []
     for s in range(p):
-        lives = [(where[(F, s, i, c)], last_use[(s, i, c)]) for (ss, i, c) in last_use if ss == s]
+        lives = [(where[(F, s, i, c)], alive_until[(s, i, c)]) for (ss, i, c) in alive_until if ss == s]
         peak.append(max(sum(a <= t <= b for a, b in lives) for t in range(ticks)))
+    w_slot, w_ring = np.zeros((ticks, p), np.int32), 0
+    if W in op:  # what B keeps for W waits in a ring from the B to the W, both included
+        w_at = {key: where[(W, *key)] for key in alive_until}
+        w_slots, w_ring = _allocate({key: where[(B, *key)] for key in alive_until}, w_at)
+        for (s, i, c), j in w_slots.items():
+            w_slot[where[(B, s, i, c)], s] = w_slot[w_at[(s, i, c)], s] = j
     return _frozen(Schedule(name, p, m, v, op, mb, chunk, loss, act_slot, grad_slot, recv_act,
-                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit"))
+                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit", w_slot, w_ring))
 
 
 def _allocate(arrive: dict, last_use: dict) -> tuple[dict, int]:

@@ -1,0 +1,138 @@
+"""fp8 matmuls with per-tensor delayed scaling (Micikevicius et al., "FP8 Formats for Deep
+Learning", 2022; the delayed scaling of NVIDIA Transformer Engine).
+
+``fp8_einsum(spec, x, kernel, meta)`` runs one matmul with both operands in E4M3 (4 exponent
+bits, 3 mantissa bits: the forward's precision) and, in the backward pass, the incoming
+gradient in E5M2 (5 exponent bits: the gradients' range). Each of the three tensors has its
+own scale, taken from the largest magnitude it had over the last ``history`` steps (its *amax
+history*) so that the largest recent value lands at the format's largest finite number: the
+scale of step t needs nothing computed in step t, and the matmul is one fp8 GEMM.
+
+The histories are parameters of kind ``Fp8Meta`` (an ``nnx.Param`` with
+``overwrite_with_gradient``): their "gradient" is their new value — the history rolled by one
+with this step's amax in front, computed where the tensor is (the gradient's in the backward
+pass). ``sk.train_step`` writes that value over the parameter instead of handing it to the
+optimizer, takes the max (not the mean) over microbatches, and leaves it out of the gradient
+norm and clipping. So the histories live in ``TrainState.params``, sharded (replicated), donated
+and checkpointed with everything else.
+
+``Fp8Dot`` is the NNX module that owns one matmul's three histories. Masters stay f32 and
+everything but the matmuls runs in the compute dtype (``precision="fp8"``: bf16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+HISTORY = 16
+F32 = jnp.float32
+
+
+class Fp8Meta(nnx.Param):
+    """An fp8 amax history: a parameter whose gradient is its new value (``sk.train_step``
+    overwrites it, never optimizes it)."""
+
+    overwrite_with_gradient = True
+
+
+def _scale(history: jax.Array, dtype) -> jax.Array:
+    """The delayed scale: the history's largest amax maps to ``dtype``'s largest finite number
+    (1 while the history is empty or not finite)."""
+    amax = jnp.max(history.astype(F32))
+    fmax = jnp.asarray(jnp.finfo(dtype).max, F32)
+    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / fmax, 1.0)
+
+
+def _quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``x / scale``, clipped to the format's range (a value above the delayed amax saturates
+    instead of overflowing), rounded to ``dtype``."""
+    fmax = jnp.finfo(dtype).max.astype(F32)
+    return jnp.clip(x.astype(F32) / scale, -fmax, fmax).astype(dtype)
+
+
+def _push(history: jax.Array, x: jax.Array) -> jax.Array:
+    """The history rolled by one step with ``x``'s amax in front."""
+    return jnp.roll(history, 1).at[0].set(jnp.max(jnp.abs(x)).astype(history.dtype))
+
+
+def _transposed(spec: str) -> tuple[str, str]:
+    """The einsum specs of the two input gradients of ``spec`` (``"ab,bc->ac"``)."""
+    ins, out = spec.replace(" ", "").split("->")
+    lhs, rhs = ins.split(",")
+    for name, operand, other in (("first", lhs, rhs), ("second", rhs, lhs)):
+        lost = set(operand) - set(out) - set(other)
+        if lost:
+            raise ValueError(f"fp8_einsum({spec!r}): the {name} operand's indices {sorted(lost)} are summed "
+                             "within it; sum them before the matmul")
+    return f"{out},{rhs}->{lhs}", f"{lhs},{out}->{rhs}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(spec: str, x: jax.Array, kernel: jax.Array, meta: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, x, kernel)`` as one fp8 matmul, result in ``x``'s dtype.
+
+    Args:
+        spec: a two-operand einsum spec (``"btd,df->btf"``).
+        x: the activations (E4M3 in the matmul).
+        kernel: the weights (E4M3).
+        meta: ``(3, history)`` amax histories of x, kernel and the output's gradient (E5M2).
+
+    Its gradient with respect to ``meta`` is the new histories (see the module docstring).
+    """
+    return _forward(spec, x, kernel, meta)[0]
+
+
+def _forward(spec, x, kernel, meta):
+    _transposed(spec)  # a spec the backward pass cannot transpose fails here, at trace time
+    sx, sk = _scale(meta[0], E4M3), _scale(meta[1], E4M3)
+    qx, qk = _quantize(x, sx, E4M3), _quantize(kernel, sk, E4M3)
+    y = jnp.einsum(spec, qx, qk, preferred_element_type=F32) * (sx * sk)
+    return y.astype(x.dtype), (qx, qk, sx, sk, x, kernel, meta)
+
+
+def _fwd(spec, x, kernel, meta):
+    y, (qx, qk, sx, sk, x, kernel, meta) = _forward(spec, x, kernel, meta)
+    new_meta = meta.at[0].set(_push(meta[0], x)).at[1].set(_push(meta[1], kernel))
+    # The output is in x's dtype, so is its gradient g; a scalar carries the kernel's dtype.
+    return y, (qx, qk, sx, sk, new_meta, jnp.zeros((), kernel.dtype))
+
+
+def _bwd(spec, res, g):
+    qx, qk, sx, sk, new_meta, k_zero = res
+    x_dtype, k_dtype = g.dtype, k_zero.dtype
+    dx_spec, dk_spec = _transposed(spec)
+    sg = _scale(new_meta[2], E5M2)
+    qg = _quantize(g, sg, E5M2)
+    dx = jnp.einsum(dx_spec, qg, qk, preferred_element_type=F32) * (sg * sk)
+    dk = jnp.einsum(dk_spec, qx, qg, preferred_element_type=F32) * (sx * sg)
+    new_meta = new_meta.at[2].set(_push(new_meta[2], g))
+    return dx.astype(x_dtype), dk.astype(k_dtype), new_meta
+
+
+fp8_einsum.defvjp(_fwd, _bwd)
+
+
+class Fp8Dot(nnx.Module):
+    """One matmul's fp8 state: ``Fp8Dot()(spec, x, kernel)`` is ``fp8_einsum`` with this
+    module's amax histories (``self.meta``: ``(3, history)``, replicated: a few floats)."""
+
+    def __init__(self, history: int = HISTORY):
+        if not isinstance(history, int) or history < 1:
+            raise ValueError(f"Fp8Dot(history={history!r}): the amax history needs at least one step")
+        self.meta = Fp8Meta(jnp.zeros((3, history), F32), out_sharding=(None, None))
+
+    def __call__(self, spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+        return fp8_einsum(spec, x, kernel, self.meta[...])
+
+
+def is_meta(variable) -> bool:
+    """Whether an NNX variable is one ``sk.train_step`` overwrites with its gradient."""
+    return bool(getattr(type(variable), "overwrite_with_gradient", False))
+
+
+__all__ = ["E4M3", "E5M2", "HISTORY", "Fp8Dot", "Fp8Meta", "fp8_einsum", "is_meta"]

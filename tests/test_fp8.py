@@ -1,0 +1,97 @@
+"""fp8 matmuls (``sk.fp8``): the quantized matmul against f32 within fp8's error bound, the
+amax histories written by the step (not optimized, max over microbatches), refusals, and the
+fp8 GEMMs in the program XLA:GPU compiles for H100.
+
+Tolerance: E4M3 keeps 4 significant bits, so rounding x / scale is off by at most 2^-4
+relative, uniformly spread: a product of two rounded operands is off by sqrt(2/3)·2^-4 ≈ 0.051
+RMS, and a sum of K such products with independent errors is off by 0.051 of the RMS of its
+terms times sqrt(K), i.e. 0.051·|x|·|w| for rows x and columns w. The tests allow 2× that.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardkit as sk
+
+RHO = np.sqrt(2 / 3) * 2.0 ** -4
+
+
+def _operands(seed=0, shape=(32, 64, 48)):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    m, k, n = shape
+    return jax.random.normal(k1, (m, k)), jax.random.normal(k2, (k, n)) * 0.05
+
+
+def test_fp8_einsum_is_within_e4m3s_error_and_its_meta_gradient_is_the_new_history():
+    x, w = _operands()
+    meta = jnp.zeros((3, 4)).at[:2, 1].set(jnp.stack([jnp.abs(x).max(), jnp.abs(w).max()]))
+    g = jax.random.normal(jax.random.key(2), (x.shape[0], w.shape[1])) * 1e-3
+
+    @jax.jit
+    def run(x, w, meta, g):
+        y, vjp = jax.vjp(lambda a, b, c: sk.fp8.fp8_einsum("mk,kn->mn", a, b, c), x, w, meta)
+        return y, vjp(g)
+
+    y, (dx, dw, dmeta) = run(x, w, meta, g)
+    exact = x @ w
+    bound = RHO * jnp.sqrt((x ** 2) @ (w ** 2))  # RMS error of each output element
+    assert float(jnp.sqrt(jnp.mean((y - exact) ** 2 / bound ** 2))) < 2.0
+    # The gradients: dx, dw in fp8 (E5M2 cotangent) close to exact; d meta = the new histories.
+    for got, want in ((dx, g @ w.T), (dw, x.T @ g)):
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 4 * RHO
+    np.testing.assert_allclose(dmeta[:, 0], [jnp.abs(x).max(), jnp.abs(w).max(), jnp.abs(g).max()], rtol=1e-6)
+    np.testing.assert_array_equal(dmeta[:, 2:], meta[:, 1:3])  # rolled by one step
+    with pytest.raises(ValueError, match="summed within it"):
+        sk.fp8.fp8_einsum("mk,jn->mn", x, w, meta)
+
+
+class Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (16, 64)) / 4, out_sharding=(None, "mlp"))
+        self.w2 = nnx.Param(jax.random.normal(rngs.params(), (64, 16)) / 8, out_sharding=("mlp", None))
+        self.d1, self.d2 = sk.fp8.Fp8Dot(history=4), sk.fp8.Fp8Dot(history=4)
+
+    def __call__(self, x):
+        return self.d2("bf,fd->bd", jax.nn.gelu(self.d1("bd,df->bf", x, self.w1[...])), self.w2[...])
+
+
+def _step(mesh, microbatches):
+    plan = sk.Plan(mesh, axis_rules={"mlp": "tensor"}, zero=1, precision="fp8")
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    return sk.train_step(plan, optax.adamw(1e-2), microbatches=microbatches, clip_norm=1.0)(loss)
+
+
+def test_the_step_writes_the_amax_histories_and_takes_their_max_over_microbatches():
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.normal(size=(16, 16)).astype(np.float32)}
+    batch["x"][3] *= 8  # the largest |x| is in one microbatch's rows only
+    step = _step(sk.make_mesh("data=4,tensor=2"), 2)
+    state = step.init(lambda: Tiny(nnx.Rngs(0)))
+    assert state.opt_state[0].mu["d1"]["meta"].shape == (3, 4)  # a parameter to Optax, never moved
+    # The whole batch's gradient, as the step's mean over its microbatches.
+    grads = jax.jit(jax.grad(step.microbatch_loss(state)))(state.params, batch)
+    norm = np.sqrt(sum(float(jnp.sum(grads[k] ** 2)) for k in ("w1", "w2")))
+    state, metrics = step(state, batch)
+    # The histories are not in the norm (they alone exceed it); each microbatch's gradient is
+    # rounded to E5M2 apart, hence 1e-3.
+    assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-3)
+    amax_x = float(np.abs(batch["x"].astype(jnp.bfloat16)).max())
+    meta = np.asarray(state.params["d1"]["meta"])  # max over the microbatches: the batch's amax
+    assert meta[0, 0] == pytest.approx(amax_x, rel=1e-2) and (meta[:, 1:] == 0).all()
+    assert not np.asarray(state.opt_state[0].mu["d1"]["meta"]).any()  # never optimized
+    state, _ = step(state, batch)
+    assert np.asarray(state.params["d1"]["meta"])[0, 1] == pytest.approx(amax_x, rel=1e-2)  # rolled
+
+
+def test_fp8_is_refused_where_the_target_has_no_fp8():
+    from target_sweep import require
+
+    require("a100")
+    step = _step(sk.make_mesh("data=4,tensor=2"), 1)
+    state = step.init(lambda: Tiny(nnx.Rngs(0)))
+    batch = {"x": np.zeros((16, 16), np.float32), "y": np.zeros((16, 16), np.float32)}
+    with pytest.raises(sk.cost.TargetError, match="a100 has no fp8 matmuls"):
+        step.explain(state, batch, mesh="data=8", target="a100")
