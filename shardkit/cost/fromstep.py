@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 
 from ..rules import entry_axes
 from . import hardware as hw_lib
@@ -53,6 +54,10 @@ class _Step:
 def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per_token=None) -> Estimate:
     """The ``Estimate`` of one step of ``step`` on ``state`` and ``batch`` (see the module
     docstring); ``pipeline``: an ``sk.pipeline`` trace note to use instead of the step's."""
+    # The loss closes over the model state (BatchNorm statistics): an abstract one
+    # (``sk.cost.simulate``'s) is traced as zeros of its shapes.
+    state = state.replace(model_state=jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
     s = _facts(step, state, batch, pipeline)
     mem = argument_memory(step, state, batch, s.lv)
     if not s.pipe:
