@@ -396,6 +396,10 @@ class TrainStep:
         with collecting_notes() as notes:
             out = self._step_body(state, batch)
         self.trace_notes = notes
+        if self._overwrite is not None and "pipeline" in notes:
+            raise ValueError("sk.fp8's amax histories (Fp8Meta parameters) inside sk.pipeline are not supported: "
+                             "the pipeline sums its microbatches' gradients, the histories need their max; "
+                             "run the fp8 layers outside the pipeline or use precision='bf16'")
         return out
 
     def _step_body(self, state: TrainState, batch):
