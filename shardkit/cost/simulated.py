@@ -340,7 +340,6 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
                f"(compile {out['seconds']['compile']:.1f} s)"],
         seconds={"export": t_export, "compile": out["seconds"]["compile"],
                  "subprocess": out["seconds"]["total"]})
-    offload.annotate(report, plan)
     if tgt.platform != "cpu":
         report.target, report.device_memory = tgt.name, tgt.memory_bytes()
     if sim.diloco is not None:
@@ -373,4 +372,5 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
         report.notes.append(f"XLA:TPU's own estimate, optimal_seconds {out['optimal_seconds'] * 1e3:.3g} ms, "
                             "counts each loop body once (layer scans, microbatches): not the step time")
         report.seconds["xla_tpu_optimal"] = out["optimal_seconds"]
+    offload.annotate(report, plan)
     return report
