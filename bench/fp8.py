@@ -79,7 +79,7 @@ def target_rows(a, console) -> list[dict]:
     from models.transformer.plan import abstract_step
 
     cfg = SIZES[a.target_size].replace(remat="full")
-    layouts = {8: [("data=8", 1), ("fsdp=8", 3)], 64: [("data=8,fsdp=8", 1), ("fsdp=64", 3)]}
+    layouts = {8: [("data=8", 1)], 64: [("fsdp=64", 3)]}
     jobs, names = [], []
     for n in a.gpus:
         for mesh, zero in layouts[n]:
