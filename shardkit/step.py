@@ -179,6 +179,10 @@ class TrainStep:
     def _setup(self, u: _model.Unpacked):
         self._adapter, self._logical = u.adapter, u.logical
         self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
+        if self.plan.precision.fp8 and not u.overwrite:
+            raise ValueError("precision='fp8' but the model has no fp8 matmul (sk.fp8.Fp8Dot): the step cannot "
+                             "rewrite a model's matmuls; use sk.fp8.Fp8Dot where they should run in fp8, or "
+                             "precision='bf16'")
         # Parameters the step overwrites with their gradient (sk.fp8's amax histories).
         self._overwrite = (self._layout.tree([l.path in u.overwrite for l in self._layout.leaves])
                            if u.overwrite else None)

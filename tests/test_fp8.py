@@ -86,15 +86,18 @@ def test_the_step_writes_the_amax_histories_and_takes_their_max_over_microbatche
     assert np.asarray(state.params["d1"]["meta"])[0, 1] == pytest.approx(amax_x, rel=1e-2)  # rolled
 
 
-def test_fp8_is_refused_where_the_target_has_no_fp8():
-    from target_sweep import require
-
-    require("a100")
+def test_fp8_needs_an_fp8_matmul_in_the_model_and_a_target_with_fp8():
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda p, b: jnp.sum(p["w"] * b))
+    with pytest.raises(ValueError, match="no fp8 matmul"):
+        step.init({"w": jnp.ones(8)})
+    # Refused before compiling (no compiler needed).
     step = _step(sk.make_mesh("data=4,tensor=2"), 1)
     state = step.init(lambda: Tiny(nnx.Rngs(0)))
     batch = {"x": np.zeros((16, 16), np.float32), "y": np.zeros((16, 16), np.float32)}
-    with pytest.raises(sk.cost.TargetError, match="a100 has no fp8 matmuls"):
-        step.explain(state, batch, mesh="data=8", target="a100")
+    for target in ("a100", "tpu-v5p"):
+        with pytest.raises(sk.cost.TargetError, match=f"{target} has no fp8 matmuls"):
+            step.explain(state, batch, mesh="data=8", target=target)
 
 
 @pytest.mark.extended  # two deviceless H100 compiles of the recipe (~30 s on 2 cores)

@@ -267,12 +267,6 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
              batch_axes=_SAME, microbatches: int | None = None, max_devices: int | None = None) -> _Job:
     """Re-plans ``step`` on ``mesh`` of ``tgt``'s devices, traces it abstractly and exports it."""
     step.layout  # raises before init
-    targets_lib.require(tgt)
-    if max_devices is None:
-        max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
-    amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
-    if tgt.platform == "tpu":
-        targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
     if step.plan.precision.fp8 and tgt.platform != "cpu":
         from . import hardware
 
@@ -280,6 +274,12 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
             raise targets_lib.TargetError(
                 f"precision='fp8': {tgt.name} has no fp8 matmuls; compile for an fp8 target "
                 f"(h100, h200, b200) or use precision='bf16' on {tgt.name}")
+    targets_lib.require(tgt)
+    if max_devices is None:
+        max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
+    amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
+    if tgt.platform == "tpu":
+        targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
