@@ -265,10 +265,10 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
         if vocab_lookup and tie:
             bwd += stack
         if staged and is_explicit(pipe):
-            # Backward ops recompute the chunk's forward (its row-parallel reductions again);
-            # ZB-H1 does so in B and in W, and W's weight VJP carries the input cotangent
-            # through the chunk's layers (its column-parallel reductions again).
-            redo = 2 if pipe["schedule"] == "zb-h1" else 1
+            # Backward ops recompute the chunk's forward once (its row-parallel reductions
+            # again): BW, or B of ZB-H1/ZB-V, whose W then only multiplies what B kept
+            # (issue 25: W no longer recomputes; was redo = 2 for ZB-H1).
+            redo = 1
             if row:
                 fwd += redo * stack
             elif redo > 1:

@@ -137,7 +137,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     """
     mesh = _resolve_mesh(mesh, axis)
     p = mesh.shape[axis]
-    m, v = microbatches, repeats
+    m, v = microbatches, (2 if schedule == "zb-v" else repeats)
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
@@ -148,10 +148,17 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
         remat = "full"
     chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat, own_remat)
-    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
-    # a plain reshape of the contiguous layer sharding.
-    params_s = jax.tree.map(
-        lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
+    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ... (ZB-V: s and
+    # 2p-1-s); for v == 1 this is a plain reshape of the contiguous layer sharding.
+    if schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
+        # XLA reduce the stage gradients over data twice)
+        def vee(a):
+            a = a.reshape((2, p, k) + a.shape[1:])
+            return jnp.stack([a[0], jnp.flip(a[1], 0)], axis=1)
+        params_s = jax.tree.map(vee, stage_params)
+    else:
+        params_s = jax.tree.map(
+            lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
             "data_axes": data}
