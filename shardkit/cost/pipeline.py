@@ -95,7 +95,7 @@ def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> floa
 
 
 def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
-                      stage_residuals: float, stage_layers: int) -> float:
+                      stage_residuals: float, stage_layers: int, w_saved: float = 0.0) -> float:
     """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B,
     ZB-H1; rings sized from the table) at its peak, a backward op, per device.
 
@@ -110,7 +110,10 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     tab = schedule_table(pipe)
     carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
     backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
-    return carry + backward_op + pm * act_mb
+    # [issue 25] ZB-H1/ZB-V: B keeps what its W reads (``w_saved`` bytes per pending W, the
+    # trace note's ``w_saved``; ``pipeline.split``) in a ring of ``w_ring`` slots, carried
+    # through the loop and, like the accumulators, again as the switch's result.
+    return carry + backward_op + pm * act_mb + 2 * tab.w_ring * w_saved
 
 
 def pipelined_uses(pipe: dict, layers: int) -> float:
