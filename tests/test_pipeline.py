@@ -22,7 +22,7 @@ from shardkit.pipeline import pipeline
 D, B, OUT = 8, 16, 3
 RTOL = 1e-5
 SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1)]
-NEW_SCHEDULES = [("zb-h1", 1), ("interleaved-1f1b", 2)]
+NEW_SCHEDULES = [("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2)]
 
 
 def layer(lp, h_BxD):

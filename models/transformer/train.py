@@ -22,7 +22,7 @@ from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")  # sk.pipeline_schedule's
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")  # sk.pipeline_schedule's
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
 
 

@@ -169,11 +169,12 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
     if not gpipe_like and pipe.get("stage_residuals") is not None:
         lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
         rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-        stage_res = sum(math.prod(sh) * itemsize(d) / n_tensor_of(sh, rows, lv.tensor_dims, sizes)
-                        for sh, d in pipe["stage_residuals"])
+        stage_res, w_saved = (sum(math.prod(sh) * itemsize(d) / n_tensor_of(sh, rows, lv.tensor_dims, sizes)
+                                  for sh, d in pipe.get(key, ())) for key in ("stage_residuals", "w_saved"))
         backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
-                                    max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1))
+                                    max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1),
+                                    w_saved=w_saved)  # ZB's pending W's (pipeline.split)
     else:
         working += pipeline_buffers(pipe, act_carried, g_comp)
         # A pipeline's backward starts after the loss's (whose residuals are freed by then).

@@ -76,7 +76,7 @@ from ..mesh import vmapped_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
-from .schedules import EXPLICIT, SCHEDULES, check_schedule, pipeline_schedule
+from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
 from .split import SplitBackward
 from .stage import (REMAT, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split, stage_residuals,
                     with_remat)
@@ -137,7 +137,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     """
     mesh = _resolve_mesh(mesh, axis)
     p = mesh.shape[axis]
-    m, v = microbatches, repeats
+    m, v = microbatches, (2 if schedule == "zb-v" else repeats)
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
@@ -148,26 +148,35 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
         remat = "full"
     chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat, own_remat)
-    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
-    # a plain reshape of the contiguous layer sharding.
-    params_s = jax.tree.map(
-        lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
+    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ... (ZB-V: s and
+    # 2p-1-s); for v == 1 this is a plain reshape of the contiguous layer sharding.
+    if schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
+        # XLA reduce the stage gradients over data twice)
+        def vee(a):
+            a = a.reshape((2, p, k) + a.shape[1:])
+            return jnp.stack([a[0], jnp.flip(a[1], 0)], axis=1)
+        params_s = jax.tree.map(vee, stage_params)
+    else:
+        params_s = jax.tree.map(
+            lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
             "data_axes": data}
+    split_ops = None
+    if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
+        layer = layer_runner(stage_fn, k, extras is not None, rng)
+        split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
     if schedule in EXPLICIT and rng is None and noting():
+        n_data = math.prod(mesh.shape[a] for a in data)
         try:
-            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb,
-                                                       math.prod(mesh.shape[a] for a in data))
+            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
+            if split_ops is not None:  # what one pending W holds (the estimate's W ring)
+                info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     note("pipeline", info)
     if schedule in EXPLICIT:
         tab = pipeline_schedule(schedule, p, m, v)
-        split_ops = None
-        if tab.w_ring:  # B and W apart: B keeps what W needs (no recompute)
-            layer = layer_runner(stage_fn, k, extras is not None, rng)
-            split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
         return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
                                  rng, mesh=mesh, axis=axis, data=data, split=split_ops)
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
