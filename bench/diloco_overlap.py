@@ -12,7 +12,14 @@ next, since the sync program is dispatched after the first and waited for by the
 compared with the median of the other steps of the same run. The step count is a multiple of
 H plus one, so every run's last outer step is in its final θ_outer.
 
+A second table times the compiled programs themselves, in one process (median of ``--reps``
+interleaved repetitions, each blocked on its result): the inner step alone, the
+non-overlapped boundary (inner step, then the sync program) and the overlapped boundary (one
+program: inner step + the fragment's all-reduce and outer step), on a stacked MLP whose
+parameters (``--width``, 8 layers) dwarf its compute, so the sync is visible.
+
     python bench/diloco_overlap.py [--steps 301 --every 50 --fragments 2 --runs 1/0.5,5/0.5,1/0]
+    python bench/diloco_overlap.py --programs-only
 """
 from __future__ import annotations
 
@@ -58,6 +65,53 @@ def run(a, overlap: int, mix: float) -> dict:
             "step_ms": [round(1e3 * dt[s], 2) for s in sorted(dt)], "seconds": time.perf_counter() - t}
 
 
+def program_times(a) -> list[dict]:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import shardkit as sk
+
+    def loss(p, batch):
+        h = batch["x"]
+        for i in range(p["layers"].shape[0]):
+            h = jnp.tanh(h @ p["layers"][i])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    d = a.width
+    init = {"layers": jax.random.normal(jax.random.key(0), (8, d, d)) / np.sqrt(d)}
+    rng = np.random.default_rng(0)
+    raw = {"x": rng.normal(size=(16, d)).astype(np.float32), "y": rng.normal(size=(16, d)).astype(np.float32)}
+    plan = sk.Plan(sk.make_mesh(a.mesh), rules=[(r".*", ())])
+    rows = []
+    for overlap in (0, 1):
+        outer = sk.DiLoCo(every=8, fragments=2, layers=r"^layers$", overlap=overlap, mix=0.5 if overlap else 0.0)
+        step = sk.train_step(plan, optax.adamw(1e-3), outer=outer)(loss)
+        state = step.init(init)
+        batch, shardings = step.place_batch(raw)
+        progs = step.diloco.programs(state, batch, shardings)
+        send = next((k for k in progs if k.startswith("inner+send/0")), None)  # τ=1: the merge is in it too
+        boundary = ["inner", "sync/0"] if not overlap else [send]
+        times = {"inner": [], "boundary": []}
+        for _ in range(a.reps):
+            for key, names in (("inner", ["inner"]), ("boundary", boundary)):
+                t = time.perf_counter()
+                for name in names:
+                    out = progs[name](state, batch) if name.startswith("inner") else progs[name](state)
+                    state = out[0] if name.startswith("inner") else out
+                jax.block_until_ready(state)
+                times[key].append(time.perf_counter() - t)
+        sent = step.diloco.traffic(state, raw)
+        rows.append({"overlap": overlap, "inner_ms": 1e3 * statistics.median(times["inner"]),
+                     "boundary_ms": 1e3 * statistics.median(times["boundary"]),
+                     "sync_bytes": sent["sync/0"] if not overlap else sent[send], "boundary": "+".join(boundary),
+                     "params": int(np.prod(init["layers"].shape))})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="replica=4,data=2")
@@ -65,10 +119,29 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--runs", default="1/0.5,5/0.5,1/0", help="overlapped runs, τ/α pairs")
+    ap.add_argument("--width", type=int, default=512, help="the program-time model's width (8 layers)")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--programs-only", action="store_true", help="only the program-time table")
     ap.add_argument("--out", default="bench/results/diloco_overlap.json")
     a = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
+
+    progs = program_times(a)
+    table = Table(title=f"Compiled programs, {a.mesh}, 8x{a.width}x{a.width} stacked MLP, 2 fragments, "
+                        f"median of {a.reps}")
+    for c in ("run", "inner step ms", "boundary step ms", "boundary / inner", "sync B/device"):
+        table.add_column(c, justify="left" if c == "run" else "right")
+    for r in progs:
+        table.add_row(f"overlap τ=1: {r['boundary']}" if r["overlap"] else "no overlap: inner, then sync/0",
+                      f"{r['inner_ms']:.2f}", f"{r['boundary_ms']:.2f}", f"{r['boundary_ms'] / r['inner_ms']:.2f}x",
+                      f"{r['sync_bytes']:,}")
+    Console(width=160).print(table)
+    if a.programs_only:
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        with open(os.path.splitext(a.out)[0] + "_programs.json", "w") as f:
+            json.dump({"args": vars(a), "programs": progs}, f, indent=1)
+        return
 
     results = [run(a, 0, 0.0)]
     for pair in a.runs.split(","):
@@ -92,7 +165,7 @@ def main() -> None:
     print("\n".join(lines))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"args": vars(a), "model_flags": MODEL, "results": results}, f, indent=1)
+        json.dump({"args": vars(a), "model_flags": MODEL, "programs": progs, "results": results}, f, indent=1)
     print(f"wrote {a.out}")
 
 

@@ -135,7 +135,7 @@ def report(a) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, (ax, cx) = plt.subplots(1, 2, figsize=(11, 4.2))
     markers = {"replica=8": "o", "replica=4,data=2": "s", "replica=2,data=4": "^"}
     for mesh, marker in markers.items():
         pts = [r for r in rows if r["mesh"] == mesh and r["run"].startswith("DiLoCo")]
@@ -153,6 +153,15 @@ def report(a) -> None:
     ax.set_ylabel("final validation loss (nats/byte)")
     ax.set_title("Warm-started DiLoCo vs DP, equal tokens", fontsize=10)
     ax.legend(fontsize=7)
+    for r in rows:
+        if r.get("curve"):
+            steps, vals = zip(*r["curve"])
+            style = "k-" if r["run"] == "DP" else ("k:" if "warm" in r["run"] else "-")
+            cx.plot(steps, vals, style, label=f"{r['run']}, {r['mesh'].split(',')[0]}", linewidth=1)
+    cx.set_xlabel("step")
+    cx.set_ylabel("validation loss")
+    cx.set_title("Validation loss during the continuation", fontsize=10)
+    cx.legend(fontsize=6)
     fig.tight_layout()
     png = os.path.splitext(a.out)[0] + ".png"
     fig.savefig(png, dpi=120)

@@ -22,7 +22,11 @@ The sync is a separate compiled program per fragment, run by the step right afte
 step that completes an interval, rather than a ``lax.cond`` inside one program: a conditional
 would put the replica all-reduce into the every-step program (in a branch, but in its HLO and
 its buffer plan), while two programs keep the inner one provably free of replica traffic and
-let each be measured on its own. The host knows when to sync from a step counter it reads
+let each be measured on its own. With ``overlap`` (Streaming DiLoCo's overlapped exchange) the
+replicas do not wait: a fragment's outer step is part of the next inner step's program, reading
+only the parameters that step starts from, so XLA may run the all-reduce beside the step's
+compute; its result waits in ``state.outer`` until the program τ steps later merges it (one
+program per combination of sends and merges, ``DiLoCoStep.program_name``). The host knows when to sync from a step counter it reads
 once from the state (after ``init`` or a restore) and then counts itself, so deciding never
 waits for the device.
 
