@@ -88,7 +88,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     tensor_split = [any(a not in plan.batch_axes and sizes.get(a, 1) > 1 for e in l.spec for a in entry_axes(e))
                     for l in lv.leaves]
     caveats = step_caveats(s.reading, [st < c for st, c in zip(lv.stored, lv.comp)], tensor_split, bool(pipe),
-                           bool(step.trace_notes.get("moe")), s.data_axes)
+                           bool(step.trace_notes.get("moe")), s.data_axes, s.sp)
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev, notes, caveats)
 

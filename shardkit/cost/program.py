@@ -173,7 +173,10 @@ def _dot_flops(eqn) -> float:
     dn = eqn.params["dimension_numbers"]
     rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
     window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
+    # A strided convolution's input gradient is a convolution of the gradient dilated by the
+    # stride (lhs_dilation): the inserted zeros are not multiplied (cuDNN, XLA:GPU's count).
+    dilated = math.prod(eqn.params.get("lhs_dilation") or (1,))
+    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window / dilated
 
 
 class _Reader:
