@@ -72,9 +72,9 @@ def cpu_curves(a, console) -> dict:
 
 
 def target_rows(a, console) -> list[dict]:
-    import shardkit as sk
     from rich.table import Table
 
+    import shardkit as sk
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
