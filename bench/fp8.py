@@ -72,9 +72,9 @@ def cpu_curves(a, console) -> dict:
 
 
 def target_rows(a, console) -> list[dict]:
-    import shardkit as sk
     from rich.table import Table
 
+    import shardkit as sk
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
@@ -100,7 +100,8 @@ def target_rows(a, console) -> list[dict]:
         ms = r.step_time["step"] * 1e3
         base.setdefault((n, mesh), ms)
         rows.append({"gpus": n, "mesh": mesh, "zero": zero, "precision": precision, "matmul_flops": r.matmul_flops,
-                     "fp8_matmul_flops": r.fp8_matmul_flops, "peak": r.memory["peak"], "step_ms": ms})
+                     "fp8_matmul_flops": r.fp8_matmul_flops, "peak": r.memory["peak"], "step_ms": ms,
+                     "step_time": r.step_time, "roles": r.roles(), "role_counts": r.role_counts()})
         t.add_row(str(n), mesh, str(zero), precision, f"{r.matmul_flops / 1e12:.1f}",
                   f"{r.fp8_matmul_flops / r.matmul_flops:.0%}", f"{r.memory['peak'] / 2**30:.2f}", f"{ms:,.0f}",
                   f"{ms / base[(n, mesh)]:.2f}")

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import shardkit as sk  # noqa: E402
+import shardkit as sk
 
 GIB = 2 ** 30
 # Layouts per GPU count: mesh, ZeRO stage, sequences per GPU. data=8 with ZeRO-1 at 3
@@ -105,7 +105,7 @@ def largest(a, console) -> list[dict]:
         for offload in ((), ("opt_state",)):
             t0, probes = time.perf_counter(), {}
 
-            def fits(layers: int):
+            def fits(layers: int, probes=probes, n=n, offload=offload):
                 if layers not in probes:
                     (r,) = sk.cost.simulate_many([_job(family(layers), f"fsdp={n}", 3, 1, n, offload=offload)],
                                                  target="h100", timeout=a.timeout)

@@ -89,4 +89,4 @@ def annotate(report, plan) -> None:
                             "memory: this backend placed everything in device memory")
 
 
-__all__ = ["annotate", "KINDS", "check", "to_host", "to_device", "remat_policy"]
+__all__ = ["KINDS", "annotate", "check", "remat_policy", "to_device", "to_host"]

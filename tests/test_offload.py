@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_step import AXIS_RULES, batches, init_params, mlp_loss, rules_for
 
 import shardkit as sk
-from test_step import AXIS_RULES, batches, init_params, mlp_loss, rules_for
 
 
 def _train(mesh_spec, zero, offload, steps=4, clip_norm=None, devices=None):
@@ -86,7 +86,7 @@ def test_offload_remat_policy_keeps_gradients():
     x = jax.random.normal(jax.random.key(1), (8, 16))
 
     def loss(w, policy):
-        layer = lambda h, w_l: (jnp.tanh(h @ w_l), None)  # noqa: E731
+        layer = lambda h, w_l: (jnp.tanh(h @ w_l), None)
         if policy is not None:
             layer = jax.checkpoint(layer, policy=policy)
         return jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)
@@ -104,9 +104,9 @@ def test_remat_offload_keeps_the_recipe_gradients_and_puts_activations_on_the_ho
     relative) on CPU (XLA:CPU has no host offloader: the saved activations stay in its memory;
     the next test reads them in host memory on H100)."""
     from flax import nnx
+    from test_transformer import CFG, build, tokens
 
     from models.transformer.model import loss_fn
-    from test_transformer import CFG, build, tokens
 
     batch = {"inputs": tokens(4, CFG.seq), "targets": tokens(4, CFG.seq, seed=1)}
 
