@@ -148,14 +148,11 @@ NOTEBOOKS = {
                "s and 2p−1−s: a microbatch goes down the devices and comes back up (the loss on device "
                "0), and the W's fill what is left: bubble (p−1)/(6m+p−1) in its half-stage slots, at "
                "1F1B's peak of p whole-stage microbatches (2p chunks)."),
-        ("code", 'fig = Figure(figsize=(13, 9), layout="constrained")
-'
-                 'axes = fig.subplots(4, 1)
-'
-                 'for ax, (name, v) in zip(axes, (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))):
-'
-                 '    sk.viz.pipeline_schedule(sk.pipeline_schedule(name, stages=4, microbatches=8, repeats=v), ax=ax)
-'
+        ("code", 'from matplotlib.figure import Figure\n'
+                 'fig = Figure(figsize=(13, 9), layout="constrained")\n'
+                 'axes = fig.subplots(4, 1)\n'
+                 'for ax, (name, v) in zip(axes, (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))):\n'
+                 '    sk.viz.pipeline_schedule(sk.pipeline_schedule(name, stages=4, microbatches=8, repeats=v), ax=ax)\n'
                  'fig'),
         ("md", "Running one on the simulated devices: 4 layers over `pipe=4`, equal to the plain loop."),
         ("code", 'mesh = sk.make_mesh("data=2,pipe=4")\nW = jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3\n'

@@ -77,6 +77,7 @@ from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
+from .order import LAYER_ORDERS
 from .split import SplitBackward
 from .stage import (REMAT, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split, stage_residuals,
                     with_remat)
@@ -89,7 +90,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
              loss_fn: Callable[..., jax.Array] | None = None, loss_params: Any = None,
              targets: Any = None, extras: Any = None, rng: jax.Array | None = None,
              remat: str = "none", mesh: Any = None,
-             batch_axes: str | tuple[str, ...] | None = None) -> jax.Array:
+             batch_axes: str | tuple[str, ...] | None = None, layer_order: str = "natural") -> jax.Array:
     """Runs a stack of layers as a pipeline over the ``axis`` mesh axis.
 
     Args:
@@ -124,6 +125,10 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             ``fsdp`` axes; only data-like axes of size > 1 other than ``axis`` count, and none
             when ``rng`` is given. With data axes and an explicit schedule, ``loss_fn`` must be a mean
             over the microbatch's rows.
+        layer_order: ``"natural"`` (``stage_params`` rows are layers 0..L-1) or
+            ``"stage-major"``: the rows are stored in the order the schedule reads them
+            (``sk.pipeline_layer_order``), so with several chunks per device (circular,
+            interleaved 1F1B, ZB-V) the step moves no weights (``order``).
 
     Returns:
         ``y`` shaped like ``x`` without ``loss_fn``; with it the mean over microbatches of
@@ -149,8 +154,13 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         remat = "full"
     chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat, own_remat)
     # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ... (ZB-V: s and
-    # 2p-1-s); for v == 1 this is a plain reshape of the contiguous layer sharding.
-    if schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
+    # 2p-1-s); for v == 1, or weights stored stage-major, a plain reshape of the contiguous
+    # layer sharding.
+    if layer_order not in LAYER_ORDERS:
+        raise ValueError(f"unknown layer_order {layer_order!r}; choose one of {LAYER_ORDERS}")
+    if layer_order == "stage-major":
+        params_s = jax.tree.map(lambda a: a.reshape((p, v, k) + a.shape[1:]), stage_params)
+    elif schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
         # XLA reduce the stage gradients over data twice)
         def vee(a):
             a = a.reshape((2, p, k) + a.shape[1:])

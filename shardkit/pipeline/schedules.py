@@ -319,6 +319,14 @@ def _routes(name: str, p: int, v: int):
     return nxt, lambda s, c: prev.get((s, c))
 
 
+def layer_groups(schedule: str, p: int, v: int) -> np.ndarray:
+    """(p, v) int32: the global layer group of chunk c on stage s — ``c·p + s`` (Narayanan et
+    al. 2021), ZB-V ``s`` and ``2p - 1 - s`` (Qi et al. 2024)."""
+    if schedule == "zb-v":
+        return np.array([[s, 2 * p - 1 - s] for s in range(p)], np.int32)
+    return np.array([[c * p + s for c in range(v)] for s in range(p)], np.int32)
+
+
 def _simulate_v(p: int, m: int) -> list[list[tuple[int, int, int]]]:
     """ZB-V's table by list scheduling, in lockstep (a message takes one tick): each tick a
     stage runs the first ready op of: a B (oldest microbatch first; chunk 0 on ties, it is on
@@ -483,8 +491,7 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
     for kind, arrivals, slots in (("act", act_in, act_slots), ("grad", grad_in, grad_slots)):
         for key, t in arrivals.items():
             recv[(kind, came[(kind, *key)])][t, key[0]] = slots[key]
-    group = np.array([[(s if c == 0 else 2 * p - 1 - s) if name == "zb-v" else c * p + s
-                       for c in range(v)] for s in range(p)], np.int32)
+    group = layer_groups(name, p, v)
     peak = []
     for s in range(p):
         lives = [(where[(F, s, i, c)], alive_until[(s, i, c)]) for (ss, i, c) in alive_until if ss == s]
