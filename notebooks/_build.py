@@ -149,10 +149,10 @@ NOTEBOOKS = {
                "0), and the W's fill what is left: bubble (p−1)/(6m+p−1) in its half-stage slots, at "
                "1F1B's peak of p whole-stage microbatches (2p chunks)."),
         ("code", 'from matplotlib.figure import Figure\n'
-                 'fig = Figure(figsize=(13, 9), layout="constrained")\n'
+                 'fig = Figure(figsize=(10, 6), layout="constrained")\n'
                  'axes = fig.subplots(4, 1)\n'
                  'for ax, (name, v) in zip(axes, (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))):\n'
-                 '    sk.viz.pipeline_schedule(sk.pipeline_schedule(name, stages=4, microbatches=8, repeats=v), ax=ax)\n'
+                 '    sk.viz.pipeline_schedule(sk.pipeline_schedule(name, stages=4, microbatches=4, repeats=v), ax=ax)\n'
                  'fig'),
         ("md", "Running one on the simulated devices: 4 layers over `pipe=4`, equal to the plain loop."),
         ("code", 'mesh = sk.make_mesh("data=2,pipe=4")\nW = jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3\n'
@@ -304,7 +304,7 @@ idle = lambda t: t.bubble_fraction / (1 - t.bubble_fraction)  # bubble over the 
 assert abs(idle(zb) - idle(one) / 3) < 1e-12 and max(zb.peak_activations) == max(one.peak_activations) == 4
 vee = sk.pipeline_schedule("zb-v", stages=4, microbatches=8)
 assert abs(vee.bubble_fraction - 3 / (6 * 8 + 3)) < 1e-12 and max(vee.peak_activations) == 8
-drawn = [sk.pipeline_schedule(n, stages=4, microbatches=8, repeats=v).op.size
+drawn = [sk.pipeline_schedule(n, stages=4, microbatches=4, repeats=v).op.size
          for n, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))]
 assert [len(ax.patches) for ax in axes] == drawn  # one cell per (tick, device)''',
     "06_layouts_7b_256_gpus": '''assert sk.cost.EFFICIENCY["h100"].matmul == 0.52

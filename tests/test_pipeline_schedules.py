@@ -135,8 +135,8 @@ def test_cost_model_reads_the_tables():
         assert cost.pipeline_ticks(note) == tab.ticks
         assert cost.pipeline_bubble(note) == pytest.approx(bubble)  # idle / busy: (p-1)/(v·m), /(3m)
     zb = {"stages": 4, "microbatches": 8, "repeats": 1, "schedule": "zb-h1"}
-    assert cost.recompute_factor(zb) == pytest.approx(2.0)  # B and W each recompute F; W's
-    # weight VJP also carries the input cotangent through the chunk's layer scan
+    # B recomputes the chunk's forward once and keeps what W reads (pipeline.split): 1F1B's
+    assert cost.recompute_factor(zb) == cost.recompute_factor({**zb, "schedule": "zb-v"}) == pytest.approx(4 / 3)
     assert cost.recompute_factor({**zb, "schedule": "1f1b"}) == pytest.approx(4 / 3)
     assert cost.recompute_factor({**zb, "schedule": "gpipe"}) == 1.0
 

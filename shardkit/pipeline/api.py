@@ -1,4 +1,4 @@
-"""Pipeline parallelism over one mesh axis: GPipe, circular, 1F1B, interleaved 1F1B, ZB-H1.
+"""Pipeline parallelism over one mesh axis: GPipe, circular, 1F1B, interleaved 1F1B, ZB-H1, ZB-V.
 
 ``pipeline(stage_fn, stage_params, x, microbatches=m, schedule=...)`` applies a stack of ``L``
 identical layers (``stage_params`` leaves carry a leading ``L`` dimension) to ``x``, with the
@@ -19,12 +19,13 @@ idle device skips the compute) and hands activations on with ``lax.ppermute``.
   activation leaving the last stage loops back to stage 0 for the next group. Microbatch ``i``
   is the rows ``i, i+m, i+2m, ...`` of the batch, so a batch sharded over data axes stays
   sharded inside every microbatch.
-* **1F1B**, **interleaved 1F1B** (``repeats=v`` chunks per device, Narayanan et al. 2021)
-  and **ZB-H1** (Qi et al., ICLR 2024: backward split into an input-gradient op B and a
-  weight-gradient op W that fills the bubble): a ``jax.custom_vjp`` whose forward runs the
+* **1F1B**, **interleaved 1F1B** (``repeats=v`` chunks per device, Narayanan et al. 2021),
+  **ZB-H1** (Qi et al., ICLR 2024: backward split into an input-gradient op B and a
+  weight-gradient op W that fills the bubble) and **ZB-V** (Qi et al. 2024: two chunks per
+  device in a V): a ``jax.custom_vjp`` whose forward runs the
   whole table (``sk.pipeline_schedule``: forwards, per-microbatch loss on the last layer
   group, backward ops through explicit per-chunk ``jax.vjp``s that recompute the chunk from
-  its saved input; see ``explicit``) and returns the gradients as residuals; the custom
+  its saved input — ZB's B once, keeping what W reads, ``split``; see ``explicit``) and returns the gradients as residuals; the custom
   backward only scales them by the incoming cotangent. Stage inputs and waiting cotangents sit
   in ring buffers sized from the table, whatever ``m``. Without differentiation the primal
   runs GPipe / circular. Gradients never flow to ``extras`` or ``targets``.
@@ -53,14 +54,17 @@ old traffic): a key drawn on a device's rows only would not reproduce the un-sha
 Memory: autodiff of the tick loop saves activations only. A layer group's weights are its layer
 scan's ``xs`` and ops that only move or re-type data (slices, reshapes, transposes, casts) are
 recomputed in the backward rather than saved, so nothing derived from the weights — circular's
-per-tick slice of its group included — is kept once per tick. The explicit schedules trade
-compute for memory: a backward op recomputes its chunk's forward (1F1B: 4/3 of the layers'
-flops; ZB-H1's B and W both do, ``cost.pipeline.recompute_factor``) and only one microbatch's
-residuals are alive at a time.
+per-tick slice of its group included — is kept once per tick. A layer that checkpoints itself
+(``jax.checkpoint``, a recipe's ``remat="full"``) is not wrapped again (``stage.with_remat``).
+The explicit schedules trade compute for memory: a backward op recomputes its chunk's forward
+(4/3 of the layers' flops, ``cost.pipeline.recompute_factor``) and only one microbatch's
+residuals are alive at a time — but ZB's pending W's, each holding what its W reads
+(``Schedule.pending_w``).
 
 Bubble fractions of the tables (``bench/pipeline.py`` checks them; ``Schedule.formula_bubble``):
 GPipe and 1F1B (p-1)/(m+p-1) (1F1B counted in forward/backward slots of equal length), circular
-and interleaved 1F1B (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1) in unit F = B = W slots.
+and interleaved 1F1B (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1) in unit F = B = W slots, ZB-V
+(p-1)/(6m+p-1) in its half-stage slots.
 """
 
 from __future__ import annotations
@@ -105,7 +109,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         microbatches: ``m >= stages``.
         schedule: ``"gpipe"``, ``"circular"`` (uses ``repeats``), or one of the explicit-
             backward schedules, which need ``loss_fn``: ``"1f1b"``, ``"interleaved-1f1b"``
-            (uses ``repeats``; ``m`` a multiple of the stages), ``"zb-h1"``.
+            (uses ``repeats``; ``m`` a multiple of the stages), ``"zb-h1"``, ``"zb-v"`` (2
+            chunks per device: layer groups s and 2p-1-s; ``repeats`` 1 or 2).
         repeats: layer groups per device for ``"circular"`` / ``"interleaved-1f1b"``; 1
             otherwise.
         axis: the mesh axis the layers are split over.
