@@ -77,7 +77,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     t = times(col, counts, busy, hw, layout)
     n_dev = mesh.size
     notes = list(s.reading.notes)
-    if not pipe:
+    if not pipe and s.platform == "cpu":
         notes.append("modelled memory: a liveness simulation of the traced forward + backward pass with "
                      "XLA's fusion rules: the bytes alive at once. XLA's temporaries are its packing of its "
                      "buffers into one heap, which large steps leave fragmented (1.3-1.4x the bytes alive at "
