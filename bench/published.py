@@ -46,6 +46,8 @@ SOURCES = {
     "torchtitan24": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3",
     "maxtext24": "MaxText configs/a3/llama_2_7b/README.md and {1,2,4,8,16}vm.sh (commit efb6d9e4a, "
                  "2024-04)",
+    "llama3_24": "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4 (405B pre-training "
+                 "on H100 80 GB: GPUs, TP, CP, PP, DP, sequence, batch per DP, tokens per batch, TFLOPs/GPU)",
 }
 
 # How each source counts the flops behind its TFLOP/s figure (per step, whole job).
@@ -58,6 +60,8 @@ CONVENTIONS = {
                  "efb6d9e4a; N_all counts the embedding table, causal attention halved",
     "korthikanti22": "seconds per iteration (no flop convention)",
     "torchtitan24": "tokens/s per GPU (no flop convention)",
+    "llama3_24": "the paper gives TFLOPs/GPU and BF16 MFU (430 = 43% of 989) but not its formula: taken "
+                 "as model() here, 6 x matmul weights + causal attention 6·L·h·s, per token",
 }
 
 
@@ -68,7 +72,8 @@ class Run:
     Attributes:
         key: short name.
         source: a key of ``SOURCES`` (paper/report and table).
-        role: ``"calibration"`` (the current constants were set from it) or ``"validation"``.
+        role: ``"calibration"`` (the current constants were set from it), ``"validation"``, or
+            ``"scale"`` (validation at ≥ 4,096 GPUs and ≥ 8K tokens, summarised apart).
         hardware: the ``sk.cost`` hardware entry it ran on.
         gpus: GPUs as published (``check`` compares TP x PP x DP x FSDP with it).
         params_b: model size as published, billions (``check`` compares the dims' count).
@@ -79,6 +84,9 @@ class Run:
         positions: learned position-embedding rows (Megatron-2021 GPT: ``seq``).
         global_batch: sequences per step.
         tensor, pipe, data, fsdp: parallel degrees (``data`` across replicas, ``fsdp`` sharding).
+        context: context-parallel degree (the sequence split; it does not split the batch).
+        layer_slots: layers as the pipeline's stages hold them, where the published run pads
+            (0: ``layers``).
         microbatch: sequences per microbatch and replica.
         virtual: interleaved-1F1B model chunks per stage (1: plain 1F1B, or no pipeline).
         recompute: ``"full"``, ``"selective"`` (Korthikanti's: attention core only) or ``"none"``
@@ -130,10 +138,12 @@ class Run:
     aggregate_pflops: float = 0.0
     fit: bool = True
     note: str = ""
+    context: int = 1
+    layer_slots: int = 0
 
     @property
     def devices(self) -> int:
-        return self.tensor * self.pipe * self.data * self.fsdp
+        return self.tensor * self.pipe * self.data * self.fsdp * self.context
 
     @property
     def microbatches(self) -> int:
@@ -198,6 +208,16 @@ def _torchtitan(gpus, tps, compiled):
                     "not fitted against the 989 TFLOP/s SXM peak")
 
 
+def _llama3(gpus, cp, dp, seq, tflops):
+    return Run(f"llama3-405b-{seq // 1024}k-{gpus}gpu", "llama3_24", "scale", "h100", gpus, 405, "llama",
+               16384, 126, 128, 8, 53248, 128256, seq, 16 * 2**20 // seq, 8, 16, dp, 1, 1, 1, "none", tflops,
+               "tflops/gpu", zero=2, flash=True, context=cp, layer_slots=128,
+               note="Table 4 row; 16M tokens per batch; FSDP without resharding after the forward: ZeRO-2's "
+                    "traffic; microbatch 1, plain 1F1B (the paper tunes its interleaved schedule, degree not "
+                    "given); 126 layers, the first and last stage one fewer (the formulas spread 7.9 per "
+                    "stage); recompute not stated: none")
+
+
 RUNS: tuple[Run, ...] = (
     # Narayanan et al. 2021, Table 1 (A100 80 GB, Selene: 8 GPUs per node, 8 x 200 Gb/s HDR IB):
     # size, hidden, layers, heads, TP, PP, GPUs, batch, microbatch and chunks (the artifact),
@@ -239,28 +259,31 @@ RUNS: tuple[Run, ...] = (
     _torchtitan(128, 5605, False), _torchtitan(128, 6514, True),
     # MaxText Llama2-7B on A3 (8 x H100 80 GB per VM).
     _maxtext(1, 492), _maxtext(2, 422), _maxtext(4, 407), _maxtext(8, 409), _maxtext(16, 375),
+    # Llama 3 405B (Table 4): 8K-token pre-training on 8,192 and 16,384 H100s, and the 128K-context
+    # phase with context parallelism 16. Kept apart from calibration and validation ("scale").
+    _llama3(8192, 1, 64, 8192, 430), _llama3(16384, 1, 128, 8192, 400), _llama3(16384, 16, 8, 131072, 380),
 )
 
 
 def check(run: Run) -> list[str]:
     """What is inconsistent in a row's configuration (empty when nothing is)."""
     bad = []
-    if run.role not in ("calibration", "validation"):
+    if run.role not in ("calibration", "validation", "scale"):
         bad.append(f"role {run.role!r}")
     if run.d_model % run.heads or run.heads % run.kv_heads:
         bad.append(f"d_model {run.d_model} / heads {run.heads} / kv_heads {run.kv_heads}")
     if run.global_batch % (run.data * run.fsdp * run.microbatch):
         bad.append(f"global batch {run.global_batch} over {run.data * run.fsdp} replicas x "
                    f"microbatch {run.microbatch}")
-    if run.layers % (run.pipe * run.virtual):
-        bad.append(f"{run.layers} layers over pipe {run.pipe} x {run.virtual} chunks")
+    if (run.layer_slots or run.layers) % (run.pipe * run.virtual):
+        bad.append(f"{run.layer_slots or run.layers} layers over pipe {run.pipe} x {run.virtual} chunks")
     if run.pipe > 1 and run.virtual > 1 and run.microbatches % run.pipe:
         bad.append(f"interleaved schedule needs microbatches ({run.microbatches}) divisible by "
                    f"pipe ({run.pipe})")
     if run.heads % run.tensor:
         bad.append(f"heads {run.heads} over tensor {run.tensor}")
     if run.devices != run.gpus:
-        bad.append(f"TP x PP x DP x FSDP = {run.devices} != {run.gpus} GPUs")
+        bad.append(f"TP x PP x DP x FSDP x CP = {run.devices} != {run.gpus} GPUs")
     if abs(model(run).params / 1e9 / run.params_b - 1) > 0.03:
         bad.append(f"{model(run).params / 1e9:.1f}B parameters from the dims, published "
                    f"{run.params_b}B")
@@ -311,7 +334,7 @@ def layout(run: Run) -> cost.Layout:
                        zero=run.zero, microbatches=run.microbatches if piped else 1,
                        schedule="circular" if piped and run.virtual > 1 else "gpipe",
                        repeats=run.virtual if piped else 1, remat=remat,
-                       sequence_parallel=run.sequence_parallel)
+                       sequence_parallel=run.sequence_parallel, context=run.context)
 
 
 def source_flops(run: Run) -> float:
@@ -326,6 +349,8 @@ def source_flops(run: Run) -> float:
         per_layer = 4 * h * h + 3 * h * run.d_ff + 2 * h  # llama2: q, k, v, o; gate, up, down; 2 norms
         n_all = l * per_layer + 2 * V * h + h
         return (6.0 * n_all + 6.0 * l * run.heads * q * s) * s * B
+    if run.source == "llama3_24":
+        return model(run).flops_per_token * s * B
     raise ValueError(f"{run.key}: the source reports {run.unit}, not flops")
 
 
@@ -366,7 +391,7 @@ def evaluate(run: Run, memory: bool = True, **estimate_kw) -> dict:
             "published_s": published, "estimated_s": est.step_time, "memory_s": extra,
             "compute_s": t["compute"], "bubble_s": t["bubble"], "exposed_s": t["exposed"],
             "pipe_s": sum(t[k] for k in ("pipe-permute", "pipe-reduce", "pipe-relayout")),
-            "note": run.note}
+            "peak_gib": est.memory["peak"] / 2**30, "note": run.note}
 
 
 def megatron_p2p_seconds(run: Run, estimated: dict) -> float:
@@ -440,7 +465,7 @@ def results(runs=RUNS) -> dict:
         row["error_p2p"] = row["published_s"] / megatron_p2p_seconds(run, row) - 1.0
         rows.append(row)
     out = {"rows": rows, "summary": {}}
-    for role in ("calibration", "validation"):
+    for role in ("calibration", "validation", "scale"):
         sel = [r for r in rows if r["role"] == role]
         out["summary"][role] = {
             "all": summary(sel), "default": summary(sel, "error_default"),
@@ -453,8 +478,8 @@ def results(runs=RUNS) -> dict:
 
 def config(run: Run) -> str:
     """The published configuration in a few characters: degrees, pipeline schedule, recompute."""
-    axes = " ".join(f"{n}{getattr(run, a)}" for n, a in (("t", "tensor"), ("p", "pipe"), ("d", "data"),
-                                                          ("fsdp", "fsdp")) if getattr(run, a) > 1)
+    axes = " ".join(f"{n}{getattr(run, a)}" for n, a in (("t", "tensor"), ("c", "context"), ("p", "pipe"),
+                                                          ("d", "data"), ("fsdp", "fsdp")) if getattr(run, a) > 1)
     pipe = (f" 1F1B{f' v{run.virtual}' if run.virtual > 1 else ''} m{run.microbatches}"
             if run.pipe > 1 else "")
     return f"{axes or 'd1'}{pipe} {run.recompute}{' sp' if run.sequence_parallel else ''}"
@@ -479,11 +504,12 @@ def main(argv: list[str] | None = None) -> dict:
     console = Console(width=200)
     out = results()
     out.update(sources=SOURCES, conventions=CONVENTIONS, pipeline_note=PIPELINE_NOTE)
-    for role in ("calibration", "validation"):
+    for role in ("calibration", "validation", "scale"):
         sel = [r for r in out["rows"] if r["role"] == role]
-        table = Table(title=f"{role} ({len(sel)} runs): sk.cost.estimate + memory_bound_time vs published")
+        table = Table(title=f"{role} ({len(sel)} runs): sk.cost.estimate + memory_bound_time vs published"
+                      + (" (validation at >= 4,096 GPUs, >= 8K tokens; summarised apart)" if role == "scale" else ""))
         for c in ("run", "hw", "GPUs", "config", "unit", "published", "estimated", "error",
-                  "no mem. term", "mem/compute", "pipe/step", "Megatron p2p (diag.)"):
+                  "no mem. term", "mem/compute", "pipe/step", "Megatron p2p (diag.)", "peak GiB"):
             table.add_column(c, justify="left" if c in ("run", "hw", "config", "unit") else "right")
         runs = {r.key: r for r in RUNS}
         for r in sel:
@@ -494,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
                           fmt.format(r["published"]), fmt.format(r["estimated"]), f"{r['error']:+.1%}",
                           f"{r['error_default']:+.1%}", f"{r['memory_s'] / r['compute_s']:.0%}",
                           f"{r['pipe_s'] / r['estimated_s']:.0%}",
-                          f"{r['error_p2p']:+.1%}" if r["pipelined"] else "")
+                          f"{r['error_p2p']:+.1%}" if r["pipelined"] else "", f"{r['peak_gib']:.0f}")
         console.print(table)
         s = out["summary"][role]
         console.print(f"{role}:")

@@ -31,3 +31,15 @@ def open_and_resume(directory: str | None, resume: bool, plan: sk.Plan, state: s
     note = "" if info.verified else " (unverified: saved without checksums)"
     console.print(f"resumed from step {extra['step']} of {ckpt.directory}{note}")
     return ckpt, state, extra["step"], extra["data"]
+
+
+def init_from(directory: str, plan: sk.Plan, state: sk.TrainState, console):
+    """The newest checkpoint of ``directory`` restored as this run's start (``--init-from``): a
+    data-parallel checkpoint warm-starts a DiLoCo run and a DiLoCo one resumes as DP
+    (``Checkpointer.restore`` converts). Returns ``(state, its step, data position)``."""
+    with sk.Checkpointer(directory) as src:
+        state, extra = src.resume(plan, like=state)
+    if extra is None:
+        raise sk.checkpoint.CheckpointError(f"--init-from {directory}: no checkpoint there")
+    console.print(f"initialised from step {extra['step']} of {src.directory}")
+    return state, extra["step"], extra["data"]

@@ -22,7 +22,11 @@ The sync is a separate compiled program per fragment, run by the step right afte
 step that completes an interval, rather than a ``lax.cond`` inside one program: a conditional
 would put the replica all-reduce into the every-step program (in a branch, but in its HLO and
 its buffer plan), while two programs keep the inner one provably free of replica traffic and
-let each be measured on its own. The host knows when to sync from a step counter it reads
+let each be measured on its own. With ``overlap`` (Streaming DiLoCo's overlapped exchange) the
+replicas do not wait: a fragment's outer step is part of the next inner step's program, reading
+only the parameters that step starts from, so XLA may run the all-reduce beside the step's
+compute; its result waits in ``state.outer`` until the program τ steps later merges it (one
+program per combination of sends and merges, ``DiLoCoStep.program_name``). The host knows when to sync from a step counter it reads
 once from the state (after ``init`` or a restore) and then counts itself, so deciding never
 waits for the device.
 
@@ -34,6 +38,7 @@ from ZeRO-1 on): they are optimizer-side state, touched once per interval.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -79,6 +84,15 @@ class DiLoCo:
             Arithmetic stays f32.
         layers: a regex; leaves whose path it matches have a leading layer dimension (for
             models without logical axis names). Default: the logical name ``layers``.
+        overlap: τ (Streaming DiLoCo's overlapped communication); 0 = each sync is a program
+            of its own between two inner steps, the replicas waiting for it. With τ ≥ 1 the
+            outer gradient of a fragment whose interval ended at step s is taken from the
+            replicas' parameters after step s and crosses the replica axis inside the program
+            of step s+1, beside that step's compute (nothing in it waits for the all-reduce,
+            nor the all-reduce for it); the new θ_outer is kept in the state and merged into
+            the replicas after step s+τ: θ_r ← α·θ_r + (1−α)·θ_outer. τ ≤ every.
+        mix: α of that merge (0 = replace by θ_outer, dropping the τ steps of local progress;
+            the paper also reports α = 0.5). Needs ``overlap``.
     """
 
     axis: str = "replica"
@@ -87,6 +101,8 @@ class DiLoCo:
     fragments: int = 1
     compress: str | None = None
     layers: str | None = None
+    overlap: int = 0
+    mix: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -97,6 +113,13 @@ class DiLoCo:
         if self.fragments > self.every:
             raise ValueError(f"DiLoCo(fragments={self.fragments}, every={self.every}): each fragment needs its "
                              "own sync step inside an interval; use fragments <= every")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or not 0 <= self.overlap <= self.every:
+            raise ValueError(f"DiLoCo(overlap={self.overlap!r}, every={self.every}): overlap is τ, the inner steps a "
+                             "fragment's outer result takes to arrive, an integer in 0..every (0 = no overlap)")
+        if not (isinstance(self.mix, (int, float)) and 0 <= self.mix <= 1):
+            raise ValueError(f"DiLoCo(mix={self.mix!r}): the mixing factor α is a number in [0, 1]")
+        if self.mix and not self.overlap:
+            raise ValueError(f"DiLoCo(mix={self.mix}): mixing merges an overlapped sync; set overlap >= 1 too")
         if self.compress not in COMPRESSIONS:
             raise ValueError(f"DiLoCo(compress={self.compress!r}): choose one of {COMPRESSIONS}")
         if not isinstance(self.axis, str):
@@ -109,6 +132,16 @@ class DiLoCo:
     def offset(self, fragment: int) -> int:
         """The step phase at which ``fragment`` syncs: after step s with s mod H == offset."""
         return fragment * self.every // self.fragments
+
+    def phase(self, taken: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """With ``overlap``: the fragments whose outer gradient the program of step taken+1
+        sends (their interval ended at step ``taken``) and those it merges after its inner step
+        (sent τ steps before)."""
+        H, tau = self.every, self.overlap
+        sends = tuple(f for f in range(self.fragments) if taken >= 1 and taken % H == self.offset(f))
+        done = taken + 1 - tau
+        applies = tuple(f for f in range(self.fragments) if done >= 1 and done % H == self.offset(f))
+        return sends, applies
 
     def steps_to_sync(self, step: int) -> int:
         """Inner steps from ``step`` (steps taken) until the next sync of any fragment."""
@@ -313,8 +346,9 @@ class DiLoCoStep:
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
                              skipped=skipped, streak=streak, loss_scale=loss_scale), metrics
 
-    def _sync_fn(self, f: int, state):
-        where, shardings = self.fragment_of[f], self._shardings
+    def _outer_update(self, f: int, state):
+        """Fragment ``f``'s outer step from the replicas' ``state.params``: the all-reduced
+        Δ = θ_outer − mean_r θ_r through the outer optimizer → (new θ_outer pieces, its state)."""
         ospecs, ispecs = self._piece_specs(f)
         o_sh = self.plan.shardings(ospecs)
         theta_r = self.pieces(state.params, f, batched=True)
@@ -330,23 +364,54 @@ class DiLoCoStep:
                                out_p, updates)
         new_out = constrain(new_out, o_sh)
         opt = jax.tree.map(lambda new, old: new.astype(old.dtype), opt, state.outer.opt_state[f])
-        leaves = jax.tree_util.tree_leaves(state.params)
-        pieces = jax.tree_util.tree_leaves(new_out)
-        it = iter(pieces)
+        return new_out, opt
+
+    def _write(self, f: int, params, pieces, mix: float = 0.0):
+        """``params`` (leading replica dim) with fragment ``f``'s pieces set to θ_outer's
+        ``pieces`` (``mix`` = α: α·θ_r + (1−α)·θ_outer)."""
+        leaves = jax.tree_util.tree_leaves(params)
+        it = iter(jax.tree_util.tree_leaves(pieces))
         out = []
-        for x, w in zip(leaves, where):
+        for x, w in zip(leaves, self.fragment_of[f]):
             if w is None:
                 out.append(x)
                 continue
-            p = next(it).astype(x.dtype)
-            if w == "all":
-                out.append(jnp.broadcast_to(p[None], x.shape))
-            else:
-                out.append(x.at[:, w[0]:w[1]].set(jnp.broadcast_to(p[None], (x.shape[0],) + p.shape)))
-        params = constrain(jax.tree_util.tree_unflatten(self.inner._layout.treedef, out), shardings.params)
-        outer = OuterState(tuple(new_out if g == f else p for g, p in enumerate(state.outer.params)),
-                           tuple(opt if g == f else o for g, o in enumerate(state.outer.opt_state)))
-        return state.replace(params=params, outer=outer)
+            p = next(it)
+            old = x if w == "all" else x[:, w[0]:w[1]]
+            new = jnp.broadcast_to(p.astype(x.dtype)[None], old.shape)
+            if mix:
+                new = (mix * old.astype(jnp.float32) + (1 - mix) * new.astype(jnp.float32)).astype(x.dtype)
+            out.append(new if w == "all" else x.at[:, w[0]:w[1]].set(new))
+        return jax.lax.with_sharding_constraint(jax.tree_util.tree_unflatten(self.inner._layout.treedef, out),
+                                                self._shardings.params)
+
+    @staticmethod
+    def _set_outer(outer, f: int, new_out, opt):
+        return OuterState(tuple(new_out if g == f else p for g, p in enumerate(outer.params)),
+                          tuple(opt if g == f else o for g, o in enumerate(outer.opt_state)))
+
+    def _sync_fn(self, f: int, state):
+        new_out, opt = self._outer_update(f, state)
+        return state.replace(params=self._write(f, state.params, new_out),
+                             outer=self._set_outer(state.outer, f, new_out, opt))
+
+    def _overlapped_fn(self, sends, applies, state, batch):
+        """One inner step with fragments ``sends``' outer all-reduce beside it (from the
+        parameters the step starts from: no data dependency either way) and ``applies``'
+        θ_outer (sent τ steps before, kept in ``state.outer``) merged in after it."""
+        outer = state.outer
+        for f in sends:
+            outer = self._set_outer(outer, f, *self._outer_update(f, state))
+        new, metrics = self._inner_fn(state, batch)
+        params = new.params
+        for f in applies:
+            params = self._write(f, params, outer.params[f], self.outer.mix)
+        return new.replace(params=params, outer=outer), metrics
+
+    @staticmethod
+    def program_name(sends, applies) -> str:
+        """``"inner"``, ``"inner+send/0"``, ``"inner+apply/1"``, ``"inner+send/0+apply/0"``..."""
+        return "+".join(["inner"] + [f"send/{f}" for f in sends] + [f"apply/{f}" for f in applies])
 
     def _reduce_metrics(self, metrics):
         """Per-replica metrics (leading dim R) → the run's: means, and the worst skip counts."""
@@ -364,7 +429,9 @@ class DiLoCoStep:
 
     def programs(self, state, batch, batch_shardings):
         """The compiled programs for a placed ``batch``: ``"inner"`` (every step), ``"sync/f"``
-        (per fragment), ``"metrics"`` (the replicas' metrics → the run's, a few scalars)."""
+        (per fragment), ``"metrics"`` (the replicas' metrics → the run's, a few scalars). With
+        ``overlap`` the syncs are parts of inner programs instead, one per combination of sends
+        and merges that a step can have (``program_name``)."""
         key = jax.tree.structure(batch_shardings)
         if key in self._programs:
             return self._programs[key]
@@ -378,7 +445,15 @@ class DiLoCoStep:
                             out_shardings=(sh, per))
             progs["inner"] = inner.lower(abstract, batch).compile()
             _, metrics = jax.eval_shape(self._inner_fn, abstract, batch)
-            for f in range(self.outer.fragments):
+            if self.outer.overlap:
+                for sends, applies in sorted({self.outer.phase(n) for n in range(2 * self.outer.every)}):
+                    name = self.program_name(sends, applies)
+                    if name not in progs:
+                        progs[name] = jax.jit(
+                            functools.partial(self._overlapped_fn, sends, applies),
+                            in_shardings=(sh, batch_shardings), donate_argnums=donate,
+                            out_shardings=(sh, per)).lower(abstract, batch).compile()
+            for f in range(0 if self.outer.overlap else self.outer.fragments):
                 progs[f"sync/{f}"] = jax.jit(
                     lambda s, f=f: self._sync_fn(f, s), in_shardings=(sh,), out_shardings=sh,
                     donate_argnums=donate).lower(abstract).compile()
@@ -397,8 +472,12 @@ class DiLoCoStep:
         batch, shardings = self.step.place_batch(batch)
         self.programs(state, batch, shardings)
         b = dict(self._bytes[jax.tree.structure(shardings)])
-        b["per_step"] = (b["inner"] + b["metrics"]
-                         + sum(b[f"sync/{f}"] for f in range(self.outer.fragments)) / self.outer.every)
+        H = self.outer.every
+        if self.outer.overlap:  # the steady state: one interval's programs
+            b["per_step"] = b["metrics"] + sum(b[self.program_name(*self.outer.phase(n))] for n in range(H, 2 * H)) / H
+        else:
+            b["per_step"] = (b["inner"] + b["metrics"]
+                             + sum(b[f"sync/{f}"] for f in range(self.outer.fragments)) / H)
         return b
 
     def hlo(self, state, batch) -> dict[str, str]:
@@ -411,11 +490,18 @@ class DiLoCoStep:
         progs = self.programs(state, batch, batch_shardings)
         sent = self._bytes[jax.tree.structure(batch_shardings)]
         s = self._host_step if state.step is self._last_step else int(state.step)
-        state, metrics = progs["inner"](state, batch)
-        s += 1
-        nbytes = sent["inner"] + sent["metrics"]
         synced = -1
-        for f in range(self.outer.fragments):
+        if self.outer.overlap:
+            sends, applies = self.outer.phase(s)
+            name = self.program_name(sends, applies)
+            state, metrics = progs[name](state, batch)
+            nbytes = sent[name] + sent["metrics"]
+            synced = sends[0] if sends else -1
+        else:
+            state, metrics = progs["inner"](state, batch)
+            nbytes = sent["inner"] + sent["metrics"]
+        s += 1
+        for f in range(0 if self.outer.overlap else self.outer.fragments):
             if s % self.outer.every == self.outer.offset(f):
                 state = progs[f"sync/{f}"](state)
                 nbytes += sent[f"sync/{f}"]

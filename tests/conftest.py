@@ -52,6 +52,8 @@ FAST_CASES = {
 # (BENCHMARKS.md, "Test suite time", lists why each is redundant): deselected unless
 # `--extended` is given. The target sweeps mark theirs in tests/target_sweep.py.
 EXTENDED_CASES: dict[str, set[str]] = {
+    # Three recipe runs (~1 min on 2 cores); the conversions themselves run in the default lane.
+    "test_diloco_convert.py::test_recipe_warm_starts_diloco_from_a_dp_checkpoint": {"dp-diloco-dp"},
     # Compositions of paths the sweep checks one by one (dp_pp_tp_zb stays as the composition).
     "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b"},
     "test_cost.py::test_transformer_estimate_matches_compiled": {"zero1", "fsdp_tp", "tp_pp", "dp_pp_tp",

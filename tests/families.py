@@ -225,17 +225,19 @@ LAYOUTS = [("data=8", 0), ("data=8", 1), ("data=8", 2), ("data=8", 3), ("tensor=
 EXPERT_LAYOUTS = [("expert=8", 0), ("data=2,expert=4", 1), ("fsdp=2,expert=4", 3)]
 
 
-def build(family: str, mesh: str, zero: int, *, rows: int | None = None, **sizes):
-    """``(step, state, batch)`` for one family on one layout (fp32, AdamW)."""
+def build(family: str, mesh: str, zero: int, *, rows: int | None = None, strict: bool = True, **sizes):
+    """``(step, state, batch)`` for one family on one layout (fp32, AdamW); ``strict``: as
+    ``sk.Plan``'s (False keeps leaves too small to shard replicated)."""
     import optax
 
     make_params, loss, rules, make_batch = FAMILIES[family]
     m = sk.make_mesh(mesh)
     if "expert" in m.axis_names:
         plan = sk.Plan(m, rules=rules("tensor" in m.axis_names, ep=True), axis_rules=AXIS_RULES, zero=zero,
-                       batch_axes=tuple(a for a in m.axis_names if a in ("data", "fsdp", "expert")))
+                       strict=strict, batch_axes=tuple(a for a in m.axis_names if a in ("data", "fsdp", "expert")))
     else:
-        plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), axis_rules=AXIS_RULES, zero=zero)
+        plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), axis_rules=AXIS_RULES, zero=zero,
+                       strict=strict)
     step = sk.train_step(plan, optax.adamw(1e-3))(loss)
     state = step.init(make_params(**sizes))
     batch = make_batch(**({"rows": rows} if rows else {}))

@@ -5,6 +5,7 @@ replica axis across two processes, and the errors."""
 
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -408,3 +409,115 @@ def test_transformer_recipe_trains_with_streaming_diloco(tmp_path, capsys):
     assert "--mesh: --diloco-every needs a `replica` axis" in capsys.readouterr().err
     assert train.main(["--mesh", "replica=2,data=4", "--diloco-every", "4", "--diloco-fragments", "3", *small]) == 2
     assert "--diloco-fragments: 3 fragments do not divide the 2 layers" in capsys.readouterr().err
+
+
+def reference_overlapped(steps, every, tau, mix, inner_tx, outer_tx, R):
+    """Streaming DiLoCo's overlapped sync in plain JAX + Optax: the outer step is taken from the
+    replicas after step s (s mod H = 0) and its θ_outer merged in after step s+τ:
+    θ_r ← α·θ_r + (1−α)·θ_outer."""
+    theta = params()
+    outer_state = outer_tx.init(theta)
+    reps = [theta] * R
+    states = [inner_tx.init(theta) for _ in range(R)]
+    grad = jax.jit(jax.value_and_grad(loss_fn))
+    losses, due = [], None
+    for i in range(steps):
+        ls = []
+        for r in range(R):
+            l, g = grad(reps[r], replica_rows(tiny.batch(i), r, R))
+            u, states[r] = inner_tx.update(g, states[r], reps[r])
+            reps[r] = optax.apply_updates(reps[r], u)
+            ls.append(float(l))
+        losses.append(np.mean(ls))
+        if due == i + 1:
+            reps = [jax.tree.map(lambda a, b: mix * a + (1 - mix) * b, rep, theta) for rep in reps]
+        if (i + 1) % every == 0:
+            mean = jax.tree.map(lambda *xs: sum(xs) / R, *reps)
+            u, outer_state = outer_tx.update(jax.tree.map(lambda a, b: a - b, theta, mean), outer_state, theta)
+            theta = optax.apply_updates(theta, u)
+            due = i + 1 + tau
+    return losses, theta
+
+
+def hlo_dependencies(hlo: str, mesh_shape: dict):
+    """For the entry computation of ``hlo``: the replica-axis all-reduces, and per instruction
+    whether it is (or calls a computation that holds) a matmul, and its operands."""
+    from shardkit.cost.hlo import _axes_of, _device_groups
+
+    comps, current, entry = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            current = head.group(2)
+            comps[current] = []
+            entry = current if head.group(1) else entry
+        elif current and line.strip() and line.strip() != "}":
+            comps[current].append(line)
+    has_dot = {}
+
+    def holds_dot(c):
+        if c not in has_dot:
+            has_dot[c] = False
+            has_dot[c] = any(re.search(r"= \S+ (dot|convolution)\(", l) or
+                             any(holds_dot(k) for k in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", l)
+                                 if k in comps) for l in comps[c])
+        return has_dot[c]
+    n = math.prod(mesh_shape.values())
+    ops, matmul, replica = {}, set(), []
+    for line in comps[entry]:
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        ops[name] = set(re.findall(r"%([\w.\-]+)", rest.split(", metadata=")[0]))
+        if re.search(r"\b(dot|convolution)\(", rest) or any(
+                holds_dot(k) for k in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", rest) if k in comps):
+            matmul.add(name)
+        if " all-reduce(" in rest and "replica" in _axes_of(_device_groups(rest, n), mesh_shape):
+            replica.append(name)
+    return ops, matmul, replica
+
+
+def test_overlapped_streaming_matches_reference_and_runs_beside_the_inner_step():
+    """overlap=τ=2, mix=α=0.5, H=3, inner AdamW on TP inside each replica: 10 steps equal the
+    plain reference; in the compiled program of the step after a boundary the replica-axis
+    all-reduce reads no matmul's result and no matmul reads its result (nothing forces it
+    before or after the step's compute); between syncs no program crosses the replica axis."""
+    inner_tx, outer_tx = optax.adamw(1e-2, weight_decay=0.1), optax.sgd(0.7, momentum=0.9, nesterov=True)
+    plan = make_plan("replica=2,data=2,tensor=2")
+    outer = sk.DiLoCo(every=3, optimizer=outer_tx, overlap=2, mix=0.5)
+    step = sk.train_step(plan, inner_tx, outer=outer)(loss_fn)
+    state = step.init(params())
+    hlo = step.diloco.hlo(state, tiny.batch(0))
+    assert set(hlo) == {"inner", "inner+send/0", "inner+apply/0", "metrics"}
+    ops, matmul, replica = hlo_dependencies(hlo["inner+send/0"], dict(plan.mesh.shape))
+    assert replica and matmul
+
+    def closure(start, edges):
+        seen, todo = set(), list(start)
+        while todo:
+            x = todo.pop()
+            for y in edges.get(x, ()):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return seen
+    users = {}
+    for name, operands in ops.items():
+        for o in operands:
+            users.setdefault(o, set()).add(name)
+    assert not closure(replica, ops) & matmul  # it can start when the program starts
+    assert not closure(replica, users) & matmul  # and the step's compute never waits for it
+    traffic = step.diloco.traffic(state, tiny.batch(0))
+    assert traffic["inner"] == traffic["inner+apply/0"] == 0 < traffic["inner+send/0"]
+
+    state, losses, ms = run(step, state, 10)  # step 9's outer step is sent with step 10
+    ref_losses, ref_theta = reference_overlapped(10, 3, 2, 0.5, inner_tx, outer_tx, R=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k in ("w1", "b1", "w2"):
+        np.testing.assert_allclose(state.outer.params[0][k], ref_theta[k], atol=2e-6)
+    assert [m["diloco/synced_fragment"] for m in ms] == [-1, -1, -1, 0, -1, -1, 0, -1, -1, 0]
+    with pytest.raises(ValueError, match=r"overlap=4, every=3"):
+        sk.DiLoCo(every=3, overlap=4)
+    with pytest.raises(ValueError, match=r"mix=0.5\): mixing merges an overlapped sync"):
+        sk.DiLoCo(mix=0.5)

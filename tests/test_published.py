@@ -40,7 +40,9 @@ def test_every_row_is_consistent():
         assert run.global_batch % (run.data * run.fsdp * run.microbatch) == 0
         assert run.devices == run.gpus
     roles = {r.role for r in published.RUNS}
-    assert roles == {"calibration", "validation"}
+    assert roles == {"calibration", "validation", "scale"}
+    scale = [r for r in published.RUNS if r.role == "scale"]  # Llama 3 405B, Table 4
+    assert all(r.gpus >= 4096 and r.seq >= 8192 for r in scale) and any(r.context > 1 for r in scale)
     val = [r for r in published.RUNS if r.role == "validation"]
     assert len(val) >= 6 and len({r.hardware for r in val}) >= 2
 

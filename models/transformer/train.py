@@ -15,14 +15,14 @@ import time
 
 import shardkit as sk
 
-from ..checkpointing import open_and_resume
+from ..checkpointing import init_from, open_and_resume
 from ..common import metrics as metrics_lib
 from ..common import runconfig
 from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")  # sk.pipeline_schedule's
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")  # sk.pipeline_schedule's
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
 
 
@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
       "staggered steps (divides --layers)")
     a("--diloco-compress", choices=["bf16", "int8", "int4"], help="quantise the outer gradients sent "
       "between replicas")
+    a("--diloco-overlap", type=int, default=0, help="Streaming DiLoCo: a fragment's outer all-reduce runs "
+      "beside the next inner step and its result is merged τ steps later (default 0: no overlap)")
+    a("--diloco-mix", type=float, default=0.0, help="α of that merge: θ_r ← α·θ_r + (1−α)·θ_outer (default 0)")
     a("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (default 0.7)")
     a("--diloco-outer-momentum", type=float, default=0.9, help="its Nesterov momentum (default 0.9; 0 = "
       "plain SGD, and with --diloco-outer-lr 1 plain parameter averaging)")
@@ -97,6 +100,10 @@ def parser() -> argparse.ArgumentParser:
     a("--checkpoint-dir", help="save checkpoints here (Orbax; any mesh or ZeRO stage can restore them)")
     a("--checkpoint-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    a("--init-from", help="start from the latest checkpoint in this directory (its step, data position "
+      "and state; a data-parallel one warm-starts a DiLoCo run, a DiLoCo one resumes as DP)")
+    a("--stop-after", type=int, help="stop (evaluate, checkpoint) after this many steps of the --steps "
+      "schedule, e.g. a warm-start phase that --init-from continues")
     a("--cpu-devices", type=int, default=8, help="simulated CPU devices; 0 = use the real "
       "accelerators")
     a("--quiet", action="store_true", help="no tables or progress bar")
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume and not args.checkpoint_dir:
             raise FlagError("--resume", "needs --checkpoint-dir")
+        if args.stop_after is not None and not 0 < args.stop_after <= args.steps:
+            raise FlagError("--stop-after", f"must be in 1..--steps ({args.steps}), got {args.stop_after}")
         if args.checkpoint_every < 1:
             raise FlagError("--checkpoint-every", f"must be a positive integer, got {args.checkpoint_every}")
         try:  # checked before any compile: the trace window is used only once training runs
@@ -324,6 +333,9 @@ def _run(args) -> int:
     console.print(data_lib.describe(train_tokens, val_tokens, data_name))
     state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)), seed=args.seed)
     ckpt, state, start, position = open_and_resume(args.checkpoint_dir, args.resume, plan, state, console)
+    if args.init_from and not start:
+        state, start, position = init_from(args.init_from, plan, state, console)
+    stop = args.stop_after or args.steps
     if not args.quiet:
         console.print(plan.describe(step.model(state)))
 
@@ -363,11 +375,11 @@ def _run(args) -> int:
     guard, stopped = sk.checkpoint.PreemptionGuard(), False
     try:
         with Progress(*columns, console=console, disable=args.quiet) as progress:
-            task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
+            task = progress.add_task("train", total=stop, completed=start, loss=float("nan"), tps=0.0, mfu=0.0)
             # Each batch goes to the devices two steps before its step; the checkpoint records
             # the position after the batch just used, not after those placed ahead.
             feed = sk.prefetch(batches, step, size=2, position=lambda: batches.position)
-            for i in range(start, args.steps):
+            for i in range(start, stop):
                 batch = next(feed)
                 t = time.perf_counter()
                 with profiler.step(i):
@@ -386,7 +398,7 @@ def _run(args) -> int:
                     if out:
                         out.write(json.dumps(row) + "\n")
                     tb.write(row)
-                done = i + 1 == args.steps
+                done = i + 1 == stop
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
                     progress.console.print(f"step {i + 1}: train loss {last_loss:.4f}  "
@@ -424,8 +436,9 @@ def _run(args) -> int:
 def diloco_from(args, shape, cfg: Config):
     """The ``sk.DiLoCo`` the --diloco-* flags ask for, or None."""
     if args.diloco_every is None:
-        if args.diloco_fragments != 1 or args.diloco_compress:
-            raise FlagError("--diloco-every", "--diloco-fragments/--diloco-compress need --diloco-every H")
+        if args.diloco_fragments != 1 or args.diloco_compress or args.diloco_overlap or args.diloco_mix:
+            raise FlagError("--diloco-every", "--diloco-fragments/--diloco-compress/--diloco-overlap/--diloco-mix "
+                            "need --diloco-every H")
         return None
     if cfg.layers % max(args.diloco_fragments, 1):
         raise FlagError("--diloco-fragments", f"{args.diloco_fragments} fragments do not divide the "
@@ -438,9 +451,11 @@ def diloco_from(args, shape, cfg: Config):
         m = args.diloco_outer_momentum
         outer = optax.sgd(args.diloco_outer_lr, momentum=m or None, nesterov=bool(m))
         return sk.DiLoCo(axis="replica", every=args.diloco_every, fragments=args.diloco_fragments,
-                         compress=args.diloco_compress, optimizer=outer)
+                         compress=args.diloco_compress, optimizer=outer, overlap=args.diloco_overlap,
+                         mix=args.diloco_mix)
     except ValueError as e:
-        raise FlagError("--diloco-every", str(e)) from None
+        flag = next((f for f in ("overlap", "mix") if f"{f}=" in str(e).split(":")[0]), "every")
+        raise FlagError(f"--diloco-{flag}", str(e)) from None
 
 
 def replica_traffic(step, state, batch, compiled) -> float | None:

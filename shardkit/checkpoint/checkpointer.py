@@ -270,6 +270,12 @@ class Checkpointer:
                 on, until one is intact. Damaged steps are left as they are on disk.
                 ``self.last_restore`` tells which step came back and which were skipped.
 
+        A data-parallel checkpoint restores into a DiLoCo ``like`` (every replica and θ_outer
+        start from it, the outer optimizer state is ``like``'s, fresh) and a DiLoCo checkpoint
+        into a data-parallel ``like`` (θ_outer, the consensus parameters; the replicas' mean
+        optimizer state): which way is read off the checkpoint's own tree (see
+        ``shardkit.checkpoint.convert``).
+
         Returns:
             The restored state, with ``like``'s tree structure and shardings.
 
@@ -283,7 +289,7 @@ class Checkpointer:
             raise ValueError(f"restore(plan, ...) needs an sk.Plan, got {type(plan).__name__}")
         target = abstract_target(plan, like, shardings)
         mngr, step = self._require_step(step)
-        return self._first_intact(mngr, step, target, fallback, with_extra=False)[0]
+        return self._first_intact(mngr, step, target, fallback, with_extra=False, like=like)[0]
 
     def resume(self, plan: Plan, like, *, shardings=None, fallback: bool = False) -> tuple[Any, dict | None]:
         """The newest checkpoint restored onto ``plan`` and its ``extra``, read from the same
@@ -301,7 +307,7 @@ class Checkpointer:
             raise ValueError(f"resume(plan, ...) needs an sk.Plan, got {type(plan).__name__}")
         target = abstract_target(plan, like, shardings)
         mngr, step = self._require_step(None)
-        return self._first_intact(mngr, step, target, fallback, with_extra=True)
+        return self._first_intact(mngr, step, target, fallback, with_extra=True, like=like)
 
     def extra(self, step: int | None = None) -> dict:
         """The ``extra`` dict saved with checkpoint ``step`` (default: the latest), verified
@@ -314,13 +320,13 @@ class Checkpointer:
         reader = StepReader(mngr, self.directory)
         return reader.read_extra(step, reader.read_record(step))
 
-    def _first_intact(self, mngr, step: int, target, fallback: bool, with_extra: bool):
+    def _first_intact(self, mngr, step: int, target, fallback: bool, with_extra: bool, like=None):
         candidates = [step] + ([s for s in sorted(mngr.all_steps(), reverse=True) if s < step] if fallback else [])
         skipped: list[CorruptCheckpointError] = []
         reader = StepReader(mngr, self.directory)
         for s in candidates:
             try:
-                state, extra, verified = reader.load(s, target, with_extra)
+                state, extra, verified = reader.load(s, target, with_extra, like)
             except CorruptCheckpointError as e:
                 self._corrupt.add(s)
                 if not fallback:

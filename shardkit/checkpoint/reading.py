@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 
 from ..distributed import barrier
 from .checksums import RECORD_FORMAT, RECORD_ITEM, extra_digest, in_saved_dtypes, record_vs_metadata, verify
+from .convert import conversion
 from .damage import read_problems, scan_files
 from .errors import CheckpointError, CorruptCheckpointError, first_line
 from .tree import leaf_paths, tree_mismatches
@@ -84,8 +85,10 @@ class StepReader:
             raise self.damaged(step, [("extra", "checksum mismatch")])
         return extra
 
-    def load(self, step: int, target, with_extra: bool) -> tuple[Any, dict | None, bool]:
-        """Reads one step into ``target`` and verifies it; CorruptCheckpointError if damaged."""
+    def load(self, step: int, target, with_extra: bool, like=None) -> tuple[Any, dict | None, bool]:
+        """Reads one step into ``target`` and verifies it; CorruptCheckpointError if damaged. A
+        data-parallel step restored into a DiLoCo ``target`` or the reverse is converted
+        (``convert``); ``like`` is the concrete state ``target`` was made from."""
         record = self.read_record(step)
         expected = leaf_paths(target)
         names = {name.replace("/", "."): name for name in expected}
@@ -106,7 +109,11 @@ class StepReader:
             raise self.damaged(step, read_problems(e, names, "its state metadata is unreadable")) from e
         if saved is None:
             raise self.damaged(step, [("", "missing file: its state item has no metadata")])
-        saved = leaf_paths(getattr(saved, "tree", saved))
+        saved_tree = getattr(saved, "tree", saved)
+        saved = leaf_paths(saved_tree)
+        conv = conversion(saved_tree, target, like)
+        target = conv.source if conv else target
+        expected = leaf_paths(target)
         if record is not None:
             lost = record_vs_metadata(record["leaves"], saved)
             if lost:
@@ -115,7 +122,8 @@ class StepReader:
         if diff:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} does not match the model being restored "
-                f"({len(diff)} leaves differ):\n" + "\n".join(diff) +
+                f"({len(diff)} leaves differ):\n" + "\n".join(diff)
+                + (f"\n(this is {conv.describe()})" if conv else "") +
                 "\nRestore with the model/optimizer config it was saved with, or start a new directory.")
         read = target if record is None else in_saved_dtypes(target, record["leaves"])
         error = None
@@ -139,5 +147,7 @@ class StepReader:
             if problems:
                 raise self.damaged(step, problems)
             state = jax.tree.map(_cast_to, state, target)
+        if conv:
+            state = conv.finish(state)
         extra = self.read_extra(step, record) if with_extra else None
         return state, extra, record is not None

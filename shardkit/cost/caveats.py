@@ -7,7 +7,8 @@ model was not written against (``tests/test_cost_families.py``, BENCHMARKS.md).
 from __future__ import annotations
 
 
-def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool) -> dict[str, str]:
+def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool,
+                 data_axes: tuple[str, ...] = (), sequence_parallel: bool = False) -> dict[str, str]:
     """The quantities whose figure is approximate or not modelled, and why: choices XLA makes per
     program that the model cannot see (each seen on a model family the model was not written
     against). A "not modelled" quantity's figure still times the step, but ``sk.Report`` prints
@@ -43,4 +44,51 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     if any(t and c for t, c in zip(tensor_split, reading.conv)):
         out["collective/tensor-reduce"] = ("approximate: one reduction per convolution that contracts "
                                            "tensor-split channels is counted (exact on the CNN family)")
+    split_dots = [t and m and not c for t, m, c in zip(tensor_split, reading.matmul, reading.conv)]
+    if not piped and not sequence_parallel and any(split_dots) and not reading.tensor_reduce:
+        # The reader places a tensor-parallel reduction where a matmul contracts a split
+        # feature; it finds none when an activation is as wide as a split weight dimension
+        # (HF GPT-2's attention projection: d_model = heads x head_dim), so it takes the
+        # activation as split too. Found on HF Flax GPT-2 (tensor-reduce 0 vs 1.2 MB on H100).
+        why = ("not modelled: tensor-split weights, yet no tensor-parallel reduction could be placed (an "
+               "activation as wide as a split weight dimension reads as split)")
+        out["collective/tensor-reduce"] = out["flops"] = why
+    if not piped:
+        out.update(unseen_caveats(reading, data_axes, moe))
+    return out
+
+
+# What each thing the program reader cannot see leaves unmodelled (``ProgramReading.unseen``).
+_UNSEEN = {
+    "kernel": ("flops", "memory/temporaries", "memory/peak"),
+    "while": ("flops",),
+    # A recurrence keeps its carries per step for the backward, and XLA decides how to lay
+    # out and reuse them: found on a scanned RG-LRU (recurrentgemma), peak 0.5x compiled.
+    "recurrence": ("memory/temporaries", "memory/peak"),
+}
+
+
+def unseen_caveats(reading, data_axes: tuple[str, ...], moe: bool = False) -> dict[str, str]:
+    """``not modelled`` caveats for what the program holds that the model cannot see: opaque
+    kernels, loops without a trip count, recurrences inside layers, and collectives a
+    ``shard_map`` writes over axes the formulas do not attribute (only ``context`` rings and
+    ``expert`` all-to-alls are read off the program; the rest would go uncounted). ``moe``: the
+    program runs ``sk.moe``, whose own reductions over the data axes (its dispatch inside
+    ``shard_map``) XLA folds into the gradient reduction (grad-reduce within 0.1% on the MoE
+    family): not flagged."""
+    out = {}
+    for kind, what in reading.unseen.items():
+        for q in _UNSEEN[kind]:
+            out[q] = f"not modelled: {what}"
+    for (kind, axes), (n, nbytes) in reading.explicit.items():
+        if not axes or "context" in axes or "expert" in axes or not nbytes or (moe and set(axes) <= set(data_axes)):
+            continue
+        if set(axes) <= set(data_axes):
+            role = "param-gather" if kind == "all-gather" else "grad-reduce"
+        elif kind in ("all-reduce", "reduce-scatter", "all-gather"):
+            role = "tensor-gather" if kind == "all-gather" else "tensor-reduce"
+        else:
+            role = "other"
+        out[f"collective/{role}"] = (f"not modelled: a shard_map's own {kind} over {', '.join(axes)} "
+                                     f"({n:g} per microbatch; the formulas do not count it)")
     return out

@@ -70,7 +70,6 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
     prec = Precision.resolve(precision)
-    bp, bc, bg, bo = (np.dtype(d).itemsize for d in (prec.params, prec.compute, prec.grads, prec.opt_state))
     lo = layout
     if lo.replica > 1:  # DiLoCo: the inner layout on each replica's share, plus its syncs
         if global_batch % lo.replica:
@@ -85,51 +84,94 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         raise ValueError(f"global batch {global_batch} does not split over data x fsdp x expert = {replicas} "
                          f"replicas x {lo.microbatches} microbatches; use a multiple of "
                          f"{replicas * lo.microbatches}")
-    T = ms.seq
-    b = global_batch // replicas // lo.microbatches  # examples per microbatch per replica
+    s = _sizes(ms, lo, prec, global_batch)
+    mem = _memory(s, ms, lo, global_batch)
+    col, counts = _collectives(s, ms, lo)
+    flops, busy, model_flops = _flops(s, ms, lo, global_batch)
+    limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
+    # A transformer's non-matmul kernels run at HBM speed (steptime.memory_bound_time); the
+    # matmul efficiencies were fitted with this term on.
+    memory_s = (memory_bound_time(ms, lo, hw, global_batch=global_batch, flash=ms.flash_attention,
+                                  gated=ms.gated, dropout=ms.dropout)
+                if memory_bound and ms.d_model and ms.layers > 1 and hw.hbm_bandwidth > 0 else 0.0)
+    t = times(col, counts, busy, hw, lo, efficiency, model_efficiency, memory_seconds=memory_s)
+    return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * ms.seq, limit, lo.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """Per-device elements and bytes ``estimate``'s parts share."""
+    bp: int  # bytes per parameter, compute, gradient and optimizer-state element
+    bc: int
+    bg: int
+    bo: int
+    replicas: int  # data x fsdp x expert
+    b: int  # examples per microbatch per replica
+    p_expert: float  # expert weights per device
+    p_layers: float  # layer weights per device
+    p_dev: float  # all weights per device (layout split, before ZeRO)
+    s_param: int  # ZeRO's split of the parameters
+    state: dict  # ``roles.zero_state``
+    sharded: bool  # weights are gathered where used (ZeRO-3/FSDP)
+    L_dev: int  # layers per device (per pipeline stage)
+    layer_dev: float  # one layer's weights per device
+    pipe_note: dict | None
+    one_f_one_b: bool  # an explicit schedule: 1F1B, interleaved 1F1B, ZB-H1
+
+
+def _sizes(ms: ModelShape, lo: Layout, prec: Precision, global_batch: int) -> _Sizes:
+    bp, bc, bg, bo = (np.dtype(d).itemsize for d in (prec.params, prec.compute, prec.grads, prec.opt_state))
+    replicas = lo.data * lo.fsdp * lo.expert
     # Expert weights (inside the layers) are split over ``expert`` too; every other weight is
     # replicated over it, so ZeRO shards those over it as over a data axis.
     p_expert = ms.expert_params / (lo.tensor * lo.pipe * lo.expert)
     p_layers = (ms.layer_params - ms.expert_params) / (lo.tensor * lo.pipe) + p_expert
     p_dev = p_layers + (ms.params - ms.layer_params) / lo.tensor
-    s_param = lo.fsdp * (lo.data if lo.zero == 3 else 1)
-    s_grad = lo.fsdp * (lo.data if lo.zero >= 2 else 1)
 
     def split(s: int, x: int) -> float:  # elements per device under ZeRO's shard
         return ((p_dev - p_expert) / x + p_expert) / s
 
     state = zero_state(lo.zero, model=split(lo.fsdp, 1), shard=split(lo.fsdp * lo.data, lo.expert))
-    sharded = lo.fsdp > 1 or (lo.zero == 3 and lo.data * lo.expert > 1)
     L_dev = max(ms.layers // lo.pipe, 1)
-    layer_dev = p_layers / L_dev if ms.layers else 0.0
-
-    act = activation_bytes(ms, lo, b, T // lo.context, bc) * L_dev  # context: T/c tokens per device
     pipe_note = layout_note(lo)
-    one_f_one_b = lo.pipe > 1 and is_explicit(pipe_note)  # 1F1B, interleaved 1F1B, ZB-H1
-    if one_f_one_b:
+    return _Sizes(bp, bc, bg, bo, replicas, global_batch // replicas // lo.microbatches, p_expert, p_layers, p_dev,
+                  lo.fsdp * (lo.data if lo.zero == 3 else 1), state,
+                  lo.fsdp > 1 or (lo.zero == 3 and lo.data * lo.expert > 1), L_dev,
+                  p_layers / L_dev if ms.layers else 0.0, pipe_note, lo.pipe > 1 and is_explicit(pipe_note))
+
+
+def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[str, float]:
+    T, b, bc, bg = ms.seq, s.b, s.bc, s.bg
+    act = activation_bytes(ms, lo, b, T // lo.context, bc) * s.L_dev  # context: T/c tokens per device
+    if s.one_f_one_b:
         # sk.pipeline's explicit schedules keep rings of stage inputs (and ZB-H1's output
         # cotangents waiting for their W), sized by the executed table, and rebuild one
         # microbatch's residuals at a time in a backward op.
-        table = schedule_table(pipe_note)
+        table = schedule_table(s.pipe_note)
         act += (table.act_ring + table.grad_ring) * b * T * ms.d_model * bc
     elif lo.pipe > 1:
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
         act += 2 * b * T * ms.vocab * 4 / lo.tensor / lo.context
-    mem = {"params": state["params"] * bp, "opt_state": 2 * state["opt_state"] * bo}  # Adam: 2 moments
-    grads = state["grads"] * max(bg, 4 if lo.microbatches > 1 else bg)
+    mem = {"params": s.state["params"] * s.bp, "opt_state": 2 * s.state["opt_state"] * s.bo}  # Adam: 2 moments
+    grads = s.state["grads"] * max(bg, 4 if lo.microbatches > 1 else bg)
     mem["grads"] = grads
     mem["activations"] = act
-    mem["batch"] = 2 * global_batch * T * 4 / replicas
+    mem["batch"] = 2 * global_batch * T * 4 / s.replicas
     mem["arguments"] = mem["params"] + mem["opt_state"] + mem["batch"]
-    gathered = (2 * layer_dev * bc + layer_dev * bg) if sharded else (layer_dev * bg if s_grad > 1 else 0.0)
-    if one_f_one_b:  # the loop's f32 gradient accumulator, its update's copy, a fresh vjp
-        gathered += 3 * p_layers * 4
-    new_params = p_dev * bp / (s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
+    gathered = (2 * s.layer_dev * bc + s.layer_dev * bg) if s.sharded else (
+        s.layer_dev * bg if lo.fsdp * (lo.data if lo.zero >= 2 else 1) > 1 else 0.0)
+    if s.one_f_one_b:  # the loop's f32 gradient accumulator, its update's copy, a fresh vjp
+        gathered += 3 * s.p_layers * 4
+    new_params = s.p_dev * s.bp / (s.s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
     mem["temporaries"] = step_temporaries(pass_peak=grads + act + gathered, grads=grads, update=new_params)
     mem["peak"] = mem["arguments"] + mem["temporaries"]
+    return mem
 
-    m = lo.microbatches
+
+def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
+    m, T, b, bc, bg, bp = lo.microbatches, ms.seq, s.b, s.bc, s.bg, s.bp
+    p_dev, L_dev, replicas = s.p_dev, s.L_dev, s.replicas
     tokens_mb = b * T
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
@@ -140,9 +182,9 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # ZeRO-3/FSDP gathers each layer for the forward and again for the backward.
         # Expert gradients are reduced over the data axes only (each expert lives on one
         # device of the ``expert`` axis).
-        data_traffic(col, counts, reduced=per_step * (p_dev - (0.0 if lo.data * lo.fsdp > 1 else p_expert)),
+        data_traffic(col, counts, reduced=per_step * (p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)),
                      reduce_ops=per_step * max(L_dev, 1) if lo.pipe == 1 else 2,
-                     gathered=2 * per_step * p_dev if sharded else 0.0,
+                     gathered=2 * per_step * p_dev if s.sharded else 0.0,
                      gather_ops=2 * per_step * max(L_dev, 1),
                      zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)
     elif lo.context > 1:
@@ -156,7 +198,7 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # Each layer's 2 TP regions (attention, MLP) close with a row-parallel weight (reduced in
         # the forward; again in 1F1B's recomputed forward) and open with a column-parallel one
         # (reduced in the backward); the vocab-parallel embedding and head add one each.
-        recomputed = 2 * L_dev if one_f_one_b else 0
+        recomputed = 2 * L_dev if s.one_f_one_b else 0
         tensor_traffic(col, counts, forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
                        head_gather=True, tokens=tokens_mb, width=ms.d_model, wire=bc, microbatches=m,
                        sequence_parallel=lo.sequence_parallel)
@@ -180,31 +222,28 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
         # only XLA:CPU needs f32 there, which ``fromstep`` reads off a real step); sequence
         # parallelism shards them over ``tensor``.
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
-        pipeline_traffic(col, counts, pipe_note, stage=p_layers, rest=p_dev - p_layers, tied=tied,
+        pipeline_traffic(col, counts, s.pipe_note, stage=s.p_layers, rest=p_dev - s.p_layers, tied=tied,
                          act_mb=tokens_mb * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
                          has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas)
+    return col, counts
 
-    model_flops = ms.flops_per_token * global_batch * T / lo.devices
+
+def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[float, float, float]:
+    """(flops executed, flops timed, model flops) per device per step."""
+    model_flops = ms.flops_per_token * global_batch * ms.seq / lo.devices
     recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
-    if one_f_one_b:  # backward ops recompute the chunk's forward from its saved input
-        recompute += recompute_factor(pipe_note) - 1.0
+    if s.one_f_one_b:  # backward ops recompute the chunk's forward from its saved input
+        recompute += recompute_factor(s.pipe_note) - 1.0
     flops = busy = model_flops * recompute
-    if lo.pipe > 1 and not one_f_one_b and ms.layer_params:
+    if lo.pipe > 1 and not s.one_f_one_b and ms.layer_params:
         # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
         # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
         # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
         layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
-        extra = pipeline_ticks(pipe_note) / (lo.repeats * m) - 1
+        extra = pipeline_ticks(s.pipe_note) / (lo.repeats * lo.microbatches) - 1
         flops = busy * (1 + extra * layer_share)
-    limit = memory_limit if memory_limit is not None else 0.9 * hw.hbm_bytes
-    # A transformer's non-matmul kernels run at HBM speed (steptime.memory_bound_time); the
-    # matmul efficiencies were fitted with this term on.
-    memory_s = (memory_bound_time(ms, lo, hw, global_batch=global_batch, flash=ms.flash_attention,
-                                  gated=ms.gated, dropout=ms.dropout)
-                if memory_bound and ms.d_model and ms.layers > 1 and hw.hbm_bandwidth > 0 else 0.0)
-    t = times(col, counts, busy, hw, lo, efficiency, model_efficiency, memory_seconds=memory_s)
-    return Estimate(mem, col, flops, model_flops, t, hw.name, lo, global_batch * T, limit, lo.devices)
+    return flops, busy, model_flops
 
 
 def diloco_terms(inner: Estimate, ms: ModelShape, lo: Layout, hw: hw_lib.Hardware, prec: Precision,

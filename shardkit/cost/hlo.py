@@ -172,7 +172,13 @@ _DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+dot\(\s*(?:(\S+\[[0
 _NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
 _LHS_C = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CONV = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+convolution\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)")
+# XLA:GPU lowers convolutions to cuDNN custom calls: forward (x, w) -> y, backward input
+# (dy, w) -> dx, backward filter (x, dy) -> dw, each with the forward convolution's dim_labels.
+_CUDNN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?(\S+?\])\S*\s"
+                    r".*?custom-call\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)"
+                    r".*custom_call_target=\"__cudnn\$conv(\w+)\"")
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
+_LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 
 
@@ -290,6 +296,9 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (cv := _CONV.match(line)) is not None:
                 total += m * _conv_flops(line, cv, shapes)
                 continue
+            if "__cudnn$conv" in line and (cd := _CUDNN.match(line)) is not None:
+                total += m * _cudnn_conv_flops(line, cd, shapes)
+                continue
             d = _DOT.match(line)
             if d is None:
                 continue
@@ -314,7 +323,26 @@ def _conv_flops(line: str, cv, shapes: dict) -> float:
     if not res or not rhs_dims or labels is None or "i" not in labels.group(1):
         raise HloParseError(f"cannot read this convolution's shapes: {line.strip()[:300]}")
     size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
+    # A strided convolution's input gradient dilates its operand by the stride: the inserted
+    # zeros are not work (as ``program``'s count and cuDNN's).
+    dilate = _LHS_DILATE.search(line)
+    size /= math.prod(_ints(dilate.group(1).replace("x", ","))) if dilate else 1
     return 2.0 * math.prod(res) * size * rhs_dims[labels.group(1).index("i")]
+
+
+def _cudnn_conv_flops(line: str, cd, shapes: dict) -> float:
+    """A cuDNN convolution's flops: 2 × the forward output's elements × window × the kernel's
+    input features, whichever of the three passes it is (the forward output is the result of
+    the forward, the first operand of the input gradient, the second of the filter gradient;
+    the kernel the second operand, or the filter gradient's result)."""
+    dims = lambda t: _ints(t.split("[", 1)[1].split("]", 1)[0]) if "[" in t else []  # noqa: E731
+    res, a, b, kind = cd.group(1), shapes.get(cd.group(2), ""), shapes.get(cd.group(3), ""), cd.group(4)
+    y, kernel = {"BackwardInput": (a, b), "BackwardFilter": (b, res)}.get(kind, (res, b))
+    window, labels = _WINDOW.search(line), _DIM_LABELS.search(line)
+    if not dims(y) or not dims(kernel) or labels is None or "i" not in labels.group(1):
+        raise HloParseError(f"cannot read this cuDNN convolution's shapes: {line.strip()[:300]}")
+    size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
+    return 2.0 * math.prod(dims(y)) * size * dims(kernel)[labels.group(1).index("i")]
 
 
 def _split_tuple(text: str) -> list[str]:

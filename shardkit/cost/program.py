@@ -66,6 +66,9 @@ _MATMUL = {"dot_general", "conv_general_dilated"}
 # Ops that take part of a value (a stacked weight's one slice: ``w[:, i]``): a use of the
 # parameter for the readings, a value of its own for sizes.
 _SLICE = {"slice", "dynamic_slice", "index_in_dim", "rev"}
+# Primitives whose body the reader cannot see (a kernel written for one backend): their flops
+# and buffers are not counted (``ProgramReading.unseen``).
+_OPAQUE = {"pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "mosaic_gpu_call", "tpu_custom_call"}
 # jaxpr collectives -> the HLO collective they become (``hlo.Traffic.kind``).
 _COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
                 "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
@@ -95,6 +98,10 @@ class ProgramReading:
             the collectives the program writes itself (inside ``shard_map``), through loops.
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         notes: what the reader could not see into.
+        unseen: what the program holds that the model cannot see, ``{kind: description}``:
+            ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
+            ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
+            activations that is not a layer scan: a time recurrence inside a layer).
     """
 
     lookup: list[bool]
@@ -110,6 +117,7 @@ class ProgramReading:
     notes: list[str]
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
+    unseen: dict = dataclasses.field(default_factory=dict)
 
 
 def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
@@ -165,7 +173,10 @@ def _dot_flops(eqn) -> float:
     dn = eqn.params["dimension_numbers"]
     rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
     window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
+    # A strided convolution's input gradient is a convolution of the gradient dilated by the
+    # stride (lhs_dilation): the inserted zeros are not multiplied (cuDNN, XLA:GPU's count).
+    dilated = math.prod(eqn.params.get("lhs_dilation") or (1,))
+    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window / dilated
 
 
 class _Reader:
@@ -187,6 +198,7 @@ class _Reader:
         self.sliced: set = set()  # vars holding a slice of a parameter (a use of it, not its layout)
         self.unsplit: set = set()  # vars known whole over the tensor axes (see ``split``)
         self.notes: list[str] = []
+        self.unseen: dict[str, str] = {}
         self._times = 1.0
 
     def size_of(self, aval, leaf, var=None) -> float:
@@ -205,30 +217,13 @@ class _Reader:
         return None if isinstance(v, jcore.Literal) or v in self.sliced else origin.get(v)
 
     def run(self, jaxpr: jcore.Jaxpr, origin: dict, outputs_live: bool) -> tuple[float, float, float]:
-        """Flops (one device's, all devices') and peak live bytes of ``jaxpr`` (its inputs excluded); ``origin`` maps vars to
-        the parameter they view. With ``outputs_live`` the jaxpr's outputs stay to the end."""
-        eqns = jaxpr.eqns
-        fused: set = set()  # vars that XLA would not materialise
-        roots: dict = {}  # var -> the materialised vars it is computed from
-        last: dict = {}
-        size: dict = {}
-        born: dict = {}
-        flops, total, inner_peak = 0.0, 0.0, {}
-        consumers: dict = {}
-        jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-        for e in eqns:
-            for u in e.invars:
-                if not isinstance(u, jcore.Literal):
-                    consumers.setdefault(u, []).append(e.primitive.name)
-        reduced = xla_cpu.materialised_for_reductions(eqns, _FUSIBLE, _VIEW, _REDUCE) if self.canonical_dots else set()
-        if not outputs_live:
-            # A value that only reaches a nested jaxpr's output through reshapes and casts is
-            # written straight into the caller's buffer too.
-            for e in reversed(eqns):
-                if (e.primitive.name in _VIEW and e.outvars[0] in jaxpr_out and e.invars
-                        and not isinstance(e.invars[0], jcore.Literal) and len(consumers[e.invars[0]]) == 1):
-                    jaxpr_out.add(e.invars[0])
-        for i, e in enumerate(eqns):
+        """Flops (one device's, all devices') and peak live bytes of ``jaxpr`` (its inputs
+        excluded); ``origin`` maps vars to the parameter they view. With ``outputs_live`` the
+        jaxpr's outputs stay to the end."""
+        p = _Pass(jaxpr, outputs_live,
+                  xla_cpu.materialised_for_reductions(jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
+                  if self.canonical_dots else set())
+        for i, e in enumerate(jaxpr.eqns):
             name = e.primitive.name
             src = [origin.get(u) if not isinstance(u, jcore.Literal) else None for u in e.invars]
             if (name in _VIEW or name in _SLICE) and src and src[0] is not None:
@@ -241,139 +236,207 @@ class _Reader:
                     if s_ is not None:
                         self.loop_use[s_] = True
             if name in _MATMUL:
-                # A device does the share of the most-split operand (or result): tokens split
-                # over data, features over tensor.
-                ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
-                out_d, out_t = self.split_of(e.outvars[0].aval, None, self.manual)
-                if max(t for _, t in ops) <= 1 and out_t > 1:
-                    # A product of operands whole over the tensor axes is whole too, whatever
-                    # its sizes (a head's logits as wide as a tensor-split MLP).
-                    out_t = 1
-                    self.unsplit.update(e.outvars)
-                total += _dot_flops(e)
-                flops += _dot_flops(e) / max(d * t for d, t in ops + [(out_d, out_t)])
-                if max(t for _, t in ops) > 1 and out_t == 1:
-                    # A tensor-split contraction leaves partial sums: XLA all-reduces the result
-                    # (Megatron's row-parallel forward, column-parallel input gradient).
-                    self.tensor_reduce += self._times * math.prod(e.outvars[0].aval.shape) / out_d
-                    self.tensor_reduce_ops += self._times
-                    # The all-reduce writes a second buffer beside the partial sums.
-                    reduce_copy = self.size_of(e.outvars[0].aval, None)
-                else:
-                    reduce_copy = 0.0
-                if self.canonical_dots:
-                    # An activation is copied for the op; a weight takes the layout the op
-                    # wants for free (layout assignment picks it).
-                    inner_peak[i] = sum(self.size_of(u.aval, None) for u in xla_cpu.transposed_operands(e)
-                                        if self.whole(origin, u) is None)
-                inner_peak[i] = inner_peak.get(i, 0.0) + reduce_copy
-                for s in src[:2]:
-                    if s is not None:
-                        self.matmul[s] = True
-                        self.conv[s] += name == "conv_general_dilated"
+                self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
             elif name in _COLLECTIVES:
-                axes = e.params.get("axis_name", e.params.get("axes", ()))
-                axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-                key = (_COLLECTIVES[name], tuple(a for a in axes if isinstance(a, str)))
-                got = self.explicit.setdefault(key, [0.0, 0.0])
-                got[0] += self._times
-                got[1] += self._times * sum(self.size_of(v.aval, None) for v in e.outvars
-                                            if not isinstance(v, jcore.DropVar))
-            subs = _sub_jaxprs(e)
-            sub_peak = 0.0
-            for sub, outer, times in subs:
-                inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
-                                if not isinstance(ov, jcore.Literal) and ov in origin}
-                self.sliced.update(iv for iv, ov in zip(sub.invars, outer)
-                                   if not isinstance(ov, jcore.Literal) and ov in self.sliced)
-                if math.isnan(times):
-                    self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
-                    times = 1.0
-                loop = name in ("scan", "while")
-                self.in_loop += loop
-                outer_manual = self.manual
-                if name == "shard_map":  # inside, values are local over these axes
-                    self.shard_maps += 1
-                    self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
-                outer_times, self._times = self._times, self._times * times
-                f, t, pk = self.run(sub, inner_origin, outputs_live=False)
-                self.in_loop -= loop
-                self.manual = outer_manual
-                self._times = outer_times
-                flops += f * times
-                total += t * times
-                sub_peak = max(sub_peak, pk)
-            if subs:
-                inner_peak[i] = inner_peak.get(i, 0.0) + sub_peak
+                self._collective(e)
+            elif name in _OPAQUE or "custom_call" in name:
+                self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
+            self._nested(p, i, e, origin)
+            self._buffer(p, i, e, origin)
+        return p.flops, p.total, self._sweep(p, jaxpr, outputs_live)
 
-            if (name in _FUSIBLE or name in _REDUCE) and any(u in self.unsplit for u in e.invars
-                                                             if not isinstance(u, jcore.Literal)) and all(
-                    u in self.unsplit or self.split(u, origin)[1] <= 1 for u in e.invars
-                    if not isinstance(u, jcore.Literal)):
-                self.unsplit.update(e.outvars)  # elementwise math of whole values stays whole
-            # Materialised or fused?
-            outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
-            materialise = name not in _FUSIBLE or any(
-                c not in _FUSIBLE and c not in _REDUCE for v in outs for c in consumers.get(v, ())) or (
-                name in _EXPENSIVE and any(len(consumers.get(v, ())) > 1 for v in outs)) or i in reduced
-            if not materialise and not any(v in jaxpr_out for v in outs):
-                for v in e.outvars:
-                    fused.add(v)
-                    roots[v] = set().union(*[roots.get(u, {u}) for u in e.invars
-                                             if not isinstance(u, jcore.Literal)]) if e.invars else set()
-                continue
-            for u in e.invars:
-                if isinstance(u, jcore.Literal):
-                    continue
-                for r in roots.get(u, {u}):
-                    last[r] = i
+    def _matmul(self, p: _Pass, i: int, e, origin: dict, src: list) -> None:
+        """A matmul's flops, its tensor-parallel reduction and working buffers."""
+        # A device does the share of the most-split operand (or result): tokens split
+        # over data, features over tensor.
+        ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
+        out_d, out_t = self.split_of(e.outvars[0].aval, None, self.manual)
+        if max(t for _, t in ops) <= 1 and out_t > 1:
+            # A product of operands whole over the tensor axes is whole too, whatever
+            # its sizes (a head's logits as wide as a tensor-split MLP).
+            out_t = 1
+            self.unsplit.update(e.outvars)
+        p.total += _dot_flops(e)
+        p.flops += _dot_flops(e) / max(d * t for d, t in ops + [(out_d, out_t)])
+        if max(t for _, t in ops) > 1 and out_t == 1:
+            # A tensor-split contraction leaves partial sums: XLA all-reduces the result
+            # (Megatron's row-parallel forward, column-parallel input gradient).
+            self.tensor_reduce += self._times * math.prod(e.outvars[0].aval.shape) / out_d
+            self.tensor_reduce_ops += self._times
+            # The all-reduce writes a second buffer beside the partial sums.
+            reduce_copy = self.size_of(e.outvars[0].aval, None)
+        else:
+            reduce_copy = 0.0
+        if self.canonical_dots:
+            # An activation is copied for the op; a weight takes the layout the op
+            # wants for free (layout assignment picks it).
+            p.inner_peak[i] = sum(self.size_of(u.aval, None) for u in xla_cpu.transposed_operands(e)
+                                  if self.whole(origin, u) is None)
+        p.inner_peak[i] = p.inner_peak.get(i, 0.0) + reduce_copy
+        for s in src[:2]:
+            if s is not None:
+                self.matmul[s] = True
+                self.conv[s] += e.primitive.name == "conv_general_dilated"
+
+    def _scans_weights(self, e, origin: dict) -> bool:
+        """Whether a ``scan`` walks over stacked parameters (a layer scan, forward or backward)
+        rather than over activations only (a recurrence: time steps, chunks)."""
+        xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+        return any(not isinstance(u, jcore.Literal) and u in origin for u in xs)
+
+    def _collective(self, e) -> None:
+        """A collective the program writes itself: its executions and result bytes."""
+        axes = e.params.get("axis_name", e.params.get("axes", ()))
+        axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        key = (_COLLECTIVES[e.primitive.name], tuple(a for a in axes if isinstance(a, str)))
+        got = self.explicit.setdefault(key, [0.0, 0.0])
+        got[0] += self._times
+        got[1] += self._times * sum(self.size_of(v.aval, None) for v in e.outvars
+                                    if not isinstance(v, jcore.DropVar))
+
+    def _nested(self, p: _Pass, i: int, e, origin: dict) -> None:
+        """Reads an equation's nested jaxprs (loop bodies through their trip counts, a cond's
+        branches, a shard_map's body with its manual axes); their peak is ``e``'s working set."""
+        name = e.primitive.name
+        subs = _sub_jaxprs(e)
+        sub_peak = 0.0
+        for sub, outer, times in subs:
+            inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
+                            if not isinstance(ov, jcore.Literal) and ov in origin}
+            self.sliced.update(iv for iv, ov in zip(sub.invars, outer)
+                               if not isinstance(ov, jcore.Literal) and ov in self.sliced)
+            if math.isnan(times):
+                self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
+                self.unseen.setdefault("while", "a while loop of unknown trip count (its body counted once)")
+                times = 1.0
+            if name == "scan" and times > 1 and not self.manual and not self._scans_weights(e, origin):
+                self.unseen.setdefault("recurrence", f"a scan of {times:.0f} steps over activations (a "
+                                                     "recurrence inside a layer, not a layer scan)")
+            loop = name in ("scan", "while")
+            self.in_loop += loop
+            outer_manual = self.manual
+            if name == "shard_map":  # inside, values are local over these axes
+                self.shard_maps += 1
+                self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
+            outer_times, self._times = self._times, self._times * times
+            f, t, pk = self.run(sub, inner_origin, outputs_live=False)
+            self.in_loop -= loop
+            self.manual = outer_manual
+            self._times = outer_times
+            p.flops += f * times
+            p.total += t * times
+            sub_peak = max(sub_peak, pk)
+        if subs:
+            p.inner_peak[i] = p.inner_peak.get(i, 0.0) + sub_peak
+
+    def _buffer(self, p: _Pass, i: int, e, origin: dict) -> None:
+        """Whether ``e``'s results are materialised or fused into their consumers, and if
+        materialised, their per-device bytes and birth; the uses that keep their inputs alive."""
+        name = e.primitive.name
+        if (name in _FUSIBLE or name in _REDUCE) and any(u in self.unsplit for u in e.invars
+                                                         if not isinstance(u, jcore.Literal)) and all(
+                u in self.unsplit or self.split(u, origin)[1] <= 1 for u in e.invars
+                if not isinstance(u, jcore.Literal)):
+            self.unsplit.update(e.outvars)  # elementwise math of whole values stays whole
+        outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
+        consumers = p.consumers
+        materialise = name not in _FUSIBLE or any(
+            c not in _FUSIBLE and c not in _REDUCE for v in outs for c in consumers.get(v, ())) or (
+            name in _EXPENSIVE and any(len(consumers.get(v, ())) > 1 for v in outs)) or i in p.reduced
+        if not materialise and not any(v in p.jaxpr_out for v in outs):
             for v in e.outvars:
-                if isinstance(v, jcore.DropVar):
-                    continue
-                view = name in _VIEW and self.whole(origin, v) is not None
-                # A nested jaxpr's outputs are written into its caller's buffers (a scan's
-                # stacked outputs, a call's results): counted there, not here.
-                inner_out = not outputs_live and v in jaxpr_out
-                size[v] = 0.0 if (view and name != "convert_element_type") or inner_out else \
-                    self.size_of(v.aval, self.whole(origin, v), v)
-                if name == "shard_map" and size[v] and _elementwise_output(e, e.outvars.index(v)):
-                    # A residual the body computes elementwise from values it keeps anyway:
-                    # once XLA has partitioned the shard_map away, it fuses the op into the
-                    # backward's consumers instead of storing it (as it does outside one).
-                    size[v] = 0.0
-                elif name == "shard_map" and size[v]:
-                    # Its outputs (residuals for the backward included) are split as its
-                    # out_specs say over the axes it made manual.
-                    spec = e.params["out_specs"][e.outvars.index(v)]
-                    shape = dict(e.params["mesh"].shape)
-                    split = math.prod(shape[a] for entry in spec if entry is not None
-                                      for a in ((entry,) if isinstance(entry, str) else entry))
-                    if split > 1:
-                        size[v] = _bytes(v.aval) / split
-                if self.canonical_dots and name in _MATMUL and np.dtype(v.aval.dtype).itemsize == 2:
-                    size[v] *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
-                born[v] = i
-                last.setdefault(v, i)
-        end = len(eqns)
+                p.fused.add(v)
+                p.roots[v] = set().union(*[p.roots.get(u, {u}) for u in e.invars
+                                           if not isinstance(u, jcore.Literal)]) if e.invars else set()
+            return
+        for u in e.invars:
+            if isinstance(u, jcore.Literal):
+                continue
+            for r in p.roots.get(u, {u}):
+                p.last[r] = i
+        for v in e.outvars:
+            if isinstance(v, jcore.DropVar):
+                continue
+            p.size[v] = self._result_bytes(p, e, v, origin)
+            p.born[v] = i
+            p.last.setdefault(v, i)
+
+    def _result_bytes(self, p: _Pass, e, v, origin: dict) -> float:
+        """Per-device bytes of the materialised result ``v`` of ``e``."""
+        name = e.primitive.name
+        view = name in _VIEW and self.whole(origin, v) is not None
+        # A nested jaxpr's outputs are written into its caller's buffers (a scan's
+        # stacked outputs, a call's results): counted there, not here.
+        inner_out = not p.outputs_live and v in p.jaxpr_out
+        nbytes = 0.0 if (view and name != "convert_element_type") or inner_out else \
+            self.size_of(v.aval, self.whole(origin, v), v)
+        if name == "shard_map" and nbytes and _elementwise_output(e, e.outvars.index(v)):
+            # A residual the body computes elementwise from values it keeps anyway:
+            # once XLA has partitioned the shard_map away, it fuses the op into the
+            # backward's consumers instead of storing it (as it does outside one).
+            nbytes = 0.0
+        elif name == "shard_map" and nbytes:
+            # Its outputs (residuals for the backward included) are split as its
+            # out_specs say over the axes it made manual.
+            spec = e.params["out_specs"][e.outvars.index(v)]
+            shape = dict(e.params["mesh"].shape)
+            split = math.prod(shape[a] for entry in spec if entry is not None
+                              for a in ((entry,) if isinstance(entry, str) else entry))
+            if split > 1:
+                nbytes = _bytes(v.aval) / split
+        if self.canonical_dots and name in _MATMUL and np.dtype(v.aval.dtype).itemsize == 2:
+            nbytes *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
+        return nbytes
+
+    def _sweep(self, p: _Pass, jaxpr: jcore.Jaxpr, outputs_live: bool) -> float:
+        """The peak of the live bytes: a buffer is live from its producing equation through its
+        last use, plus each equation's own working set (``inner_peak``)."""
+        end = len(jaxpr.eqns)
         for v in jaxpr.outvars:
             if isinstance(v, jcore.Literal):
                 continue
-            for r in roots.get(v, {v}):
-                last[r] = end if outputs_live else max(last.get(r, 0), end - 1)
-        # Sweep: a buffer is live from its producing equation through its last use.
+            for r in p.roots.get(v, {v}):
+                p.last[r] = end if outputs_live else max(p.last.get(r, 0), end - 1)
         delta = np.zeros(end + 2)
-        for v, b in size.items():
-            delta[born[v]] += b
-            delta[last.get(v, born[v]) + 1] -= b
-
+        for v, b in p.size.items():
+            delta[p.born[v]] += b
+            delta[p.last.get(v, p.born[v]) + 1] -= b
         live = np.cumsum(delta)[:end + 1]
         peak = 0.0
         for i in range(end + 1):
-            peak = max(peak, live[i] + inner_peak.get(i, 0.0))
-        self._live, self._born = live, born
-        return flops, total, float(peak)
+            peak = max(peak, live[i] + p.inner_peak.get(i, 0.0))
+        self._live, self._born = live, p.born
+        return float(peak)
+
+
+class _Pass:
+    """The bookkeeping of one reading of one jaxpr (``_Reader.run``)."""
+
+    def __init__(self, jaxpr: jcore.Jaxpr, outputs_live: bool, reduced: set):
+        self.outputs_live = outputs_live
+        self.reduced = reduced  # equations XLA:CPU materialises for a reduction's operand
+        self.fused: set = set()  # vars that XLA would not materialise
+        self.roots: dict = {}  # var -> the materialised vars it is computed from
+        self.last: dict = {}
+        self.size: dict = {}
+        self.born: dict = {}
+        self.flops = self.total = 0.0
+        self.inner_peak: dict = {}
+        self.consumers: dict = {}
+        self.jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+        for e in jaxpr.eqns:
+            for u in e.invars:
+                if not isinstance(u, jcore.Literal):
+                    self.consumers.setdefault(u, []).append(e.primitive.name)
+        if not outputs_live:
+            # A value that only reaches a nested jaxpr's output through reshapes and casts is
+            # written straight into the caller's buffer too.
+            for e in reversed(jaxpr.eqns):
+                if (e.primitive.name in _VIEW and e.outvars[0] in self.jaxpr_out and e.invars
+                        and not isinstance(e.invars[0], jcore.Literal) and len(self.consumers[e.invars[0]]) == 1):
+                    self.jaxpr_out.add(e.invars[0])
 
 
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
@@ -407,5 +470,5 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
-                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps)
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
 

@@ -181,10 +181,13 @@ class Report:
         return out
 
     def comparison(self) -> list[dict]:
-        """Rows ``{"quantity", "estimate", "compiled", "caveat"}`` for every quantity both sides
-        have (a collective the program does not execute counts as 0 compiled bytes); ``caveat``
-        says why an estimate is approximate, or (``"not modelled: ..."``) why it is not modelled —
-        the rendered table then prints the reason instead of the number (None: modelled)."""
+        """Rows ``{"quantity", "estimate", "compiled", "caveat", "band"}`` for every quantity both
+        sides have (a collective the program does not execute counts as 0 compiled bytes);
+        ``caveat`` says why an estimate is approximate, or (``"not modelled: ..."``) why it is not
+        modelled — the rendered table then prints the reason instead of the number (None:
+        modelled); ``band``: the estimate's measured error band on this target
+        (``sk.cost.bands``; None where not measured). A peak estimated more than 10% under the
+        compiled one always carries a caveat that says so."""
         compiled = self.compiled()
         est = self.estimate or {}
         rows = [{"quantity": q, "estimate": float(est[q]), "compiled": compiled.get(q, 0.0)}
@@ -192,8 +195,15 @@ class Report:
         if est and compiled.get("collective/other"):
             rows.append({"quantity": "collective/other", "estimate": float(est.get("collective/other", 0.0)),
                          "compiled": compiled["collective/other"]})
+        from .bands import label
+
         for r in rows:
             r["caveat"] = self.caveats.get(r["quantity"])
+            r["band"] = label(self.target, r["quantity"])
+            under = 1 - r["estimate"] / r["compiled"] if r["compiled"] else 0.0
+            if r["quantity"] == "memory/peak" and under > 0.10 and not (r["caveat"] or "").startswith("not modelled"):
+                r["caveat"] = (f"under-estimate: {under:.0%} under the compiled peak; plan with the compiled "
+                               "figure" + (f" ({r['caveat']})" if r["caveat"] else ""))
         return rows
 
     def __rich__(self):
@@ -231,7 +241,7 @@ class Report:
         if self.estimate:
             est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
             footnotes: list[str] = []
-            for c in ("quantity", "estimate", "compiled", "ratio", "modelled?"):
+            for c in ("quantity", "estimate", "compiled", "ratio", "modelled?", "band"):
                 est.add_column(c, justify="right" if c in ("estimate", "compiled", "ratio") else "left")
             for r in self.comparison():
                 if not r["estimate"] and not r["compiled"]:
@@ -241,7 +251,8 @@ class Report:
                 caveat = r["caveat"] or "modelled"
                 shown = not caveat.startswith("not modelled")  # the reason, not a number
                 est.add_row(r["quantity"], fmt(r["estimate"]) if shown else "unmodelled", fmt(r["compiled"]),
-                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0])
+                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0],
+                            (r["band"] or "not measured") if shown else "-")
                 if r["caveat"]:
                     footnotes.append(f"{r['quantity']}: {r['caveat']}")
             parts.append(est)

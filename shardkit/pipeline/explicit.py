@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..mesh import block_shard_map
 from .forward import forward
-from .schedules import BW, EXPLICIT_SCOPE, IDLE, B, F, W, Schedule, switch_branches
+from .schedules import BW, DOWN, EXPLICIT_SCOPE, IDLE, SELF, UP, B, F, W, Schedule, switch_branches
+from .split import SplitBackward
 from .stage import mean_loss, put, row_spec, take, varying
 
 
@@ -47,14 +48,19 @@ def _add(acc, d):
 
 
 def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
-                   rng, *, mesh, axis, data):
-    """Runs ``tab``; returns (mean loss, (d params_s, d loss_params, d x_mb))."""
+                   rng, *, mesh, axis, data, split: SplitBackward | None = None):
+    """Runs ``tab``; returns (mean loss, (d params_s, d loss_params, d x_mb)). ``split``: the
+    B/W ops of a table that has them (``split``)."""
     p, m, v = tab.stages, tab.microbatches, tab.repeats
     pairs, branch = switch_branches(tab)
     dx_row = np.where((np.arange(p)[None, :] == 0) & (tab.chunk == 0) & np.isin(tab.op, (B, BW)), tab.mb, m)
-    ring = v > 1
-    down = [(s, (s + 1) % p) for s in range(p)] if ring else [(s, s + 1) for s in range(p - 1)]
-    up = [(s, (s - 1) % p) for s in range(p)] if ring else [(s + 1, s) for s in range(p - 1)]
+    ring = v > 1  # several chunks per device: the weights are sliced per op
+    vee = tab.name == "zb-v"
+    if vee:  # ZB-V: both directions carry both kinds; chunk 0 goes down, chunk 1 comes up
+        ring = True
+    around = v > 1 and not vee  # interleaved: stage p-1 feeds stage 0 around a ring
+    down = [(s, (s + 1) % p) for s in range(p)] if around else [(s, s + 1) for s in range(p - 1)]
+    up = [(s, (s - 1) % p) for s in range(p)] if around else [(s + 1, s) for s in range(p - 1)]
     n_data = math.prod(mesh.shape[a] for a in data)
     everywhere = (axis, *data)
 
@@ -69,13 +75,21 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
         zero_h = jnp.zeros_like(x_mb[0])
         seed = varying(jnp.float32(1.0 / (m * n_data)), everywhere)
         rows = tuple(jnp.asarray(a) for a in (branch, tab.mb, tab.chunk, tab.act_slot, tab.grad_slot,
-                                              tab.recv_act, tab.recv_grad, dx_row))
+                                              tab.recv_act, tab.recv_grad, dx_row, tab.w_slot, tab.send,
+                                              tab.recv_act_up, tab.recv_grad_down, tab.recv_act_self,
+                                              tab.recv_grad_self))
+        groups = jnp.asarray(tab.group)
+        ctx0 = (0, 0, take(extras_mb, 0))
 
         def tick(carry, row):
-            br, mb, c, a_slot, g_slot, r_act, r_grad, dx = (r[stage] for r in row)
-            recv_h, recv_g, act_ring, grad_ring, acc = carry
+            (br, mb, c, a_slot, g_slot, r_act, r_grad, dx, w_at, to, r_act_up, r_grad_down, r_act_self,
+             r_grad_self) = (r[stage] for r in row)
+            (recv_h, recv_g, recv_self), act_ring, grad_ring, acc, w_ring = carry
             act_ring = put(act_ring, recv_h, r_act)
             grad_ring = put(grad_ring, recv_g, r_grad)
+            if vee:  # recv_h came from below, recv_g from above: either kind in ZB-V
+                act_ring = put(put(act_ring, recv_g, r_act_up), recv_self, r_act_self)
+                grad_ring = put(put(grad_ring, recv_h, r_grad_down), recv_self, r_grad_self)
             h = jnp.where(a_slot < 0, take(x_mb, mb), take(act_ring, jnp.maximum(a_slot, 0)))
             g = take(grad_ring, g_slot)
             # The chunk's weights as a (1, k, ...) stack; one chunk: the operand itself (a slice
@@ -85,14 +99,16 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                        if ring else params_l)
 
             def out(Wc, h):
-                return chunk(Wc, 0, h, c * p + stage, mb, take(extras_mb, mb))
+                return chunk(Wc, 0, h, groups[stage, c], mb, take(extras_mb, mb))
 
             def loss(Wc, LP, h):
                 return loss_fn(LP, out(Wc, h), take(targets_mb, mb)).astype(jnp.float32)
 
             def add_w(acc, d_w, d_l=None):
                 gp, gl, gx, total = acc
-                if ring:  # an elementwise select over the chunks: updated in place
+                if d_w is None:
+                    pass
+                elif ring:  # an elementwise select over the chunks: updated in place
                     def upd(a, d):
                         hit = (jnp.arange(v) == c).reshape((v,) + (1,) * (a.ndim - 1))
                         return jnp.where(hit, a + d.astype(a.dtype), a)
@@ -106,7 +122,12 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                 return gp, gl, put(gx, d_h.astype(gx.dtype), dx), total
 
             def run(op, on_loss):
-                def branch_fn(acc):
+                def branch_fn(acc, w_ring):
+                    if split is not None and op in (B, W):
+                        return split_op(op, on_loss, acc, w_ring)
+                    return (*branch_fn_(acc), w_ring)
+
+                def branch_fn_(acc):
                     if op == IDLE:
                         return zero_h, zero_h, acc
                     if op == F and not on_loss:
@@ -133,20 +154,47 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                     return zero_h, d_h, add_x(add_w(acc, d_w, d_l), d_h)
                 return branch_fn
 
+            def split_op(op, on_loss, acc, w_ring):
+                """B: the chunk's forward once, its input gradient sent upstream now, what W
+                needs kept in the W ring; W: the weight-gradient matmuls from it (``split``)."""
+                w_k = jax.tree.map(lambda a: a[0], weights)  # (k, ...)
+                if op == W:
+                    d_w = split.weight_grad(w_k, take(w_ring, w_at))
+                    return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), w_ring
+                y, kept = split.forward(w_k, h, (groups[stage, c], mb, take(extras_mb, mb)))
+                d_l = None
+                if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
+                    d_l, g_y = jax.vjp(lambda LP, y: loss_fn(LP, y, take(targets_mb, mb)).astype(jnp.float32),
+                                       loss_params, y)[1](seed)
+                else:
+                    g_y = g
+                d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
+                acc = add_x(acc if d_l is None else add_w(acc, None, d_l), d_h)
+                return zero_h, d_h, acc, put(w_ring, saved, w_at)
+
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
-                send_h, send_g, acc = lax.switch(br, [run(o, l) for o, l in pairs], acc)
+                send_h, send_g, acc, w_ring = lax.switch(br, [run(o, l) for o, l in pairs], acc, w_ring)
+            send_self = zero_h
+            if vee:  # one message per op, routed by the table
+                msg = send_h + send_g
+                send_h, send_g, send_self = (jnp.where(to == d, msg, zero_h) for d in (DOWN, UP, SELF))
             if p > 1:
                 send_h = lax.ppermute(send_h, axis, down)
                 send_g = lax.ppermute(send_g, axis, up)
-            return (send_h, send_g, act_ring, grad_ring, acc), None
+            return ((send_h, send_g, send_self), act_ring, grad_ring, acc, w_ring), None
 
         acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
                jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
-        init = varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
-                        jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc), everywhere)
-        *_, (gp, gl, gx, total) = lax.scan(tick, init, rows)[0]
+        w_ring = None
+        if split is not None:  # per pending W: its chunk's per-layer residuals and cotangents
+            w0 = jax.tree.map(lambda a: a[0], params_l)
+            w_ring = jax.tree.map(lambda a: jnp.zeros((tab.w_ring,) + a.shape, a.dtype),
+                                  split.saved_shapes(w0, zero_h, ctx0))
+        init = varying(((zero_h, zero_h, zero_h), jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
+                        jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, w_ring), everywhere)
+        *_, (gp, gl, gx, total), _ = lax.scan(tick, init, rows)[0]
         if data:  # the one reduction over data per step
             gp, gl, total = lax.psum((gp, gl, total), data)
         # Loss, loss_params grads and dx live on one stage each; psum broadcasts them.
@@ -174,7 +222,7 @@ def _zero_cotangent(a):
 
 
 def explicit_pipeline(tab: Schedule, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                      rng, *, mesh, axis, data):
+                      rng, *, mesh, axis, data, split: SplitBackward | None = None):
     """The mean loss as a ``jax.custom_vjp``: its forward runs the whole table (forwards, the
     per-microbatch loss, the backward ops) and keeps the gradients as residuals; its backward
     only scales them by the incoming cotangent. Without differentiation the primal runs the
@@ -189,7 +237,7 @@ def explicit_pipeline(tab: Schedule, chunk, params_s, loss_fn, loss_params, x_mb
 
     def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
         return explicit_grads(tab, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
-                              rng, mesh=mesh, axis=axis, data=data)
+                              rng, mesh=mesh, axis=axis, data=data, split=split)
 
     def bwd(grads, g):
         scaled = jax.tree.map(lambda d: (d * g).astype(d.dtype), grads)

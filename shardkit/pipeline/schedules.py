@@ -27,8 +27,12 @@ EXPLICIT_SCOPE = "shardkit_pipeline_tick"
 
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4
 OP_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W", BW: "BW"}
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
-EXPLICIT = ("1f1b", "interleaved-1f1b", "zb-h1")  # backward inside the pipeline, table-driven
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+EXPLICIT = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")  # backward inside the pipeline, table-driven
+SPLIT = ("zb-h1", "zb-v")  # backward split into B and W
+# Where an op's result goes (``Schedule.send``): nowhere, down the pipe (stage s -> s+1, a ring
+# when a device holds several chunks), up (s -> s-1), or to the same device's next tick.
+NOWHERE, DOWN, UP, SELF = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # array fields: compared by identity
@@ -100,6 +104,18 @@ class Schedule:
         executed: ``"explicit"`` (the table is scanned by the explicit-backward executor) or
             ``"autodiff"`` (GPipe/circular: the F half is ``forward_table``, scanned; the BW half
             is autodiff's mirror of it).
+        w_slot: (ticks, p) int32; split schedules (B and W apart): the ring slot where a B
+            leaves what its W needs (the chunk's per-layer residuals and cotangents, ``split``)
+            and where that W reads it; 0 elsewhere.
+        w_ring: that ring's size (0 without W ops): the most W's pending at once on a stage.
+        send: (ticks, p) int32; where the op's result (F: activation, B/BW: input cotangent)
+            goes: ``NOWHERE``, ``DOWN``, ``UP`` or ``SELF`` (ZB-V's turn at the last stage).
+        recv_act_up, recv_grad_down, recv_act_self, recv_grad_self: (ticks, p) int32; like
+            ``recv_act``/``recv_grad`` for what arrives from the stage above (sent ``UP``), from
+            below, and from this stage's previous tick. ``recv_act`` is what comes from below
+            and ``recv_grad`` from above. ZB-V uses them all; the others only the two first.
+        group: (p, v) int32; the global layer group of chunk c on stage s (``c·p + s``; ZB-V:
+            ``s`` and ``2p - 1 - s``).
     """
 
     name: str
@@ -118,11 +134,27 @@ class Schedule:
     grad_ring: int
     peak_activations: tuple[int, ...]
     executed: str
+    w_slot: np.ndarray | None = None
+    w_ring: int = 0
+    send: np.ndarray | None = None
+    recv_act_up: np.ndarray | None = None
+    recv_grad_down: np.ndarray | None = None
+    recv_act_self: np.ndarray | None = None
+    recv_grad_self: np.ndarray | None = None
+    group: np.ndarray | None = None
 
     @property
     def ticks(self) -> int:
         """Rows of the table."""
         return int(self.op.shape[0])
+
+    @property
+    def pending_w(self) -> tuple[int, ...]:
+        """Per stage, the most W's waiting at once (their B done, their W not yet): what a
+        split schedule holds beyond 1F1B, in units of one chunk's per-layer residuals for one
+        microbatch (``split``). 0 for schedules without W ops."""
+        waiting = np.cumsum((self.op == B).astype(np.int32) - (self.op == W), axis=0)
+        return tuple(int(w) for w in waiting.max(axis=0)) if W in self.op else (0,) * self.stages
 
     @property
     def bubble_fraction(self) -> float:
@@ -134,7 +166,8 @@ class Schedule:
         """The published bubble as a fraction of the total time, in the table's unit slots:
         GPipe/1F1B (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021), circular and
         interleaved 1F1B (p-1)/(v·m+p-1) (Narayanan et al. 2021: (p-1)/(v·m) of the ideal time),
-        ZB-H1 (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with F = B = W (Qi et al. 2024)."""
+        ZB-H1 (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with F = B = W (Qi et al. 2024); ZB-V
+        (p-1)/(6m+p-1) in its half-stage chunk slots (``formula_bubble``)."""
         return formula_bubble(self.name, self.stages, self.microbatches, self.repeats)
 
     def __str__(self) -> str:
@@ -159,6 +192,11 @@ def formula_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The published bubble fraction of total time (see ``Schedule.formula_bubble``)."""
     if schedule == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if schedule == "zb-v":
+        # Each device runs 6m unit ops (F, B, W of its 2 chunks per microbatch, each chunk half
+        # a stage): what stays idle is the last stage's wait for the first microbatch, p - 1
+        # chunk forwards — (p-1)·F/2 in whole-stage units, half ZB-H1's (p-1)(F+B-W).
+        return (p - 1) / (6 * m + p - 1)
     v = v if schedule in ("circular", "interleaved-1f1b") else 1
     return (p - 1) / (v * m + p - 1)
 
@@ -174,7 +212,10 @@ def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"repeats must be a positive integer, got {v!r}")
-    if v > 1 and schedule not in ("circular", "interleaved-1f1b"):
+    if schedule == "zb-v" and v not in (1, 2):
+        raise ValueError(f"zb-v always places 2 chunks per device (Qi et al. 2024), got repeats={v}; "
+                         "leave repeats at 1 (or 2): the layers split into 2 x stages groups")
+    if v > 1 and schedule not in ("circular", "interleaved-1f1b", "zb-v"):
         raise ValueError(f"repeats={v} needs schedule='circular' or 'interleaved-1f1b' (got "
                          f"{schedule!r}); or use repeats=1")
     if not isinstance(p, int) or p < 1:
@@ -195,7 +236,8 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int, repeats: in
         schedule: one of ``SCHEDULES``.
         stages: ``p``, devices along the pipe axis.
         microbatches: ``m >= p`` (a multiple of ``p`` for ``"interleaved-1f1b"``).
-        repeats: ``v``, layer chunks per device (``"circular"``, ``"interleaved-1f1b"``).
+        repeats: ``v``, layer chunks per device (``"circular"``, ``"interleaved-1f1b"``;
+            ``"zb-v"`` always has 2: device s holds layer groups s and 2p-1-s).
 
     Returns:
         A frozen ``Schedule``.
@@ -208,13 +250,16 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int, repeats: in
     check_schedule(schedule, p, m, v)
     if schedule in ("gpipe", "circular"):
         return _autodiff_schedule(schedule, p, m, v)
+    if schedule == "zb-v":
+        return _table(schedule, p, m, 2, _simulate_v(p, m))
     if schedule == "zb-h1":
         orders = [_one_f_one_b_order(p, s, m, B) for s in range(p)]
     elif schedule == "interleaved-1f1b":
         orders = [_interleaved_order(p, s, m, v) for s in range(p)]
     else:
         orders = [_one_f_one_b_order(p, s, m, BW) for s in range(p)]
-    return _table(schedule, p, m, v, _simulate(p, v, orders, split=schedule == "zb-h1"))
+    return _table(schedule, p, m, v, _simulate(p, v, orders, split=schedule == "zb-h1",
+                                                routes=_routes(schedule, p, v)))
 
 
 def _one_f_one_b_order(p: int, s: int, m: int, back: int) -> list[tuple[int, int, int]]:
@@ -249,7 +294,100 @@ def _interleaved_order(p: int, s: int, m: int, v: int) -> list[tuple[int, int, i
     return ops
 
 
-def _simulate(p: int, v: int, orders: list, split: bool) -> list[list[tuple[int, int, int]]]:
+def _routes(name: str, p: int, v: int):
+    """``(next, prev)``: where chunk c of stage s sends its output — ``(stage, chunk,
+    direction)``, ``None`` after the last layer group — and where its input comes from (the
+    cotangent goes back the same way, the other direction). Interleaved: stage p-1's chunk c
+    feeds stage 0's chunk c+1 around the ring (Narayanan et al. 2021). ZB-V (Qi et al. 2024):
+    chunk 0 goes down the stages, turns on the last one (its own chunk 1), and chunk 1 comes
+    back up to stage 0, which computes the loss."""
+    def nxt(s, c):
+        if name == "zb-v":
+            if c == 0:
+                return (s + 1, 0, DOWN) if s < p - 1 else (s, 1, SELF)
+            return (s - 1, 1, UP) if s > 0 else None
+        if s < p - 1:
+            return (s + 1, c, DOWN)
+        return (0, c + 1, DOWN) if c < v - 1 else None
+
+    back = {DOWN: UP, UP: DOWN, SELF: SELF}
+    prev = {}
+    for s in range(p):
+        for c in range(v):
+            if (n := nxt(s, c)) is not None:
+                prev[n[:2]] = (s, c, back[n[2]])
+    return nxt, lambda s, c: prev.get((s, c))
+
+
+def layer_groups(schedule: str, p: int, v: int) -> np.ndarray:
+    """(p, v) int32: the global layer group of chunk c on stage s — ``c·p + s`` (Narayanan et
+    al. 2021), ZB-V ``s`` and ``2p - 1 - s`` (Qi et al. 2024)."""
+    if schedule == "zb-v":
+        return np.array([[s, 2 * p - 1 - s] for s in range(p)], np.int32)
+    return np.array([[c * p + s for c in range(v)] for s in range(p)], np.int32)
+
+
+def _simulate_v(p: int, m: int) -> list[list[tuple[int, int, int]]]:
+    """ZB-V's table by list scheduling, in lockstep (a message takes one tick): each tick a
+    stage runs the first ready op of: a B (oldest microbatch first; chunk 0 on ties, it is on
+    the critical path to stage 0), an F (chunk 1 before chunk 0, microbatches in order) while
+    fewer than 2p microbatch-chunks are alive on it — 1F1B's peak, p microbatches of a whole
+    stage —, the oldest pending W. Every stage holds chunks s and 2p-1-s (Qi et al. 2024)."""
+    nxt, prv = _routes("zb-v", p, 2)
+    done: dict[tuple[int, int, int, int], int] = {}
+    fpos = [[0, 0] for _ in range(p)]
+    bpos = [[0, 0] for _ in range(p)]
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    alive = [0] * p
+    rows, t = [], 0
+
+    def before(*key):
+        return done.get(key, t) < t
+
+    while any(pending_w) or any(min(f) < m or min(b) < m for f, b in zip(fpos, bpos)):
+        row = []
+        for s in range(p):
+            op = None
+            backs = []
+            for c in (0, 1):
+                i = bpos[s][c]
+                n = nxt(s, c)
+                if i < m and before(F, s, i, c) and (n is None or before(B, n[0], i, n[1])):
+                    backs.append((i, c))
+            if backs:
+                i, c = min(backs)
+                op = (B, i, c)
+            elif alive[s] < 2 * p:
+                for c in (1, 0):
+                    i = fpos[s][c]
+                    src = prv(s, c)
+                    if i < m and (src is None or before(F, src[0], i, src[1])):
+                        op = (F, i, c)
+                        break
+            if op is None and pending_w[s]:
+                op = (W, *pending_w[s][0])
+            row.append(op or (IDLE, 0, 0))
+        for s, (kind, i, c) in enumerate(row):
+            if kind == IDLE:
+                continue
+            done[(kind, s, i, c)] = t
+            if kind == F:
+                fpos[s][c] += 1
+                alive[s] += 1
+            elif kind == B:
+                bpos[s][c] += 1
+                pending_w[s].append((i, c))
+            else:
+                pending_w[s].pop(0)
+                alive[s] -= 1
+        rows.append(row)
+        t += 1
+        if t > 16 * 6 * m * p + 64:
+            raise RuntimeError("zb-v schedule simulation did not finish")
+    return rows
+
+
+def _simulate(p: int, v: int, orders: list, split: bool, routes) -> list[list[tuple[int, int, int]]]:
     """Runs each stage's op list in order, in lockstep: an op starts once its inputs arrived
     (a ppermute takes one tick). With ``split`` (zero bubble) the W ops are not in the lists:
     a stage runs its oldest pending W whenever its next F/B cannot start, or when its next op
@@ -262,17 +400,16 @@ def _simulate(p: int, v: int, orders: list, split: bool) -> list[list[tuple[int,
     back = B if split else BW
     rows: list[list[tuple[int, int, int]]] = []
     t = 0
-    last = (p - 1, v - 1)
+
+    nxt, prv = routes
 
     def ready(kind, s, i, c) -> bool:
         before = lambda *key: done.get(key, t) < t  # noqa: E731
         if kind == F:
-            return (s == 0 and c == 0) or (before(F, s - 1, i, c) if s > 0 else before(F, p - 1, i, c - 1))
-        if not before(F, s, i, c):
-            return False
-        if (s, c) == last:
-            return True
-        return before(back, s + 1, i, c) if s < p - 1 else before(back, 0, i, c + 1)
+            src = prv(s, c)
+            return src is None or before(F, src[0], i, src[1])
+        n = nxt(s, c)
+        return before(F, s, i, c) and (n is None or before(back, n[0], i, n[1]))
 
     while any(pos[s] < len(orders[s]) for s in range(p)) or any(pending_w):
         row = []
@@ -309,25 +446,33 @@ def _simulate(p: int, v: int, orders: list, split: bool) -> list[list[tuple[int,
 
 
 def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
+    nxt, prv = _routes(name, p, v)
     ticks = len(rows)
     op = np.array([[k for k, _, _ in r] for r in rows], np.int32)
     mb = np.array([[i for _, i, _ in r] for r in rows], np.int32)
     chunk = np.array([[c for _, _, c in r] for r in rows], np.int32)
-    loss = (op != IDLE) & (np.arange(p)[None, :] == p - 1) & (chunk == v - 1)
+    last = next((s, c) for s in range(p) for c in range(v) if nxt(s, c) is None)
+    loss = (op != IDLE) & (np.arange(p)[None, :] == last[0]) & (chunk == last[1])
     where = {(int(op[t, s]), s, int(mb[t, s]), int(chunk[t, s])): t
              for t in range(ticks) for s in range(p) if op[t, s] != IDLE}
     back = BW if BW in op else B
-    last_use = {(s, i, c): where.get((W, s, i, c), where.get((BW, s, i, c)))
-                for (k, s, i, c) in where if k == F}
+    # From its F to its last backward op a microbatch-chunk is alive (W, BW); its stage input
+    # and output cotangent are read last by B or BW (W reads what its B kept, ``split``).
+    alive_until = {(s, i, c): where.get((W, s, i, c), where.get((BW, s, i, c)))
+                   for (k, s, i, c) in where if k == F}
+    last_use = {(s, i, c): where[(back, s, i, c)] for (k, s, i, c) in where if k == F}
 
-    # Arrivals: an F (not on the last group) sends its output to the next stage (stage p-1's
-    # chunk c goes to stage 0's chunk c+1); a backward sends the input cotangent upstream.
-    act_in, grad_in = {}, {}
+    # Arrivals: an F (not on the last group) sends its output to the next chunk on its route
+    # (``_routes``); a backward sends the input cotangent back along it. ``came``: from where.
+    act_in, grad_in, came = {}, {}, {}
+    send = np.zeros((ticks, p), np.int32)
     for (k, s, i, c), t in where.items():
-        if k == F and not (s == p - 1 and c == v - 1):
-            act_in[(s + 1, i, c) if s < p - 1 else (0, i, c + 1)] = t + 1
-        if k == back and not (s == 0 and c == 0):
-            grad_in[(s - 1, i, c) if s > 0 else (p - 1, i, c - 1)] = t + 1
+        if k == F and (n := nxt(s, c)) is not None:
+            act_in[(n[0], i, n[1])] = t + 1
+            came[("act", n[0], i, n[1])] = send[t, s] = n[2]
+        if k == back and (b := prv(s, c)) is not None:
+            grad_in[(b[0], i, b[1])] = t + 1
+            came[("grad", b[0], i, b[1])] = send[t, s] = b[2]
     act_slots, act_ring = _allocate(act_in, last_use)
     grad_slots, grad_ring = _allocate(grad_in, last_use)
 
@@ -338,16 +483,29 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
     for (k, s, i, c), t in where.items():
         act_slot[t, s] = act_slots.get((s, i, c), -1)
         grad_slot[t, s] = grad_slots.get((s, i, c), 0)
-    for key, t in act_in.items():
-        recv_act[t, key[0]] = act_slots[key]
-    for key, t in grad_in.items():
-        recv_grad[t, key[0]] = grad_slots[key]
+    # By the direction the message travelled: DOWN arrives from below, UP from above.
+    recv = {("act", DOWN): recv_act, ("grad", UP): recv_grad}
+    for kind, ring in (("act", act_ring), ("grad", grad_ring)):
+        for d in (DOWN, UP, SELF):
+            recv.setdefault((kind, d), np.full((ticks, p), ring, np.int32))
+    for kind, arrivals, slots in (("act", act_in, act_slots), ("grad", grad_in, grad_slots)):
+        for key, t in arrivals.items():
+            recv[(kind, came[(kind, *key)])][t, key[0]] = slots[key]
+    group = layer_groups(name, p, v)
     peak = []
     for s in range(p):
-        lives = [(where[(F, s, i, c)], last_use[(s, i, c)]) for (ss, i, c) in last_use if ss == s]
+        lives = [(where[(F, s, i, c)], alive_until[(s, i, c)]) for (ss, i, c) in alive_until if ss == s]
         peak.append(max(sum(a <= t <= b for a, b in lives) for t in range(ticks)))
+    w_slot, w_ring = np.zeros((ticks, p), np.int32), 0
+    if W in op:  # what B keeps for W waits in a ring from the B to the W, both included
+        w_at = {key: where[(W, *key)] for key in alive_until}
+        w_slots, w_ring = _allocate({key: where[(B, *key)] for key in alive_until}, w_at)
+        for (s, i, c), j in w_slots.items():
+            w_slot[where[(B, s, i, c)], s] = w_slot[w_at[(s, i, c)], s] = j
     return _frozen(Schedule(name, p, m, v, op, mb, chunk, loss, act_slot, grad_slot, recv_act,
-                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit"))
+                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit", w_slot, w_ring,
+                            send, recv[("act", UP)], recv[("grad", DOWN)], recv[("act", SELF)],
+                            recv[("grad", SELF)], group))
 
 
 def _allocate(arrive: dict, last_use: dict) -> tuple[dict, int]:

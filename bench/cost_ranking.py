@@ -1,0 +1,129 @@
+"""Does the analytic model rank layouts as the target compiler's programs do?
+
+For each model family (``tests/families.py``, ``tests/third_party_families.py``) and each
+device count (64, 256 H100s), ≥ 30 layouts (data × fsdp × tensor, ZeRO 0/1/3) are estimated
+(``sk.cost.estimate_for_step``: what ``sk.search`` ranks with) and compiled deviceless for the
+target; the step time of each is the step-time model on the estimate's figures versus on the
+compiled program's flops and collectives (``Report.step_time``). Reported per family and device
+count: whether the analytic first is within the compiled top 3, and Spearman's ρ between the two
+orders. Compiled figures are cached in bench/results/cost_ranking.json (``--reuse``).
+
+    nice timeout 3600 python bench/cost_ranking.py --reuse --families gpt,mlp,gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import shardkit as sk  # noqa: E402
+
+sk.use_cpu_devices(8)
+
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "cost_ranking.json"
+ROWS = 256  # global batch rows: divisible by every data x fsdp below
+
+
+def layouts(n: int) -> list[tuple[str, int]]:
+    """(mesh, ZeRO stage): every data x fsdp x tensor factorisation of ``n`` with tensor ≤ 8
+    and fsdp ≤ 16, under ZeRO 0/1/3 where they differ."""
+    out = []
+    for t, f in itertools.product((1, 2, 4, 8), (1, 2, 4, 16)):
+        d = n // (t * f)
+        if d < 1 or d * t * f != n:
+            continue
+        mesh = ",".join(f"{a}={s}" for a, s in (("data", d), ("fsdp", f), ("tensor", t)) if s > 1)
+        for z in (0, 1, 3):
+            if f > 1 and z == 0:
+                continue  # fsdp shards the parameters: ZeRO-0 is ZeRO-3's program there
+            out.append((mesh, z))
+    return out
+
+
+def small_mesh(mesh: str) -> str:
+    """The same axis names at 8 devices (the step is built here, then compiled for ``mesh``)."""
+    names = [p.split("=")[0] for p in mesh.split(",")]
+    sizes = {1: (8,), 2: (4, 2), 3: (2, 2, 2)}[len(names)]
+    return ",".join(f"{a}={s}" for a, s in zip(names, sizes))
+
+
+def measure(module, family, mesh, zero) -> dict:
+    # strict=False: a small model's leaves that do not split over 256 devices stay replicated (the
+    # same program for the estimate and the compile).
+    step, state, batch = module.build(family, small_mesh(mesh), zero, rows=ROWS, strict=False)
+    t0 = time.perf_counter()
+    report = step.explain(state, batch, mesh=mesh, target="h100")
+    return {"estimate": report.estimate["time/step"], "compiled": report.step_time["step"],
+            "peak_estimate": report.estimate["memory/peak"], "peak_compiled": float(report.memory["peak"]),
+            "seconds": time.perf_counter() - t0}
+
+
+def spearman(a, b) -> float:
+    ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def main() -> None:
+    import families as house
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="gpt,mlp,gpt2,resnet18,cnn,griffin")
+    ap.add_argument("--devices", default="64,256")
+    ap.add_argument("--reuse", action="store_true")
+    args = ap.parse_args()
+    try:
+        import third_party_families as third
+        third_names = third.available()
+    except ImportError:
+        third, third_names = None, []
+    cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    console = Console(width=160)
+    fams = [f for f in args.families.split(",") if f in house.FAMILIES or f in third_names]
+    for family in fams:
+        module = house if family in house.FAMILIES else third
+        for n in map(int, args.devices.split(",")):
+            for mesh, zero in layouts(n):
+                key = f"{family}|{mesh}|{zero}"
+                if args.reuse and key in cache:
+                    continue
+                try:
+                    cache[key] = measure(module, family, mesh, zero)
+                except Exception as e:  # a layout the family cannot take (a split that does not divide)
+                    console.print(f"[red]{key}: {type(e).__name__}: {str(e)[:200]}")
+                    cache[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                else:
+                    console.print(f"{key}: {cache[key]['seconds']:.1f} s")
+                RESULTS.parent.mkdir(exist_ok=True)
+                RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    table = Table(title="analytic vs compiled (H100, deviceless) ranking of layouts by step time")
+    for c in ("family", "devices", "layouts", "Spearman ρ", "analytic #1", "its compiled rank", "compiled #1"):
+        table.add_column(c, justify="left" if c in ("family", "analytic #1", "compiled #1") else "right")
+    for family in fams:
+        for n in map(int, args.devices.split(",")):
+            rows = [(f"{m} z{z}", cache[f"{family}|{m}|{z}"]) for m, z in layouts(n)
+                    if "estimate" in cache.get(f"{family}|{m}|{z}", {})]
+            if len(rows) < 2:
+                continue
+            est = [r["estimate"] for _, r in rows]
+            comp = [r["compiled"] for _, r in rows]
+            first = int(np.argmin(est))
+            rank = 1 + sum(c < comp[first] for c in comp)
+            table.add_row(family, str(n), str(len(rows)), f"{spearman(est, comp):.2f}", rows[first][0], str(rank),
+                          rows[int(np.argmin(comp))][0])
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The per-device blocks of ``sk.context_attention`` (``context.py``): the ring / all-gather
+forward and backward bodies run inside its ``shard_map``, their online-softmax steps, and the
+compiler-moved blockwise variant used inside another ``shard_map``. See ``context.py``'s
+docstring for the algorithm and its sources."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+F32 = jnp.float32
+_NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
+# Blocks a causal step touches (see _branch): all of it, K/V's first half (zig-zag, source
+# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after).
+_FULL, _KV_FIRST, _Q_SECOND, _SKIP = range(4)
+
+class _Config:
+    """What one sharded call is specialised on (all static)."""
+
+    def __init__(self, mesh, axis, c, causal, zigzag, scale, strategy, has_seg):
+        self.mesh, self.axis, self.c, self.causal, self.zigzag = mesh, axis, c, causal, zigzag
+        self.scale, self.strategy, self.has_seg = scale, strategy, has_seg
+
+    def positions(self, d, Tl):
+        """Global positions of device ``d``'s ``Tl`` tokens (contiguous or zig-zag)."""
+        if not self.zigzag:
+            return d * Tl + jnp.arange(Tl)
+        C = Tl // 2
+        return jnp.concatenate([d * C + jnp.arange(C), (2 * self.c - 1 - d) * C + jnp.arange(C)])
+
+    def branch(self, i, j):
+        """Index into ``_branches(self)`` of the part of the (my queries i, K/V block j) pair
+        that has unmasked work."""
+        if self.zigzag:  # (_FULL, _KV_FIRST, _Q_SECOND)
+            return jnp.where(i == j, 0, jnp.where(j < i, 1, 2))
+        return jnp.where(j <= i, 0, 1)  # causal, contiguous: (_FULL, _SKIP)
+
+
+def _mask(pq, pk, sq, sk, causal):
+    """(B|1, Tq, 1, 1, Tk) bool, or None when nothing is masked."""
+    m = (pq[:, None] >= pk[None, :])[None, :, None, None, :] if causal else None
+    if sq is not None:
+        seg = (sq[:, :, None] == sk[:, None, :])[:, :, None, None, :]
+        m = seg if m is None else m & seg
+    return m
+
+
+def _vary(tree, like):
+    """Casts ``tree`` to vary over every manual axis the ``like`` values vary over (scan carries
+    must keep one type through the loop)."""
+    axes = frozenset().union(*(jax.typeof(a).mat.varying for a in jax.tree.leaves(like)))
+
+    def cast(a):
+        missing = tuple(sorted(axes - jax.typeof(a).mat.varying))
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
+
+
+# ---- per-device bodies ----------------------------------------------------------------------
+
+def _split_heads(q, Hkv):
+    B, Tl, Hq, Dh = q.shape
+    return q.reshape(B, Tl, Hkv, Hq // Hkv, Dh)
+
+
+def _fetcher(cfg: _Config, kv_local, i):
+    """``fetch(s, carried) -> block``: the K/V block a device works on at step ``s`` (from
+    device ``(i - s) mod c``): the one the ring carried in, or read from the all-gathered copy
+    (the same order, so both strategies sum in the same order)."""
+    if cfg.strategy == "ring":
+        return lambda s, carried: carried
+    gathered = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis), kv_local)  # (c, ...) each
+    return lambda s, carried: jax.tree.map(
+        lambda a: lax.dynamic_index_in_dim(a, (i - s) % cfg.c, 0, keepdims=False), gathered)
+
+
+def _steps(cfg, carry, kv, step):
+    """Runs ``step(carry, kv_block, s)`` for s = 0..c-1 with the ring's ``c-1`` transfers:
+    each step sends the block it holds before using it (the send overlaps the compute)."""
+    if cfg.strategy == "allgather":
+        return lax.fori_loop(0, cfg.c, lambda s, cr: step(cr, None, s), carry)
+    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+
+    def body(state, s):
+        carry, block = state
+        nxt = lax.ppermute(block, cfg.axis, ring)
+        return (step(carry, block, s), nxt), None
+
+    (carry, block), _ = lax.scan(body, (carry, kv), jnp.arange(cfg.c - 1))
+    return step(carry, block, cfg.c - 1)
+
+
+def _sub(branch, C):
+    """(query slice, kv slice) of the block that has work, for a static branch."""
+    whole = slice(None)
+    return {_FULL: (whole, whole), _KV_FIRST: (whole, slice(0, C)), _Q_SECOND: (slice(C, None), whole)}[branch]
+
+
+def _branches(cfg):
+    if not cfg.causal:
+        return (_FULL,)
+    return (_FULL, _KV_FIRST, _Q_SECOND) if cfg.zigzag else (_FULL, _SKIP)
+
+
+def _online(state, q5, kb, vb, mask, scale):
+    """One block of the online softmax: running max ``m``, sum ``l`` and numerator ``acc``."""
+    m, l, acc = state
+    s = jnp.einsum("bqkgd,bskd->bqkgs", q5, kb, preferred_element_type=F32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, _NEG)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum("bqkgs,bskd->bqkgd", p.astype(vb.dtype), vb,
+                                             preferred_element_type=F32)
+    return m_new, l, acc
+
+
+def _compiler_blockwise(cfg: _Config, q, k, v, seg):
+    """Inside another shard_map (an ``sk.pipeline`` stage): the same blockwise attention and
+    the same recomputing backward (a custom VJP), written on global arrays. The queries and
+    the softmax state are kept split over the axis by sharding constraints, and the compiler
+    moves the K/V blocks (it gathers K/V, and reduces each block's dK/dV over the axis), so a
+    device holds (T/c, T/c) score blocks only, under any remat policy of the stage.
+
+    Why not the manual ring here: JAX 0.10.2 cannot partially evaluate a ``shard_map`` nested
+    in another one (the residuals it splits off get specs naming the outer manual axes and
+    lowering fails): under the stage's remat the ring's forward is partially evaluated."""
+    B, T, Hq, Dh = q.shape
+    Hkv, c = k.shape[2], cfg.c
+    Tl = T // c
+    split = jax.sharding.NamedSharding(cfg.mesh, P(None, cfg.axis))
+    keep = lambda tree: jax.tree.map(lambda a: lax.with_sharding_constraint(a, split), tree)  # noqa: E731
+    blocks = lambda a: jnp.moveaxis(a.reshape((B, c, Tl) + a.shape[2:]), 1, 0)  # noqa: E731
+    unblock = lambda a: jnp.moveaxis(a, 0, 1).reshape((B, T) + a.shape[3:])  # noqa: E731
+
+    # Built inside fwd and bwd: a custom VJP's rules may not close over traced values.
+    def positions():
+        return jnp.concatenate([cfg.positions(d, Tl) for d in range(c)])
+
+    def xs_of(k, v, seg, pos):
+        return (blocks(k), blocks(v), pos.reshape(c, Tl)) + ((blocks(seg),) if cfg.has_seg else ())
+
+    def mask_of(x, seg, pos):
+        return _mask(pos, x[2], seg, x[3] if cfg.has_seg else None, cfg.causal)
+
+    def forward(q, k, v, seg):
+        q5, pos = keep(_split_heads(q, Hkv)), positions()
+
+        def step(state, x):
+            return keep(_online(state, q5, x[0], x[1], mask_of(x, seg, pos), cfg.scale)), None
+
+        m0 = jnp.full(q5.shape[:-1], _NEG, F32)
+        state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
+        (m, l, acc), _ = lax.scan(step, state, xs_of(k, v, seg, pos))
+        l_safe = jnp.where(l > 0, l, 1.0)
+        return acc / l_safe[..., None], m + jnp.log(l_safe)  # (B, T, K, G, Dh), (B, T, K, G)
+
+    @jax.custom_vjp
+    def attend(q, k, v, seg):
+        return forward(q, k, v, seg)[0].reshape(B, T, Hq, Dh).astype(q.dtype)
+
+    def fwd(q, k, v, seg):
+        out5, lse = forward(q, k, v, seg)
+        return out5.reshape(B, T, Hq, Dh).astype(q.dtype), (q, k, v, seg, out5, lse)
+
+    def bwd(res, dout):
+        q, k, v, seg, out5, lse = res
+        q5, do5, pos = keep(_split_heads(q, Hkv)), keep(_split_heads(dout, Hkv)), positions()
+        delta = jnp.sum(do5.astype(F32) * out5, axis=-1)
+
+        def step(dq, x):
+            kb, vb = x[0], x[1]
+            s = jnp.einsum("bqkgd,bskd->bqkgs", q5, kb, preferred_element_type=F32) * cfg.scale
+            p = jnp.exp(s - lse[..., None])
+            mask = mask_of(x, seg, pos)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(do5.dtype), do5, preferred_element_type=F32)
+            ds = p * (jnp.einsum("bqkgd,bskd->bqkgs", do5, vb, preferred_element_type=F32)
+                      - delta[..., None]) * cfg.scale
+            dq = keep(dq + jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
+                                      preferred_element_type=F32))
+            dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(q5.dtype), q5, preferred_element_type=F32)
+            return dq, (dk, dv)
+
+        dq0 = _vary(jnp.zeros(q5.shape, F32), (q, k, v, dout))
+        dq, (dk, dv) = lax.scan(step, dq0, xs_of(k, v, seg, pos))
+        return (dq.reshape(B, T, Hq, Dh).astype(q.dtype), unblock(dk).astype(k.dtype),
+                unblock(dv).astype(v.dtype), None)
+
+    attend.defvjp(fwd, bwd)
+    return attend(q, k, v, seg)
+
+
+def _forward_body(cfg: _Config, q, k, v, seg=None):
+    B, Tl, Hq, Dh = q.shape
+    Hkv, C = k.shape[2], Tl // 2
+    i = lax.axis_index(cfg.axis)
+    q5, pq = _split_heads(q, Hkv), cfg.positions(i, Tl)
+    kv = (k, v, seg) if cfg.has_seg else (k, v)
+    fetch = _fetcher(cfg, kv, i)
+    m0 = jnp.full((B, Tl, Hkv, Hq // Hkv), _NEG, F32)
+    state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q,) + kv)
+    kinds = _branches(cfg)
+
+    def update(state, block, j, kind):
+        if kind == _SKIP:
+            return state
+        qs, ks = _sub(kind, C)
+        kb, vb = block[0][:, ks], block[1][:, ks]
+        mask = _mask(pq[qs], cfg.positions(j, Tl)[ks], seg[:, qs] if cfg.has_seg else None,
+                     block[2][:, ks] if cfg.has_seg else None, cfg.causal)
+        new = _online(tuple(a[:, qs] for a in state), q5[:, qs], kb, vb, mask, cfg.scale)
+        return tuple(a.at[:, qs].set(b) for a, b in zip(state, new))
+
+    def step(state, carried, s):
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        if len(kinds) == 1:
+            return update(state, block, j, kinds[0])
+        return lax.switch(cfg.branch(i, j),
+                          [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
+
+    m, l, acc = _steps(cfg, state, kv, step)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    # Both outputs come from arithmetic, last: a remat policy that recomputes reshapes and
+    # casts (sk.pipeline's) then saves them instead of splitting this shard_map, which JAX
+    # cannot yet do for a shard_map nested in another one (the residuals' specs would name the
+    # outer manual axes). The cast to q's dtype happens outside.
+    out = acc.reshape(B, Tl, Hq, Dh) * (1.0 / l_safe).reshape(B, Tl, Hq, 1)
+    return out, m + jnp.log(l_safe)
+
+
+def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
+    B, Tl, Hq, Dh = q.shape
+    Hkv, C = k.shape[2], Tl // 2
+    i = lax.axis_index(cfg.axis)
+    q5, do5, pq = _split_heads(q, Hkv), _split_heads(dout, Hkv), cfg.positions(i, Tl)
+    delta = jnp.sum(do5.astype(F32) * _split_heads(out, Hkv).astype(F32), axis=-1)  # (B, Tl, K, G)
+    kv = (k, v, seg) if cfg.has_seg else (k, v)
+    fetch = _fetcher(cfg, kv, i)
+    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+    kinds = _branches(cfg)
+    every = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
+    if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
+        grads = _vary((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
+    else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
+        grads = _vary((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
+    dq = _vary(jnp.zeros(q5.shape, F32), every)
+
+    def update(dq, dkv, block, j, kind):
+        if kind == _SKIP:
+            return dq, dkv
+        qs, ks = _sub(kind, C)
+        kb, vb = block[0][:, ks], block[1][:, ks]
+        mask = _mask(pq[qs], cfg.positions(j, Tl)[ks], seg[:, qs] if cfg.has_seg else None,
+                     block[2][:, ks] if cfg.has_seg else None, cfg.causal)
+        qb, dob = q5[:, qs], do5[:, qs]
+        s = jnp.einsum("bqkgd,bskd->bqkgs", qb, kb, preferred_element_type=F32) * cfg.scale
+        p = jnp.exp(s - lse[:, qs][..., None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(dob.dtype), dob, preferred_element_type=F32)
+        dp = jnp.einsum("bqkgd,bskd->bqkgs", dob, vb, preferred_element_type=F32)
+        ds = p * (dp - delta[:, qs][..., None]) * cfg.scale
+        dq = dq.at[:, qs].add(jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
+                                         preferred_element_type=F32))
+        dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(qb.dtype), qb, preferred_element_type=F32)
+        return dq, (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
+
+    def step(carry, carried, s):
+        dq, grads = carry
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
+        if len(kinds) == 1:
+            dq, dkv = update(dq, dkv, block, j, kinds[0])
+        else:
+            dq, dkv = lax.switch(cfg.branch(i, j),
+                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
+        if cfg.strategy == "ring":  # hand the block's gradient on with it
+            return dq, lax.ppermute(dkv, cfg.axis, ring)
+        return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
+
+    dq, grads = _steps(cfg, (dq, grads), kv, step)
+    if cfg.strategy == "allgather":
+        grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
+    # After c steps the ring has carried each block's gradient back to the block's own device.
+    return (dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype))

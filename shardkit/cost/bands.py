@@ -1,0 +1,39 @@
+"""How far the analytic estimate has been from the compiled program, per quantity and target:
+the error band ``sk.Report`` prints beside each estimated figure ("peak: 61.2 GiB (band
+-8%..+15%, 40 layouts of 6 models, H100)").
+
+A band is the range of ``estimate / compiled - 1`` over the model families and layouts that
+``bench/cost_bands.py`` compiled for the target (the house families of ``tests/families.py``
+and models installed from pip: ``tests/third_party_families.py``), rows the estimate marks
+"not modelled" left out (they print their reason instead of a number). One family is kept out
+of the fitting and its band is reported apart (``HELD_OUT``), so the bands can be checked on a
+model they were not measured on. The tables below are written by
+``python bench/cost_bands.py --write-bands``: re-measure, do not edit by hand.
+"""
+
+from __future__ import annotations
+
+# target -> quantity -> (lowest, highest estimate/compiled - 1, layouts, models)
+# --- measured: bench/cost_bands.py --write-bands ---
+BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {}
+HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {}
+HELD_OUT_FAMILY = ""
+# --- end ---
+
+_NAMES = {"h100": "H100", "tpu-v5p": "TPU v5p", "cpu": "XLA:CPU"}
+
+
+def band(target: str, quantity: str) -> tuple[float, float, int, int] | None:
+    """``(low, high, layouts, models)`` of ``quantity`` (``sk.Report.comparison()``'s names) on
+    ``target`` (``""``: simulated CPU devices), or None where it was not measured."""
+    return BANDS.get(target or "cpu", {}).get(quantity)
+
+
+def label(target: str, quantity: str) -> str | None:
+    """The band as the report prints it: ``"band -8%..+15%, 40 layouts of 6 models, H100"``."""
+    b = band(target, quantity)
+    if b is None:
+        return None
+    low, high, layouts, models = b
+    return (f"band {low * 100:+.0f}%..{high * 100:+.0f}%, {layouts} layouts of {models} models, "
+            f"{_NAMES.get(target or 'cpu', target)}")
