@@ -56,6 +56,8 @@ def table(a, console) -> list[dict]:
     for n in a.gpus:
         for mesh, zero, seqs in LAYOUTS[n]:
             for name, kw in VARIANTS:
+                if a.variants and name not in a.variants and name != "as is":
+                    continue
                 jobs.append(_job(cfg, mesh, zero, seqs, n, **kw))
                 names.append((n, mesh, zero, seqs, name))
     t0 = time.perf_counter()
@@ -154,6 +156,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--resolution", type=int, default=4, help="layers the largest-model bisection resolves")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--variants", nargs="+", help="only these variants (and 'as is'), e.g. fp8")
     ap.add_argument("--skip-table", action="store_true")
     ap.add_argument("--skip-fit", action="store_true")
     ap.add_argument("--out", default="bench/results/offload.json")

@@ -27,7 +27,7 @@ def _train(mesh_spec, zero, offload, steps=4, clip_norm=None, devices=None):
     return np.array(losses), state, step
 
 
-def test_offloaded_opt_state_trains_like_the_on_device_step_and_lives_on_the_host():
+def test_offloaded_opt_state_trains_like_the_on_device_step_lives_on_the_host_and_checkpoints(tmp_path):
     losses, state, step = _train("data=4,fsdp=2", 1, ("opt_state",), clip_norm=1.0)
     np.testing.assert_allclose(losses, _train("data=1", 0, (), clip_norm=1.0, devices=jax.devices()[:1])[0], rtol=1e-6)
     mu = state.opt_state[0].mu["w1"]
@@ -38,6 +38,16 @@ def test_offloaded_opt_state_trains_like_the_on_device_step_and_lives_on_the_hos
     assert report.memory["host_arguments"] == report.memory["host_outputs"] == opt_bytes
     assert report.offloaded == ("opt_state",)
     assert "pinned host" in str(report)
+    # Saved and restored like any other state, back into host memory.
+    ckpt = sk.Checkpointer(tmp_path, async_save=False)
+    ckpt.save(state)
+    restored = ckpt.restore(step.plan, like=step.init(init_params, seed=1))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert restored.opt_state[0].nu["w2"].sharding.memory_kind == "pinned_host"
+    batch = next(batches(1))
+    np.testing.assert_allclose(float(step(restored, batch)[1]["loss"]), float(step(state, batch)[1]["loss"]), rtol=1e-6)
 
 
 def test_offload_errors_name_the_choices():
@@ -65,19 +75,6 @@ def test_offload_moves_the_state_bytes_from_device_to_host_on_the_target_compile
     host = off.memory["host_arguments"]
     assert host == opt if target == "h100" else host >= opt
     assert on.memory["arguments"] - off.memory["arguments"] == host == off.memory["host_outputs"]
-
-
-def test_offloaded_state_checkpoints_and_restores_into_host_memory(tmp_path):
-    _, state, step = _train("data=8", 1, ("opt_state",), steps=2)
-    ckpt = sk.Checkpointer(tmp_path, async_save=False)
-    ckpt.save(state)
-    restored = ckpt.restore(step.plan, like=step.init(init_params, seed=1))
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-        assert a.sharding == b.sharding
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert restored.opt_state[0].nu["w2"].sharding.memory_kind == "pinned_host"
-    batch = next(batches(1))
-    np.testing.assert_allclose(float(step(restored, batch)[1]["loss"]), float(step(state, batch)[1]["loss"]), rtol=1e-6)
 
 
 def test_offload_remat_policy_keeps_gradients():
