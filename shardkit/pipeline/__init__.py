@@ -2,7 +2,8 @@
 (``sk.pipeline_schedule``).
 
 Modules: ``api`` (the public ``pipeline``: argument checks, data axes, dispatch),
-``schedules`` (numpy tables, no JAX), ``stage`` (what every executor shares), ``forward``
+``schedules`` (numpy tables, no JAX; their op orders and lockstep runs in ``simulate``, the
+op codes in ``ops``), ``stage`` (what every executor shares), ``forward``
 (GPipe / circular, autodiff backward), ``explicit`` (the table-driven explicit backward:
 1F1B, interleaved 1F1B, ZB-H1, ZB-V), ``split`` (ZB's B/W without recompute), ``order``
 (stage-major layer storage).
