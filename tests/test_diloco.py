@@ -409,6 +409,8 @@ def test_transformer_recipe_trains_with_streaming_diloco(tmp_path, capsys):
     assert "--mesh: --diloco-every needs a `replica` axis" in capsys.readouterr().err
     assert train.main(["--mesh", "replica=2,data=4", "--diloco-every", "4", "--diloco-fragments", "3", *small]) == 2
     assert "--diloco-fragments: 3 fragments do not divide the 2 layers" in capsys.readouterr().err
+    assert train.main(["--mesh", "replica=2,data=4", "--diloco-every", "4", "--diloco-mix", "0.5", *small]) == 2
+    assert "--diloco-mix: DiLoCo(mix=0.5): mixing merges an overlapped sync" in capsys.readouterr().err
 
 
 def reference_overlapped(steps, every, tau, mix, inner_tx, outer_tx, R):
