@@ -12,8 +12,8 @@ un-pipelined model's (one device; noisy on a shared machine: a ratio, same run);
 recipe transformer (8 layers, d=512, seq 512, remat full, bf16, vocab 8000, 4 pipeline
 microbatches, batch 32) compiled for 16 H100s (XLA:GPU, deviceless) on data=2,pipe=2,tensor=4:
 per-GPU temporaries against the un-pipelined data=2,fsdp=2,tensor=4 and against the step
-estimate's (``explain``'s formula), matmul flops over 1F1B's, all-to-alls in the program, and
-ZB's pending-W bytes (w_ring x what one pending W holds, from the trace note).
+estimate's (``explain``'s formula), matmul flops over 1F1B's, and the all-to-alls in the
+program (the natural layer order's relayout).
 Writes bench/results/pipeline_schedules.json.
 """
 
@@ -34,7 +34,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -104,7 +103,7 @@ def h100():
     from models.transformer.plan import abstract_step
 
     cfg = SIZES["1b"].replace(layers=8, d_model=512, heads=8, kv_heads=4, d_ff=2048, seq=512, vocab=8000, remat="full")
-    jobs, names, steps = [], [], []
+    jobs, names = [], []
     step, state, batch = abstract_step(cfg, "data=2,fsdp=2,tensor=4", global_batch=32, zero=1, target="h100")
     jobs.append((step, state, batch, "data=2,fsdp=2,tensor=4"))
     names.append("un-pipelined")
@@ -114,36 +113,26 @@ def h100():
                                            target="h100")
         jobs.append((step, state, batch, "data=2,pipe=2,tensor=4"))
         names.append(s)
-        steps.append((s, step))
     reports = dict(zip(names, sk.cost.simulate_many(jobs, target="h100", estimate=True)))
     tab = Table(title="(c) recipe transformer (8 layers, d=512, seq 512, remat full, bf16), 16 x H100 "
                       "(XLA:GPU deviceless), data=2,pipe=2,tensor=4; per GPU")
     for c in ("schedule", "temporaries", "vs un-pipelined", "estimate/compiled", "matmul flops", "vs 1F1B",
-              "all-to-alls", "pending W bytes (stated)"):
+              "all-to-alls"):
         tab.add_column(c)
     out = {}
     f1 = reports["1f1b"].matmul_flops
-    notes = {s: st.trace_notes.get("pipeline", {}) for s, st in steps}
     for name, r in reports.items():
         if isinstance(r, Exception):
-            tab.add_row(name, repr(r)[:60], *[""] * 6)
+            tab.add_row(name, repr(r)[:60], *[""] * 5)
             continue
         temp = r.memory["temporaries"]
         est = next((row["estimate"] for row in r.comparison() if row["quantity"] == "memory/temporaries"), None)
         a2a = sum(c.count for c in r.collectives if c.kind == "all-to-all")
-        note = notes.get(name, {})
-        w_bytes = None
-        if note.get("w_saved"):
-            # shapes are global in the tensor axis: an upper bound on one GPU's share
-            per_w = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in note["w_saved"])
-            w_bytes = pipeline_schedule(name, 2, 4, 2 if name == "zb-v" else 1).w_ring * per_w
-        out[name] = {"temporaries": temp, "estimate": est, "matmul_flops": r.matmul_flops, "all_to_all": a2a,
-                     "pending_w_bytes": w_bytes}
+        out[name] = {"temporaries": temp, "estimate": est, "matmul_flops": r.matmul_flops, "all_to_all": a2a}
         base = reports["un-pipelined"].memory["temporaries"]
         tab.add_row(name, f"{temp / 2**20:.1f} MiB", f"{temp / base:.2f}x",
                     f"{est / temp:.2f}" if est else "-", f"{r.matmul_flops:.5g}",
-                    f"{r.matmul_flops / f1:.3f}" if name != "un-pipelined" else "-", str(a2a),
-                    f"{w_bytes / 2**20:.1f} MiB (upper bound)" if w_bytes else "-")
+                    f"{r.matmul_flops / f1:.3f}" if name != "un-pipelined" else "-", str(a2a))
     console.print(tab)
     return out
 
