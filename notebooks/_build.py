@@ -142,6 +142,18 @@ NOTEBOOKS = {
                  '    t = sk.pipeline_schedule(name, stages=4, microbatches=8, repeats=v)\n'
                  '    print(f"{name:17s} bubble {t.bubble_fraction:.3f} (formula {t.formula_bubble:.3f}) "\n'
                  '          f"peak live inputs per stage {list(t.peak_activations)}")'),
+        ("md", "Drawn as the papers draw them: one row per device, F (light), B (mid) and W / fused BW "
+               "(dark) cells coloured per microbatch, `/c` the chunk, white the bubble. ZB-V (Qi et al. "
+               "2024, \"Pipeline Parallelism with Controllable Memory\") gives device s the layer groups "
+               "s and 2p−1−s: a microbatch goes down the devices and comes back up (the loss on device "
+               "0), and the W's fill what is left: bubble (p−1)/(6m+p−1) in its half-stage slots, at "
+               "1F1B's peak of p whole-stage microbatches (2p chunks)."),
+        ("code", 'from matplotlib.figure import Figure\n'
+                 'fig = Figure(figsize=(10, 6), layout="constrained")\n'
+                 'axes = fig.subplots(4, 1)\n'
+                 'for ax, (name, v) in zip(axes, (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))):\n'
+                 '    sk.viz.pipeline_schedule(sk.pipeline_schedule(name, stages=4, microbatches=4, repeats=v), ax=ax)\n'
+                 'fig'),
         ("md", "Running one on the simulated devices: 4 layers over `pipe=4`, equal to the plain loop."),
         ("code", 'mesh = sk.make_mesh("data=2,pipe=4")\nW = jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3\n'
                  'x = jax.random.normal(jax.random.key(1), (8, 16))\nlayer = lambda w, h: jnp.tanh(h @ w)\n'
@@ -289,7 +301,12 @@ assert share == sorted(share, reverse=True)  # more microbatches, a smaller bubb
 assert r.roles()["pipe-permute"] > 0
 one, zb = (sk.pipeline_schedule(n, stages=4, microbatches=8) for n in ("1f1b", "zb-h1"))
 idle = lambda t: t.bubble_fraction / (1 - t.bubble_fraction)  # bubble over the ideal time
-assert abs(idle(zb) - idle(one) / 3) < 1e-12 and max(zb.peak_activations) == max(one.peak_activations) == 4''',
+assert abs(idle(zb) - idle(one) / 3) < 1e-12 and max(zb.peak_activations) == max(one.peak_activations) == 4
+vee = sk.pipeline_schedule("zb-v", stages=4, microbatches=8)
+assert abs(vee.bubble_fraction - 3 / (6 * 8 + 3)) < 1e-12 and max(vee.peak_activations) == 8
+drawn = [sk.pipeline_schedule(n, stages=4, microbatches=4, repeats=v).op.size
+         for n, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))]
+assert [len(ax.patches) for ax in axes] == drawn  # one cell per (tick, device)''',
     "06_layouts_7b_256_gpus": '''assert sk.cost.EFFICIENCY["h100"].matmul == 0.52
 assert best.fits and best.memory["peak"] < 80e9  # the winner fits an 80 GB H100
 dp_only = sk.search("7b", devices=256, global_batch=512, tensor=[1], pipe=[1], fsdp=[1], zero=(1,))

@@ -22,6 +22,9 @@ from .mesh import use_cpu_devices as use_cpu_devices
 from .moe import moe as moe
 from .pipeline import pipeline as pipeline
 from .pipeline import pipeline_schedule as pipeline_schedule
+from .pipeline import pipeline_layer_order as pipeline_layer_order
+from .pipeline import pipeline_layers_natural as pipeline_layers_natural
+from .pipeline import pipeline_layers_stage_major as pipeline_layers_stage_major
 from .plan import Plan as Plan
 from .plan import active_plan as active_plan
 from .plan import constrain as constrain

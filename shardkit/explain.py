@@ -38,10 +38,10 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     title = f"{plan!r}, microbatches={step.microbatches}"
     report = report_from_compiled(compiled, title, memory, plan.mesh, plan.batch_axes,
                                   pipeline=step.trace_notes.get("pipeline"))
-    offload.annotate(report, plan)
     report.compiled_on = (f"this process's mesh {','.join(f'{a}={n}' for a, n in plan.mesh.shape.items())} "
                           f"({plan.mesh.size} {plan.mesh.devices.flat[0].platform} devices)")
     est = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token)
     report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
     report.notes.extend(est.notes)
+    offload.annotate(report, plan)
     return report

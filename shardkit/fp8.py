@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .xla import target_platform
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HISTORY = 16
 F32 = jnp.float32
@@ -87,12 +89,19 @@ def fp8_einsum(spec: str, x: jax.Array, kernel: jax.Array, meta: jax.Array) -> j
     return _forward(spec, x, kernel, meta)[0]
 
 
+def _dot(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """An fp8 GEMM writing ``dtype`` (bf16: what the GPU's fp8 GEMM writes, and what gradients
+    are then reduced in across devices), times the operands' scales. XLA:CPU is asked for f32
+    and casts after (as the recipe's bf16 dots: ``Precision``'s note)."""
+    out = F32 if target_platform() == "cpu" else dtype
+    return (jnp.einsum(spec, a, b, preferred_element_type=out) * scale.astype(out)).astype(dtype)
+
+
 def _forward(spec, x, kernel, meta):
     _transposed(spec)  # a spec the backward pass cannot transpose fails here, at trace time
     sx, sk = _scale(meta[0], E4M3), _scale(meta[1], E4M3)
     qx, qk = _quantize(x, sx, E4M3), _quantize(kernel, sk, E4M3)
-    y = jnp.einsum(spec, qx, qk, preferred_element_type=F32) * (sx * sk)
-    return y.astype(x.dtype), (qx, qk, sx, sk, x, kernel, meta)
+    return _dot(spec, qx, qk, sx * sk, x.dtype), (qx, qk, sx, sk, x, kernel, meta)
 
 
 def _fwd(spec, x, kernel, meta):
@@ -108,10 +117,9 @@ def _bwd(spec, res, g):
     dx_spec, dk_spec = _transposed(spec)
     sg = _scale(new_meta[2], E5M2)
     qg = _quantize(g, sg, E5M2)
-    dx = jnp.einsum(dx_spec, qg, qk, preferred_element_type=F32) * (sg * sk)
-    dk = jnp.einsum(dk_spec, qx, qg, preferred_element_type=F32) * (sx * sg)
-    new_meta = new_meta.at[2].set(_push(new_meta[2], g))
-    return dx.astype(x_dtype), dk.astype(k_dtype), new_meta
+    dx = _dot(dx_spec, qg, qk, sg * sk, x_dtype)
+    dk = _dot(dk_spec, qx, qg, sx * sg, k_dtype)
+    return dx, dk, new_meta.at[2].set(_push(new_meta[2], g))
 
 
 fp8_einsum.defvjp(_fwd, _bwd)

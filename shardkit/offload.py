@@ -81,9 +81,12 @@ def annotate(report, plan) -> None:
     """Marks what ``plan`` offloads on ``report``, with a note where the compiled program shows
     no host bytes (the backend ignored the memory kinds: the figures are all device memory)."""
     report.offloaded = tuple(plan.offload)
+    if plan.offload and report.estimate and "memory/peak" in report.estimate:
+        report.caveats["memory/peak"] = (f"approximate: the estimate counts the offloaded {', '.join(plan.offload)} "
+                                         "in device memory; the compiled peak holds it in host memory")
     if plan.offload and "host_peak" not in report.memory:
         report.notes.append(f"offload={plan.offload} was asked for, but the compiled program reports no host "
                             "memory: this backend placed everything in device memory")
 
 
-__all__ = ["annotate", "KINDS", "check", "to_host", "to_device", "remat_policy"]
+__all__ = ["KINDS", "annotate", "check", "remat_policy", "to_device", "to_host"]

@@ -179,6 +179,10 @@ class TrainStep:
     def _setup(self, u: _model.Unpacked):
         self._adapter, self._logical = u.adapter, u.logical
         self._layout = self.plan._layout(u.params, u.logical, u.adapter.param_prefix)
+        if self.plan.precision.fp8 and not u.overwrite:
+            raise ValueError("precision='fp8' but the model has no fp8 matmul (sk.fp8.Fp8Dot): the step cannot "
+                             "rewrite a model's matmuls; use sk.fp8.Fp8Dot where they should run in fp8, or "
+                             "precision='bf16'")
         # Parameters the step overwrites with their gradient (sk.fp8's amax histories).
         self._overwrite = (self._layout.tree([l.path in u.overwrite for l in self._layout.leaves])
                            if u.overwrite else None)
@@ -396,6 +400,10 @@ class TrainStep:
         with collecting_notes() as notes:
             out = self._step_body(state, batch)
         self.trace_notes = notes
+        if self._overwrite is not None and "pipeline" in notes:
+            raise ValueError("sk.fp8's amax histories (Fp8Meta parameters) inside sk.pipeline are not supported: "
+                             "the pipeline sums its microbatches' gradients, the histories need their max; "
+                             "run the fp8 layers outside the pipeline or use precision='bf16'")
         return out
 
     def _step_body(self, state: TrainState, batch):

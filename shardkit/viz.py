@@ -209,3 +209,48 @@ def estimate_vs_compiled(rows: Sequence[Mapping], *, title: str = "estimate / co
 
 __all__ = ["array_layout", "device_blocks", "memory_bars", "compare_layouts", "estimate_vs_compiled", "save"]
 del P
+
+
+def pipeline_schedule(tab, *, title: str | None = None, ax=None):
+    """A pipeline schedule drawn as the papers do (Qi et al. 2024; Narayanan et al. 2021): one
+    row per device, one cell per tick, F / B / W (or fused BW) cells coloured per microbatch —
+    F light, B mid, W and BW dark —, ``/c`` naming the chunk when a device holds several;
+    idle cells left white (the bubble).
+
+    Args:
+        tab: an ``sk.pipeline_schedule(...)`` table.
+        title: the figure title (default: the schedule, sizes and bubble).
+        ax: draw into this matplotlib axes instead of a new figure.
+
+    Returns:
+        The ``matplotlib.figure.Figure``.
+    """
+    import matplotlib
+    from matplotlib.colors import to_rgb
+
+    from .pipeline.schedules import IDLE, OP_LETTERS, B, F, W
+
+    ticks, p = tab.op.shape
+    fig = ax.figure if ax is not None else _figure(max(4.0, 0.32 * ticks + 1.0), 0.45 * p + 0.9)
+    ax = ax if ax is not None else fig.add_subplot(1, 1, 1)
+    color = lambda i: matplotlib.colormaps["tab10"](i % 10)  # noqa: E731 - one hue per microbatch
+    shade = {F: 0.55, B: 0.2, W: 0.0}  # blend towards white: F lightest, W / BW full colour
+    for t in range(ticks):
+        for s in range(p):
+            op = int(tab.op[t, s])
+            if op == IDLE:
+                ax.add_patch(_rect(t, s, 1, 1, "white"))
+                continue
+            base = np.array(to_rgb(color(int(tab.mb[t, s]))))
+            ax.add_patch(_rect(t, s, 1, 1, tuple(base + (1 - base) * shade.get(op, 0.0))))
+            label = f"{OP_LETTERS[op]}{tab.mb[t, s]}" + (f"/{tab.chunk[t, s]}" if tab.repeats > 1 else "")
+            ax.text(t + 0.5, s + 0.5, label, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(p, 0)
+    ax.set_yticks(np.arange(p) + 0.5, [f"device {s}" for s in range(p)], fontsize=8)
+    ax.set_xticks([])
+    ax.set_xlabel("tick (one F, B or W slot; BW is a fused backward)", fontsize=8)
+    ax.set_title(title or f"{tab.name}: p={tab.stages} m={tab.microbatches}"
+                 + (f" v={tab.repeats}" if tab.repeats > 1 else "")
+                 + f", bubble {tab.bubble_fraction:.3f}", fontsize=10)
+    return fig

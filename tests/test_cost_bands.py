@@ -209,3 +209,18 @@ def test_cudnn_convolutions_count_their_flops():
         f'  ROOT %f = (f32[64,3,3,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %y), {conv}BackwardFilter"',
         "}"])
     assert matmul_flops_from_hlo(hlo) == 3 * 2 * (8 * 16 * 16 * 64) * 9 * 32
+
+
+def test_strided_convolution_flops_skip_the_dilation_zeros():
+    # The CNN family's strided convolution: its input gradient convolves the gradient dilated
+    # by the stride; the zeros are not work. By hand, 2 x forward output x 3x3 x input
+    # channels per convolution: conv0 14.2M (forward, filter gradient; no input gradient of the
+    # images), conv1 (stride 2) 75.5M and conv2 151.0M three times each, the head's 3 dots.
+    from shardkit.cost.program import read_program
+
+    params, batch = F.cnn_params(), F.cnn_batch()
+    reading = read_program(F.cnn_loss, params, batch, split_of=lambda aval, leaf, manual=(): (1, 1),
+                           n_params=len(jax.tree.leaves(params)))
+    conv = 2 * 9 * (2 * 32 * 16 * 16 * 32 * 3 + 3 * 32 * 8 * 8 * 64 * 32 + 3 * 32 * 8 * 8 * 64 * 64)
+    head = 3 * 2 * 32 * 64 * 10
+    assert reading.total_flops == conv + head == 707_911_680  # the H100 and XLA:CPU compiles' count

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_step import AXIS_RULES, batches, init_params, mlp_loss, rules_for
 
 import shardkit as sk
-from test_step import AXIS_RULES, batches, init_params, mlp_loss, rules_for
 
 
 def _train(mesh_spec, zero, offload, steps=4, clip_norm=None, devices=None):
@@ -27,7 +27,7 @@ def _train(mesh_spec, zero, offload, steps=4, clip_norm=None, devices=None):
     return np.array(losses), state, step
 
 
-def test_offloaded_opt_state_trains_like_the_on_device_step_and_lives_on_the_host():
+def test_offloaded_opt_state_trains_like_the_on_device_step_lives_on_the_host_and_checkpoints(tmp_path):
     losses, state, step = _train("data=4,fsdp=2", 1, ("opt_state",), clip_norm=1.0)
     np.testing.assert_allclose(losses, _train("data=1", 0, (), clip_norm=1.0, devices=jax.devices()[:1])[0], rtol=1e-6)
     mu = state.opt_state[0].mu["w1"]
@@ -38,6 +38,16 @@ def test_offloaded_opt_state_trains_like_the_on_device_step_and_lives_on_the_hos
     assert report.memory["host_arguments"] == report.memory["host_outputs"] == opt_bytes
     assert report.offloaded == ("opt_state",)
     assert "pinned host" in str(report)
+    # Saved and restored like any other state, back into host memory.
+    ckpt = sk.Checkpointer(tmp_path, async_save=False)
+    ckpt.save(state)
+    restored = ckpt.restore(step.plan, like=step.init(init_params, seed=1))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert restored.opt_state[0].nu["w2"].sharding.memory_kind == "pinned_host"
+    batch = next(batches(1))
+    np.testing.assert_allclose(float(step(restored, batch)[1]["loss"]), float(step(state, batch)[1]["loss"]), rtol=1e-6)
 
 
 def test_offload_errors_name_the_choices():
@@ -67,26 +77,13 @@ def test_offload_moves_the_state_bytes_from_device_to_host_on_the_target_compile
     assert on.memory["arguments"] - off.memory["arguments"] == host == off.memory["host_outputs"]
 
 
-def test_offloaded_state_checkpoints_and_restores_into_host_memory(tmp_path):
-    _, state, step = _train("data=8", 1, ("opt_state",), steps=2)
-    ckpt = sk.Checkpointer(tmp_path, async_save=False)
-    ckpt.save(state)
-    restored = ckpt.restore(step.plan, like=step.init(init_params, seed=1))
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-        assert a.sharding == b.sharding
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert restored.opt_state[0].nu["w2"].sharding.memory_kind == "pinned_host"
-    batch = next(batches(1))
-    np.testing.assert_allclose(float(step(restored, batch)[1]["loss"]), float(step(state, batch)[1]["loss"]), rtol=1e-6)
-
-
 def test_offload_remat_policy_keeps_gradients():
     """``sk.offload.remat_policy()`` changes where saved activations live, not what is computed."""
     w = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
     x = jax.random.normal(jax.random.key(1), (8, 16))
 
     def loss(w, policy):
-        layer = lambda h, w_l: (jnp.tanh(h @ w_l), None)  # noqa: E731
+        layer = lambda h, w_l: (jnp.tanh(h @ w_l), None)
         if policy is not None:
             layer = jax.checkpoint(layer, policy=policy)
         return jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)
@@ -104,9 +101,9 @@ def test_remat_offload_keeps_the_recipe_gradients_and_puts_activations_on_the_ho
     relative) on CPU (XLA:CPU has no host offloader: the saved activations stay in its memory;
     the next test reads them in host memory on H100)."""
     from flax import nnx
+    from test_transformer import CFG, build, tokens
 
     from models.transformer.model import loss_fn
-    from test_transformer import CFG, build, tokens
 
     batch = {"inputs": tokens(4, CFG.seq), "targets": tokens(4, CFG.seq, seed=1)}
 

@@ -57,6 +57,7 @@ def test_rings_hold_every_value_until_its_last_use(name, v, p, m):
     tab = sk.pipeline_schedule(name, stages=p, microbatches=m, repeats=v)
     act = [[None] * (tab.act_ring + 1) for _ in range(p)]
     grad = [[None] * (tab.grad_ring + 1) for _ in range(p)]
+    wring = [[None] * max(tab.w_ring, 1) for _ in range(p)]
     sent_h, sent_g = [None] * p, [None] * p
     for t in range(tab.ticks):
         got_h = [sent_h[(s - 1) % p] for s in range(p)]
@@ -68,12 +69,17 @@ def test_rings_hold_every_value_until_its_last_use(name, v, p, m):
             op, i, c = int(tab.op[t, s]), int(tab.mb[t, s]), int(tab.chunk[t, s])
             if op == sched.IDLE:
                 continue
+            if op == sched.W:  # W reads what its B left in the W ring, not the stage input
+                assert wring[s][tab.w_slot[t, s]] == ("w", s, i, c), (t, s)
+                continue
             if (s, c) != (0, 0):
                 assert act[s][tab.act_slot[t, s]] == ("h", s, i, c), (t, s)
             else:
                 assert tab.act_slot[t, s] == -1
             if op != sched.F and not tab.loss[t, s]:
                 assert grad[s][tab.grad_slot[t, s]] == ("g", s, i, c), (t, s)
+            if op == sched.B:
+                wring[s][tab.w_slot[t, s]] = ("w", s, i, c)
             if op == sched.F and not tab.loss[t, s]:
                 sent_h[s] = ("h", s + 1, i, c) if s < p - 1 else ("h", 0, i, c + 1)
             if op in (sched.B, sched.BW) and (s, c) != (0, 0):
@@ -109,7 +115,8 @@ def test_printed_table():
 
 
 def test_schedule_errors():
-    for kw, match in [(dict(schedule="zb-v"), "unknown pipeline schedule"),
+    for kw, match in [(dict(schedule="zb-h2"), "unknown pipeline schedule"),
+                      (dict(schedule="zb-v", repeats=3), "always places 2 chunks"),
                       (dict(schedule="zb-h1", repeats=2), "needs schedule='circular' or"),
                       (dict(schedule="1f1b", microbatches=2), "microbatches >= 4"),
                       (dict(schedule="interleaved-1f1b", microbatches=6, repeats=2), "multiple of 4")]:
@@ -128,7 +135,71 @@ def test_cost_model_reads_the_tables():
         assert cost.pipeline_ticks(note) == tab.ticks
         assert cost.pipeline_bubble(note) == pytest.approx(bubble)  # idle / busy: (p-1)/(v·m), /(3m)
     zb = {"stages": 4, "microbatches": 8, "repeats": 1, "schedule": "zb-h1"}
-    assert cost.recompute_factor(zb) == pytest.approx(2.0)  # B and W each recompute F; W's
-    # weight VJP also carries the input cotangent through the chunk's layer scan
+    # B recomputes the chunk's forward once and keeps what W reads (pipeline.split): 1F1B's
+    assert cost.recompute_factor(zb) == cost.recompute_factor({**zb, "schedule": "zb-v"}) == pytest.approx(4 / 3)
     assert cost.recompute_factor({**zb, "schedule": "1f1b"}) == pytest.approx(4 / 3)
     assert cost.recompute_factor({**zb, "schedule": "gpipe"}) == 1.0
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_v_table(p, m):
+    """ZB-V (Qi et al. 2024): device s holds layer groups s and 2p-1-s; every op once, in
+    dependency order along the V; every ring read (stage inputs, cotangents, W's) finds its
+    value, whichever way it travelled; bubble (p-1)/(6m+p-1), half of ZB-H1's bubble time;
+    at most 2p half-stage chunks alive per device — 1F1B's p whole-stage microbatches."""
+    tab = sk.pipeline_schedule("zb-v", stages=p, microbatches=m)
+    assert tab.repeats == 2 and tab.group.tolist() == [[s, 2 * p - 1 - s] for s in range(p)]
+    where = cells(tab)
+    assert set(where) == {(k, s, i, c) for k in (sched.F, sched.B, sched.W) for s in range(p)
+                          for i in range(m) for c in (0, 1)}
+    at = {(s, c): int(tab.group[s, c]) for s in range(p) for c in (0, 1)}
+    on = {g: sc for sc, g in at.items()}  # layer group -> (stage, chunk)
+    for (k, s, i, c), t in where.items():
+        g = at[(s, c)]
+        if k == sched.F and g > 0:
+            assert where[(sched.F, *on[g - 1][:1], i, on[g - 1][1])] < t
+        if k == sched.B:
+            assert where[(sched.F, s, i, c)] < t
+            if g < 2 * p - 1:
+                assert where[(sched.B, on[g + 1][0], i, on[g + 1][1])] < t
+        if k == sched.W:
+            assert where[(sched.B, s, i, c)] < t
+    assert np.array_equal(np.argwhere(tab.loss)[:, 1], np.zeros(3 * m))  # stage 0 computes the loss
+    # Replay: a message sent DOWN arrives from below next tick, UP from above, SELF from itself.
+    act = [[None] * (tab.act_ring + 1) for _ in range(p)]
+    grad = [[None] * (tab.grad_ring + 1) for _ in range(p)]
+    wring = [[None] * tab.w_ring for _ in range(p)]
+    sent = [None] * p  # (direction, value)
+    for t in range(tab.ticks):
+        got = {(d, s): None for d in (sched.DOWN, sched.UP, sched.SELF) for s in range(p)}
+        for s, msg in enumerate(sent):
+            if msg is not None:
+                d, val = msg
+                got[(d, s + {sched.DOWN: 1, sched.UP: -1, sched.SELF: 0}[d])] = val
+        sent = [None] * p
+        for s in range(p):
+            for d, ra, rg in ((sched.DOWN, tab.recv_act, tab.recv_grad_down),
+                              (sched.UP, tab.recv_act_up, tab.recv_grad),
+                              (sched.SELF, tab.recv_act_self, tab.recv_grad_self)):
+                act[s][ra[t, s]] = got[(d, s)] if ra[t, s] < tab.act_ring else act[s][ra[t, s]]
+                grad[s][rg[t, s]] = got[(d, s)] if rg[t, s] < tab.grad_ring else grad[s][rg[t, s]]
+            op, i, c = int(tab.op[t, s]), int(tab.mb[t, s]), int(tab.chunk[t, s])
+            g = at[(s, c)]
+            if op == sched.W:
+                assert wring[s][tab.w_slot[t, s]] == ("w", g, i)
+            elif op != sched.IDLE:
+                assert act[s][tab.act_slot[t, s]] == ("h", g, i) if g > 0 else tab.act_slot[t, s] == -1
+                if op == sched.B and g < 2 * p - 1:
+                    assert grad[s][tab.grad_slot[t, s]] == ("g", g, i), (t, s)
+                if op == sched.B:
+                    wring[s][tab.w_slot[t, s]] = ("w", g, i)
+                if op == sched.F and g < 2 * p - 1:
+                    sent[s] = (int(tab.send[t, s]), ("h", g + 1, i))
+                if op == sched.B and g > 0:
+                    sent[s] = (int(tab.send[t, s]), ("g", g - 1, i))
+    assert tab.bubble_fraction == pytest.approx(tab.formula_bubble) == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert max(tab.peak_activations) <= 2 * p
+    zb = sk.pipeline_schedule("zb-h1", stages=p, microbatches=m)
+    v_time = tab.ticks / 2  # a ZB-V tick runs half a stage
+    assert v_time - 3 * m == pytest.approx((zb.ticks - 3 * m) / 2)  # half ZB-H1's bubble time
+    assert "F0/1" in str(tab) and str(tab).startswith("zb-v: p=")

@@ -139,7 +139,7 @@ def test_batch_specs_and_errors():
 @pytest.mark.parametrize("kwargs,match", [
     ({"zero": 4}, r"unknown ZeRO stage 4"),
     ({"zero": True}, r"unknown ZeRO stage True"),
-    ({"precision": "fp8"}, r"unknown precision 'fp8'; choose one of \['fp32', 'bf16', 'bf16-pure', 'fp16'\]"),
+    ({"precision": "fp4"}, r"unknown precision 'fp4'; choose one of \['fp32', 'bf16', 'bf16-pure', 'fp16', 'fp8'\]"),
     ({"rules": [("(", ())]}, r"not a valid regex"),
     ({"rules": [("a",)]}, r"each entry is a \(regex, spec\) pair"),
 ])

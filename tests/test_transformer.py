@@ -507,6 +507,7 @@ def test_flops_match_compiled_step():
     (["--mesh", "data=2,pipe=4", "--layers", "6"], "--layers"),
     (["--mesh", "data=4,tensor=2", "--heads", "3", "--d-model", "96"], "--heads"),
     (["--mesh", "data=4,pipe=2", "--pipeline-schedule", "zigzag"], "--pipeline-schedule"),
+    (["--mesh", "data=4,pipe=2", "--pipeline-layer-order", "reversed"], "--pipeline-layer-order"),
     (["--data", "/no/such/tokens.bin"], "--data"),
     (["--batch", "10"], "--batch"),
     (["--offload", "params"], "--offload"),

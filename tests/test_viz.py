@@ -46,3 +46,18 @@ def test_plan_cli_saves_png(tmp_path):
     out = tmp_path / "plan.png"
     assert cost.plan_main(["--model", "125m", "--devices", "16", "--top", "4", "--png", str(out)]) == 0
     assert out.stat().st_size > 1000
+
+
+def test_pipeline_schedule_drawing():
+    """One cell per (tick, device), labelled as the printed grid (F/B/W, microbatch, chunk);
+    idle cells white; one colour per microbatch."""
+    from matplotlib.colors import to_hex
+
+    tab = sk.pipeline_schedule("zb-v", stages=2, microbatches=2)
+    ax = viz.pipeline_schedule(tab).axes[0]
+    assert len(ax.patches) == tab.op.size
+    labels = [t.get_text() for t in ax.texts]
+    assert len(labels) == int((tab.op != 0).sum()) and {"F0/0", "B1/1", "W0/1"} <= set(labels)
+    assert "bubble" in ax.get_title()
+    faces = {to_hex(p.get_facecolor()) for p in ax.patches}
+    assert "#ffffff" in faces and len(faces) >= 1 + 3 * tab.microbatches - 1

@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.add_argument
     a("--mesh", default="data=8", help="mesh layout, e.g. 'data=8' or 'data=2,fsdp=4' (default data=8)")
     a("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage: 0 data parallel .. 3 FSDP")
-    a("--precision", default="fp32", choices=sk.Precision.PRESETS, help="dtype policy (default fp32)")
+    a("--precision", default="fp32", choices=[p for p in sk.Precision.PRESETS if p != "fp8"], help="dtype policy (default fp32)")
     a("--channels", default=None, metavar="AXIS", help="shard conv channels over this mesh axis (e.g. tensor)")
     a("--depth", type=int, choices=sorted(DEPTHS), default=18, help="ResNet depth (default 18)")
     a("--width", type=float, default=0.25, help="multiplier on widths 64..512 (default 0.25; 1.0 is standard)")

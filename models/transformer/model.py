@@ -44,14 +44,18 @@ class PipelineSpec:
 
     Attributes:
         microbatches: microbatches per step (the batch is split along its leading dim).
-        schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"``, ``"interleaved-1f1b"`` or
-            ``"zb-h1"`` (the last three run their backward inside the pipeline).
+        schedule: ``"gpipe"``, ``"circular"``, ``"1f1b"``, ``"interleaved-1f1b"``,
+            ``"zb-h1"`` or ``"zb-v"`` (the last four run their backward inside the pipeline).
         repeats: layer chunks per stage (``"circular"``, ``"interleaved-1f1b"``).
+        layer_order: ``"natural"``, or ``"stage-major"``: the model's stacked layers are
+            stored in the order the schedule reads them (``sk.pipeline_layer_order``; its
+            checkpoints hold that order), so the step moves no weights.
     """
 
     microbatches: int = 4
     schedule: str = "gpipe"
     repeats: int = 1
+    layer_order: str = "natural"
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -420,7 +424,7 @@ class Transformer(nnx.Module):
             stage = lambda p, x, **kw: inner(p, x.astype(dtype), **kw).astype(F32)  # noqa: E731
             x_BxTxD = x_BxTxD.astype(F32)
         y = sk.pipeline(stage, params, x_BxTxD, microbatches=pipeline.microbatches,
-                        schedule=pipeline.schedule, repeats=pipeline.repeats,
+                        schedule=pipeline.schedule, repeats=pipeline.repeats, layer_order=pipeline.layer_order,
                         loss_fn=loss_fn, loss_params=loss_params, targets=targets, rng=rng)
         return y if loss_fn is not None else y.astype(dtype)
 

@@ -22,7 +22,7 @@ from ..common import schedules
 from . import data as data_lib
 from .config import SIZES, Config
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")  # sk.pipeline_schedule's
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")  # sk.pipeline_schedule's
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
 
 
@@ -71,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
       "stages), else gradient-accumulation microbatches (default 1)")
     a("--pipeline-schedule", default="gpipe", help=f"one of {', '.join(SCHEDULES)}")
     a("--pipeline-repeats", type=int, default=None, help="layer chunks per stage (circular, interleaved-1f1b; default 2)")
+    a("--pipeline-layer-order", default="natural", help="natural, or stage-major: the layers stored as the "
+      "schedule reads them (no per-step relayout; checkpoints hold that order)")
     a("--diloco-every", type=int, help="DiLoCo: replicas on the mesh's `replica` axis sync every H "
       "steps (outer Nesterov SGD 0.7/0.9), e.g. --mesh replica=2,data=4 --diloco-every 50")
     a("--diloco-fragments", type=int, default=1, help="Streaming DiLoCo: layer fragments synced at "
@@ -149,6 +151,9 @@ def check_layout(args, cfg: Config, mesh_shape: dict) -> tuple[int, int]:
     if args.pipeline_schedule not in SCHEDULES:
         raise FlagError("--pipeline-schedule", f"unknown schedule {args.pipeline_schedule!r}; "
                         f"choose one of {', '.join(SCHEDULES)}")
+    if args.pipeline_layer_order not in ("natural", "stage-major"):
+        raise FlagError("--pipeline-layer-order", f"unknown layer order {args.pipeline_layer_order!r}; choose "
+                        "natural or stage-major")
     if args.steps < 1:
         raise FlagError("--steps", "must be at least 1")
     if not args.lr > 0:
@@ -301,7 +306,7 @@ def _run(args) -> int:
                      offload=_offload(args))
     pipeline = None
     if shape.get("pipe", 1) > 1:
-        pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, _repeats(args))
+        pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, _repeats(args), args.pipeline_layer_order)
 
     is_main = jax.process_index() == 0
     console = Console(quiet=args.quiet or not is_main, width=None if sys.stdout.isatty() else 150)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool,
-                 data_axes: tuple[str, ...] = ()) -> dict[str, str]:
+                 data_axes: tuple[str, ...] = (), sequence_parallel: bool = False) -> dict[str, str]:
     """The quantities whose figure is approximate or not modelled, and why: choices XLA makes per
     program that the model cannot see (each seen on a model family the model was not written
     against). A "not modelled" quantity's figure still times the step, but ``sk.Report`` prints
@@ -44,6 +44,15 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     if any(t and c for t, c in zip(tensor_split, reading.conv)):
         out["collective/tensor-reduce"] = ("approximate: one reduction per convolution that contracts "
                                            "tensor-split channels is counted (exact on the CNN family)")
+    split_dots = [t and m and not c for t, m, c in zip(tensor_split, reading.matmul, reading.conv)]
+    if not piped and not sequence_parallel and any(split_dots) and not reading.tensor_reduce:
+        # The reader places a tensor-parallel reduction where a matmul contracts a split
+        # feature; it finds none when an activation is as wide as a split weight dimension
+        # (HF GPT-2's attention projection: d_model = heads x head_dim), so it takes the
+        # activation as split too. Found on HF Flax GPT-2 (tensor-reduce 0 vs 1.2 MB on H100).
+        why = ("not modelled: tensor-split weights, yet no tensor-parallel reduction could be placed (an "
+               "activation as wide as a split weight dimension reads as split)")
+        out["collective/tensor-reduce"] = out["flops"] = why
     if not piped:
         out.update(unseen_caveats(reading, data_axes, moe))
     return out

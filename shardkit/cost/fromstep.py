@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 
 from ..rules import entry_axes
 from . import hardware as hw_lib
@@ -53,6 +54,10 @@ class _Step:
 def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per_token=None) -> Estimate:
     """The ``Estimate`` of one step of ``step`` on ``state`` and ``batch`` (see the module
     docstring); ``pipeline``: an ``sk.pipeline`` trace note to use instead of the step's."""
+    # The loss closes over the model state (BatchNorm statistics): an abstract one
+    # (``sk.cost.simulate``'s) is traced as zeros of its shapes.
+    state = state.replace(model_state=jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
     s = _facts(step, state, batch, pipeline)
     mem = argument_memory(step, state, batch, s.lv)
     if not s.pipe:
@@ -72,7 +77,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     t = times(col, counts, busy, hw, layout)
     n_dev = mesh.size
     notes = list(s.reading.notes)
-    if not pipe:
+    if not pipe and s.platform == "cpu":
         notes.append("modelled memory: a liveness simulation of the traced forward + backward pass with "
                      "XLA's fusion rules: the bytes alive at once. XLA's temporaries are its packing of its "
                      "buffers into one heap, which large steps leave fragmented (1.3-1.4x the bytes alive at "
@@ -83,7 +88,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     tensor_split = [any(a not in plan.batch_axes and sizes.get(a, 1) > 1 for e in l.spec for a in entry_axes(e))
                     for l in lv.leaves]
     caveats = step_caveats(s.reading, [st < c for st, c in zip(lv.stored, lv.comp)], tensor_split, bool(pipe),
-                           bool(step.trace_notes.get("moe")), s.data_axes)
+                           bool(step.trace_notes.get("moe")), s.data_axes, s.sp)
     return Estimate(mem, col, flops, fpt * tokens / n_dev, t, hw.name, layout, tokens,
                     hw.hbm_bytes, n_dev, notes, caveats)
 
@@ -164,11 +169,12 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
     if not gpipe_like and pipe.get("stage_residuals") is not None:
         lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
         rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-        stage_res = sum(math.prod(sh) * itemsize(d) / n_tensor_of(sh, rows, lv.tensor_dims, sizes)
-                        for sh, d in pipe["stage_residuals"])
+        stage_res, w_saved = (sum(math.prod(sh) * itemsize(d) / n_tensor_of(sh, rows, lv.tensor_dims, sizes)
+                                  for sh, d in pipe.get(key, ())) for key in ("stage_residuals", "w_saved"))
         backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res,
-                                    max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1))
+                                    max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1),
+                                    w_saved=w_saved)  # ZB's pending W's (pipeline.split)
     else:
         working += pipeline_buffers(pipe, act_carried, g_comp)
         # A pipeline's backward starts after the loss's (whose residuals are freed by then).

@@ -178,6 +178,7 @@ _CUDNN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?(\S+?\])\S*\s"
                     r".*?custom-call\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)"
                     r".*custom_call_target=\"__cudnn\$conv(\w+)\"")
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
+_LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 
 
@@ -322,6 +323,10 @@ def _conv_flops(line: str, cv, shapes: dict) -> float:
     if not res or not rhs_dims or labels is None or "i" not in labels.group(1):
         raise HloParseError(f"cannot read this convolution's shapes: {line.strip()[:300]}")
     size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
+    # A strided convolution's input gradient dilates its operand by the stride: the inserted
+    # zeros are not work (as ``program``'s count and cuDNN's).
+    dilate = _LHS_DILATE.search(line)
+    size /= math.prod(_ints(dilate.group(1).replace("x", ","))) if dilate else 1
     return 2.0 * math.prod(res) * size * rhs_dims[labels.group(1).index("i")]
 
 

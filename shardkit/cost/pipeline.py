@@ -48,16 +48,11 @@ def pipeline_bubble(note: dict) -> float:
 
 def recompute_factor(note: dict) -> float:
     """Flops of the layers per step over the un-pipelined model's (forward F, backward 2F,
-    split B = W = F; Qi et al. 2024). 1F1B and interleaved 1F1B: the fused backward op
-    recomputes the chunk's forward, 4F/3F. ZB-H1: B and W are separate VJPs, each recomputing
-    the chunk's forward from its saved input (keeping B's per-layer residuals for W would cost
-    the memory the split saves), and W's VJP w.r.t. the weights still runs the input
-    cotangent through every layer of the chunk (it is the layer scan's transposed carry):
-    F + (F + B) + (F + B + W) = 6F over 3F, whatever the chunk's depth (compiled transformer
-    ``pp_zb``: 2.02). GPipe/circular: 1 (their idle-tick compute is counted apart, from the
-    ticks)."""
-    if note["schedule"] == "zb-h1":
-        return 2.0
+    split B = W = F; Qi et al. 2024). Every explicit schedule recomputes the chunk's forward
+    once per microbatch: 1F1B and interleaved 1F1B in the fused backward op; ZB-H1 and ZB-V in
+    B, which keeps for W what W reads (``pipeline.split``: W runs only the weight-gradient
+    matmuls): 4F/3F. GPipe/circular: 1 (their idle-tick compute is counted apart, from the
+    ticks). [issue 25: ZB-H1 was 2.0 when B and W each recomputed the forward.]"""
     return 4.0 / 3.0 if is_explicit(note) else 1.0
 
 
@@ -100,7 +95,7 @@ def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> floa
 
 
 def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
-                      stage_residuals: float, stage_layers: int) -> float:
+                      stage_residuals: float, stage_layers: int, w_saved: float = 0.0) -> float:
     """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B,
     ZB-H1; rings sized from the table) at its peak, a backward op, per device.
 
@@ -115,7 +110,10 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     tab = schedule_table(pipe)
     carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
     backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
-    return carry + backward_op + pm * act_mb
+    # [issue 25] ZB-H1/ZB-V: B keeps what its W reads (``w_saved`` bytes per pending W, the
+    # trace note's ``w_saved``; ``pipeline.split``) in a ring of ``w_ring`` slots, carried
+    # through the loop and, like the accumulators, again as the switch's result.
+    return carry + backward_op + pm * act_mb + 2 * tab.w_ring * w_saved
 
 
 def pipelined_uses(pipe: dict, layers: int) -> float:

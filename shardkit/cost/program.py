@@ -38,41 +38,8 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import xla_cpu
-
-# Ops XLA fuses into their consumers (loop fusion): elementwise math, casts, broadcasts and
-# layout changes. Everything else materialises its result.
-_FUSIBLE = {
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log", "log1p",
-    "expm1", "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "pow", "integer_pow", "square", "erf",
-    "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "floor", "ceil", "round", "is_finite",
-    "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
-    "copy", "copy_p", "stop_gradient", "nextafter", "rem", "shift_left", "shift_right_logical",
-    "shift_right_arithmetic", "population_count", "imag", "real", "conj", "reduce_precision",
-    "sharding_constraint", "pvary", "pcast", "iota",
-}
-# Elementwise ops XLA will not duplicate into several consumers (``IsExpensive``): with more
-# than one consumer their result is materialised once (a GELU's tanh, read by the forward
-# and by the backward).
-_EXPENSIVE = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "rsqrt", "sqrt", "cbrt",
-              "pow", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "div", "rem"}
-# Reductions fuse their (elementwise) inputs, then materialise their (smaller) result.
-_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-           "argmax", "argmin"}
-# Ops whose result is one of their inputs seen differently (no bytes of their own).
-_VIEW = {"reshape", "squeeze", "expand_dims", "convert_element_type", "sharding_constraint",
-         "pvary", "pcast", "copy", "copy_p", "transpose", "broadcast_in_dim"}
-_MATMUL = {"dot_general", "conv_general_dilated"}
-# Ops that take part of a value (a stacked weight's one slice: ``w[:, i]``): a use of the
-# parameter for the readings, a value of its own for sizes.
-_SLICE = {"slice", "dynamic_slice", "index_in_dim", "rev"}
-# Primitives whose body the reader cannot see (a kernel written for one backend): their flops
-# and buffers are not counted (``ProgramReading.unseen``).
-_OPAQUE = {"pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "mosaic_gpu_call", "tpu_custom_call"}
-# jaxpr collectives -> the HLO collective they become (``hlo.Traffic.kind``).
-_COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
-                "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
-                "reduce_scatter": "reduce-scatter"}
+from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
+                         OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW)
 
 
 @dataclasses.dataclass
@@ -173,7 +140,10 @@ def _dot_flops(eqn) -> float:
     dn = eqn.params["dimension_numbers"]
     rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
     window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
+    # A strided convolution's input gradient is a convolution of the gradient dilated by the
+    # stride (lhs_dilation): the inserted zeros are not multiplied (cuDNN, XLA:GPU's count).
+    dilated = math.prod(eqn.params.get("lhs_dilation") or (1,))
+    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window / dilated
 
 
 class _Reader:

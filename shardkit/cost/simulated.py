@@ -267,12 +267,6 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
              batch_axes=_SAME, microbatches: int | None = None, max_devices: int | None = None) -> _Job:
     """Re-plans ``step`` on ``mesh`` of ``tgt``'s devices, traces it abstractly and exports it."""
     step.layout  # raises before init
-    targets_lib.require(tgt)
-    if max_devices is None:
-        max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
-    amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
-    if tgt.platform == "tpu":
-        targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
     if step.plan.precision.fp8 and tgt.platform != "cpu":
         from . import hardware
 
@@ -280,6 +274,12 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
             raise targets_lib.TargetError(
                 f"precision='fp8': {tgt.name} has no fp8 matmuls; compile for an fp8 target "
                 f"(h100, h200, b200) or use precision='bf16' on {tgt.name}")
+    targets_lib.require(tgt)
+    if max_devices is None:
+        max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
+    amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
+    if tgt.platform == "tpu":
+        targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -340,7 +340,6 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
                f"(compile {out['seconds']['compile']:.1f} s)"],
         seconds={"export": t_export, "compile": out["seconds"]["compile"],
                  "subprocess": out["seconds"]["total"]})
-    offload.annotate(report, plan)
     if tgt.platform != "cpu":
         report.target, report.device_memory = tgt.name, tgt.memory_bytes()
     if sim.diloco is not None:
@@ -373,4 +372,5 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
         report.notes.append(f"XLA:TPU's own estimate, optimal_seconds {out['optimal_seconds'] * 1e3:.3g} ms, "
                             "counts each loop body once (layer scans, microbatches): not the step time")
         report.seconds["xla_tpu_optimal"] = out["optimal_seconds"]
+    offload.annotate(report, plan)
     return report

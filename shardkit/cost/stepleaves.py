@@ -256,14 +256,10 @@ def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: di
         if vocab_lookup and tie:
             bwd += stack
         if staged and is_explicit(pipe):
-            # Backward ops recompute the chunk's forward (its row-parallel reductions again);
-            # ZB-H1 does so in B and in W, and W's weight VJP carries the input cotangent
-            # through the chunk's layers (its column-parallel reductions again).
-            redo = 2 if pipe["schedule"] == "zb-h1" else 1
+            # Backward ops recompute the chunk's forward once (its row-parallel reductions
+            # again): BW, or B of ZB-H1/ZB-V, whose W then only multiplies what B kept.
             if row:
-                fwd += redo * stack
-            elif redo > 1:
-                bwd += (redo - 1) * stack
+                fwd += stack
         if sp and s and l.shape[-1] == lv.width and not vocab_lookup:
             regions += stack  # a region closes with a row-parallel weight into the residual stream
     return fwd, bwd, regions, tables, n_tables

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over one mesh axis: GPipe, circular, 1F1B, interleaved 1F1B, ZB-H1.
+"""Pipeline parallelism over one mesh axis: GPipe, circular, 1F1B, interleaved 1F1B, ZB-H1, ZB-V.
 
 ``pipeline(stage_fn, stage_params, x, microbatches=m, schedule=...)`` applies a stack of ``L``
 identical layers (``stage_params`` leaves carry a leading ``L`` dimension) to ``x``, with the
@@ -19,12 +19,13 @@ idle device skips the compute) and hands activations on with ``lax.ppermute``.
   activation leaving the last stage loops back to stage 0 for the next group. Microbatch ``i``
   is the rows ``i, i+m, i+2m, ...`` of the batch, so a batch sharded over data axes stays
   sharded inside every microbatch.
-* **1F1B**, **interleaved 1F1B** (``repeats=v`` chunks per device, Narayanan et al. 2021)
-  and **ZB-H1** (Qi et al., ICLR 2024: backward split into an input-gradient op B and a
-  weight-gradient op W that fills the bubble): a ``jax.custom_vjp`` whose forward runs the
+* **1F1B**, **interleaved 1F1B** (``repeats=v`` chunks per device, Narayanan et al. 2021),
+  **ZB-H1** (Qi et al., ICLR 2024: backward split into an input-gradient op B and a
+  weight-gradient op W that fills the bubble) and **ZB-V** (Qi et al. 2024: two chunks per
+  device in a V): a ``jax.custom_vjp`` whose forward runs the
   whole table (``sk.pipeline_schedule``: forwards, per-microbatch loss on the last layer
   group, backward ops through explicit per-chunk ``jax.vjp``s that recompute the chunk from
-  its saved input; see ``explicit``) and returns the gradients as residuals; the custom
+  its saved input — ZB's B once, keeping what W reads, ``split``; see ``explicit``) and returns the gradients as residuals; the custom
   backward only scales them by the incoming cotangent. Stage inputs and waiting cotangents sit
   in ring buffers sized from the table, whatever ``m``. Without differentiation the primal
   runs GPipe / circular. Gradients never flow to ``extras`` or ``targets``.
@@ -53,14 +54,17 @@ old traffic): a key drawn on a device's rows only would not reproduce the un-sha
 Memory: autodiff of the tick loop saves activations only. A layer group's weights are its layer
 scan's ``xs`` and ops that only move or re-type data (slices, reshapes, transposes, casts) are
 recomputed in the backward rather than saved, so nothing derived from the weights — circular's
-per-tick slice of its group included — is kept once per tick. The explicit schedules trade
-compute for memory: a backward op recomputes its chunk's forward (1F1B: 4/3 of the layers'
-flops; ZB-H1's B and W both do, ``cost.pipeline.recompute_factor``) and only one microbatch's
-residuals are alive at a time.
+per-tick slice of its group included — is kept once per tick. A layer that checkpoints itself
+(``jax.checkpoint``, a recipe's ``remat="full"``) is not wrapped again (``stage.with_remat``).
+The explicit schedules trade compute for memory: a backward op recomputes its chunk's forward
+(4/3 of the layers' flops, ``cost.pipeline.recompute_factor``) and only one microbatch's
+residuals are alive at a time — but ZB's pending W's, each holding what its W reads
+(``Schedule.pending_w``).
 
 Bubble fractions of the tables (``bench/pipeline.py`` checks them; ``Schedule.formula_bubble``):
 GPipe and 1F1B (p-1)/(m+p-1) (1F1B counted in forward/backward slots of equal length), circular
-and interleaved 1F1B (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1) in unit F = B = W slots.
+and interleaved 1F1B (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1) in unit F = B = W slots, ZB-V
+(p-1)/(6m+p-1) in its half-stage slots.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ from ..mesh import vmapped_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
-from .schedules import EXPLICIT, SCHEDULES, check_schedule, pipeline_schedule
+from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
+from .order import LAYER_ORDERS
 from .split import SplitBackward
 from .stage import (REMAT, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split, stage_residuals,
                     with_remat)
@@ -89,7 +94,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
              loss_fn: Callable[..., jax.Array] | None = None, loss_params: Any = None,
              targets: Any = None, extras: Any = None, rng: jax.Array | None = None,
              remat: str = "none", mesh: Any = None,
-             batch_axes: str | tuple[str, ...] | None = None) -> jax.Array:
+             batch_axes: str | tuple[str, ...] | None = None, layer_order: str = "natural") -> jax.Array:
     """Runs a stack of layers as a pipeline over the ``axis`` mesh axis.
 
     Args:
@@ -104,7 +109,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         microbatches: ``m >= stages``.
         schedule: ``"gpipe"``, ``"circular"`` (uses ``repeats``), or one of the explicit-
             backward schedules, which need ``loss_fn``: ``"1f1b"``, ``"interleaved-1f1b"``
-            (uses ``repeats``; ``m`` a multiple of the stages), ``"zb-h1"``.
+            (uses ``repeats``; ``m`` a multiple of the stages), ``"zb-h1"``, ``"zb-v"`` (2
+            chunks per device: layer groups s and 2p-1-s; ``repeats`` 1 or 2).
         repeats: layer groups per device for ``"circular"`` / ``"interleaved-1f1b"``; 1
             otherwise.
         axis: the mesh axis the layers are split over.
@@ -124,6 +130,10 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             ``fsdp`` axes; only data-like axes of size > 1 other than ``axis`` count, and none
             when ``rng`` is given. With data axes and an explicit schedule, ``loss_fn`` must be a mean
             over the microbatch's rows.
+        layer_order: ``"natural"`` (``stage_params`` rows are layers 0..L-1) or
+            ``"stage-major"``: the rows are stored in the order the schedule reads them
+            (``sk.pipeline_layer_order``), so with several chunks per device (circular,
+            interleaved 1F1B, ZB-V) the step moves no weights (``order``).
 
     Returns:
         ``y`` shaped like ``x`` without ``loss_fn``; with it the mean over microbatches of
@@ -137,7 +147,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     """
     mesh = _resolve_mesh(mesh, axis)
     p = mesh.shape[axis]
-    m, v = microbatches, repeats
+    m, v = microbatches, (2 if schedule == "zb-v" else repeats)
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
@@ -148,26 +158,40 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
         remat = "full"
     chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat, own_remat)
-    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ...; for v == 1 this is
-    # a plain reshape of the contiguous layer sharding.
-    params_s = jax.tree.map(
-        lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
+    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ... (ZB-V: s and
+    # 2p-1-s); for v == 1, or weights stored stage-major, a plain reshape of the contiguous
+    # layer sharding.
+    if layer_order not in LAYER_ORDERS:
+        raise ValueError(f"unknown layer_order {layer_order!r}; choose one of {LAYER_ORDERS}")
+    if layer_order == "stage-major":
+        params_s = jax.tree.map(lambda a: a.reshape((p, v, k) + a.shape[1:]), stage_params)
+    elif schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
+        # XLA reduce the stage gradients over data twice)
+        def vee(a):
+            a = a.reshape((2, p, k) + a.shape[1:])
+            return jnp.stack([a[0], jnp.flip(a[1], 0)], axis=1)
+        params_s = jax.tree.map(vee, stage_params)
+    else:
+        params_s = jax.tree.map(
+            lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
             "data_axes": data}
+    split_ops = None
+    if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
+        layer = layer_runner(stage_fn, k, extras is not None, rng)
+        split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
     if schedule in EXPLICIT and rng is None and noting():
+        n_data = math.prod(mesh.shape[a] for a in data)
         try:
-            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb,
-                                                       math.prod(mesh.shape[a] for a in data))
+            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
+            if split_ops is not None:  # what one pending W holds (the estimate's W ring)
+                info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     note("pipeline", info)
     if schedule in EXPLICIT:
         tab = pipeline_schedule(schedule, p, m, v)
-        split_ops = None
-        if tab.w_ring:  # B and W apart: B keeps what W needs (no recompute)
-            layer = layer_runner(stage_fn, k, extras is not None, rng)
-            split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
         return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
                                  rng, mesh=mesh, axis=axis, data=data, split=split_ops)
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)

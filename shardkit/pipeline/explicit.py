@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..mesh import block_shard_map
 from .forward import forward
-from .schedules import BW, EXPLICIT_SCOPE, IDLE, B, F, W, Schedule, switch_branches
+from .schedules import BW, DOWN, EXPLICIT_SCOPE, IDLE, SELF, UP, B, F, W, Schedule, switch_branches
 from .split import SplitBackward
 from .stage import mean_loss, put, row_spec, take, varying
 
@@ -54,9 +54,13 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
     p, m, v = tab.stages, tab.microbatches, tab.repeats
     pairs, branch = switch_branches(tab)
     dx_row = np.where((np.arange(p)[None, :] == 0) & (tab.chunk == 0) & np.isin(tab.op, (B, BW)), tab.mb, m)
-    ring = v > 1
-    down = [(s, (s + 1) % p) for s in range(p)] if ring else [(s, s + 1) for s in range(p - 1)]
-    up = [(s, (s - 1) % p) for s in range(p)] if ring else [(s + 1, s) for s in range(p - 1)]
+    ring = v > 1  # several chunks per device: the weights are sliced per op
+    vee = tab.name == "zb-v"
+    if vee:  # ZB-V: both directions carry both kinds; chunk 0 goes down, chunk 1 comes up
+        ring = True
+    around = v > 1 and not vee  # interleaved: stage p-1 feeds stage 0 around a ring
+    down = [(s, (s + 1) % p) for s in range(p)] if around else [(s, s + 1) for s in range(p - 1)]
+    up = [(s, (s - 1) % p) for s in range(p)] if around else [(s + 1, s) for s in range(p - 1)]
     n_data = math.prod(mesh.shape[a] for a in data)
     everywhere = (axis, *data)
 
@@ -71,14 +75,21 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
         zero_h = jnp.zeros_like(x_mb[0])
         seed = varying(jnp.float32(1.0 / (m * n_data)), everywhere)
         rows = tuple(jnp.asarray(a) for a in (branch, tab.mb, tab.chunk, tab.act_slot, tab.grad_slot,
-                                              tab.recv_act, tab.recv_grad, dx_row, tab.w_slot))
+                                              tab.recv_act, tab.recv_grad, dx_row, tab.w_slot, tab.send,
+                                              tab.recv_act_up, tab.recv_grad_down, tab.recv_act_self,
+                                              tab.recv_grad_self))
+        groups = jnp.asarray(tab.group)
         ctx0 = (0, 0, take(extras_mb, 0))
 
         def tick(carry, row):
-            br, mb, c, a_slot, g_slot, r_act, r_grad, dx, w_at = (r[stage] for r in row)
-            recv_h, recv_g, act_ring, grad_ring, acc, w_ring = carry
+            (br, mb, c, a_slot, g_slot, r_act, r_grad, dx, w_at, to, r_act_up, r_grad_down, r_act_self,
+             r_grad_self) = (r[stage] for r in row)
+            (recv_h, recv_g, recv_self), act_ring, grad_ring, acc, w_ring = carry
             act_ring = put(act_ring, recv_h, r_act)
             grad_ring = put(grad_ring, recv_g, r_grad)
+            if vee:  # recv_h came from below, recv_g from above: either kind in ZB-V
+                act_ring = put(put(act_ring, recv_g, r_act_up), recv_self, r_act_self)
+                grad_ring = put(put(grad_ring, recv_h, r_grad_down), recv_self, r_grad_self)
             h = jnp.where(a_slot < 0, take(x_mb, mb), take(act_ring, jnp.maximum(a_slot, 0)))
             g = take(grad_ring, g_slot)
             # The chunk's weights as a (1, k, ...) stack; one chunk: the operand itself (a slice
@@ -88,7 +99,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                        if ring else params_l)
 
             def out(Wc, h):
-                return chunk(Wc, 0, h, c * p + stage, mb, take(extras_mb, mb))
+                return chunk(Wc, 0, h, groups[stage, c], mb, take(extras_mb, mb))
 
             def loss(Wc, LP, h):
                 return loss_fn(LP, out(Wc, h), take(targets_mb, mb)).astype(jnp.float32)
@@ -150,7 +161,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                 if op == W:
                     d_w = split.weight_grad(w_k, take(w_ring, w_at))
                     return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), w_ring
-                y, kept = split.forward(w_k, h, (c * p + stage, mb, take(extras_mb, mb)))
+                y, kept = split.forward(w_k, h, (groups[stage, c], mb, take(extras_mb, mb)))
                 d_l = None
                 if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
                     d_l, g_y = jax.vjp(lambda LP, y: loss_fn(LP, y, take(targets_mb, mb)).astype(jnp.float32),
@@ -165,10 +176,14 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
                 send_h, send_g, acc, w_ring = lax.switch(br, [run(o, l) for o, l in pairs], acc, w_ring)
+            send_self = zero_h
+            if vee:  # one message per op, routed by the table
+                msg = send_h + send_g
+                send_h, send_g, send_self = (jnp.where(to == d, msg, zero_h) for d in (DOWN, UP, SELF))
             if p > 1:
                 send_h = lax.ppermute(send_h, axis, down)
                 send_g = lax.ppermute(send_g, axis, up)
-            return (send_h, send_g, act_ring, grad_ring, acc, w_ring), None
+            return ((send_h, send_g, send_self), act_ring, grad_ring, acc, w_ring), None
 
         acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
                jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
@@ -177,7 +192,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             w0 = jax.tree.map(lambda a: a[0], params_l)
             w_ring = jax.tree.map(lambda a: jnp.zeros((tab.w_ring,) + a.shape, a.dtype),
                                   split.saved_shapes(w0, zero_h, ctx0))
-        init = varying((zero_h, zero_h, jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
+        init = varying(((zero_h, zero_h, zero_h), jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
                         jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, w_ring), everywhere)
         *_, (gp, gl, gx, total), _ = lax.scan(tick, init, rows)[0]
         if data:  # the one reduction over data per step

@@ -20,15 +20,18 @@ import functools
 
 import numpy as np
 
+from .ops import BW, DOWN, IDLE, NOWHERE, SELF, UP, B, F, W  # noqa: F401 - re-exported
+from .simulate import interleaved_order, layer_groups, one_f_one_b_order, routes, simulate, simulate_v
+
 # The named scope around the explicit executor's per-tick ``lax.switch``: it reaches the
 # compiled HLO as the conditional's ``op_name``, which is how ``explain()`` finds that switch
 # among a model's own conds.
 EXPLICIT_SCOPE = "shardkit_pipeline_tick"
 
-IDLE, F, B, W, BW = 0, 1, 2, 3, 4
 OP_LETTERS = {IDLE: ".", F: "F", B: "B", W: "W", BW: "BW"}
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
-EXPLICIT = ("1f1b", "interleaved-1f1b", "zb-h1")  # backward inside the pipeline, table-driven
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+EXPLICIT = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")  # backward inside the pipeline, table-driven
+SPLIT = ("zb-h1", "zb-v")  # backward split into B and W
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # array fields: compared by identity
@@ -104,6 +107,14 @@ class Schedule:
             leaves what its W needs (the chunk's per-layer residuals and cotangents, ``split``)
             and where that W reads it; 0 elsewhere.
         w_ring: that ring's size (0 without W ops): the most W's pending at once on a stage.
+        send: (ticks, p) int32; where the op's result (F: activation, B/BW: input cotangent)
+            goes: ``NOWHERE``, ``DOWN``, ``UP`` or ``SELF`` (ZB-V's turn at the last stage).
+        recv_act_up, recv_grad_down, recv_act_self, recv_grad_self: (ticks, p) int32; like
+            ``recv_act``/``recv_grad`` for what arrives from the stage above (sent ``UP``), from
+            below, and from this stage's previous tick. ``recv_act`` is what comes from below
+            and ``recv_grad`` from above. ZB-V uses them all; the others only the two first.
+        group: (p, v) int32; the global layer group of chunk c on stage s (``c·p + s``; ZB-V:
+            ``s`` and ``2p - 1 - s``).
     """
 
     name: str
@@ -124,6 +135,12 @@ class Schedule:
     executed: str
     w_slot: np.ndarray | None = None
     w_ring: int = 0
+    send: np.ndarray | None = None
+    recv_act_up: np.ndarray | None = None
+    recv_grad_down: np.ndarray | None = None
+    recv_act_self: np.ndarray | None = None
+    recv_grad_self: np.ndarray | None = None
+    group: np.ndarray | None = None
 
     @property
     def ticks(self) -> int:
@@ -148,7 +165,8 @@ class Schedule:
         """The published bubble as a fraction of the total time, in the table's unit slots:
         GPipe/1F1B (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021), circular and
         interleaved 1F1B (p-1)/(v·m+p-1) (Narayanan et al. 2021: (p-1)/(v·m) of the ideal time),
-        ZB-H1 (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with F = B = W (Qi et al. 2024)."""
+        ZB-H1 (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with F = B = W (Qi et al. 2024); ZB-V
+        (p-1)/(6m+p-1) in its half-stage chunk slots (``formula_bubble``)."""
         return formula_bubble(self.name, self.stages, self.microbatches, self.repeats)
 
     def __str__(self) -> str:
@@ -173,6 +191,11 @@ def formula_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The published bubble fraction of total time (see ``Schedule.formula_bubble``)."""
     if schedule == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if schedule == "zb-v":
+        # Each device runs 6m unit ops (F, B, W of its 2 chunks per microbatch, each chunk half
+        # a stage): what stays idle is the last stage's wait for the first microbatch, p - 1
+        # chunk forwards — (p-1)·F/2 in whole-stage units, half ZB-H1's (p-1)(F+B-W).
+        return (p - 1) / (6 * m + p - 1)
     v = v if schedule in ("circular", "interleaved-1f1b") else 1
     return (p - 1) / (v * m + p - 1)
 
@@ -188,7 +211,10 @@ def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"repeats must be a positive integer, got {v!r}")
-    if v > 1 and schedule not in ("circular", "interleaved-1f1b"):
+    if schedule == "zb-v" and v not in (1, 2):
+        raise ValueError(f"zb-v always places 2 chunks per device (Qi et al. 2024), got repeats={v}; "
+                         "leave repeats at 1 (or 2): the layers split into 2 x stages groups")
+    if v > 1 and schedule not in ("circular", "interleaved-1f1b", "zb-v"):
         raise ValueError(f"repeats={v} needs schedule='circular' or 'interleaved-1f1b' (got "
                          f"{schedule!r}); or use repeats=1")
     if not isinstance(p, int) or p < 1:
@@ -209,7 +235,8 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int, repeats: in
         schedule: one of ``SCHEDULES``.
         stages: ``p``, devices along the pipe axis.
         microbatches: ``m >= p`` (a multiple of ``p`` for ``"interleaved-1f1b"``).
-        repeats: ``v``, layer chunks per device (``"circular"``, ``"interleaved-1f1b"``).
+        repeats: ``v``, layer chunks per device (``"circular"``, ``"interleaved-1f1b"``;
+            ``"zb-v"`` always has 2: device s holds layer groups s and 2p-1-s).
 
     Returns:
         A frozen ``Schedule``.
@@ -222,112 +249,26 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int, repeats: in
     check_schedule(schedule, p, m, v)
     if schedule in ("gpipe", "circular"):
         return _autodiff_schedule(schedule, p, m, v)
+    if schedule == "zb-v":
+        return _table(schedule, p, m, 2, simulate_v(p, m))
     if schedule == "zb-h1":
-        orders = [_one_f_one_b_order(p, s, m, B) for s in range(p)]
+        orders = [one_f_one_b_order(p, s, m, B) for s in range(p)]
     elif schedule == "interleaved-1f1b":
-        orders = [_interleaved_order(p, s, m, v) for s in range(p)]
+        orders = [interleaved_order(p, s, m, v) for s in range(p)]
     else:
-        orders = [_one_f_one_b_order(p, s, m, BW) for s in range(p)]
-    return _table(schedule, p, m, v, _simulate(p, v, orders, split=schedule == "zb-h1"))
-
-
-def _one_f_one_b_order(p: int, s: int, m: int, back: int) -> list[tuple[int, int, int]]:
-    """PipeDream-flush 1F1B (Narayanan et al. 2021): p-s-1 warmup forwards, then F/back pairs."""
-    warmup = min(p - s - 1, m)
-    ops = [(F, i, 0) for i in range(warmup)]
-    f, b = warmup, 0
-    while f < m or b < m:
-        if f < m:
-            ops.append((F, f, 0))
-            f += 1
-        if b < m:
-            ops.append((back, b, 0))
-            b += 1
-    return ops
-
-
-def _interleaved_order(p: int, s: int, m: int, v: int) -> list[tuple[int, int, int]]:
-    """Megatron's interleaved 1F1B (Narayanan et al. 2021): microbatches go through the chunks in
-    groups of p; (p-s-1)·2 + (v-1)·p warmup forwards (all of them when m == p), then F/BW pairs."""
-    total = m * v
-
-    def at(k: int, forward: bool) -> tuple[int, int]:
-        c = (k % (p * v)) // p
-        return (k // (p * v)) * p + k % p, c if forward else v - 1 - c
-
-    warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
-    ops = [(F, *at(k, True)) for k in range(warmup)]
-    for j in range(total - warmup):
-        ops += [(F, *at(warmup + j, True)), (BW, *at(j, False))]
-    ops += [(BW, *at(j, False)) for j in range(total - warmup, total)]
-    return ops
-
-
-def _simulate(p: int, v: int, orders: list, split: bool) -> list[list[tuple[int, int, int]]]:
-    """Runs each stage's op list in order, in lockstep: an op starts once its inputs arrived
-    (a ppermute takes one tick). With ``split`` (zero bubble) the W ops are not in the lists:
-    a stage runs its oldest pending W whenever its next F/B cannot start, or when its next op
-    is an F but p microbatches are already alive on it (1F1B's peak), so W fills the bubble
-    and memory stays at 1F1B's (Qi et al. 2024, ZB-H1)."""
-    pos = [0] * p
-    done: dict[tuple[int, int, int, int], int] = {}  # (kind, stage, mb, chunk) -> tick
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    alive = [0] * p
-    back = B if split else BW
-    rows: list[list[tuple[int, int, int]]] = []
-    t = 0
-    last = (p - 1, v - 1)
-
-    def ready(kind, s, i, c) -> bool:
-        before = lambda *key: done.get(key, t) < t  # noqa: E731
-        if kind == F:
-            return (s == 0 and c == 0) or (before(F, s - 1, i, c) if s > 0 else before(F, p - 1, i, c - 1))
-        if not before(F, s, i, c):
-            return False
-        if (s, c) == last:
-            return True
-        return before(back, s + 1, i, c) if s < p - 1 else before(back, 0, i, c + 1)
-
-    while any(pos[s] < len(orders[s]) for s in range(p)) or any(pending_w):
-        row = []
-        for s in range(p):
-            op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
-            go = op is not None and ready(*op[:1], s, *op[1:])
-            if split and op is not None and op[0] == F and alive[s] >= p:
-                go = False
-            if go:
-                row.append(op)
-            elif split and pending_w[s]:
-                row.append((W, *pending_w[s][0]))
-            else:
-                row.append((IDLE, 0, 0))
-        for s, (kind, i, c) in enumerate(row):
-            if kind == IDLE:
-                continue
-            done[(kind, s, i, c)] = t
-            if kind == W:
-                pending_w[s].pop(0)
-                alive[s] -= 1
-            else:
-                pos[s] += 1
-                alive[s] += kind == F
-                if kind == B and split:
-                    pending_w[s].append((i, c))
-                elif kind == BW:
-                    alive[s] -= 1
-        rows.append(row)
-        t += 1
-        if t > 16 * sum(len(o) for o in orders) + 64:
-            raise RuntimeError("pipeline schedule simulation did not finish (deadlocked op order)")
-    return rows
+        orders = [one_f_one_b_order(p, s, m, BW) for s in range(p)]
+    return _table(schedule, p, m, v, simulate(p, v, orders, split=schedule == "zb-h1",
+                                                routes=routes(schedule, p, v)))
 
 
 def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
+    nxt, prv = routes(name, p, v)
     ticks = len(rows)
     op = np.array([[k for k, _, _ in r] for r in rows], np.int32)
     mb = np.array([[i for _, i, _ in r] for r in rows], np.int32)
     chunk = np.array([[c for _, _, c in r] for r in rows], np.int32)
-    loss = (op != IDLE) & (np.arange(p)[None, :] == p - 1) & (chunk == v - 1)
+    last = next((s, c) for s in range(p) for c in range(v) if nxt(s, c) is None)
+    loss = (op != IDLE) & (np.arange(p)[None, :] == last[0]) & (chunk == last[1])
     where = {(int(op[t, s]), s, int(mb[t, s]), int(chunk[t, s])): t
              for t in range(ticks) for s in range(p) if op[t, s] != IDLE}
     back = BW if BW in op else B
@@ -337,14 +278,17 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
                    for (k, s, i, c) in where if k == F}
     last_use = {(s, i, c): where[(back, s, i, c)] for (k, s, i, c) in where if k == F}
 
-    # Arrivals: an F (not on the last group) sends its output to the next stage (stage p-1's
-    # chunk c goes to stage 0's chunk c+1); a backward sends the input cotangent upstream.
-    act_in, grad_in = {}, {}
+    # Arrivals: an F (not on the last group) sends its output to the next chunk on its route
+    # (``_routes``); a backward sends the input cotangent back along it. ``came``: from where.
+    act_in, grad_in, came = {}, {}, {}
+    send = np.zeros((ticks, p), np.int32)
     for (k, s, i, c), t in where.items():
-        if k == F and not (s == p - 1 and c == v - 1):
-            act_in[(s + 1, i, c) if s < p - 1 else (0, i, c + 1)] = t + 1
-        if k == back and not (s == 0 and c == 0):
-            grad_in[(s - 1, i, c) if s > 0 else (p - 1, i, c - 1)] = t + 1
+        if k == F and (n := nxt(s, c)) is not None:
+            act_in[(n[0], i, n[1])] = t + 1
+            came[("act", n[0], i, n[1])] = send[t, s] = n[2]
+        if k == back and (b := prv(s, c)) is not None:
+            grad_in[(b[0], i, b[1])] = t + 1
+            came[("grad", b[0], i, b[1])] = send[t, s] = b[2]
     act_slots, act_ring = _allocate(act_in, last_use)
     grad_slots, grad_ring = _allocate(grad_in, last_use)
 
@@ -355,10 +299,15 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
     for (k, s, i, c), t in where.items():
         act_slot[t, s] = act_slots.get((s, i, c), -1)
         grad_slot[t, s] = grad_slots.get((s, i, c), 0)
-    for key, t in act_in.items():
-        recv_act[t, key[0]] = act_slots[key]
-    for key, t in grad_in.items():
-        recv_grad[t, key[0]] = grad_slots[key]
+    # By the direction the message travelled: DOWN arrives from below, UP from above.
+    recv = {("act", DOWN): recv_act, ("grad", UP): recv_grad}
+    for kind, ring in (("act", act_ring), ("grad", grad_ring)):
+        for d in (DOWN, UP, SELF):
+            recv.setdefault((kind, d), np.full((ticks, p), ring, np.int32))
+    for kind, arrivals, slots in (("act", act_in, act_slots), ("grad", grad_in, grad_slots)):
+        for key, t in arrivals.items():
+            recv[(kind, came[(kind, *key)])][t, key[0]] = slots[key]
+    group = layer_groups(name, p, v)
     peak = []
     for s in range(p):
         lives = [(where[(F, s, i, c)], alive_until[(s, i, c)]) for (ss, i, c) in alive_until if ss == s]
@@ -370,7 +319,9 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
         for (s, i, c), j in w_slots.items():
             w_slot[where[(B, s, i, c)], s] = w_slot[w_at[(s, i, c)], s] = j
     return _frozen(Schedule(name, p, m, v, op, mb, chunk, loss, act_slot, grad_slot, recv_act,
-                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit", w_slot, w_ring))
+                            recv_grad, act_ring, grad_ring, tuple(peak), "explicit", w_slot, w_ring,
+                            send, recv[("act", UP)], recv[("grad", DOWN)], recv[("act", SELF)],
+                            recv[("grad", SELF)], group))
 
 
 def _allocate(arrive: dict, last_use: dict) -> tuple[dict, int]:

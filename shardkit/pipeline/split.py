@@ -94,6 +94,17 @@ class SplitBackward:
 
         return jax.eval_shape(saved, weights, h)
 
+    def saved_local(self, params_s, x_mb, extras_mb, n_data: int) -> list[tuple[tuple[int, ...], object]]:
+        """For ``explain()``: (shape, dtype) of what one pending W holds on a device, shapes
+        local in the manual axes (pipe, data) and global in the others (as
+        ``stage.stage_residuals``). Traced while the step is traced."""
+        def local(a):
+            return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))
+
+        weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], jnp.result_type(a)), params_s)
+        saved = self.saved_shapes(weights, local(x_mb), (0, 0, jax.tree.map(local, extras_mb)))
+        return [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(saved)]
+
 
 class _Cut:
     """A layer's transpose ``(pullback leaves, g) -> (weight cotangents..., input cotangent)``

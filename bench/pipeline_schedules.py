@@ -1,0 +1,150 @@
+"""Issue 25 benchmark: what each pipeline schedule executes and holds, against 1F1B and the
+un-pipelined model in the same run.
+
+    python bench/pipeline_schedules.py            # CPU tables + H100 compile (deviceless)
+    python bench/pipeline_schedules.py --no-h100  # CPU only
+
+(a) bubble of each executed table (p=4, m=8) against its formula; (b) CPU compile (8
+simulated devices, pipe=4, m=8, a residual-MLP stack): matmul flops per device read off the
+compiled program (``cost.hlo.matmul_flops_from_hlo``, through loops, the explicit executor's
+switch weighted by its table) over 1F1B's, temporaries over 1F1B's, and step time over the
+un-pipelined model's (one device; noisy on a shared machine: a ratio, same run); (c) the
+recipe transformer (8 layers, d=512, seq 512, remat full, bf16, vocab 8000, 4 pipeline
+microbatches, batch 32) compiled for 16 H100s (XLA:GPU, deviceless) on data=2,pipe=2,tensor=4:
+per-GPU temporaries against the un-pipelined data=2,fsdp=2,tensor=4 and against the step
+estimate's (``explain``'s formula), matmul flops over 1F1B's, and the all-to-alls in the
+program (the natural layer order's relayout).
+Writes bench/results/pipeline_schedules.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import shardkit as sk  # noqa: E402
+from pipeline import mlp_layer, mse, problem  # noqa: E402  (bench/pipeline.py)
+from shardkit.cost.hlo import matmul_flops_from_hlo, pipeline_branch_weights  # noqa: E402
+from shardkit.pipeline import pipeline, pipeline_schedule  # noqa: E402
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))
+console = Console()
+
+
+def bubbles(p=4, m=8):
+    t = Table(title=f"(a) bubble of the executed table, p={p} m={m}")
+    for c in ("schedule", "grid", "formula", "vs 1F1B"):
+        t.add_column(c)
+    base = pipeline_schedule("1f1b", p, m).bubble_fraction
+    out = {}
+    for s, v in SCHEDULES:
+        tab = pipeline_schedule(s, p, m, v)
+        out[s] = (tab.bubble_fraction, tab.formula_bubble)
+        t.add_row(s, f"{tab.bubble_fraction:.4f}", f"{tab.formula_bubble:.4f}", f"{tab.bubble_fraction / base:.2f}x")
+    console.print(t)
+    return out
+
+
+def cpu(p=4, m=8, d=64, reps=5):
+    mesh = sk.make_mesh(f"pipe={p}", devices=jax.devices()[:p])
+    params, head, x, t = problem(2 * p, d, 8 * m)
+
+    def seq_loss(P_, H):
+        return mse(H, jax.lax.scan(lambda h, lp: (mlp_layer(lp, h), None), x, P_)[0], t)
+
+    def timed(f):
+        jax.block_until_ready(f(params, head))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(params, head))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    base_t = timed(jax.jit(jax.value_and_grad(seq_loss, argnums=(0, 1))))
+    rows = {}
+    for s, v in SCHEDULES:
+        f = jax.jit(jax.value_and_grad(
+            lambda P_, H, s=s, v=v: pipeline(mlp_layer, P_, x, microbatches=m, schedule=s, repeats=v, loss_fn=mse,
+                                            loss_params=H, targets=t, mesh=mesh), argnums=(0, 1)))
+        c = f.lower(params, head).compile()
+        weights = pipeline_branch_weights({"stages": p, "microbatches": m, "schedule": s, "repeats": v})
+        rows[s] = {"flops": matmul_flops_from_hlo(c.as_text(), weights),
+                   "temp": c.memory_analysis().temp_size_in_bytes, "time": timed(f)}
+    tab = Table(title=f"(b) CPU, 8 simulated devices, pipe={p} m={m}, MLP d={d}: per device, vs 1F1B; "
+                      "step time vs the un-pipelined model (1 device) in the same run")
+    for c in ("schedule", "matmul flops", "vs 1F1B", "temporaries", "vs 1F1B", "step time", "vs un-pipelined"):
+        tab.add_column(c)
+    f1 = rows["1f1b"]
+    for s, r in rows.items():
+        tab.add_row(s, f"{r['flops']:.4g}", f"{r['flops'] / f1['flops']:.3f}", f"{r['temp'] / 2**20:.2f} MiB",
+                    f"{r['temp'] / f1['temp']:.2f}", f"{r['time'] * 1e3:.1f} ms", f"{r['time'] / base_t:.2f}x")
+    console.print(tab)
+    return {"unpipelined_time": base_t, **rows}
+
+
+def h100():
+    from models.transformer.config import SIZES
+    from models.transformer.plan import abstract_step
+
+    cfg = SIZES["1b"].replace(layers=8, d_model=512, heads=8, kv_heads=4, d_ff=2048, seq=512, vocab=8000, remat="full")
+    jobs, names = [], []
+    step, state, batch = abstract_step(cfg, "data=2,fsdp=2,tensor=4", global_batch=32, zero=1, target="h100")
+    jobs.append((step, state, batch, "data=2,fsdp=2,tensor=4"))
+    names.append("un-pipelined")
+    for s, v in SCHEDULES:
+        step, state, batch = abstract_step(cfg, "data=2,pipe=2,tensor=4", global_batch=32, schedule=s,
+                                           repeats=v if s == "interleaved-1f1b" else 1, pipeline_microbatches=4,
+                                           target="h100")
+        jobs.append((step, state, batch, "data=2,pipe=2,tensor=4"))
+        names.append(s)
+    reports = dict(zip(names, sk.cost.simulate_many(jobs, target="h100", estimate=True)))
+    tab = Table(title="(c) recipe transformer (8 layers, d=512, seq 512, remat full, bf16), 16 x H100 "
+                      "(XLA:GPU deviceless), data=2,pipe=2,tensor=4; per GPU")
+    for c in ("schedule", "temporaries", "vs un-pipelined", "estimate/compiled", "matmul flops", "vs 1F1B",
+              "all-to-alls"):
+        tab.add_column(c)
+    out = {}
+    f1 = reports["1f1b"].matmul_flops
+    for name, r in reports.items():
+        if isinstance(r, Exception):
+            tab.add_row(name, repr(r)[:60], *[""] * 5)
+            continue
+        temp = r.memory["temporaries"]
+        est = next((row["estimate"] for row in r.comparison() if row["quantity"] == "memory/temporaries"), None)
+        a2a = sum(c.count for c in r.collectives if c.kind == "all-to-all")
+        out[name] = {"temporaries": temp, "estimate": est, "matmul_flops": r.matmul_flops, "all_to_all": a2a}
+        base = reports["un-pipelined"].memory["temporaries"]
+        tab.add_row(name, f"{temp / 2**20:.1f} MiB", f"{temp / base:.2f}x",
+                    f"{est / temp:.2f}" if est else "-", f"{r.matmul_flops:.5g}",
+                    f"{r.matmul_flops / f1:.3f}" if name != "un-pipelined" else "-", str(a2a))
+    console.print(tab)
+    return out
+
+
+def main():
+    results = {"bubbles": bubbles(), "cpu": cpu()}
+    if "--no-h100" not in sys.argv:
+        results["h100"] = h100()
+    path = pathlib.Path(__file__).parent / "results" / "pipeline_schedules.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""How the program reader (``program``) classifies jaxpr primitives: which XLA fuses into
+their consumers, which are views, slices, matmuls, reductions, opaque kernels and collectives.
+One table, read by ``program`` and ``xla_cpu``'s rules."""
+
+# Ops XLA fuses into their consumers (loop fusion): elementwise math, casts, broadcasts and
+# layout changes. Everything else materialises its result.
+FUSIBLE = {
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log", "log1p",
+    "expm1", "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "pow", "integer_pow", "square", "erf",
+    "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "floor", "ceil", "round", "is_finite",
+    "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+    "copy", "copy_p", "stop_gradient", "nextafter", "rem", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "imag", "real", "conj", "reduce_precision",
+    "sharding_constraint", "pvary", "pcast", "iota",
+}
+# Elementwise ops XLA will not duplicate into several consumers (``IsExpensive``): with more
+# than one consumer their result is materialised once (a GELU's tanh, read by the forward
+# and by the backward).
+EXPENSIVE = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "rsqrt", "sqrt", "cbrt",
+              "pow", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2", "div", "rem"}
+# Reductions fuse their (elementwise) inputs, then materialise their (smaller) result.
+REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+           "argmax", "argmin"}
+# Ops whose result is one of their inputs seen differently (no bytes of their own).
+VIEW = {"reshape", "squeeze", "expand_dims", "convert_element_type", "sharding_constraint",
+         "pvary", "pcast", "copy", "copy_p", "transpose", "broadcast_in_dim"}
+MATMUL = {"dot_general", "conv_general_dilated"}
+# Ops that take part of a value (a stacked weight's one slice: ``w[:, i]``): a use of the
+# parameter for the readings, a value of its own for sizes.
+SLICE = {"slice", "dynamic_slice", "index_in_dim", "rev"}
+# Primitives whose body the reader cannot see (a kernel written for one backend): their flops
+# and buffers are not counted (``ProgramReading.unseen``).
+OPAQUE = {"pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "mosaic_gpu_call", "tpu_custom_call"}
+# jaxpr collectives -> the HLO collective they become (``hlo.Traffic.kind``).
+COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
+               "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
+               "reduce_scatter": "reduce-scatter"}
