@@ -54,10 +54,12 @@ FAST_CASES = {
 EXTENDED_CASES: dict[str, set[str]] = {
     # Three recipe runs (~1 min on 2 cores); the conversions themselves run in the default lane.
     "test_diloco_convert.py::test_recipe_warm_starts_diloco_from_a_dp_checkpoint": {"dp-diloco-dp"},
-    # Compositions of paths the sweep checks one by one (dp_pp_tp_zb stays as the composition).
-    "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b"},
+    # Compositions of paths the sweep checks one by one (dp_pp_tp_zb stays as the composition),
+    # and ZB-H1 alone (pp_zb): dp_pp_tp_zb runs the same schedule with data and tensor axes, and
+    # tests/test_pipeline.py checks ZB-H1's split backward against the sequential model.
+    "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b", "pp_zb"},
     "test_cost.py::test_transformer_estimate_matches_compiled": {"zero1", "fsdp_tp", "tp_pp", "dp_pp_tp",
-                                                                 "dp_pp_tp_1f1b"},
+                                                                 "dp_pp_tp_1f1b", "pp_zb"},
     # Each ZeRO stage once, over one and over two data axes.
     "test_resnet.py::test_layouts_match_one_device": {"0-data=2,fsdp=4", "0-data=4,fsdp=2", "1-data=8",
                                                       "1-data=2,fsdp=4", "3-data=8", "3-data=4,fsdp=2"},
