@@ -54,6 +54,17 @@ def replica_rows(batch, r, R):
     return {k: v[r * n:(r + 1) * n] for k, v in batch.items()}
 
 
+def inner_step(grad, inner_tx, reps, states, i, R):
+    """Step ``i`` of every replica on its rows, in place in ``reps``/``states``; the mean loss."""
+    ls = []
+    for r in range(R):
+        l, g = grad(reps[r], replica_rows(tiny.batch(i), r, R))
+        u, states[r] = inner_tx.update(g, states[r], reps[r])
+        reps[r] = optax.apply_updates(reps[r], u)
+        ls.append(float(l))
+    return np.mean(ls)
+
+
 def reference(steps, every, inner_tx, outer_tx, R):
     """DiLoCo in plain JAX + Optax on one device: replica r trains on its rows with its own inner
     state; every ``every`` steps Δ = θ − mean_r θ_r goes through the outer optimizer."""
@@ -64,13 +75,7 @@ def reference(steps, every, inner_tx, outer_tx, R):
     grad = jax.jit(jax.value_and_grad(loss_fn))
     losses = []
     for i in range(steps):
-        ls = []
-        for r in range(R):
-            l, g = grad(reps[r], replica_rows(tiny.batch(i), r, R))
-            u, states[r] = inner_tx.update(g, states[r], reps[r])
-            reps[r] = optax.apply_updates(reps[r], u)
-            ls.append(float(l))
-        losses.append(np.mean(ls))
+        losses.append(inner_step(grad, inner_tx, reps, states, i, R))
         if (i + 1) % every == 0:
             mean = jax.tree.map(lambda *xs: sum(xs) / R, *reps)
             delta = jax.tree.map(lambda a, b: a - b, theta, mean)
@@ -424,13 +429,7 @@ def reference_overlapped(steps, every, tau, mix, inner_tx, outer_tx, R):
     grad = jax.jit(jax.value_and_grad(loss_fn))
     losses, due = [], None
     for i in range(steps):
-        ls = []
-        for r in range(R):
-            l, g = grad(reps[r], replica_rows(tiny.batch(i), r, R))
-            u, states[r] = inner_tx.update(g, states[r], reps[r])
-            reps[r] = optax.apply_updates(reps[r], u)
-            ls.append(float(l))
-        losses.append(np.mean(ls))
+        losses.append(inner_step(grad, inner_tx, reps, states, i, R))
         if due == i + 1:
             reps = [jax.tree.map(lambda a, b: mix * a + (1 - mix) * b, rep, theta) for rep in reps]
         if (i + 1) % every == 0:
