@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic,
+from .hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic, _shape_bytes,
                   collectives_from_hlo as collectives_from_hlo,
                   matmul_flops_from_hlo as matmul_flops_from_hlo,
                   pipeline_branch_weights as _pipeline_branch_weights,
@@ -332,7 +332,7 @@ def compiled_memory(compiled) -> dict[str, int]:
     return out
 
 
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]\{([^}]*)\}")
+_HOST_SHAPE = re.compile(r"\b[a-z]+[0-9]*[a-z0-9]*\[[0-9,]*\]\{[^}]*S\(5\)[^}]*\}")  # a shape in memory space 5
 
 
 def host_bytes_from_layout(hlo: str) -> tuple[int, int]:
@@ -350,13 +350,8 @@ def host_bytes_from_layout(hlo: str) -> tuple[int, int]:
     args, _, outs = head[i:j].partition(")->")
 
     def host(text: str) -> int:
-        return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-                   for t, dims, layout in _SHAPE.findall(text) if "S(5)" in layout and t in _BYTES)
+        return sum(_shape_bytes(shape) for shape in _HOST_SHAPE.findall(text))
     return host(args), host(outs)
-
-
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = None,
