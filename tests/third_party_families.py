@@ -135,10 +135,12 @@ def build(family: str, mesh: str, zero: int, *, rows: int | None = None, strict:
     import jax
     import optax
 
-    params, loss, rules, batch = FAMILIES[family](**({"rows": rows} if rows else {}))
     m = sk.make_mesh(mesh)
-    plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), zero=zero, strict=strict)
-    step = sk.train_step(plan, optax.adamw(1e-3))(loss)
+    # Models written elsewhere rely on implicit rank promotion (tests/conftest.py raises on it):
+    # allowed for their construction (HF Flax GPT-2 traces itself in __init__) and init.
     with jax.numpy_rank_promotion("allow"):
+        params, loss, rules, batch = FAMILIES[family](**({"rows": rows} if rows else {}))
+        plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), zero=zero, strict=strict)
+        step = sk.train_step(plan, optax.adamw(1e-3))(loss)
         state = step.init(params)
     return step, state, batch
