@@ -119,6 +119,43 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
     return None
 
 
+def _resolve_spec(coordinator_address, num_processes, process_id, local_device_ids, env) -> ClusterSpec | None:
+    """The job ``initialize`` joins: the three values given, all detected from the environment,
+    or the given ones completing a detected spec; None for a single-process run."""
+    given = (coordinator_address, num_processes, process_id)
+    if all(v is None for v in given):
+        spec = detect(env)
+        if spec is None:
+            return None
+    elif any(v is None for v in given):
+        found = detect(env)
+        if found is None:
+            raise ValueError("initialize() needs coordinator_address, num_processes and process_id together "
+                             "(or none of them, to detect them from JAX_*/SLURM/Kubernetes variables)")
+        spec = ClusterSpec(coordinator_address or found.coordinator_address,
+                           found.num_processes if num_processes is None else num_processes,
+                           found.process_id if process_id is None else process_id,
+                           found.local_device_ids, f"arguments + {found.source}")
+    else:
+        spec = ClusterSpec(coordinator_address, num_processes, process_id, None)
+    if local_device_ids is not None:
+        spec = dataclasses.replace(spec, local_device_ids=tuple(local_device_ids))
+    return spec
+
+
+def _check_spec(spec: ClusterSpec, timeouts: dict) -> None:
+    """Refuses a process index outside the job, a timeout that is not whole seconds >= 1 and
+    an address without a port."""
+    if spec.num_processes < 1 or not 0 <= spec.process_id < spec.num_processes:
+        raise ValueError(f"process_id={spec.process_id} is not in [0, num_processes={spec.num_processes}) "
+                         f"(from {spec.source})")
+    bad = [f"{k}={v!r}" for k, v in timeouts.items() if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
+    if bad:  # JAX takes whole seconds; 0 would not bound anything
+        raise ValueError(f"{', '.join(bad)}: timeouts are whole seconds >= 1 (e.g. heartbeat_timeout_s=60)")
+    if ":" not in spec.coordinator_address:
+        raise ValueError(f"coordinator_address {spec.coordinator_address!r} needs a port: 'host:port'")
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: Sequence[int] | None = None,
                timeout_s: int = 300, heartbeat_timeout_s: int = 60, shutdown_timeout_s: int = 60,
@@ -153,34 +190,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             is not a whole number of seconds >= 1.
         RuntimeError: JAX already started, or the processes could not connect in time.
     """
-    given = (coordinator_address, num_processes, process_id)
-    if all(v is None for v in given):
-        spec = detect(env)
-        if spec is None:
-            return None
-    elif any(v is None for v in given):
-        found = detect(env)
-        if found is None:
-            raise ValueError("initialize() needs coordinator_address, num_processes and process_id together "
-                             "(or none of them, to detect them from JAX_*/SLURM/Kubernetes variables)")
-        spec = ClusterSpec(coordinator_address or found.coordinator_address,
-                           found.num_processes if num_processes is None else num_processes,
-                           found.process_id if process_id is None else process_id,
-                           found.local_device_ids, f"arguments + {found.source}")
-    else:
-        spec = ClusterSpec(coordinator_address, num_processes, process_id, None)
-    if local_device_ids is not None:
-        spec = dataclasses.replace(spec, local_device_ids=tuple(local_device_ids))
-    if spec.num_processes < 1 or not 0 <= spec.process_id < spec.num_processes:
-        raise ValueError(f"process_id={spec.process_id} is not in [0, num_processes={spec.num_processes}) "
-                         f"(from {spec.source})")
-    timeouts = {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
-                "shutdown_timeout_s": shutdown_timeout_s}
-    bad = [f"{k}={v!r}" for k, v in timeouts.items() if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
-    if bad:  # JAX takes whole seconds; 0 would not bound anything
-        raise ValueError(f"{', '.join(bad)}: timeouts are whole seconds >= 1 (e.g. heartbeat_timeout_s=60)")
-    if ":" not in spec.coordinator_address:
-        raise ValueError(f"coordinator_address {spec.coordinator_address!r} needs a port: 'host:port'")
+    spec = _resolve_spec(coordinator_address, num_processes, process_id, local_device_ids, env)
+    if spec is None:
+        return None
+    _check_spec(spec, {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
+                       "shutdown_timeout_s": shutdown_timeout_s})
     if jax.distributed.is_initialized():
         return spec
     from .mesh import backend_started
@@ -299,6 +313,58 @@ def _pump(stream, out, tag: str) -> None:
     stream.close()
 
 
+def _launch_parser() -> argparse.ArgumentParser:
+    """``shardkit launch``'s arguments."""
+    p = argparse.ArgumentParser(
+        prog="shardkit launch", description="Run a multi-process JAX job on this machine over loopback.",
+        epilog="example: shardkit launch --processes 2 --devices-per-process 4 -- python -m models.transformer")
+    p.add_argument("--processes", type=int, default=2, help="number of processes (default 2)")
+    p.add_argument("--devices-per-process", type=int, default=None,
+                   help="simulate this many CPU devices in each process (default: the real devices)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--grace", type=float, default=90.0,
+                   help="seconds the others get to exit after one process fails (default 90)")
+    p.add_argument("--timeout", type=float, default=None, help="wall-clock limit for the whole job, seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
+    return p
+
+
+def _supervise(procs: list, grace: float, timeout: float | None) -> int:
+    """Waits for every process; after the first failure the others get ``grace`` seconds, and
+    ``timeout`` bounds the whole job, then the rest are terminated. Returns the first
+    failure's exit code (128+N for signal N), 124 on a timeout, else 0."""
+    start, failed_at, result = time.monotonic(), None, 0
+    done: set[int] = set()
+    while len(done) < len(procs):
+        time.sleep(0.05)
+        now = time.monotonic()
+        for i, q in enumerate(procs):
+            if i in done or q.poll() is None:
+                continue
+            done.add(i)
+            if q.returncode != 0:
+                print(f"shardkit launch: process {i} exited with {_describe_exit(q.returncode)} after "
+                      f"{now - start:.1f}s", file=sys.stderr, flush=True)
+                if failed_at is None:
+                    failed_at = now
+                    result = 128 - q.returncode if q.returncode < 0 else q.returncode
+        late = failed_at is not None and now - failed_at > grace
+        if late or (timeout is not None and now - start > timeout):
+            alive = [i for i, q in enumerate(procs) if q.poll() is None]
+            why = f"{grace:.0f}s after a failure" if late else f"--timeout {timeout:.0f}s"
+            print(f"shardkit launch: terminating process(es) {alive} ({why})", file=sys.stderr, flush=True)
+            for i in alive:
+                procs[i].terminate()
+            for i in alive:
+                try:
+                    procs[i].wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    procs[i].kill()
+            result = result or 124
+            break
+    return result
+
+
 def launch_main(argv: list[str]) -> int:
     """``shardkit launch``: runs ``--processes`` copies of a command as one job on this machine.
 
@@ -313,17 +379,7 @@ def launch_main(argv: list[str]) -> int:
         0 if every process exited 0, else the first failure's exit code (128+N for signal N),
         or 124 on ``--timeout``.
     """
-    p = argparse.ArgumentParser(
-        prog="shardkit launch", description="Run a multi-process JAX job on this machine over loopback.",
-        epilog="example: shardkit launch --processes 2 --devices-per-process 4 -- python -m models.transformer")
-    p.add_argument("--processes", type=int, default=2, help="number of processes (default 2)")
-    p.add_argument("--devices-per-process", type=int, default=None,
-                   help="simulate this many CPU devices in each process (default: the real devices)")
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    p.add_argument("--grace", type=float, default=90.0,
-                   help="seconds the others get to exit after one process fails (default 90)")
-    p.add_argument("--timeout", type=float, default=None, help="wall-clock limit for the whole job, seconds")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
+    p = _launch_parser()
     a = p.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
@@ -351,36 +407,8 @@ def launch_main(argv: list[str]) -> int:
                 q.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    start, failed_at, result = time.monotonic(), None, 0
     try:
-        done: set[int] = set()
-        while len(done) < len(procs):
-            time.sleep(0.05)
-            now = time.monotonic()
-            for i, q in enumerate(procs):
-                if i in done or q.poll() is None:
-                    continue
-                done.add(i)
-                if q.returncode != 0:
-                    print(f"shardkit launch: process {i} exited with {_describe_exit(q.returncode)} after "
-                          f"{now - start:.1f}s", file=sys.stderr, flush=True)
-                    if failed_at is None:
-                        failed_at = now
-                        result = 128 - q.returncode if q.returncode < 0 else q.returncode
-            late = failed_at is not None and now - failed_at > a.grace
-            if late or (a.timeout is not None and now - start > a.timeout):
-                alive = [i for i, q in enumerate(procs) if q.poll() is None]
-                why = f"{a.grace:.0f}s after a failure" if late else f"--timeout {a.timeout:.0f}s"
-                print(f"shardkit launch: terminating process(es) {alive} ({why})", file=sys.stderr, flush=True)
-                for i in alive:
-                    procs[i].terminate()
-                for i in alive:
-                    try:
-                        procs[i].wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        procs[i].kill()
-                result = result or 124
-                break
+        result = _supervise(procs, a.grace, a.timeout)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

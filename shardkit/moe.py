@@ -69,6 +69,34 @@ _DATA_LIKE = ("replica", "data", "fsdp")  # as Plan's default batch axes
 F32 = jnp.float32
 
 
+def _placement(mesh, axis: str, batch_axes, manual, E: int, lead: tuple, g: int | None):
+    """Where ``moe`` runs: the expert axis size ``n``, the token axes made manual with it and the
+    token count ``N``; refuses an axis already manual, experts or tokens that do not split."""
+    if axis in manual:
+        raise ValueError(f"moe axis {axis!r} is already manual here (inside a shard_map over it); "
+                         "call sk.moe outside that shard_map, or pass another axis=")
+    sizes = {} if mesh is None else dict(mesh.shape)
+    n = sizes.get(axis, 1)
+    if E % n:
+        raise ValueError(f"{E} experts do not split over the {axis!r} axis of size {n}: use a "
+                         f"number of experts that is a multiple of {n}, or a smaller {axis!r} axis")
+    tok_axes = _token_axes(mesh, axis, batch_axes, manual, n)
+    if manual:
+        # Inside another shard_map (sk.pipeline's stages) the block runs under the compiler,
+        # without its own: jax 0.10.2 cannot differentiate a shard_map nested there (the
+        # residuals get shardings that put the outer manual axis first: "Saw manual axis
+        # 'expert' after free axis 'pipe'"). Same result; XLA places the expert axis.
+        tok_axes, n = (), 1
+    n_tok = math.prod(sizes[a] for a in tok_axes)
+    N = math.prod(lead)
+    if N % n_tok or (g is not None and (N // n_tok) % g):
+        need = n_tok * (g or 1)
+        raise ValueError(f"{N} tokens {tuple(lead)} do not split into whole capacity groups of "
+                         f"{g or 1} over the token axes {tok_axes} ({n_tok} devices): need tokens % "
+                         f"{need} == 0; change the batch, group_size or mesh")
+    return n, tok_axes, N
+
+
 def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Array], jax.Array],
         expert_params: Any, *, top_k: int = 2, capacity_factor: float | None = None,
         axis: str = "expert", renormalize: bool = True, group_size: int | None = None,
@@ -111,28 +139,7 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     g = _group_size(x, capacity_factor, group_size)
     mesh = _resolve_mesh(mesh)
     manual = _manual_axes()
-    if axis in manual:
-        raise ValueError(f"moe axis {axis!r} is already manual here (inside a shard_map over it); "
-                         "call sk.moe outside that shard_map, or pass another axis=")
-    sizes = {} if mesh is None else dict(mesh.shape)
-    n = sizes.get(axis, 1)
-    if E % n:
-        raise ValueError(f"{E} experts do not split over the {axis!r} axis of size {n}: use a "
-                         f"number of experts that is a multiple of {n}, or a smaller {axis!r} axis")
-    tok_axes = _token_axes(mesh, axis, batch_axes, manual, n)
-    if manual:
-        # Inside another shard_map (sk.pipeline's stages) the block runs under the compiler,
-        # without its own: jax 0.10.2 cannot differentiate a shard_map nested there (the
-        # residuals get shardings that put the outer manual axis first: "Saw manual axis
-        # 'expert' after free axis 'pipe'"). Same result; XLA places the expert axis.
-        tok_axes, n = (), 1
-    n_tok = math.prod(sizes[a] for a in tok_axes)
-    N = math.prod(lead)
-    if N % n_tok or (g is not None and (N // n_tok) % g):
-        need = n_tok * (g or 1)
-        raise ValueError(f"{N} tokens {tuple(lead)} do not split into whole capacity groups of "
-                         f"{g or 1} over the token axes {tok_axes} ({n_tok} devices): need tokens % "
-                         f"{need} == 0; change the batch, group_size or mesh")
+    n, tok_axes, N = _placement(mesh, axis, batch_axes, manual, E, lead, g)
 
     logits_NxE = router_logits.reshape(N, E).astype(F32)
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
