@@ -3,6 +3,7 @@ un-pipelined model in the same run.
 
     python bench/pipeline_schedules.py            # CPU tables + H100 compile (deviceless)
     python bench/pipeline_schedules.py --no-h100  # CPU only
+    python bench/pipeline_schedules.py --no-h100 --layers 16  # two-layer chunks at v=2
 
 (a) bubble of each executed table (p=4, m=8) against its formula; (b) CPU compile (8
 simulated devices, pipe=4, m=8, a residual-MLP stack): matmul flops per device read off the
@@ -60,9 +61,9 @@ def bubbles(p=4, m=8):
     return out
 
 
-def cpu(p=4, m=8, d=64, reps=5):
+def cpu(p=4, m=8, d=64, reps=5, layers=None):
     mesh = sk.make_mesh(f"pipe={p}", devices=jax.devices()[:p])
-    params, head, x, t = problem(2 * p, d, 8 * m)
+    params, head, x, t = problem(layers or 2 * p, d, 8 * m)
 
     def seq_loss(P_, H):
         return mse(H, jax.lax.scan(lambda h, lp: (mlp_layer(lp, h), None), x, P_)[0], t)
@@ -138,7 +139,8 @@ def h100():
 
 
 def main():
-    results = {"bubbles": bubbles(), "cpu": cpu()}
+    layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else None
+    results = {"bubbles": bubbles(), "cpu": cpu(layers=layers)}
     if "--no-h100" not in sys.argv:
         results["h100"] = h100()
     path = pathlib.Path(__file__).parent / "results" / "pipeline_schedules.json"
