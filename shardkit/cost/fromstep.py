@@ -182,6 +182,10 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
                                     op_peak=op_peak, acc_ratio=4 / wire,
                                     chunk_weights=sum(c for c, q in zip(comp, piped) if q) * bc / pipe.get("repeats", 1))
+    elif gpipe_like and s.platform != "cpu" and pipe.get("stage_residuals") is not None:
+        # The f32 gradients are made after the pipeline's backward (its scan accumulates them in
+        # the compute dtype); a step microbatch accumulator lives throughout.
+        backward = (mem["grads"] if m > 1 else 0.0) + _gpipe_backward(s, act_carried, g_comp)
     else:
         working += pipeline_buffers(pipe, act_carried, g_comp)
         # A pipeline's backward starts after the loss's (whose residuals are freed by then).
@@ -191,6 +195,33 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
     cast = sum(stored) * bc if bc != bp else 0.0
     mem["temporaries"] = step_temporaries(pass_peak=backward, grads=grad_buffer, update=new_params,
                                           throughout=cast)
+
+
+def _gpipe_backward(s: _Step, act_carried: float, g_comp: float) -> float:
+    """GPipe/circular's backward on XLA:GPU/XLA:TPU at its peak, a tick of the transposed scan,
+    per device: what the forward scan saved every tick (the chunk's residuals and its input),
+    the tick's backward (``_backward_op_peak``) with the chunk's compute-dtype weights the
+    layer scan's loop carries, the pipeline's input, the outputs' cotangent and its
+    ``pipeline_buffers``; and what the loss's backward leaves alive for the loss params'
+    gradient matmuls, which XLA's scheduler runs after the pipeline's backward (they are off
+    its critical path): the cotangent of each loss-param matmul's output (the logits'), in f32
+    — the loss's dtype (measured: the recipe's 62.5 MiB f32 logits gradient alive through
+    GPipe's backward on H100)."""
+    pipe, lv, sizes = s.pipe, s.lv, s.sizes
+    lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
+    rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
+    k = max(lv.layers // (pipe["stages"] * pipe.get("repeats", 1)), 1)
+    act_mb = act_carried / pipe["microbatches"]
+    stage_res = sum(math.prod(sh) * itemsize(d) / _n_tensor_stacked(sh, rows, k, lv.tensor_dims, sizes)
+                    for sh, d in pipe["stage_residuals"])
+    op = _backward_op_peak(s, rows) or 0.0
+    chunk_weights = sum(c for c, q in zip(lv.comp, lv.piped) if q) * s.bc / pipe.get("repeats", 1)
+    tokens = tokens_in(s.batch) / s.n_data / s.m
+    head = sum(tokens * math.prod(l.shape) / lv.width / (math.prod(l.shape) / c) * 4
+               for l, c, q, mm in zip(lv.leaves, lv.comp, lv.piped, s.reading.matmul)
+               if mm and not q and len(l.shape) == 2 and lv.width in l.shape)
+    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights
+            + pipeline_buffers(pipe, act_carried, g_comp) + head)
 
 
 def _n_tensor_stacked(shape, rows: int, k: int, tensor_dims, sizes) -> int:
