@@ -95,25 +95,48 @@ def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> floa
 
 
 def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
-                      stage_residuals: float, stage_layers: int, w_saved: float = 0.0) -> float:
-    """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B,
-    ZB-H1; rings sized from the table) at its peak, a backward op, per device.
+                      stage_residuals: float, stage_layers: int, w_saved: float = 0.0,
+                      op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0) -> float:
+    """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B, ZB-H1,
+    ZB-V; rings sized from the table) at its peak, a backward op, per device.
 
-    The scan carries the f32 gradient accumulators (the stage's, the loss params', the input's
-    ``(m + 1)`` microbatch rows) and the rings of stage inputs and cotangents; the backward op
-    holds a second copy of the accumulators it updates (the ``lax.switch`` branch's result),
-    the fresh stage gradient from its ``jax.vjp``, the stage's residuals for its microbatch
-    (rebuilt by recomputing the forward) and one layer's share of them again in cotangents; the
-    pipeline's input (all microbatches of a device's rows) stays alive throughout."""
+    What the scan carries from tick to tick: the f32 gradient accumulators (the stage's, the
+    loss params', the input's ``(m + 1)`` microbatch rows — f32 too, ``acc_ratio`` times a
+    microbatch's activation bytes) and ZB's ring of pending W's (``w_ring`` slots of
+    ``w_saved`` bytes, ``pipeline.split``) — the ``lax.switch``'s operands, which every branch
+    updates —, the rings of stage inputs and cotangents (one spare slot each) and, alive
+    throughout, the pipeline's input (all microbatches of a device's rows).
+
+    At its peak the tick holds either a second copy of the switch's operands (XLA copies a
+    loop-carried value into the conditional that updates it, and back) or, inside a backward
+    op, ``op_peak`` beside them: the liveness peak of the chunk's recomputed forward and its
+    VJP for one microbatch (``fromstep`` reads it off the jaxpr the trace note keeps: the
+    layers' saved inputs, one layer's recomputed intermediates with their cotangents, the
+    chunk's weight gradients), the branch's new loss-params accumulator and ``chunk_weights``:
+    the chunk's compute-dtype weights once more, as the layer scan's loop carries them (XLA
+    gives a loop's carry buffers of its own, and the weights stay alive after the loop for
+    the next op: they are copied in). Under remat the
+    op's peak wins for 1F1B; ZB's W ring makes the copy win (ZB-H1 at d=512 on H100: 2 x 307
+    MiB of operands against 1F1B's whole 149 MiB).
+
+    Without ``op_peak`` (no jaxpr in the note): the stage's residuals for the microbatch and
+    one layer's share of them again in cotangents, a fresh stage gradient and a second copy of
+    the accumulators [issue 24's form, which missed the layer's recomputed intermediates: 0.52
+    to 0.79 of the compiled temporaries on H100]."""
     pm = pipe["microbatches"]
     act_mb = act_elems_x4 / pm
     tab = schedule_table(pipe)
-    carry = stage_grads + rest_grads + (pm + 1) * act_mb + (tab.act_ring + tab.grad_ring + 2) * act_mb
+    if op_peak is not None:
+        operands = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + tab.w_ring * w_saved
+        throughout = (tab.act_ring + tab.grad_ring + 2) * act_mb + pm * act_mb
+        return throughout + max(operands + op_peak + rest_grads + chunk_weights, 2 * operands)
+    rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
+    carry = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + rings + pm * act_mb
     backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
     # [issue 25] ZB-H1/ZB-V: B keeps what its W reads (``w_saved`` bytes per pending W, the
     # trace note's ``w_saved``; ``pipeline.split``) in a ring of ``w_ring`` slots, carried
     # through the loop and, like the accumulators, again as the switch's result.
-    return carry + backward_op + pm * act_mb + 2 * tab.w_ring * w_saved
+    return carry + backward_op + tab.w_ring * w_saved
 
 
 def pipelined_uses(pipe: dict, layers: int) -> float:

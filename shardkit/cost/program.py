@@ -439,3 +439,21 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
 
+
+
+def jaxpr_peak(closed, *, n_params: int, split_of: Callable, canonical_dots: bool = False,
+               whole: Callable = lambda v: False) -> float:
+    """The liveness peak (bytes, one device) of an already traced program — ``read_program``'s
+    ``peak`` for a jaxpr that is not a loss's ``value_and_grad`` (a pipeline's backward op).
+
+    Args:
+        closed: a ``ClosedJaxpr``; its first ``n_params`` inputs are parameter leaves (sized by
+            their layout), the rest activations; inputs excluded, outputs live at the end.
+        n_params, split_of, canonical_dots: as ``read_program``.
+        whole: which of the jaxpr's own vars are known whole over the tensor axes (where their
+            shape alone would pass for a tensor-split activation).
+    """
+    jaxpr = closed.jaxpr
+    reader = _Reader(split_of, n_params, canonical_dots)
+    reader.unsplit.update(v for e in jaxpr.eqns for v in e.outvars if whole(v))
+    return reader.run(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_params])}, outputs_live=True)[2]

@@ -83,8 +83,8 @@ from .forward import forward
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
 from .order import LAYER_ORDERS
 from .split import SplitBackward
-from .stage import (REMAT, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split, stage_residuals,
-                    with_remat)
+from .stage import (REMAT, chunk_backward, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split,
+                    stage_residuals, with_remat)
 
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
 
@@ -181,9 +181,11 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    if schedule in EXPLICIT and rng is None and noting():
+    if rng is None and noting():
         n_data = math.prod(mesh.shape[a] for a in data)
         try:
+            # One backward op (explicit) or one tick of the transposed scan (GPipe/circular).
+            info["chunk_backward"] = chunk_backward(chunk, params_s, x_mb, extras_mb, n_data)
             info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
             if split_ops is not None:  # what one pending W holds (the estimate's W ring)
                 info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)

@@ -103,6 +103,25 @@ def stage_residuals(chunk, params_s, x_mb, extras_mb, n_data) -> list[tuple[tupl
             if "from the argument" not in where and tuple(a.shape) not in weights]
 
 
+def chunk_backward(chunk, params_s, x_mb, extras_mb, n_data):
+    """For ``explain()``: the jaxpr of what an explicit backward op runs for one microbatch —
+    the chunk's forward (its recompute) and its VJP — with the chunk's ``(v, k, ...)`` weights
+    first, then the stage input and the output cotangent; shapes as ``stage_residuals``. The
+    estimate reads its working set with the step's liveness model (``cost.program``). Traced
+    while the step is traced."""
+    def local(a):
+        return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))
+
+    params_l = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], jnp.result_type(a)), params_s)
+    h, extras = local(x_mb), jax.tree.map(local, extras_mb)
+
+    def op(P_, h, g):
+        y, pull = jax.vjp(lambda P_, h: chunk(P_, 0, h, 0, 0, extras), P_, h)
+        return pull(g.astype(y.dtype))
+
+    return jax.make_jaxpr(op)(params_l, h, h)
+
+
 # Ops that only move or re-type data: never saved for the backward (recomputed there, free of
 # flops), so that nothing derived from a layer's weights — a reshape, a transpose, a cast, the
 # circular schedule's per-tick slice of its layer group — is stacked once per tick.
