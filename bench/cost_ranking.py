@@ -59,15 +59,61 @@ def small_mesh(mesh: str) -> str:
     return ",".join(f"{a}={s}" for a, s in zip(names, sizes))
 
 
-def measure(module, family, mesh, zero) -> dict:
+def _job(module, family, mesh, zero) -> dict:
     # strict=False: a small model's leaves that do not split over 256 devices stay replicated (the
     # same program for the estimate and the compile).
     step, state, batch = module.build(family, small_mesh(mesh), zero, rows=ROWS, strict=False)
-    t0 = time.perf_counter()
-    report = step.explain(state, batch, mesh=mesh, target="h100")
+    return {"step": step, "state": state, "batch": batch, "mesh": mesh}
+
+
+def _figures(report) -> dict:
+    """What the cache keeps of one compiled layout: both step times, the peaks, and the
+    compiled collectives by role (bytes, executions) beside the estimate's."""
+    nonzero = lambda d: {k: v for k, v in d.items() if v}  # noqa: E731
     return {"estimate": report.estimate["time/step"], "compiled": report.step_time["step"],
             "peak_estimate": report.estimate["memory/peak"], "peak_compiled": float(report.memory["peak"]),
-            "seconds": time.perf_counter() - t0}
+            "roles": nonzero(report.roles()), "counts": nonzero(report.role_counts()),
+            "flops": report.matmul_flops,
+            "seconds": report.seconds["export"] + report.seconds["subprocess"]}
+
+
+def measure(module, family, todo: list[tuple[str, int]], chunk: int = 8):
+    """Compiles ``todo`` layouts of ``family`` for H100s, ``chunk`` per subprocess (one start of
+    JAX and XLA:GPU for several layouts: ``simulate_many``); yields ``(mesh, zero, figures or
+    error)`` as each chunk finishes."""
+    for i in range(0, len(todo), chunk):
+        part = todo[i:i + chunk]
+        jobs, built = [], []
+        for mesh, zero in part:
+            try:
+                jobs.append({**_job(module, family, mesh, zero), "zero": zero})
+                built.append((mesh, zero))
+            except Exception as e:  # a layout the family cannot take (a split that does not divide)
+                yield mesh, zero, {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        t0 = time.perf_counter()
+        reports = sk.cost.simulate_many(jobs, target="h100", estimate=True) if jobs else []
+        wall = (time.perf_counter() - t0) / max(len(jobs), 1)
+        for (mesh, zero), r in zip(built, reports):
+            if isinstance(r, Exception):
+                yield mesh, zero, {"error": f"{type(r).__name__}: {str(r)[:200]}"}
+            else:
+                yield mesh, zero, {**_figures(r), "wall": wall}
+
+
+def reestimate(module, family, mesh, zero) -> dict:
+    """The analytic side only (tracing, no compile): the estimate ``search`` would rank with,
+    for the layout as the compile saw it (the plan on an abstract mesh of H100s)."""
+    from shardkit.cost.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
+    from shardkit.cost.fromstep import step_estimate
+
+    job = _job(module, family, mesh, zero)
+    step = job["step"]
+    sim = step.with_plan(simulated_plan(step.plan, abstract_mesh(mesh, max_devices=65536, target="h100"),
+                                        zero=zero))
+    state, batch = abstract_inputs(sim, job["state"], job["batch"])
+    with _on(sim.plan):
+        est = step_estimate(sim, state, batch, hardware="h100")
+    return {"estimate": est.step_time, "peak_estimate": est.memory["peak"]}
 
 
 def spearman(a, b) -> float:
@@ -81,7 +127,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="gpt,mlp,gpt2,resnet18,cnn,griffin")
     ap.add_argument("--devices", default="64,256")
-    ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="compile only layouts not in the cache")
+    ap.add_argument("--reestimate", action="store_true",
+                    help="recompute the analytic side of cached layouts (tracing only, no compile)")
+    ap.add_argument("--write", action="store_true", help="with --reestimate: write the new estimates to the cache")
+    ap.add_argument("--chunk", type=int, default=8, help="layouts compiled per subprocess")
     args = ap.parse_args()
     try:
         import third_party_families as third
@@ -94,19 +144,23 @@ def main() -> None:
     for family in fams:
         module = house if family in house.FAMILIES else third
         for n in map(int, args.devices.split(",")):
-            for mesh, zero in layouts(n):
+            keys = {f"{family}|{m}|{z}": (m, z) for m, z in layouts(n)}
+            if args.reestimate:
+                for key, (mesh, zero) in keys.items():
+                    if "estimate" in cache.get(key, {}):
+                        cache[key].update(reestimate(module, family, mesh, zero))
+                continue
+            # Reused: entries with the compiled collectives by role (older ones kept only the times).
+            todo = [(m, z) for key, (m, z) in keys.items() if not (args.reuse and "counts" in cache.get(key, {}))]
+            for mesh, zero, figures in measure(module, family, todo, args.chunk):
                 key = f"{family}|{mesh}|{zero}"
-                if args.reuse and key in cache:
-                    continue
-                try:
-                    cache[key] = measure(module, family, mesh, zero)
-                except Exception as e:  # a layout the family cannot take (a split that does not divide)
-                    console.print(f"[red]{key}: {type(e).__name__}: {str(e)[:200]}")
-                    cache[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                else:
-                    console.print(f"{key}: {cache[key]['seconds']:.1f} s")
+                cache[key] = figures
+                console.print(f"[red]{key}: {figures['error']}" if "error" in figures
+                              else f"{key}: {figures['seconds']:.1f} s (wall {figures['wall']:.1f} s)")
                 RESULTS.parent.mkdir(exist_ok=True)
                 RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    if args.reestimate and args.write:
+        RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
     table = Table(title="analytic vs compiled (H100, deviceless) ranking of layouts by step time")
     for c in ("family", "devices", "layouts", "Spearman ρ", "analytic #1", "its compiled rank", "compiled #1"):
         table.add_column(c, justify="left" if c in ("family", "analytic #1", "compiled #1") else "right")
