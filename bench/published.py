@@ -87,6 +87,11 @@ class Run:
         context: context-parallel degree (the sequence split; it does not split the batch).
         layer_slots: layers as the pipeline's stages hold them, where the published run pads
             (0: ``layers``).
+        keep_residuals: the pipeline runs as Megatron-LM runs 1F1B / interleaved 1F1B (every
+            in-flight microbatch keeps its residuals, no recomputed forward, sharded weights
+            gathered once per step): ``Layout.keep_residuals``. Without it a pipelined row is
+            mapped onto ``sk.pipeline``'s GPipe/circular, whose bubble is the same.
+        activations: ``ModelShape.activations`` (how the saved activations are counted).
         microbatch: sequences per microbatch and replica.
         virtual: interleaved-1F1B model chunks per stage (1: plain 1F1B, or no pipeline).
         recompute: ``"full"``, ``"selective"`` (Korthikanti's: attention core only) or ``"none"``
@@ -140,6 +145,8 @@ class Run:
     note: str = ""
     context: int = 1
     layer_slots: int = 0
+    keep_residuals: bool = False
+    activations: str = "korthikanti"
 
     @property
     def devices(self) -> int:
@@ -209,13 +216,21 @@ def _torchtitan(gpus, tps, compiled):
 
 
 def _llama3(gpus, cp, dp, seq, tflops):
+    # Sec. 3.3.2 of the paper: interleaved schedule with V stages per rank, the first and last
+    # stage one layer fewer and "the first model chunk on the first stage has only the embedding":
+    # chunks of one layer, so 128 slots / 16 stages = V 8. FSDP shards the optimizer state and
+    # gradients and does not reshard the weights after the forward: ZeRO-3 storage, gathered once
+    # per step and kept (Layout.keep_residuals). "Without activation checkpointing" at 8K.
     return Run(f"llama3-405b-{seq // 1024}k-{gpus}gpu", "llama3_24", "scale", "h100", gpus, 405, "llama",
-               16384, 126, 128, 8, 53248, 128256, seq, 16 * 2**20 // seq, 8, 16, dp, 1, 1, 1, "none", tflops,
-               "tflops/gpu", zero=2, flash=True, context=cp, layer_slots=128,
-               note="Table 4 row; 16M tokens per batch; FSDP without resharding after the forward: ZeRO-2's "
-                    "traffic; microbatch 1, plain 1F1B (the paper tunes its interleaved schedule, degree not "
-                    "given); 126 layers, the first and last stage one fewer (the formulas spread 7.9 per "
-                    "stage); recompute not stated: none")
+               16384, 126, 128, 8, 53248, 128256, seq, 16 * 2**20 // seq, 8, 16, dp, 1, 1, 8, "none", tflops,
+               "tflops/gpu", zero=3, flash=True, context=cp, layer_slots=128, sequence_parallel=True,
+               keep_residuals=True, activations="xla",
+               note="Table 4 row; 16M tokens per batch, microbatch 1 (batch per DP = microbatches); "
+                    "interleaved 1F1B, v 8 (one layer per chunk: sec. 3.3.2), residuals kept (no "
+                    "recompute: sec. 3.3.2, stated for 8K, taken for 128K too); FSDP: ZeRO-3, one gather per "
+                    "step; sequence parallelism not stated (assumed: without it 8K could not fit); "
+                    "activations counted as XLA keeps them (ModelShape.activations='xla'); CP16 at 128K "
+                    "(all-gather K/V in the paper, the ring here)")
 
 
 RUNS: tuple[Run, ...] = (
@@ -316,25 +331,31 @@ def model(run: Run) -> cost.ModelShape:
                                 d_ff=run.d_ff, vocab=V, seq=s, tie=run.tie, head_dim=None)
     ms = cost.model_shape(cfg)
     return dataclasses.replace(ms, name=run.key, flash_attention=run.flash, dropout=run.dropout,
-                               flops_per_token=ms.flops_per_token - 12.0 * l * h * s + attention)
+                               flops_per_token=ms.flops_per_token - 12.0 * l * h * s + attention,
+                               activations=run.activations)
 
 
 def layout(run: Run) -> cost.Layout:
-    """The closest ``Layout``: Megatron's interleaved 1F1B with v chunks is ``"circular"`` with
-    ``repeats=v`` (same bubble (p − 1)/(v·m), Narayanan et al. 2021) and plain 1F1B is
-    ``"gpipe"`` (same bubble; ``sk.pipeline``'s ``"1f1b"`` recomputes each stage's forward,
-    which Megatron does not). Without a pipeline Megatron, MaxText and torchtitan reduce
+    """The closest ``Layout``: a row marked ``keep_residuals`` is Megatron's (interleaved) 1F1B
+    itself (``Layout.keep_residuals``: its in-flight residuals, no recompute); the others map
+    Megatron's interleaved 1F1B with v chunks onto ``"circular"`` with ``repeats=v`` (same
+    bubble (p − 1)/(v·m), Narayanan et al. 2021) and plain 1F1B onto ``"gpipe"`` (same bubble;
+    ``sk.pipeline``'s ``"1f1b"`` recomputes each stage's forward, which Megatron does not). Without a pipeline Megatron, MaxText and torchtitan reduce
     gradients once per step, so the layout has one microbatch (``Layout.microbatches`` would
     reduce per microbatch). Torchtitan's per-op selective checkpointing (every other matmul
     recomputed) is ``remat="dots"``; Korthikanti's selective recompute (attention core only,
     ~2-3% flops) is ``"none"``."""
     remat = {"full": "full", "op-sac": "dots"}.get(run.recompute, "none")
     piped = run.pipe > 1
+    if run.keep_residuals:
+        schedule = "interleaved-1f1b" if run.virtual > 1 else "1f1b"
+    else:
+        schedule = "circular" if piped and run.virtual > 1 else "gpipe"
     return cost.Layout(data=run.data, fsdp=run.fsdp, tensor=run.tensor, pipe=run.pipe,
                        zero=run.zero, microbatches=run.microbatches if piped else 1,
-                       schedule="circular" if piped and run.virtual > 1 else "gpipe",
-                       repeats=run.virtual if piped else 1, remat=remat,
-                       sequence_parallel=run.sequence_parallel, context=run.context)
+                       schedule=schedule, repeats=run.virtual if piped else 1, remat=remat,
+                       sequence_parallel=run.sequence_parallel, context=run.context,
+                       keep_residuals=run.keep_residuals and piped)
 
 
 def source_flops(run: Run) -> float:

@@ -116,7 +116,8 @@ class _Sizes:
     L_dev: int  # layers per device (per pipeline stage)
     layer_dev: float  # one layer's weights per device
     pipe_note: dict | None
-    one_f_one_b: bool  # an explicit schedule: 1F1B, interleaved 1F1B, ZB-H1
+    one_f_one_b: bool  # an explicit schedule as sk.pipeline runs it: 1F1B, interleaved 1F1B, ZB-H1
+    keep: bool  # an explicit schedule as Megatron-LM runs it (``Layout.keep_residuals``)
 
 
 def _sizes(ms: ModelShape, lo: Layout, prec: Precision, global_batch: int) -> _Sizes:
@@ -134,10 +135,16 @@ def _sizes(ms: ModelShape, lo: Layout, prec: Precision, global_batch: int) -> _S
     state = zero_state(lo.zero, model=split(lo.fsdp, 1), shard=split(lo.fsdp * lo.data, lo.expert))
     L_dev = max(ms.layers // lo.pipe, 1)
     pipe_note = layout_note(lo)
+    explicit = lo.pipe > 1 and is_explicit(pipe_note)
+    if lo.keep_residuals and (lo.pipe == 1 or lo.schedule not in ("1f1b", "interleaved-1f1b")):
+        raise ValueError(f"Layout.keep_residuals describes Megatron's 1F1B and interleaved 1F1B; {lo} has "
+                         f"pipe={lo.pipe}, schedule={lo.schedule!r}: use schedule='1f1b' or "
+                         "'interleaved-1f1b' with pipe > 1, or keep_residuals=False")
     return _Sizes(bp, bc, bg, bo, replicas, global_batch // replicas // lo.microbatches, p_expert, p_layers, p_dev,
                   lo.fsdp * (lo.data if lo.zero == 3 else 1), state,
                   lo.fsdp > 1 or (lo.zero == 3 and lo.data * lo.expert > 1), L_dev,
-                  p_layers / L_dev if ms.layers else 0.0, pipe_note, lo.pipe > 1 and is_explicit(pipe_note))
+                  p_layers / L_dev if ms.layers else 0.0, pipe_note, explicit and not lo.keep_residuals,
+                  explicit and lo.keep_residuals)
 
 
 def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[str, float]:
@@ -149,6 +156,11 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         # microbatch's residuals at a time in a backward op.
         table = schedule_table(s.pipe_note)
         act += (table.act_ring + table.grad_ring) * b * T * ms.d_model * bc
+    elif s.keep:
+        # The busiest stage holds ceil(L/p) layers, in v chunks, and the residuals of every
+        # chunk-microbatch between its forward and its backward (``in_flight``).
+        stage = -(-ms.layers // lo.pipe)
+        act *= stage / s.L_dev * in_flight(lo) / lo.repeats
     elif lo.pipe > 1:
         act *= lo.microbatches
     if ms.vocab:  # f32 logits and their softmax for one microbatch
@@ -163,6 +175,11 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         s.layer_dev * bg if lo.fsdp * (lo.data if lo.zero >= 2 else 1) > 1 else 0.0)
     if s.one_f_one_b:  # the loop's f32 gradient accumulator, its update's copy, a fresh vjp
         gathered += 3 * s.p_layers * 4
+    if s.keep:
+        # The stage's gradients accumulate over the microbatches in one f32 buffer (Megatron's
+        # main_grad) and are reduced once after the last; sharded weights are gathered once per
+        # step and kept until its end (FSDP without resharding after the forward).
+        gathered = s.p_dev * 4 + (s.p_dev * bc if s.sharded else 0.0)
     new_params = s.p_dev * s.bp / (s.s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
     mem["temporaries"] = step_temporaries(pass_peak=grads + act + gathered, grads=grads, update=new_params)
     mem["peak"] = mem["arguments"] + mem["temporaries"]
@@ -173,6 +190,7 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
     m, T, b, bc, bg, bp = lo.microbatches, ms.seq, s.b, s.bc, s.bg, s.bp
     p_dev, L_dev, replicas = s.p_dev, s.L_dev, s.replicas
     tokens_mb = b * T
+    tokens_dev = tokens_mb / lo.context  # a context axis splits every activation's tokens
     col = dict.fromkeys(ROLES, 0.0)
     counts = dict.fromkeys(ROLES, 0.0)
     # A pipeline reduces (and, sharded, gathers) the weights once per step: its shard_map is
@@ -184,8 +202,8 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # device of the ``expert`` axis).
         data_traffic(col, counts, reduced=per_step * (p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)),
                      reduce_ops=per_step * max(L_dev, 1) if lo.pipe == 1 else 2,
-                     gathered=2 * per_step * p_dev if s.sharded else 0.0,
-                     gather_ops=2 * per_step * max(L_dev, 1),
+                     gathered=(1 if s.keep else 2) * per_step * p_dev if s.sharded else 0.0,
+                     gather_ops=(1 if s.keep else 2) * per_step * max(L_dev, 1),
                      zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)
     elif lo.context > 1:
         # Weights are replicated over ``context`` and each shard of the sequence contributes
@@ -200,7 +218,7 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # (reduced in the backward); the vocab-parallel embedding and head add one each.
         recomputed = 2 * L_dev if s.one_f_one_b else 0
         tensor_traffic(col, counts, forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
-                       head_gather=True, tokens=tokens_mb, width=ms.d_model, wire=bc, microbatches=m,
+                       head_gather=True, tokens=tokens_dev, width=ms.d_model, wire=bc, microbatches=m,
                        sequence_parallel=lo.sequence_parallel)
     if lo.expert > 1 and ms.experts:
         # Every MoE layer of every microbatch sends its tokens to their experts and back,
@@ -223,8 +241,19 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # parallelism shards them over ``tensor``.
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
         pipeline_traffic(col, counts, s.pipe_note, stage=s.p_layers, rest=p_dev - s.p_layers, tied=tied,
-                         act_mb=tokens_mb * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
+                         act_mb=tokens_dev * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
                          has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas)
+        if s.keep:
+            # Megatron sends one activation forward and one gradient backward per chunk and
+            # microbatch, only where there is one (no collective on idle ticks); its chunks stay
+            # where they are (no relayout); the input's gradient stays on the first stage and
+            # only a tied table's two gradients are all-reduced between first and last stage
+            # (Narayanan et al. 2021, sec. 2.2 and 4.1).
+            sends = 2 * lo.repeats * m
+            col["pipe-permute"], counts["pipe-permute"] = sends * tokens_dev * ms.d_model * bc / (
+                lo.tensor if lo.sequence_parallel else 1), sends
+            col["pipe-relayout"] = counts["pipe-relayout"] = 0.0
+            col["pipe-reduce"], counts["pipe-reduce"] = tied * bg, 1 if tied else 0
     return col, counts
 
 
@@ -235,7 +264,7 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
     if s.one_f_one_b:  # backward ops recompute the chunk's forward from its saved input
         recompute += recompute_factor(s.pipe_note) - 1.0
     flops = busy = model_flops * recompute
-    if lo.pipe > 1 and not s.one_f_one_b and ms.layer_params:
+    if lo.pipe > 1 and not (s.one_f_one_b or s.keep) and ms.layer_params:
         # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
         # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
         # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
@@ -244,6 +273,17 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
         extra = pipeline_ticks(s.pipe_note) / (lo.repeats * lo.microbatches) - 1
         flops = busy * (1 + extra * layer_share)
     return flops, busy, model_flops
+
+
+def in_flight(layout: Layout) -> int:
+    """Chunk-microbatches whose residuals the first pipeline stage holds at its peak, under
+    Megatron-LM's 1F1B (p warm-up forwards, Narayanan et al. 2021 sec. 2.2.1) and interleaved
+    1F1B (warm-up (v − 1)·p + 2(p − 1) chunk forwards then one more before the first backward,
+    Megatron-LM's ``forward_backward_pipelining_with_interleaving``): (v·p + p − 1) chunks of
+    L/(v·p) layers, L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti et al. 2022 sec. 4.2.3;
+    never more than the v·m there are."""
+    p, m, v = layout.pipe, layout.microbatches, layout.repeats
+    return min(p if v == 1 else v * p + p - 1, v * m)
 
 
 def diloco_terms(inner: Estimate, ms: ModelShape, lo: Layout, hw: hw_lib.Hardware, prec: Precision,

@@ -117,6 +117,10 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     if not h:
         return 0.0
     sbh = s * b * h
+    if ms.activations == "xla" and lo.remat == "none":
+        return _xla_layer_bytes(ms, lo, s) * b * bc / 2
+    if ms.activations not in ("korthikanti", "xla"):
+        raise ValueError(f"ModelShape.activations={ms.activations!r}: use 'korthikanti' or 'xla'")
     if lo.remat == "full":
         per = 2 * sbh
     elif lo.remat == "dots":  # selective recompute: attention scores are recomputed
@@ -128,6 +132,30 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     else:
         per = sbh * (34 + 5 * a * s / h)
     return per * bc / 2
+
+
+def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
+    """Bytes one sequence of ``s`` tokens leaves saved in one layer, 16-bit activations, no
+    recompute (``ModelShape.activations="xla"``): the tensors of Korthikanti et al. 2022
+    (sec. 4.1) counted from the model's own widths, as XLA's autodiff keeps them. Per token:
+    each of the two RMS norms its f32 input (4h); the inputs of the column-parallel matmuls
+    (QKV, MLP in: 2·2h), whole even under sequence parallelism (the all-gather's result is what
+    the weight gradient reads; Megatron gathers it again in the backward instead, Korthikanti
+    sec. 4.2.2); split over ``tensor``: the query (2h) and the grouped key and value
+    (2·2·kv·head_dim), the attention output (2h), the MLP's 6·d_ff (gated: gate, up and the
+    down projection's input) or 4·d_ff (its activation's input and output), the attention
+    scores unless ``flash_attention`` (2·a·s, 5·a·s with dropout: Korthikanti's), and two
+    dropout masks (2h) with ``dropout``. Norms and masks are split over ``tensor`` under
+    sequence parallelism. Against XLA:GPU's H100 compile of Llama 3 405B's layer at TP8 with
+    sequence parallelism: 7.97 vs 7.91 bytes per token and h (``bench/llama3_compile.py``);
+    without sequence parallelism 14.97 vs 21.0 (XLA keeps more of the replicated norms)."""
+    h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
+    kv = (ms.kv_heads or a) * (h // a)
+    sp = t if lo.sequence_parallel else 1
+    replicated = 8 * h / sp + 4 * h + (2 * h / sp if ms.dropout else 0)
+    mlp = (6 if ms.gated else 4) * ms.d_ff
+    scores = 0 if ms.flash_attention else (5 if ms.dropout else 2) * a * s
+    return s * (replicated + (2 * h + 4 * kv + 2 * h + mlp + scores) / t)
 
 
 def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,

@@ -58,6 +58,13 @@ class ModelShape:
             ``moe_every``-th layer is one, capacity factor (``None``: dropless).
         expert_params: parameters inside the experts (all layers); split over the ``expert``
             axis, and not reduced over it (``flops_per_token`` counts active experts only).
+        activations: how a layer's saved activations are counted (``roles.activation_bytes``):
+            ``"korthikanti"``, Korthikanti et al.'s Table 2 for Megatron's GPT layer (GELU MLP
+            of 4h, one K/V head per head, dropout, scores saved); or ``"xla"``, the tensors
+            XLA's autodiff keeps for this model's widths (gated MLP, grouped K/V heads,
+            ``flash_attention``, ``dropout``; under sequence parallelism the gathered inputs of
+            the column-parallel matmuls kept whole), checked against XLA:GPU compiles of
+            Llama 3 405B's layer (``bench/llama3_compile.py``).
     """
 
     name: str
@@ -83,6 +90,7 @@ class ModelShape:
     moe_every: int = 1
     capacity_factor: float | None = None
     expert_params: float = 0.0
+    activations: str = "korthikanti"
 
     @property
     def matmul_params(self) -> float:
@@ -173,6 +181,12 @@ class Layout:
             the batch and syncing over ``replica`` once every ``diloco_every`` steps: one f32
             all-reduce of its shard of the parameters (the outer update's layout), amortised
             over the interval and fully exposed (``formulas.diloco_terms``).
+        keep_residuals: ``"1f1b"`` / ``"interleaved-1f1b"`` run as Megatron-LM and PyTorch's
+            pipelining run them, not as ``sk.pipeline`` does: every in-flight microbatch keeps
+            its residuals and the backward does not recompute the forward (no recompute flops,
+            no stage-input rings), ZeRO-3/FSDP weights are gathered once per step and kept (no
+            resharding after the forward), and the stage's gradients accumulate in one f32
+            buffer (``formulas._memory``). The analytic model only: ``sk.pipeline`` cannot run it.
     """
 
     data: int = 1
@@ -190,6 +204,7 @@ class Layout:
 
     replica: int = 1
     diloco_every: int = 1
+    keep_residuals: bool = False
 
     @property
     def devices(self) -> int:
@@ -210,7 +225,8 @@ class Layout:
         extra = f",{self.schedule}" + (f"x{self.repeats}" if self.repeats > 1 else "") if self.pipe > 1 else ""
         sp = ",sp" if self.sequence_parallel else ""
         diloco = f",diloco={self.diloco_every}" if self.replica > 1 else ""
-        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{sp}{diloco}"
+        keep = ",keep-residuals" if self.keep_residuals and self.pipe > 1 else ""
+        return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{keep}{sp}{diloco}"
 
 
 @dataclasses.dataclass

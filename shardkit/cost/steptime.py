@@ -157,7 +157,8 @@ def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, gl
     split = (6 if gated else 4) * ms.d_ff + (0 if flash else 13 * max(ms.heads, 1) * s)
     per_layer = replicated / (t if lo.sequence_parallel else 1) + split / t
     passes = 4 if lo.remat in ("full", "dots") else 3
-    tokens = global_batch * s / (lo.data * lo.fsdp)  # each replica's tokens, seen by every stage
+    # each replica's tokens, seen by every stage; a context axis splits them
+    tokens = global_batch * s / (lo.data * lo.fsdp * lo.context)
     per_token = passes * per_layer * ms.layers / lo.pipe + 16 * ms.vocab / t / lo.pipe
     return tokens * per_token / hw.hbm_bandwidth
 
