@@ -116,6 +116,14 @@ def reestimate(module, family, mesh, zero) -> dict:
     return {"estimate": est.step_time, "peak_estimate": est.memory["peak"]}
 
 
+def _save(entries: dict) -> None:
+    """Merges ``entries`` into the cache file as it is now (another run may be writing others)."""
+    cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    cache.update(entries)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+
+
 def spearman(a, b) -> float:
     ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
     return float(np.corrcoef(ra, rb)[0, 1])
@@ -149,6 +157,8 @@ def main() -> None:
                 for key, (mesh, zero) in keys.items():
                     if "estimate" in cache.get(key, {}):
                         cache[key].update(reestimate(module, family, mesh, zero))
+                if args.write:
+                    _save({key: cache[key] for key in keys if key in cache})
                 continue
             # Reused: entries with the compiled collectives by role (older ones kept only the times).
             todo = [(m, z) for key, (m, z) in keys.items() if not (args.reuse and "counts" in cache.get(key, {}))]
@@ -157,10 +167,7 @@ def main() -> None:
                 cache[key] = figures
                 console.print(f"[red]{key}: {figures['error']}" if "error" in figures
                               else f"{key}: {figures['seconds']:.1f} s (wall {figures['wall']:.1f} s)")
-                RESULTS.parent.mkdir(exist_ok=True)
-                RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    if args.reestimate and args.write:
-        RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+                _save({key: figures})
     table = Table(title="analytic vs compiled (H100, deviceless) ranking of layouts by step time")
     for c in ("family", "devices", "layouts", "Spearman ρ", "analytic #1", "its compiled rank", "compiled #1"):
         table.add_column(c, justify="left" if c in ("family", "analytic #1", "compiled #1") else "right")

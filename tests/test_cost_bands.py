@@ -224,3 +224,47 @@ def test_strided_convolution_flops_skip_the_dilation_zeros():
     conv = 2 * 9 * (2 * 32 * 16 * 16 * 32 * 3 + 3 * 32 * 8 * 8 * 64 * 32 + 3 * 32 * 8 * 8 * 64 * 64)
     head = 3 * 2 * 32 * 64 * 10
     assert reading.total_flops == conv + head == 707_911_680  # the H100 and XLA:CPU compiles' count
+
+
+# ---- what the ranking needs: tensor reductions placed by the weights, XLA:GPU's op counts ---------
+
+def test_tensor_reductions_follow_the_weights_not_the_widths():
+    # HF GPT-2's Conv1D kernels are stored (out, in) and used transposed; its attention's
+    # projections are as wide as d_model (16 here), so by sizes every (B, T, 16) value reads as
+    # tensor-split and no reduction was placed. By the weights' specs: the row-parallel
+    # projection's forward output and the column-parallel one's input gradient, each one
+    # all-reduce of a (rows/data, T, 16) f32 activation (XLA:CPU moves f32).
+    r = np.random.default_rng(0)
+    params = {k: (r.standard_normal((16, 16)) * 0.1).astype(np.float32) for k in ("wte", "c_attn", "c_proj")}
+
+    def loss(p, batch):
+        x = batch["x"] @ p["wte"]  # whole over tensor
+        h = jnp.tanh(x @ p["c_attn"].T)  # column-parallel: (B, T, 16) split on features
+        return jnp.mean((x + h @ p["c_proj"].T) ** 2)  # row-parallel, into the residual
+
+    est = _estimate(loss, params, BATCH, mesh="data=4,tensor=2",
+                    rules=((r"c_attn", ("tensor", None)), (r"c_proj", (None, "tensor")), (r".*", ())))
+    assert est.collectives["tensor-reduce"] == 2 * (16 // 4) * 12 * 16 * 4
+    assert "collective/tensor-reduce" not in est.caveats
+
+
+def test_gpu_estimate_counts_collectives_as_xla_gpu_combines_them():
+    # The H100 compile of the scanned GPT family on data=4,fsdp=16 ZeRO-1 (bench/cost_ranking.py):
+    # 5 gradient all-reduces (one per layer-scan trip, one for the weights outside the scan, one
+    # for the loss) and 1 gather of the updated shards; at ZeRO-3 on data=64, 6 and 8 (a trip's
+    # gather forward and backward, the tied table's twice). Each op pays its ring's latencies,
+    # which decide the order of small models' layouts. Traced only, on an abstract H100 mesh.
+    from shardkit.cost import hardware
+    from shardkit.cost.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
+    from shardkit.cost.steptime import times
+
+    for mesh, zero, counts in (("data=4,fsdp=16", 1, {"grad-reduce": 5, "param-gather": 1}),
+                               ("data=64", 3, {"grad-reduce": 6, "param-gather": 8})):
+        step, state, batch = F.build("gpt", "data=4,fsdp=2" if "fsdp" in mesh else "data=8", zero, rows=256)
+        sim = step.with_plan(simulated_plan(step.plan, abstract_mesh(mesh, max_devices=65536, target="h100")))
+        state, batch = abstract_inputs(sim, state, batch)
+        with _on(sim.plan):
+            est = sk.cost.estimate_for_step(sim, state, batch, hardware="h100")
+        expect = times(est.collectives, counts, 0.0, hardware.lookup("h100"), est.layout)
+        for role in counts:
+            assert est.time[role] == pytest.approx(expect[role], rel=1e-9), (mesh, zero, role)

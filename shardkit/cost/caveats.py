@@ -47,9 +47,9 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     split_dots = [t and m and not c for t, m, c in zip(tensor_split, reading.matmul, reading.conv)]
     if not piped and not sequence_parallel and any(split_dots) and not reading.tensor_reduce:
         # The reader places a tensor-parallel reduction where a matmul contracts a split
-        # feature; it finds none when an activation is as wide as a split weight dimension
-        # (HF GPT-2's attention projection: d_model = heads x head_dim), so it takes the
-        # activation as split too. Found on HF Flax GPT-2 (tensor-reduce 0 vs 1.2 MB on H100).
+        # feature, by the weights' specs where it can follow them (``program``), else by sizes,
+        # which find none when an activation is as wide as a split weight dimension (HF GPT-2's
+        # attention projection, d_model = heads x head_dim, read so: 0 vs 1.2 MB on H100).
         why = ("not modelled: tensor-split weights, yet no tensor-parallel reduction could be placed (an "
                "activation as wide as a split weight dimension reads as split)")
         out["collective/tensor-reduce"] = out["flops"] = why

@@ -110,7 +110,13 @@ def _facts(step, state, batch, pipeline) -> _Step:
     sp = any(a not in plan.batch_axes and a not in ("pipe", "context") and sizes.get(a, 1) > 1 for a in seq_rule)
     # What a device computes with, reads and keeps: read off the traced program (also for
     # pipelines, whose parameter uses it tells; their memory has its own model).
-    reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp)
+    # A weight's dims split over the tensor-like axes (not the batch axes, not pipe): they place
+    # its matmuls' tensor-parallel reductions (``program``); not followed where activations are
+    # split on other grounds (sequence, context) or inside a pipeline's shard_map.
+    weight_dims = None if (pipe or sp or sizes.get("context", 1) > 1) else [
+        [d for d, e in enumerate(l.spec) if any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1
+                                                for a in entry_axes(e))] for l in lv.leaves]
+    reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp, weight_dims)
     return _Step(step, state, batch, sizes, plan.zero, step.microbatches, itemsize(prec.params), bc,
                  itemsize(prec.grads), platform, 4 if platform == "cpu" else bc, data_axes,
                  math.prod(sizes[a] for a in data_axes), sp, sizes.get("context", 1), pipe, lv, reading)
@@ -293,10 +299,13 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         # second operand). A tied table counts once: XLA gathered the scanned GPT family's twice
         # (lookup, transposed head) but the recipe's once. Pipelines gather per use, twice.
         uses = [2 if (loop or pipe) else max(1, c) for loop, c in zip(reading.loop_use, reading.conv)]
-        data_traffic(col, counts, reduced=m * reduced, reduce_ops=m * lv.layers,
+        reduce_ops = m * lv.layers
+        gather_ops = m * sum(u for u, st, c in zip(uses, stored, comp) if st < c) if not pipe else 2 * m * lv.layers
+        if s.platform == "gpu" and not pipe:
+            reduce_ops, gather_ops = _gpu_data_ops(s, reduced, uses)
+        data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
-                     gather_ops=m * sum(u for u, st, c in zip(uses, stored, comp) if st < c) if not pipe
-                     else 2 * m * lv.layers,
+                     gather_ops=gather_ops,
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
                      bg=s.bg, wire=s.wire, bp=s.bp)
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
@@ -323,6 +332,52 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                          tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
                          act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m)
     return col, counts
+
+
+# XLA:GPU's collective combiners merge independent collectives of one kind over the same devices
+# up to this many bytes per op (``kDefaultAllReduceCombineThreshold``, and the same for all-gather
+# and reduce-scatter, xla/service/collective_utils.h).
+GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
+
+
+def _gpu_data_ops(s: _Step, reduced: float, uses: list) -> tuple[float, float]:
+    """(gradient reductions, ZeRO-3/FSDP gathers) one step executes on XLA:GPU, whose combiners
+    merge independent collectives of a kind over the same devices (up to ``GPU_COMBINE_BYTES``
+    each): a loop body's — a layer scan's — make one op per trip, forward and backward; those
+    outside any loop one op per group of devices. The loss's mean is one more all-reduce a
+    microbatch, merged into the gradients' outside loops when they are all-reduces too (below
+    ZeRO-2, nothing FSDP-sharded). Counts matter where latency does: each op pays its ring's
+    link latencies (``steptime.collective_time``)."""
+    lv, m, zero = s.lv, s.m, s.zero
+    loop, comp, stored = s.reading.loop_use, lv.comp, lv.stored
+    zero_specs = s.step.layout.zero_specs
+    scatter = zero >= 2 or lv.fsdp  # reduce-scatters (combined by scatter dim, XLA:GPU's default)
+    out_bytes = sum(c for c, lp in zip(comp, loop) if not lp) * s.bg
+    in_loop = any(loop)
+    # Reduce-scatters combine across leaves whatever dim they scatter, apart for leaves split over
+    # other axes too (measured: the house MLP's 15 leaves at ZeRO-3, 1 op; 2-3 with tensor);
+    # gradients left whole (all-reduced) share one op with the loss's all-reduce.
+    kinds = {frozenset(a for e in l.spec for a in entry_axes(e))
+             for l, z, lp in zip(lv.leaves, zero_specs, loop) if not lp and _scattered(l.spec, z)} if scatter else ()
+    outside = max(len(kinds), math.ceil(out_bytes / GPU_COMBINE_BYTES)) if out_bytes else 0
+    # A tied table's two gradients (head, lookup) are scattered apart, and under ZeRO-3 it is
+    # gathered for each (measured: the GPT and GPT-2 families).
+    tied = int(zero == 3 and any(u and mm and not lp for u, mm, lp in zip(s.reading.lookup, s.reading.matmul, loop)))
+    reduce_ops = (m * ((lv.layers if in_loop else 0) + outside + 1 + tied) if scatter or in_loop
+                  else m * max(outside, 1))
+    groups = {tuple(sorted({a for e in z for a in entry_axes(e)} - {a for e in l.spec for a in entry_axes(e)}))
+              for l, z, st, c, lp in zip(lv.leaves, zero_specs, stored, comp, loop) if st < c and not lp}
+    gathered_out = sum(u * c for u, st, c, lp in zip(uses, stored, comp, loop) if st < c and not lp) * s.wire
+    looped = any(st < c and lp for st, c, lp in zip(stored, comp, loop))
+    gather_ops = m * ((2 * lv.layers if looped else 0)
+                      + (max(len(groups), math.ceil(gathered_out / GPU_COMBINE_BYTES)) + tied if groups else 0))
+    return reduce_ops, gather_ops
+
+
+def _scattered(spec, zero_spec) -> bool:
+    """Whether ZeRO's spec shards a leaf beyond its own spec (its gradient is reduce-scattered)."""
+    return any(set(entry_axes(z)) - set(entry_axes(spec[d]) if d < len(spec) else ())
+               for d, z in enumerate(zero_spec))
 
 
 def _flops(s: _Step, flops_per_token) -> tuple[float, float, float]:
@@ -394,7 +449,7 @@ def _hardware(hardware, mesh) -> hw_lib.Hardware:
         return hw_lib.lookup("h100")
 
 
-def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> ProgramReading:
+def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_dims=None) -> ProgramReading:
     """``program.read_program`` on one microbatch of this step, with per-device sizes from the
     plan (see ``program``'s docstring for the rules)."""
     mb, params = microbatch(step, state, batch)
@@ -430,4 +485,4 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp) -> Progra
 
     with step.plan.active():
         return read_program(step.microbatch_loss(state), params, mb, split_of=split_of, n_params=len(comp),
-                            canonical_dots=_platform(step.plan.mesh) == "cpu")
+                            canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims)

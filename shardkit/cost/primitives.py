@@ -1,6 +1,8 @@
 """How the program reader (``program``) classifies jaxpr primitives: which XLA fuses into
 their consumers, which are views, slices, matmuls, reductions, opaque kernels and collectives.
-One table, read by ``program`` and ``xla_cpu``'s rules."""
+One table, read by ``program`` and ``xla_cpu``'s rules, and how a view maps its operand's dims."""
+
+import math
 
 # Ops XLA fuses into their consumers (loop fusion): elementwise math, casts, broadcasts and
 # layout changes. Everything else materialises its result.
@@ -36,3 +38,34 @@ OPAQUE = {"pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "mosai
 COLLECTIVES = {"ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "all-to-all",
                "all_gather": "all-gather", "psum": "all-reduce", "psum_invariant": "all-reduce",
                "reduce_scatter": "reduce-scatter"}
+
+
+def view_dims(e, dims: frozenset) -> frozenset | None:
+    """The split dims of a view's (or slice's) result, given its operand's; None where they are
+    not followed. ``program`` carries a weight's tensor-split dims to its uses with it."""
+    name = e.primitive.name
+    if name == "transpose":
+        perm = e.params["permutation"]
+        return frozenset(i for i, j in enumerate(perm) if j in dims)
+    if name == "broadcast_in_dim":
+        return frozenset(e.params["broadcast_dimensions"][d] for d in dims)
+    if name == "squeeze":
+        gone = set(d % e.invars[0].aval.ndim for d in e.params["dimensions"])
+        keep = [d for d in range(e.invars[0].aval.ndim) if d not in gone]
+        return frozenset(keep.index(d) for d in dims if d in keep)
+    if name == "reshape":
+        # A split dim lands on the result dim that holds its outermost factor (row-major).
+        src, out = e.invars[0].aval.shape, e.outvars[0].aval.shape
+        got = set()
+        for d in dims:
+            start = math.prod(src[:d])
+            acc = 1
+            for i, n in enumerate(out):
+                if acc <= start < acc * n:
+                    got.add(i)
+                    break
+                acc *= n
+        return frozenset(got)
+    if name in SLICE or name in VIEW:  # casts, constraints, slices: the same dims
+        return dims if e.outvars[0].aval.ndim == e.invars[0].aval.ndim else None
+    return None

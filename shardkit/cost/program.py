@@ -18,7 +18,11 @@ Per-device sizes: a dimension equal to the microbatch's row count is split over 
 axes; a value derived from a parameter has that parameter's compute layout (gathered over
 the data axes, split like its spec over the others); an activation is split over the
 tensor-like axes when one of its feature dimensions is a tensor-sharded weight dimension
-(Megatron's split). These are the only guesses: ``ProgramReading.notes`` lists what the
+(Megatron's split) — except a matmul's result with a weight, which is split exactly when a dim
+the product keeps is one the weight's spec splits (followed through views: a Conv1D kernel
+used transposed), and whole otherwise (after the all-reduce of a split contraction's partial
+sums); the batch, what a whole table looks up and elementwise math of whole values are whole.
+These are the only guesses: ``ProgramReading.notes`` lists what the
 reader could not see into (a ``while`` of unknown trip count, a custom call).
 
 A fourth reading, **explicit collectives**: the collectives a program writes itself inside a
@@ -39,7 +43,7 @@ from jax._src import core as jcore
 
 from . import xla_cpu
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
-                         OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW)
+                         OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW, view_dims)
 
 
 @dataclasses.dataclass
@@ -151,6 +155,9 @@ class _Reader:
 
     def __init__(self, split_of: Callable, n_params: int, canonical_dots: bool):
         self.split_of = split_of
+        # Per var viewing a parameter leaf whole: which of its dims are split over the tensor-like
+        # axes (the leaf's spec, carried through transposes, reshapes, casts and loop slices).
+        self.weight_dims: dict = {}
         self.manual: frozenset = frozenset()  # mesh axes a shard_map being read made manual
         self.shard_maps = 0
         self.in_loop = 0
@@ -198,6 +205,12 @@ class _Reader:
                     origin[v] = src[0]
                     if name in _SLICE or e.invars[0] in self.sliced:
                         self.sliced.add(v)
+                if e.invars[0] in self.weight_dims:
+                    dims = view_dims(e, self.weight_dims[e.invars[0]])
+                    if dims is not None:
+                        self.weight_dims[e.outvars[0]] = dims
+            elif name == "gather" and src and src[0] is not None and not self.weight_dims.get(e.invars[0], {0}):
+                self.unsplit.update(e.outvars)  # rows looked up in a table whole over the tensor axes
             if self.in_loop:
                 for s_ in src:
                     if s_ is not None:
@@ -220,7 +233,15 @@ class _Reader:
         # over data, features over tensor.
         ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
         out_d, out_t = self.split_of(e.outvars[0].aval, None, self.manual)
-        if max(t for _, t in ops) <= 1 and out_t > 1:
+        exact = self._dot_split(e, ops) if e.primitive.name == "dot_general" else None
+        if exact is not None:
+            # A weight's split dims are known: the result is split iff a dim the product keeps
+            # is (a column-parallel weight), else whole after XLA's all-reduce of the partial
+            # sums of a split contraction (row-parallel) — whatever its sizes say.
+            out_t = max(t for _, t in ops) if exact else 1
+            if not exact:
+                self.unsplit.update(e.outvars)
+        elif max(t for _, t in ops) <= 1 and out_t > 1:
             # A product of operands whole over the tensor axes is whole too, whatever
             # its sizes (a head's logits as wide as a tensor-split MLP).
             out_t = 1
@@ -247,6 +268,29 @@ class _Reader:
                 self.matmul[s] = True
                 self.conv[s] += e.primitive.name == "conv_general_dilated"
 
+    def _dot_split(self, e, ops) -> bool | None:
+        """Whether a ``dot_general`` with a weight operand of known split dims keeps a split dim
+        in its result; None where no operand is such a weight (the size rule decides)."""
+        contract, _ = e.params["dimension_numbers"]
+        if self.manual or any(isinstance(u, jcore.Literal) for u in e.invars[:2]):
+            return None
+        known = [u for u in e.invars[:2] if u in self.weight_dims]
+        if not known:
+            return None
+        kept = False
+        for side, u in enumerate(e.invars[:2]):
+            if u in self.unsplit:
+                continue
+            dropped = set(contract[side])
+            if u in self.weight_dims:
+                kept |= any(d not in dropped for d in self.weight_dims[u])
+            elif ops[side][1] > 1 and not any(d in contract[e.invars.index(w)] for w in known
+                                              for d in self.weight_dims[w]):
+                # An activation split on its features meets a weight whose contraction is
+                # whole: its split is a dim the product keeps.
+                kept = True
+        return kept
+
     def _scans_weights(self, e, origin: dict) -> bool:
         """Whether a ``scan`` walks over stacked parameters (a layer scan, forward or backward)
         rather than over activations only (a recurrence: time steps, chunks)."""
@@ -269,9 +313,21 @@ class _Reader:
         name = e.primitive.name
         subs = _sub_jaxprs(e)
         sub_peak = 0.0
+        whole_out = None
+        first_xs = e.params["num_consts"] + e.params["num_carry"] if name == "scan" else len(e.invars)
         for sub, outer, times in subs:
             inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
                             if not isinstance(ov, jcore.Literal) and ov in origin}
+            shift = len(e.invars) - len(outer)  # a while's cond consts, a custom_vjp's extra inputs
+            for k, (iv, ov) in enumerate(zip(sub.invars, outer)):
+                if isinstance(ov, jcore.Literal):
+                    continue
+                if ov in self.unsplit:
+                    self.unsplit.add(iv)
+                if ov in self.weight_dims:  # a scan's xs lose their leading (layer) dim
+                    dims = self.weight_dims[ov]
+                    self.weight_dims[iv] = (frozenset(d - 1 for d in dims if d > 0)
+                                            if name == "scan" and k + shift >= first_xs else dims)
             self.sliced.update(iv for iv, ov in zip(sub.invars, outer)
                                if not isinstance(ov, jcore.Literal) and ov in self.sliced)
             if math.isnan(times):
@@ -289,6 +345,9 @@ class _Reader:
                 self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
+            if len(sub.outvars) == len(e.outvars):
+                kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
+                whole_out = kept if whole_out is None else whole_out & kept
             self.in_loop -= loop
             self.manual = outer_manual
             self._times = outer_times
@@ -297,6 +356,7 @@ class _Reader:
             sub_peak = max(sub_peak, pk)
         if subs:
             p.inner_peak[i] = p.inner_peak.get(i, 0.0) + sub_peak
+        self.unsplit.update(e.outvars[k] for k in (whole_out or ()))
 
     def _buffer(self, p: _Pass, i: int, e, origin: dict) -> None:
         """Whether ``e``'s results are materialised or fused into their consumers, and if
@@ -407,7 +467,7 @@ class _Pass:
 
 
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
-                 canonical_dots: bool = False) -> ProgramReading:
+                 canonical_dots: bool = False, weight_dims: list | None = None) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -419,12 +479,21 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         n_params: the number of parameter leaves (the first ``n_params`` inputs).
         canonical_dots: XLA:CPU's matmuls: count the copies it makes of non-canonical operands,
             and its f32 results of 16-bit matmuls.
+        weight_dims: per parameter leaf, the dims its spec splits over the tensor-like axes:
+            then a matmul with a weight places its tensor-parallel reduction by the weight's
+            dims, not by sizes (a d_model-wide projection input is not taken for a split
+            feature), and the batch and what a whole table looks up are whole over those axes.
+            None: the size rule alone (sequence or context parallelism split activations on
+            other grounds).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
     jaxpr = closed.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
     reader = _Reader(split_of, n_params, canonical_dots)
+    if weight_dims is not None:
+        reader.weight_dims = {v: frozenset(d) for v, d in zip(jaxpr.invars[:n_params], weight_dims)}
+        reader.unsplit.update(jaxpr.invars[n_params:])
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
 
 
