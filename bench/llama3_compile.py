@@ -41,16 +41,34 @@ def config(layers: int, seq: int, attention: str = "auto"):
                   tie_embeddings=False, rope_theta=500000.0, remat="none", attention=attention)
 
 
-def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla"):
-    """XLA's causal attention with its core rematerialised: the backward keeps q, k, v and the
-    output, what a flash kernel keeps (less its f32 row statistics, 4 bytes per head and
-    token), and rebuilds the scores one layer at a time. cuDNN's fused kernel cannot be
-    traced on a host without cuDNN (``models.transformer.model.attention_impl``)."""
-    import jax
+def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla", block=512):
+    """Causal attention computed ``block`` queries at a time, each block rematerialised: the
+    backward keeps q, k, v and the output, what a flash kernel keeps (less its f32 row
+    statistics, 4 bytes per head and token), and rebuilds one block's scores at a time (16
+    heads x 512 x 8192 f32 at 8K: 256 MiB). cuDNN's fused kernel cannot be traced on a host
+    without cuDNN (``models.transformer.model.attention_impl``)."""
+    import math
 
-    core = jax.checkpoint(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                       implementation="xla"))
-    return core(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ)
+    import jax
+    import jax.numpy as jnp
+
+    B, T, H, Q = q_BxTxHxQ.shape
+    K = k_BxTxKxQ.shape[2]
+    n = T // block
+    q_NxBxCxKxGxQ = jnp.moveaxis((q_BxTxHxQ * jnp.asarray(1 / math.sqrt(Q), q_BxTxHxQ.dtype)).reshape(
+        B, n, block, K, H // K, Q), 1, 0)
+
+    @jax.checkpoint
+    def one(i, q_BxCxKxGxQ):
+        s_BxKxGxCxS = jnp.einsum("bckgq,bskq->bkgcs", q_BxCxKxGxQ, k_BxTxKxQ, preferred_element_type=jnp.float32)
+        causal_CxS = (i * block + jnp.arange(block))[:, None] >= jnp.arange(T)[None, :]
+        s_BxKxGxCxS = jnp.where(causal_CxS, s_BxKxGxCxS, jnp.finfo(jnp.float32).min)
+        p_BxKxGxCxS = jax.nn.softmax(s_BxKxGxCxS, axis=-1).astype(v_BxTxKxQ.dtype)
+        return jnp.einsum("bkgcs,bskq->bckgq", p_BxKxGxCxS, v_BxTxKxQ, preferred_element_type=jnp.float32
+                          ).astype(v_BxTxKxQ.dtype)
+
+    o_NxBxCxKxGxQ = jax.lax.map(lambda args: one(*args), (jnp.arange(n), q_NxBxCxKxGxQ))
+    return jnp.moveaxis(o_NxBxCxKxGxQ, 0, 1).reshape(B, T, H, Q)
 
 
 def jobs(seq: int, grid, sp: bool, attention: str):
@@ -69,7 +87,8 @@ def jobs(seq: int, grid, sp: bool, attention: str):
     return out
 
 
-def pipeline_job(microbatches: int, repeats: int, seq: int, attention: str, schedule: str):
+def pipeline_job(microbatches: int, repeats: int, seq: int, attention: str, schedule: str, layers: int = 128,
+                 data: int = 1, zero: int = 0, context: int = 1):
     """One DP replica of the 8K runs as ``sk.pipeline`` runs it: 128 layers (the paper's 126
     padded to its 128 slots) over pipe=16 x tensor=8 (16 hosts), ``microbatches`` sequences."""
     from models.transformer import model as recipe
@@ -78,8 +97,10 @@ def pipeline_job(microbatches: int, repeats: int, seq: int, attention: str, sche
     if attention == "flash-like":
         recipe.causal_attention = flash_like
         attention = "xla"
-    mesh = "pipe=16,tensor=8"
-    step, state, batch = abstract_step(config(128, seq, attention), mesh, global_batch=microbatches, zero=0,
+    mesh = ",".join(f"{n}={k}" for n, k in (("pipe", 16), ("data", data), ("context", context), ("tensor", 8))
+                    if k > 1)
+    amesh = sk.cost.abstract_mesh(mesh, target="h100", max_devices=65536)
+    step, state, batch = abstract_step(config(layers, seq, attention), amesh, global_batch=microbatches * data, zero=zero,
                                        precision="bf16", sequence_parallel=True, schedule=schedule,
                                        repeats=repeats, pipeline_microbatches=microbatches, target="h100")
     return step, state, batch, mesh
@@ -102,18 +123,19 @@ def main(argv=None) -> dict:
     p.add_argument("--attention", default="flash-like",
                    help="the recipe's Config.attention, or flash-like (default: see flash_like)")
     p.add_argument("--pipeline", default="",
-                   help="instead: compile one DP replica through sk.pipeline, 'SCHEDULE,m,v' "
-                        "(e.g. interleaved-1f1b,32,8)")
+                   help="instead: compile one DP replica through sk.pipeline, 'SCHEDULE,m,v[,layers[,data,zero[,context]]]' "
+                        "(e.g. interleaved-1f1b,32,8; 128 layers, no data axis by default)")
     p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
     a = p.parse_args(argv)
     sp = not a.no_sp
     if a.pipeline:
-        schedule, m, v = a.pipeline.split(",")
+        schedule, m, v, *more = a.pipeline.split(",")
         t0 = time.perf_counter()
-        (r,) = sk.cost.simulate_many([pipeline_job(int(m), int(v), a.seq, a.attention, schedule)],
+        (r,) = sk.cost.simulate_many([pipeline_job(int(m), int(v), a.seq, a.attention, schedule,
+                                                   *map(int, more))],
                                      target="h100", timeout=a.timeout)
-        out = {"pipeline": a.pipeline, "mesh": "pipe=16,tensor=8", "seq": a.seq,
+        out = {"pipeline": a.pipeline, "seq": a.seq,
                "wall_s": time.perf_counter() - t0}
         if isinstance(r, Exception):
             out["error"] = str(r)[:3000]

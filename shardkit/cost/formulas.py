@@ -152,10 +152,13 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
     act = activation_bytes(ms, lo, b, T // lo.context, bc) * s.L_dev  # context: T/c tokens per device
     if s.one_f_one_b:
         # sk.pipeline's explicit schedules keep rings of stage inputs (and ZB-H1's output
-        # cotangents waiting for their W), sized by the executed table, and rebuild one
-        # microbatch's residuals at a time in a backward op.
+        # cotangents waiting for their W), sized by the executed table, beside the pipeline's
+        # input rows and their cotangent (m + 1 rows), and rebuild one chunk's residuals
+        # (L/(p·v) layers, one microbatch) at a time in a backward op. A stage input is split
+        # over ``context``, and over ``tensor`` under sequence parallelism, as on the wire.
         table = schedule_table(s.pipe_note)
-        act += (table.act_ring + table.grad_ring) * b * T * ms.d_model * bc
+        stage_input = b * T / lo.context * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1)
+        act = act / lo.repeats + (table.act_ring + table.grad_ring + 2 * lo.microbatches + 1) * stage_input
     elif s.keep:
         # The busiest stage holds ceil(L/p) layers, in v chunks, and the residuals of every
         # chunk-microbatch between its forward and its backward (``in_flight``).
@@ -173,8 +176,18 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
     mem["arguments"] = mem["params"] + mem["opt_state"] + mem["batch"]
     gathered = (2 * s.layer_dev * bc + s.layer_dev * bg) if s.sharded else (
         s.layer_dev * bg if lo.fsdp * (lo.data if lo.zero >= 2 else 1) > 1 else 0.0)
-    if s.one_f_one_b:  # the loop's f32 gradient accumulator, its update's copy, a fresh vjp
-        gathered += 3 * s.p_layers * 4
+    if s.one_f_one_b:
+        # The loop accumulates the stage's gradients in f32, whole, and reduces them once after
+        # it: that buffer is the step's gradient (``grads``) unless ZeRO-2/3 or fsdp shard those.
+        # A backward op's fresh vjp adds one stage gradient beside it; sharded weights are
+        # gathered whole at the pipeline's entry, in the compute dtype; with v > 1 chunks the
+        # loop reads them from their stage-major copy (pipe-relayout's result). Against XLA:GPU's
+        # compiles of Llama 3 405B at pipe=16 x tensor=8 (x data=64, ZeRO-3), interleaved 1F1B
+        # (bench/llama3_compile.py): 3 more stage gradients and one layer gathered at a time had
+        # the peak at 1.63x and 0.69x of the compile.
+        stage_grads = s.p_layers * 4
+        gathered = stage_grads + (stage_grads if s.state["grads"] < s.p_dev else 0.0)
+        gathered += (s.p_layers * bc if s.sharded else 0.0) + (s.p_layers * bc if lo.repeats > 1 else 0.0)
     if s.keep:
         # The stage's gradients accumulate over the microbatches in one f32 buffer (Megatron's
         # main_grad) and are reduced once after the last; sharded weights are gathered once per
