@@ -301,12 +301,14 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         uses = [2 if (loop or pipe) else max(1, c) for loop, c in zip(reading.loop_use, reading.conv)]
         reduce_ops = m * lv.layers
         gather_ops = m * sum(u for u, st, c in zip(uses, stored, comp) if st < c) if not pipe else 2 * m * lv.layers
+        zero12_ops = 1
         if s.platform == "gpu" and not pipe:
-            reduce_ops, gather_ops = _gpu_data_ops(s, reduced, uses)
+            reduce_ops, gather_ops, zero12_ops = _gpu_data_ops(s, uses)
         data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
                      gather_ops=gather_ops,
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
+                     zero12_ops=zero12_ops,
                      bg=s.bg, wire=s.wire, bp=s.bp)
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
     # parallelism the traced program's tensor-split contractions give the reductions; with them,
@@ -317,6 +319,10 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                    tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
                    tables=(tables, n_tables), param_bytes=s.bp, grad_bytes=s.bg,
                    measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
+    if s.platform == "gpu" and not pipe and not sp and counts["tensor-reduce"]:
+        # The step's gradient-norm metric sums tensor-split gradients over the tensor axes: one
+        # scalar all-reduce a step (its bytes are nothing; its latency is not).
+        counts["tensor-reduce"] += 1
     # Collectives the program writes itself (sk.context_attention's ring, sk.moe's all-to-alls,
     # a user's shard_map): read off the traced program, per microbatch.
     for role, (n, nbytes) in _explicit_roles(reading.explicit).items():
@@ -340,38 +346,45 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
 GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
 
 
-def _gpu_data_ops(s: _Step, reduced: float, uses: list) -> tuple[float, float]:
-    """(gradient reductions, ZeRO-3/FSDP gathers) one step executes on XLA:GPU, whose combiners
+def _gpu_data_ops(s: _Step, uses: list) -> tuple[float, float, float]:
+    """(gradient reductions, ZeRO-3/FSDP gathers, ZeRO-1/2 gathers of the updated shards) one step
+    executes on XLA:GPU, whose combiners
     merge independent collectives of a kind over the same devices (up to ``GPU_COMBINE_BYTES``
     each): a loop body's — a layer scan's — make one op per trip, forward and backward; those
-    outside any loop one op per group of devices. The loss's mean is one more all-reduce a
-    microbatch, merged into the gradients' outside loops when they are all-reduces too (below
-    ZeRO-2, nothing FSDP-sharded). Counts matter where latency does: each op pays its ring's
-    link latencies (``steptime.collective_time``)."""
+    outside any loop one op per kind of leaf. The loss's mean and the gradient norm add one
+    all-reduce, merged into the gradients' when those are all-reduces too (below ZeRO-2, nothing
+    FSDP-sharded); a tied table's two gradients are reduced apart. Measured on H100 compiles of
+    the house GPT, MLP and HF GPT-2 (``bench/cost_ranking.py``). Counts matter where latency
+    does: each op pays its ring's link latencies (``steptime.collective_time``)."""
     lv, m, zero = s.lv, s.m, s.zero
     loop, comp, stored = s.reading.loop_use, lv.comp, lv.stored
     zero_specs = s.step.layout.zero_specs
-    scatter = zero >= 2 or lv.fsdp  # reduce-scatters (combined by scatter dim, XLA:GPU's default)
+    scatter = zero >= 2 or lv.fsdp  # the gradients are reduce-scattered
     out_bytes = sum(c for c, lp in zip(comp, loop) if not lp) * s.bg
     in_loop = any(loop)
     # Reduce-scatters combine across leaves whatever dim they scatter, apart for leaves split over
-    # other axes too (measured: the house MLP's 15 leaves at ZeRO-3, 1 op; 2-3 with tensor);
-    # gradients left whole (all-reduced) share one op with the loss's all-reduce.
+    # other axes too (the house MLP's 15 leaves at ZeRO-3: 1 op; 3 with tensor, 2 modelled).
     kinds = {frozenset(a for e in l.spec for a in entry_axes(e))
              for l, z, lp in zip(lv.leaves, zero_specs, loop) if not lp and _scattered(l.spec, z)} if scatter else ()
     outside = max(len(kinds), math.ceil(out_bytes / GPU_COMBINE_BYTES)) if out_bytes else 0
-    # A tied table's two gradients (head, lookup) are scattered apart, and under ZeRO-3 it is
+    # A tied table's two gradients (head, lookup) are reduced apart, and under ZeRO-3 it is
     # gathered for each (measured: the GPT and GPT-2 families).
-    tied = int(zero == 3 and any(u and mm and not lp for u, mm, lp in zip(s.reading.lookup, s.reading.matmul, loop)))
-    reduce_ops = (m * ((lv.layers if in_loop else 0) + outside + 1 + tied) if scatter or in_loop
-                  else m * max(outside, 1))
+    tied = int(any(u and mm and not lp for u, mm, lp in zip(s.reading.lookup, s.reading.matmul, loop)))
+    # The loss's and the gradient norm's scalars: one more all-reduce beside reduce-scatters, else
+    # merged into the gradients' all-reduce.
+    reduce_ops = m * ((lv.layers if in_loop else 0) + (outside + 1 if scatter else max(outside, 1)) + tied)
+    tied = tied if zero == 3 else 0
     groups = {tuple(sorted({a for e in z for a in entry_axes(e)} - {a for e in l.spec for a in entry_axes(e)}))
               for l, z, st, c, lp in zip(lv.leaves, zero_specs, stored, comp, loop) if st < c and not lp}
     gathered_out = sum(u * c for u, st, c, lp in zip(uses, stored, comp, loop) if st < c and not lp) * s.wire
+    # ZeRO-1/2's gathers of the updated shards: one per set of axes a leaf's shard adds (a leaf
+    # too small for all the data axes is sharded over some: the CNN family's 2-3 ops).
+    zero12 = len({tuple(sorted({a for e in z for a in entry_axes(e)} - {a for e in l.spec for a in entry_axes(e)}))
+                  for l, z, f, zs in zip(lv.leaves, zero_specs, lv.full, lv.zshard) if zs < f})
     looped = any(st < c and lp for st, c, lp in zip(stored, comp, loop))
     gather_ops = m * ((2 * lv.layers if looped else 0)
                       + (max(len(groups), math.ceil(gathered_out / GPU_COMBINE_BYTES)) + tied if groups else 0))
-    return reduce_ops, gather_ops
+    return reduce_ops, gather_ops, max(zero12, 1)
 
 
 def _scattered(spec, zero_spec) -> bool:

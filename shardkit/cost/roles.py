@@ -85,7 +85,8 @@ def tensor_traffic(col, counts, *, forward: float = 0.0, backward: float = 0.0, 
 
 
 def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: float = 0.0,
-                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, bg: int, wire: int, bp: int) -> None:
+                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, zero12_ops: float = 1.0, bg: int, wire: int,
+                 bp: int) -> None:
     """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020), added into
     ``col`` (bytes) and ``counts``: the one formula both estimators use, fed by a
     ``ModelShape`` (``estimate``) or by a real step's leaf sums (``fromstep``).
@@ -96,7 +97,8 @@ def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: fl
     * ``param-gather`` under ZeRO-3/FSDP: each use of a sharded weight gathers it (``gathered``
       elements over ``gather_ops`` collectives, in the compute dtype on the wire);
     * ``param-gather`` under ZeRO-1/2: the updated shards are gathered once per step into the
-      replicated parameters (``zero12_gathered`` elements, in the parameter dtype).
+      replicated parameters (``zero12_gathered`` elements, in the parameter dtype; ``zero12_ops``
+      collectives).
     """
     col["grad-reduce"] += reduced * bg
     counts["grad-reduce"] += reduce_ops
@@ -105,7 +107,7 @@ def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: fl
         counts["param-gather"] += gather_ops
     elif zero12_gathered:
         col["param-gather"] += zero12_gathered * bp
-        counts["param-gather"] += 1
+        counts["param-gather"] += zero12_ops
 
 
 def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
