@@ -290,11 +290,11 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
 
 def in_flight(layout: Layout) -> int:
     """Chunk-microbatches whose residuals the first pipeline stage holds at its peak, under
-    Megatron-LM's 1F1B (p warm-up forwards, Narayanan et al. 2021 sec. 2.2.1) and interleaved
-    1F1B (warm-up (v − 1)·p + 2(p − 1) chunk forwards then one more before the first backward,
-    Megatron-LM's ``forward_backward_pipelining_with_interleaving``): (v·p + p − 1) chunks of
-    L/(v·p) layers, L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti et al. 2022 sec. 4.2.3;
-    never more than the v·m there are."""
+    Megatron-LM's 1F1B (p − 1 warm-up forwards and one more: p, Narayanan et al. 2021 sec.
+    2.2.1) and interleaved 1F1B ((v − 1)·p + 2(p − 1) warm-up chunk forwards and one more,
+    Megatron-LM's ``forward_backward_pipelining_with_interleaving``): v·p + p − 1 chunks of
+    L/(v·p) layers, L·(1 + (p − 1)/(p·v)) layers' worth (Korthikanti et al. 2022, sec. 4.2,
+    pipeline parallelism); never more than the v·m there are."""
     p, m, v = layout.pipe, layout.microbatches, layout.repeats
     return min(p if v == 1 else v * p + p - 1, v * m)
 
