@@ -342,9 +342,10 @@ def layout(run: Run) -> cost.Layout:
     bubble (p − 1)/(v·m), Narayanan et al. 2021) and plain 1F1B onto ``"gpipe"`` (same bubble;
     ``sk.pipeline``'s ``"1f1b"`` recomputes each stage's forward, which Megatron does not).
     Without a pipeline Megatron, MaxText and torchtitan reduce gradients once per step, so the
-    layout has one microbatch (``Layout.microbatches`` would reduce per microbatch). Torchtitan's per-op selective checkpointing (every other matmul
-    recomputed) is ``remat="dots"``; Korthikanti's selective recompute (attention core only,
-    ~2-3% flops) is ``"none"``."""
+    layout has one microbatch (``Layout.microbatches`` would reduce per microbatch).
+    Torchtitan's per-op selective checkpointing (every other matmul recomputed) is
+    ``remat="dots"``; Korthikanti's selective recompute (attention core only, ~2-3% flops) is
+    ``"none"``."""
     remat = {"full": "full", "op-sac": "dots"}.get(run.recompute, "none")
     piped = run.pipe > 1
     if run.keep_residuals:
