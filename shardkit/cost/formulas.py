@@ -190,9 +190,10 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         gathered += (s.p_layers * bc if s.sharded else 0.0) + (s.p_layers * bc if lo.repeats > 1 else 0.0)
     if s.keep:
         # The stage's gradients accumulate over the microbatches in one f32 buffer (Megatron's
-        # main_grad) and are reduced once after the last; sharded weights are gathered once per
-        # step and kept until its end (FSDP without resharding after the forward).
-        gathered = s.p_dev * 4 + (s.p_dev * bc if s.sharded else 0.0)
+        # main_grad), the step's gradient unless ZeRO-2/3 or fsdp shard those, and are reduced
+        # once after the last; sharded weights are gathered once per step and kept until its
+        # end (FSDP without resharding after the forward).
+        gathered = (s.p_dev * 4 if s.state["grads"] < s.p_dev else 0.0) + (s.p_dev * bc if s.sharded else 0.0)
     new_params = s.p_dev * s.bp / (s.s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
     mem["temporaries"] = step_temporaries(pass_peak=grads + act + gathered, grads=grads, update=new_params)
     mem["peak"] = mem["arguments"] + mem["temporaries"]
