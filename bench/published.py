@@ -340,11 +340,12 @@ def layout(run: Run) -> cost.Layout:
     itself (``Layout.keep_residuals``: its in-flight residuals, no recompute); the others map
     Megatron's interleaved 1F1B with v chunks onto ``"circular"`` with ``repeats=v`` (same
     bubble (p − 1)/(v·m), Narayanan et al. 2021) and plain 1F1B onto ``"gpipe"`` (same bubble;
-    ``sk.pipeline``'s ``"1f1b"`` recomputes each stage's forward, which Megatron does not). Without a pipeline Megatron, MaxText and torchtitan reduce
-    gradients once per step, so the layout has one microbatch (``Layout.microbatches`` would
-    reduce per microbatch). Torchtitan's per-op selective checkpointing (every other matmul
-    recomputed) is ``remat="dots"``; Korthikanti's selective recompute (attention core only,
-    ~2-3% flops) is ``"none"``."""
+    ``sk.pipeline``'s ``"1f1b"`` recomputes each stage's forward, which Megatron does not).
+    Without a pipeline Megatron, MaxText and torchtitan reduce gradients once per step, so the
+    layout has one microbatch (``Layout.microbatches`` would reduce per microbatch).
+    Torchtitan's per-op selective checkpointing (every other matmul recomputed) is
+    ``remat="dots"``; Korthikanti's selective recompute (attention core only, ~2-3% flops) is
+    ``"none"``."""
     remat = {"full": "full", "op-sac": "dots"}.get(run.recompute, "none")
     piped = run.pipe > 1
     if run.keep_residuals:
@@ -403,7 +404,15 @@ def evaluate(run: Run, memory: bool = True, **estimate_kw) -> dict:
     extra = est.time["memory-bound"]
     published = published_seconds(run)
     t = est.time
-    return {"key": run.key, "role": run.role, "fit": run.fit and run.role == "calibration",
+    extra_cols = {}
+    if run.keep_residuals:
+        # The same layout as sk.pipeline runs it (stage inputs kept, forward recomputed in the
+        # backward op): what shardkit itself would compile (bench/llama3_compile.py).
+        sk_lo = dataclasses.replace(lo, keep_residuals=False)
+        sk_est = cost.estimate(ms, sk_lo, run.hardware, memory_bound=memory, **kw)
+        extra_cols = {"sk_pipeline_peak_gib": sk_est.memory["peak"] / 2**30,
+                      "sk_pipeline_error": published / sk_est.step_time - 1.0}
+    return {**extra_cols, "key": run.key, "role": run.role, "fit": run.fit and run.role == "calibration",
             "source": run.source,
             "hardware": run.hardware, "devices": run.devices, "layout": str(lo),
             "pipelined": run.pipe > 1, "unit": run.unit, "published": run.value,
@@ -423,12 +432,12 @@ def megatron_p2p_seconds(run: Run, estimated: dict) -> float:
     v times as many, sec. 2.2.2), over the inter-node links (every pipe boundary here crosses
     nodes). Pipeline traffic enters ``steptime.times``'s step linearly (``exposed_pipe`` of it),
     so it is swapped in place."""
-    if run.pipe == 1:
+    if run.pipe == 1 or run.keep_residuals:  # the latter's model already sends Megatron's traffic
         return estimated["estimated_s"]
     hw = cost.hardware.lookup(run.hardware)
     eff = cost.efficiency_for(hw)
     messages = 2 * run.virtual * run.microbatches
-    nbytes = run.microbatch * run.seq * run.d_model * 2 / run.tensor
+    nbytes = run.microbatch * run.seq / run.context * run.d_model * 2 / run.tensor
     node, _, inter_latency = steptime.links(hw)
     if run.data * run.fsdp * run.tensor < node:
         raise ValueError(f"{run.key}: the diagnostic assumes pipe neighbours on different nodes")
@@ -529,19 +538,25 @@ def main(argv: list[str] | None = None) -> dict:
         sel = [r for r in out["rows"] if r["role"] == role]
         table = Table(title=f"{role} ({len(sel)} runs): sk.cost.estimate + memory_bound_time vs published"
                       + (" (validation at >= 4,096 GPUs, >= 8K tokens; summarised apart)" if role == "scale" else ""))
-        for c in ("run", "hw", "GPUs", "config", "unit", "published", "estimated", "error",
-                  "no mem. term", "mem/compute", "pipe/step", "Megatron p2p (diag.)", "peak GiB"):
+        cols = ["run", "hw", "GPUs", "config", "unit", "published", "estimated", "error",
+                "no mem. term", "mem/compute", "pipe/step", "Megatron p2p (diag.)", "peak GiB"]
+        if role == "scale":
+            cols += ["sk.pipeline: error", "peak GiB"]
+        for c in cols:
             table.add_column(c, justify="left" if c in ("run", "hw", "config", "unit") else "right")
         runs = {r.key: r for r in RUNS}
         for r in sel:
             fmt = ("{:.2f}" if r["unit"] == "s/step" else "{:,.0f}" if r["unit"] == "tokens/s/gpu"
                    else "{:.1f}")
-            mark = "" if role == "validation" else " (fit)" if r["fit"] else " *"
-            table.add_row(r["key"] + mark, r["hardware"], str(r["devices"]), config(runs[r["key"]]), r["unit"],
-                          fmt.format(r["published"]), fmt.format(r["estimated"]), f"{r['error']:+.1%}",
-                          f"{r['error_default']:+.1%}", f"{r['memory_s'] / r['compute_s']:.0%}",
-                          f"{r['pipe_s'] / r['estimated_s']:.0%}",
-                          f"{r['error_p2p']:+.1%}" if r["pipelined"] else "", f"{r['peak_gib']:.0f}")
+            mark = "" if role != "calibration" else " (fit)" if r["fit"] else " *"
+            cells = [r["key"] + mark, r["hardware"], str(r["devices"]), config(runs[r["key"]]), r["unit"],
+                     fmt.format(r["published"]), fmt.format(r["estimated"]), f"{r['error']:+.1%}",
+                     f"{r['error_default']:+.1%}", f"{r['memory_s'] / r['compute_s']:.0%}",
+                     f"{r['pipe_s'] / r['estimated_s']:.0%}",
+                     f"{r['error_p2p']:+.1%}" if r["pipelined"] else "", f"{r['peak_gib']:.0f}"]
+            if role == "scale":
+                cells += [f"{r['sk_pipeline_error']:+.1%}", f"{r['sk_pipeline_peak_gib']:.0f}"]
+            table.add_row(*cells)
         console.print(table)
         s = out["summary"][role]
         console.print(f"{role}:")

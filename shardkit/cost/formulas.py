@@ -190,9 +190,10 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         gathered += (s.p_layers * bc if s.sharded else 0.0) + (s.p_layers * bc if lo.repeats > 1 else 0.0)
     if s.keep:
         # The stage's gradients accumulate over the microbatches in one f32 buffer (Megatron's
-        # main_grad) and are reduced once after the last; sharded weights are gathered once per
-        # step and kept until its end (FSDP without resharding after the forward).
-        gathered = s.p_dev * 4 + (s.p_dev * bc if s.sharded else 0.0)
+        # main_grad), the step's gradient unless ZeRO-2/3 or fsdp shard those, and are reduced
+        # once after the last; sharded weights are gathered once per step and kept until its
+        # end (FSDP without resharding after the forward).
+        gathered = (s.p_dev * 4 if s.state["grads"] < s.p_dev else 0.0) + (s.p_dev * bc if s.sharded else 0.0)
     new_params = s.p_dev * s.bp / (s.s_param if lo.zero == 3 or lo.fsdp > 1 else 1)
     mem["temporaries"] = step_temporaries(pass_peak=grads + act + gathered, grads=grads, update=new_params)
     mem["peak"] = mem["arguments"] + mem["temporaries"]
@@ -290,11 +291,11 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
 
 def in_flight(layout: Layout) -> int:
     """Chunk-microbatches whose residuals the first pipeline stage holds at its peak, under
-    Megatron-LM's 1F1B (p warm-up forwards, Narayanan et al. 2021 sec. 2.2.1) and interleaved
-    1F1B (warm-up (v − 1)·p + 2(p − 1) chunk forwards then one more before the first backward,
-    Megatron-LM's ``forward_backward_pipelining_with_interleaving``): (v·p + p − 1) chunks of
-    L/(v·p) layers, L·(1 + (p − 1)/(p·v)) layers' worth, Korthikanti et al. 2022 sec. 4.2.3;
-    never more than the v·m there are."""
+    Megatron-LM's 1F1B (p − 1 warm-up forwards and one more: p, Narayanan et al. 2021 sec.
+    2.2.1) and interleaved 1F1B ((v − 1)·p + 2(p − 1) warm-up chunk forwards and one more,
+    Megatron-LM's ``forward_backward_pipelining_with_interleaving``): v·p + p − 1 chunks of
+    L/(v·p) layers, L·(1 + (p − 1)/(p·v)) layers' worth (Korthikanti et al. 2022, sec. 4.2,
+    pipeline parallelism); never more than the v·m there are."""
     p, m, v = layout.pipe, layout.microbatches, layout.repeats
     return min(p if v == 1 else v * p + p - 1, v * m)
 

@@ -64,7 +64,8 @@ class ModelShape:
             XLA's autodiff keeps for this model's widths (gated MLP, grouped K/V heads,
             ``flash_attention``, ``dropout``; under sequence parallelism the gathered inputs of
             the column-parallel matmuls kept whole), checked against XLA:GPU compiles of
-            Llama 3 405B's layer (``bench/llama3_compile.py``).
+            Llama 3 405B's layer (``bench/llama3_compile.py``); without recompute only
+            (``remat`` "full"/"dots" keep Korthikanti's forms).
     """
 
     name: str
