@@ -19,7 +19,8 @@ with ``ModelShape.activations="xla"``) counts each same layout.
 Reduced against the published runs: the attention is ``flash_like`` (cuDNN's kernel cannot be
 traced here), ``sk.pipeline``'s executor stands for the paper's, 128 layers for 126, and the
 128K row (context=16) is not compiled: XLA's SPMD partitioner aborts on pipe x context x tensor
-(``--pipeline interleaved-1f1b,16,8,128,8,3,16 --seq 131072``; also at data=1).
+(``--pipeline interleaved-1f1b,16,8,128,8,3,16 --seq 131072``; also at data=1): sk.pipeline's
+explicit schedules over pipe x context x tensor abort it at 8 CPU devices too (GPipe does not).
 
     python bench/llama3_compile.py              # both parts, ~5 min on 2 shared cores
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context]]]

@@ -12,8 +12,11 @@ time is turned back into the source's unit, and the error is estimated / publish
 the model is too optimistic). The estimate includes ``steptime.memory_bound_time`` (``estimate`` adds it
 for every transformer shape); the tables also show the estimate without it and, for
 pipelined runs, a diagnostic with the pipeline traffic Megatron sends (``megatron_p2p_seconds``).
+The scale rows (Llama 3 405B) run Megatron's schedule itself (``Layout.keep_residuals``); their
+table also shows the same layouts as ``sk.pipeline`` runs them, whose peaks
+``bench/llama3_compile.py`` checks against XLA:GPU compiles for H100s.
 
-    python bench/published.py            # both tables, summaries, JSON (~2 s)
+    python bench/published.py            # the three tables, summaries, JSON (~2 s)
     python bench/published.py --fit      # + refit Efficiency.matmul on the calibration rows
     python bench/published.py --json PATH
 

@@ -42,7 +42,8 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     sequence parallelism, 2sbh under full recompute (+ one layer recomputed); a GPipe pipeline
     keeps m microbatches alive; ``sk.pipeline``'s 1F1B keeps p stage inputs and recomputes each
     stage's forward in its backward op (one microbatch's residuals alive; +2/6 flops, +2 TP
-    all-reduces per layer). Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
+    all-reduces per layer); ``Layout.keep_residuals`` runs Megatron's (interleaved) 1F1B instead,
+    holding every in-flight chunk-microbatch's residuals (``in_flight``) without recompute. Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
     vocab-parallel embedding/head; pipelines: see ``pipeline.pipeline_traffic`` (one gradient
@@ -153,7 +154,7 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
     if s.one_f_one_b:
         # sk.pipeline's explicit schedules keep rings of stage inputs (and ZB-H1's output
         # cotangents waiting for their W), sized by the executed table, beside the pipeline's
-        # input rows and their cotangent (m + 1 rows), and rebuild one chunk's residuals
+        # m input rows and their cotangent's m + 1, and rebuild one chunk's residuals
         # (L/(p·v) layers, one microbatch) at a time in a backward op. A stage input is split
         # over ``context``, and over ``tensor`` under sequence parallelism, as on the wire.
         table = schedule_table(s.pipe_note)

@@ -150,7 +150,8 @@ def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
     dropout masks (2h) with ``dropout``. Norms and masks are split over ``tensor`` under
     sequence parallelism. Against XLA:GPU's H100 compile of Llama 3 405B's layer at TP8 with
     sequence parallelism: 7.97 vs 7.91 bytes per token and h (``bench/llama3_compile.py``);
-    without sequence parallelism 14.97 vs 21.0 (XLA keeps more of the replicated norms)."""
+    without sequence parallelism 14.97 vs 23.7 (not the norms' f32 copies: a bf16 norm compiles
+    the same; what else XLA keeps replicated was not found)."""
     h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
     kv = (ms.kv_heads or a) * (h // a)
     sp = t if lo.sequence_parallel else 1
