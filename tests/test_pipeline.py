@@ -270,6 +270,12 @@ def test_errors(devices):
         pipeline(lambda lp, h: h[:, :4], params, x, microbatches=4, mesh=mesh)
     with pytest.raises(ValueError, match="no mesh"):
         pipeline(layer, params, x, microbatches=4)
+    # Two compiler-owned axes beside the pipe axis abort XLA's partitioner on an explicit
+    # schedule (the process dies): refused before tracing; GPipe is not refused.
+    two_auto = make_mesh("pipe=2,tensor=2,context=2", devices=devices)
+    with pytest.raises(ValueError, match=r"compiler-owned axes \['tensor', 'context'\].*schedule='gpipe'"):
+        pipeline(layer, params, x, microbatches=4, mesh=two_auto, schedule="1f1b", loss_fn=head_loss,
+                 loss_params=head, targets=t)
 
 
 def _train_losses(mesh_spec, devices, schedule, v, zero, steps=10):
