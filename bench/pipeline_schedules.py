@@ -4,6 +4,7 @@ un-pipelined model in the same run.
     python bench/pipeline_schedules.py            # CPU tables + H100 compile (deviceless)
     python bench/pipeline_schedules.py --no-h100  # CPU only
     python bench/pipeline_schedules.py --no-h100 --layers 16  # two-layer chunks at v=2
+    python bench/pipeline_schedules.py --no-cpu --tpu --validate  # (c) on H100 and TPU v5p, (c')
 
 (a) bubble of each executed table (p=4, m=8) against its formula; (b) CPU compile (8
 simulated devices, pipe=4, m=8, a residual-MLP stack): matmul flops per device read off the
@@ -14,7 +15,9 @@ recipe transformer (8 layers, d=512, seq 512, remat full, bf16, vocab 8000, 4 pi
 microbatches, batch 32) compiled for 16 H100s (XLA:GPU, deviceless) on data=2,pipe=2,tensor=4:
 per-GPU temporaries against the un-pipelined data=2,fsdp=2,tensor=4 and against the step
 estimate's (``explain``'s formula), matmul flops over 1F1B's, and the all-to-alls in the
-program (the natural layer order's relayout).
+program (the natural layer order's relayout); ``--tpu``: the same on 16 TPU v5p chips;
+(c') ``--validate``: estimate / compiled on H100 for (c) and two shapes the formula was not
+fitted on.
 Writes bench/results/pipeline_schedules.json.
 """
 
@@ -99,51 +102,104 @@ def cpu(p=4, m=8, d=64, reps=5, layers=None):
     return {"unpipelined_time": base_t, **rows}
 
 
-def h100():
+# (c)'s model and meshes, and the validation shapes the formula was not fitted on (issue 25):
+# d=1024 at seq 1024; 16 layers of d=768 (12 heads / 4 KV heads) on pipe=4 with 8 microbatches.
+SHAPES = {
+    "c": (dict(layers=8, d_model=512, heads=8, kv_heads=4, d_ff=2048, seq=512, vocab=8000), "data=2,pipe=2,tensor=4",
+          "data=2,fsdp=2,tensor=4", 4),
+    "d1024": (dict(layers=8, d_model=1024, heads=8, kv_heads=4, d_ff=4096, seq=1024, vocab=8000),
+              "data=2,pipe=2,tensor=4", "data=2,fsdp=2,tensor=4", 4),
+    "pipe4": (dict(layers=16, d_model=768, heads=12, kv_heads=4, d_ff=3072, seq=512, vocab=8000),
+              "data=1,pipe=4,tensor=4", "data=1,fsdp=4,tensor=4", 8),
+}
+
+
+def compiled(target="h100", shape="c", layer_order="natural"):
+    """The recipe transformer (remat full, bf16, batch 32) compiled for ``target`` (deviceless),
+    un-pipelined and under every schedule: per-device temporaries and the step estimate's."""
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
-    cfg = SIZES["1b"].replace(layers=8, d_model=512, heads=8, kv_heads=4, d_ff=2048, seq=512, vocab=8000, remat="full")
+    kw, pmesh, umesh, pm = SHAPES[shape]
+    cfg = SIZES["1b"].replace(**kw, remat="full")
     jobs, names = [], []
-    step, state, batch = abstract_step(cfg, "data=2,fsdp=2,tensor=4", global_batch=32, zero=1, target="h100")
-    jobs.append((step, state, batch, "data=2,fsdp=2,tensor=4"))
+    step, state, batch = abstract_step(cfg, umesh, global_batch=32, zero=1, target=target)
+    jobs.append((step, state, batch, umesh))
     names.append("un-pipelined")
     for s, v in SCHEDULES:
-        step, state, batch = abstract_step(cfg, "data=2,pipe=2,tensor=4", global_batch=32, schedule=s,
-                                           repeats=v if s == "interleaved-1f1b" else 1, pipeline_microbatches=4,
-                                           target="h100")
-        jobs.append((step, state, batch, "data=2,pipe=2,tensor=4"))
+        step, state, batch = abstract_step(cfg, pmesh, global_batch=32, schedule=s,
+                                           repeats=v if s == "interleaved-1f1b" else 1, pipeline_microbatches=pm,
+                                           target=target, layer_order=layer_order)
+        jobs.append((step, state, batch, pmesh))
         names.append(s)
-    reports = dict(zip(names, sk.cost.simulate_many(jobs, target="h100", estimate=True)))
-    tab = Table(title="(c) recipe transformer (8 layers, d=512, seq 512, remat full, bf16), 16 x H100 "
-                      "(XLA:GPU deviceless), data=2,pipe=2,tensor=4; per GPU")
-    for c in ("schedule", "temporaries", "vs un-pipelined", "estimate/compiled", "matmul flops", "vs 1F1B",
-              "all-to-alls"):
-        tab.add_column(c)
+    reports = dict(zip(names, sk.cost.simulate_many(jobs, target=target, estimate=True)))
     out = {}
-    f1 = reports["1f1b"].matmul_flops
     for name, r in reports.items():
         if isinstance(r, Exception):
-            tab.add_row(name, repr(r)[:60], *[""] * 5)
+            out[name] = {"error": repr(r)[:200]}
             continue
-        temp = r.memory["temporaries"]
         est = next((row["estimate"] for row in r.comparison() if row["quantity"] == "memory/temporaries"), None)
-        a2a = sum(c.count for c in r.collectives if c.kind == "all-to-all")
-        out[name] = {"temporaries": temp, "estimate": est, "matmul_flops": r.matmul_flops, "all_to_all": a2a}
-        base = reports["un-pipelined"].memory["temporaries"]
-        tab.add_row(name, f"{temp / 2**20:.1f} MiB", f"{temp / base:.2f}x",
-                    f"{est / temp:.2f}" if est else "-", f"{r.matmul_flops:.5g}",
-                    f"{r.matmul_flops / f1:.3f}" if name != "un-pipelined" else "-", str(a2a))
+        out[name] = {"temporaries": r.memory["temporaries"], "estimate": est, "matmul_flops": r.matmul_flops,
+                     "all_to_all": sum(c.count for c in r.collectives if c.kind == "all-to-all")}
+    return out
+
+
+def h100(tpu=False):
+    out = {"h100": compiled("h100")}
+    if tpu:
+        out["tpu-v5p"] = compiled("tpu-v5p")
+    tab = Table(title="(c) recipe transformer (8 layers, d=512, seq 512, remat full, bf16), 16 x H100 "
+                      "(XLA:GPU deviceless), data=2,pipe=2,tensor=4; per device; estimate: the step estimate's "
+                      "temporaries" + (" (TPU: 16 x v5p, XLA:TPU)" if tpu else ""))
+    cols = ["schedule", "temporaries", "vs un-pipelined", "estimate", "estimate/compiled", "matmul flops", "vs 1F1B",
+            "all-to-alls"] + (["TPU temporaries", "TPU estimate/compiled"] if tpu else [])
+    for c in cols:
+        tab.add_column(c)
+    h = out["h100"]
+    f1, base = h["1f1b"].get("matmul_flops"), h["un-pipelined"].get("temporaries")
+    for name, r in h.items():
+        if "error" in r:
+            tab.add_row(name, r["error"][:60], *[""] * (len(cols) - 2))
+            continue
+        temp, est = r["temporaries"], r["estimate"]
+        row = [name, f"{temp / 2**20:.1f} MiB", f"{temp / base:.2f}x", f"{est / 2**20:.1f} MiB" if est else "-",
+               f"{est / temp:.2f}" if est else "-", f"{r['matmul_flops']:.5g}",
+               f"{r['matmul_flops'] / f1:.3f}" if name != "un-pipelined" else "-", str(r["all_to_all"])]
+        if tpu:
+            t = out["tpu-v5p"].get(name, {})
+            row += ([f"{t['temporaries'] / 2**20:.1f} MiB", f"{t['estimate'] / t['temporaries']:.2f}"]
+                    if "temporaries" in t else [t.get("error", "-")[:40], "-"])
+        tab.add_row(*row)
+    console.print(tab)
+    return out
+
+
+def validate():
+    """Estimate over compiled temporaries on H100 for (c) and the two held-out shapes, the
+    layers stored stage-major (no relayout)."""
+    out = {shape: compiled("h100", shape, layer_order="stage-major") for shape in SHAPES}
+    tab = Table(title="(c') step estimate / compiled temporaries, 16 x H100, remat full, layers stage-major")
+    tab.add_column("schedule")
+    for shape, (kw, pmesh, _, pm) in SHAPES.items():
+        tab.add_column(f"{shape}: {kw['layers']} layers d={kw['d_model']} seq {kw['seq']}, {pmesh}, m={pm}")
+    for name in out["c"]:
+        tab.add_row(name, *[f"{r[name]['temporaries'] / 2**20:.1f} MiB -> {r[name]['estimate'] / r[name]['temporaries']:.2f}"
+                            if "temporaries" in r[name] else r[name]["error"][:40] for r in out.values()])
     console.print(tab)
     return out
 
 
 def main():
-    layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else None
-    results = {"bubbles": bubbles(), "cpu": cpu(layers=layers)}
-    if "--no-h100" not in sys.argv:
-        results["h100"] = h100()
     path = pathlib.Path(__file__).parent / "results" / "pipeline_schedules.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results["bubbles"] = bubbles()
+    if "--no-cpu" not in sys.argv:
+        layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else None
+        results["cpu"] = cpu(layers=layers)
+    if "--no-h100" not in sys.argv:
+        results["h100"] = h100(tpu="--tpu" in sys.argv)
+    if "--validate" in sys.argv:
+        results["validate"] = validate()
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=float))
 

@@ -25,6 +25,7 @@ _DATA_LIKE = ("replica", "data", "fsdp")
 STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert", "context")
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
 _NOTES: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("shardkit_trace_notes", default=None)
+_DETAIL: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_detailed_notes", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,9 +413,21 @@ def note(key: str, value: Any) -> None:
         notes[key] = value
 
 
-def noting() -> bool:
-    """Whether ``note()`` calls are being collected (a shardkit step is being traced)."""
-    return _NOTES.get() is not None
+def noting(detail: bool = False) -> bool:
+    """Whether ``note()`` calls are being collected (a shardkit step is being traced); with
+    ``detail``, whether the costlier facts are wanted too (``detailed_notes``)."""
+    return _NOTES.get() is not None and (not detail or _DETAIL.get())
+
+
+@contextlib.contextmanager
+def detailed_notes():
+    """Inside, ``noting(detail=True)``: a trace for an estimate that reads traced sub-programs
+    (``sk.pipeline``'s backward op for a GPU/TPU target), which an ordinary trace skips."""
+    token = _DETAIL.set(True)
+    try:
+        yield
+    finally:
+        _DETAIL.reset(token)
 
 
 @contextlib.contextmanager

@@ -161,3 +161,27 @@ def small_step():
     state = step.init({"w1": jnp.ones((64, 256)) * 0.01, "w2": jnp.ones((256, 64)) * 0.01})
     batch = {"x": np.ones((32, 64), np.float32), "y": np.ones((32, 64), np.float32)}
     return step, state, batch
+
+
+# Issue 25: the recipe at a size where activations dominate (8 layers, d=512, seq 512, remat
+# full, bf16, 16 devices, 4 pipeline microbatches, batch 32; BENCHMARKS.md table (c)).
+PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 1))
+
+
+def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES) -> dict[str, float]:
+    """Each schedule's step estimate of its temporaries over the ``target`` compiler's, on
+    data=2,pipe=2,tensor=4 (layers stored stage-major), all compiled in one subprocess."""
+    from models.transformer.plan import abstract_step
+
+    cfg = SIZES["1b"].replace(layers=8, d_model=512, heads=8, kv_heads=4, d_ff=2048, seq=512, vocab=8000,
+                              remat="full")
+    mesh = "data=2,pipe=2,tensor=4"
+    jobs = [(*abstract_step(cfg, mesh, global_batch=32, schedule=s, repeats=v, pipeline_microbatches=4,
+                            target=target, layer_order="stage-major"), mesh) for s, v in schedules]
+    ratios = {}
+    for (s, _), report in zip(schedules, sk.cost.simulate_many(jobs, target=target, estimate=True, timeout=1800)):
+        if isinstance(report, Exception):
+            raise report
+        row = next(r for r in report.comparison() if r["quantity"] == "memory/temporaries")
+        ratios[s] = row["estimate"] / row["compiled"]
+    return ratios

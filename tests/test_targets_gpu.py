@@ -4,8 +4,8 @@ checked on that program (``target_sweep.check``)."""
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, check, compile_cases, params, require, selected,
-                          small_step)
+from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, check, compile_cases, params, require,
+                          schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 CASES = {**CASES_8, **CASES_16}
@@ -80,3 +80,17 @@ def test_pipelines_of_a_remat_full_model_hold_the_unpipelined_temporaries():
     # Measured here (d=128, seq 128): un-pipelined 8.26 MB, GPipe 9.21, 1F1B 7.50, interleaved
     # 8.36 (1.115x 1F1B: at this size its larger rings show; 1.01x at d=512).
     assert one <= 1.2 * base and inter <= 1.15 * one and gpipe <= 2 * base, (base, gpipe, one, inter)
+
+
+@pytest.mark.extended
+def test_each_schedule_holds_its_memory_formula_on_h100():
+    """Issue 25: the step estimate's temporaries (``cost.pipeline.one_f_one_b_loop``, GPipe's
+    ``cost.fromstep._gpipe_backward``: the backward op's liveness read off its jaxpr, the f32
+    accumulators, the copies XLA makes around the switch and the layer scan, the loss head's
+    cotangent GPipe keeps) against XLA:GPU's, per schedule, at the recipe's table (c) size.
+    Measured: GPipe 0.99, 1F1B 0.96, interleaved 0.94, ZB-H1 0.97, ZB-V 0.80 — XLA:GPU keeps
+    ZB-V's copy of the W ring through its B ops, which the formula does not (BENCHMARKS.md)."""
+    require("h100")
+    ratios = schedule_memory_ratios("h100")
+    assert all(0.9 <= ratios[s] <= 1.1 for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")), ratios
+    assert 0.75 <= ratios["zb-v"] <= 1.1, ratios

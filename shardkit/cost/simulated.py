@@ -37,7 +37,7 @@ from .hlo import Collective, Traffic
 from .report import Report, shard_bytes
 from ..mesh import parse_mesh_spec
 from .. import offload
-from ..plan import Plan
+from ..plan import Plan, detailed_notes
 from . import targets as targets_lib
 from .compiler import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
 
@@ -199,7 +199,7 @@ def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_S
     """
     tgt = targets_lib.get(target)
     job = _prepare(step, state, batch, mesh, tgt, zero=zero, batch_axes=batch_axes,
-                   microbatches=microbatches, max_devices=max_devices)
+                   microbatches=microbatches, max_devices=max_devices, detail=estimate)
     out = run_child([job.module], [job.request], timeout=timeout)[0]
     if "error" in out:
         raise compile_error(out)
@@ -233,7 +233,8 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
     for job in jobs:
         kw = dict(job) if isinstance(job, dict) else dict(zip(("step", "state", "batch", "mesh"), job))
         try:
-            prepared.append(_prepare(kw.pop("step"), kw.pop("state"), kw.pop("batch"), kw.pop("mesh"), tgt, **kw))
+            prepared.append(_prepare(kw.pop("step"), kw.pop("state"), kw.pop("batch"), kw.pop("mesh"), tgt,
+                                     detail=estimate, **kw))
         except Exception as err:  # noqa: BLE001 — a layout that fails to plan or trace is that job's answer
             prepared.append(err)
     ready = [p for p in prepared if isinstance(p, _Job)]
@@ -264,8 +265,10 @@ class _Job:
 
 
 def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | None = None,
-             batch_axes=_SAME, microbatches: int | None = None, max_devices: int | None = None) -> _Job:
-    """Re-plans ``step`` on ``mesh`` of ``tgt``'s devices, traces it abstractly and exports it."""
+             batch_axes=_SAME, microbatches: int | None = None, max_devices: int | None = None,
+             detail: bool = False) -> _Job:
+    """Re-plans ``step`` on ``mesh`` of ``tgt``'s devices, traces it abstractly and exports it;
+    ``detail``: with the trace notes an estimate for a GPU/TPU target reads (``detailed_notes``)."""
     step.layout  # raises before init
     if step.plan.precision.fp8 and tgt.platform != "cpu":
         from . import hardware
@@ -287,7 +290,8 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
         sim.microbatches = microbatches
     abs_state, abs_batch = abstract_inputs(sim, state, batch)
     t0 = time.perf_counter()
-    exported = _export(sim, abs_state, abs_batch, tgt.platform)
+    with detailed_notes() if detail and tgt.platform != "cpu" else contextlib.nullcontext():
+        exported = _export(sim, abs_state, abs_batch, tgt.platform)
     t_export = time.perf_counter() - t0
     plan = sim.plan
     pipe = _pipeline_note(sim)

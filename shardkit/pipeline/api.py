@@ -182,14 +182,21 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    if rng is None and noting():
+    if schedule in EXPLICIT and rng is None and noting():
+        n_data = math.prod(mesh.shape[a] for a in data)
+        try:
+            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
+            if split_ops is not None:  # what one pending W holds (the estimate's W ring)
+                info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
+        except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
+            pass
+    if rng is None and noting(detail=True):  # a GPU/TPU target's estimate (cost.fromstep)
         n_data = math.prod(mesh.shape[a] for a in data)
         try:
             # One backward op (explicit) or one tick of the transposed scan (GPipe/circular).
             info["chunk_backward"] = chunk_backward(chunk, params_s, x_mb, extras_mb, n_data)
-            info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
-            if split_ops is not None:  # what one pending W holds (the estimate's W ring)
-                info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
+            if "stage_residuals" not in info:  # GPipe/circular: what each tick saves
+                info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     note("pipeline", info)
