@@ -14,7 +14,7 @@ collectives by role, are cached in bench/results/cost_ranking.json.
 
 A family's layouts compile a chunk at a time in one ``simulate_many`` subprocess (``--chunk``):
 one start of JAX and XLA:GPU per chunk. A layout alone took 8.1 s (GPT, 64 devices: export
-0.4 s, compile 5.7 s of which most is the fresh compiler's start, the estimate ~2 s); in a chunk,
+0.4 s, compile 5.7 s of which most is the fresh compiler's start, the estimate ~1.5 s); in a chunk,
 2-3.4 s at 64 and 8.5 s at 256 devices.
 """
 
