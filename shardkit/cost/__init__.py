@@ -14,7 +14,8 @@ Two kinds of figures, always labelled:
   collective bytes into seconds with each accelerator's ``Efficiency`` and link table.
 
 Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``fromstep``,
-``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it),
+``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it) and
+``xla_gpu`` (how XLA:GPU combines the collectives),
 ``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
 (reading compiled programs), ``rank`` (layout search), ``simulated`` (compiling for meshes that
 are not here) with ``targets`` (the GPU and TPU compilers, deviceless) and ``compiler`` (the

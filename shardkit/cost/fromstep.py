@@ -21,6 +21,7 @@ from .steptime import times
 from .program import ProgramReading, jaxpr_peak, read_program
 from .roles import data_traffic, step_temporaries, tensor_traffic
 from .caveats import step_caveats
+from . import xla_gpu
 from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, recompute_factor)
 from .stepleaves import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
@@ -302,8 +303,9 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         reduce_ops = m * lv.layers
         gather_ops = m * sum(u for u, st, c in zip(uses, stored, comp) if st < c) if not pipe else 2 * m * lv.layers
         zero12_ops = 1
-        if s.platform == "gpu" and not pipe:
-            reduce_ops, gather_ops, zero12_ops = _gpu_data_ops(s, uses)
+        if s.platform == "gpu" and not pipe:  # XLA:GPU combines them
+            reduce_ops, gather_ops, zero12_ops = xla_gpu.data_ops(
+                lv, step.layout.zero_specs, uses, reading, zero=zero, microbatches=m, grad_bytes=s.bg, wire=s.wire)
         data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
                      gather_ops=gather_ops,
@@ -338,59 +340,6 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                          tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
                          act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m)
     return col, counts
-
-
-# XLA:GPU's collective combiners merge independent collectives of one kind over the same devices
-# up to this many bytes per op (``kDefaultAllReduceCombineThreshold``, and the same for all-gather
-# and reduce-scatter, xla/service/collective_utils.h).
-GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
-
-
-def _gpu_data_ops(s: _Step, uses: list) -> tuple[float, float, float]:
-    """(gradient reductions, ZeRO-3/FSDP gathers, ZeRO-1/2 gathers of the updated shards) one step
-    executes on XLA:GPU, whose combiners
-    merge independent collectives of a kind over the same devices (up to ``GPU_COMBINE_BYTES``
-    each): a loop body's — a layer scan's — make one op per trip, forward and backward; those
-    outside any loop one op per kind of leaf. The loss's mean and the gradient norm add one
-    all-reduce, merged into the gradients' when those are all-reduces too (below ZeRO-2, nothing
-    FSDP-sharded); a tied table's two gradients are reduced apart. Measured on H100 compiles of
-    the house GPT, MLP and HF GPT-2 (``bench/cost_ranking.py``). Counts matter where latency
-    does: each op pays its ring's link latencies (``steptime.collective_time``)."""
-    lv, m, zero = s.lv, s.m, s.zero
-    loop, comp, stored = s.reading.loop_use, lv.comp, lv.stored
-    zero_specs = s.step.layout.zero_specs
-    scatter = zero >= 2 or lv.fsdp  # the gradients are reduce-scattered
-    out_bytes = sum(c for c, lp in zip(comp, loop) if not lp) * s.bg
-    in_loop = any(loop)
-    # Reduce-scatters combine across leaves whatever dim they scatter, apart for leaves split over
-    # other axes too (the house MLP's 15 leaves at ZeRO-3: 1 op; 3 with tensor, 2 modelled).
-    kinds = {frozenset(a for e in l.spec for a in entry_axes(e))
-             for l, z, lp in zip(lv.leaves, zero_specs, loop) if not lp and _scattered(l.spec, z)} if scatter else ()
-    outside = max(len(kinds), math.ceil(out_bytes / GPU_COMBINE_BYTES)) if out_bytes else 0
-    # A tied table's two gradients (head, lookup) are reduced apart, and under ZeRO-3 it is
-    # gathered for each (measured: the GPT and GPT-2 families).
-    tied = int(any(u and mm and not lp for u, mm, lp in zip(s.reading.lookup, s.reading.matmul, loop)))
-    # The loss's and the gradient norm's scalars: one more all-reduce beside reduce-scatters, else
-    # merged into the gradients' all-reduce.
-    reduce_ops = m * ((lv.layers if in_loop else 0) + (outside + 1 if scatter else max(outside, 1)) + tied)
-    tied = tied if zero == 3 else 0
-    groups = {tuple(sorted({a for e in z for a in entry_axes(e)} - {a for e in l.spec for a in entry_axes(e)}))
-              for l, z, st, c, lp in zip(lv.leaves, zero_specs, stored, comp, loop) if st < c and not lp}
-    gathered_out = sum(u * c for u, st, c, lp in zip(uses, stored, comp, loop) if st < c and not lp) * s.wire
-    # ZeRO-1/2's gathers of the updated shards: one per set of axes a leaf's shard adds (a leaf
-    # too small for all the data axes is sharded over some: the CNN family's 2-3 ops).
-    zero12 = len({tuple(sorted({a for e in z for a in entry_axes(e)} - {a for e in l.spec for a in entry_axes(e)}))
-                  for l, z, f, zs in zip(lv.leaves, zero_specs, lv.full, lv.zshard) if zs < f})
-    looped = any(st < c and lp for st, c, lp in zip(stored, comp, loop))
-    gather_ops = m * ((2 * lv.layers if looped else 0)
-                      + (max(len(groups), math.ceil(gathered_out / GPU_COMBINE_BYTES)) + tied if groups else 0))
-    return reduce_ops, gather_ops, max(zero12, 1)
-
-
-def _scattered(spec, zero_spec) -> bool:
-    """Whether ZeRO's spec shards a leaf beyond its own spec (its gradient is reduce-scattered)."""
-    return any(set(entry_axes(z)) - set(entry_axes(spec[d]) if d < len(spec) else ())
-               for d, z in enumerate(zero_spec))
 
 
 def _flops(s: _Step, flops_per_token) -> tuple[float, float, float]:
