@@ -110,7 +110,7 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     At its peak the tick holds either a second copy of the switch's operands (XLA copies a
     loop-carried value into the conditional that updates it, and back) or, inside a backward
     op, ``op_peak`` beside them: the liveness peak of the chunk's recomputed forward and its
-    VJP for one microbatch (``fromstep`` reads it off the jaxpr the trace note keeps: the
+    VJP for one microbatch (``pipememory`` reads it off the jaxpr the trace note keeps: the
     layers' saved inputs, one layer's recomputed intermediates with their cotangents, the
     chunk's weight gradients), the branch's new loss-params accumulator and ``chunk_weights``:
     the chunk's compute-dtype weights once more, as the layer scan's loop carries them (XLA

@@ -1,0 +1,86 @@
+"""What ``sk.pipeline`` holds at its peak on XLA:GPU and XLA:TPU, read off the jaxprs its trace
+note keeps for a target's estimate (``plan.detailed_notes``): one backward op's liveness (the
+chunk's recomputed forward and its VJP), GPipe's per-tick residuals, and what the loss leaves
+for the loss params' gradient matmuls. ``fromstep`` feeds these to ``pipeline``'s formulas;
+each function takes its ``_Step`` (the step's leaves, sizes and traced program).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from .pipeline import pipeline_buffers, pipeline_ticks
+from .program import jaxpr_peak
+from .shapes import tokens_in
+from .stepleaves import itemsize, n_tensor_of
+
+
+def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
+    """GPipe/circular's backward on XLA:GPU/XLA:TPU at its peak, a tick of the transposed scan,
+    per device: what the forward scan saved every tick (the chunk's residuals and its input),
+    the tick's backward (``_backward_op_peak``) with the chunk's compute-dtype weights the
+    layer scan's loop carries, the pipeline's input, the outputs' cotangent and its
+    ``pipeline_buffers``; and what the loss's backward leaves alive for the loss params'
+    gradient matmuls, which XLA's scheduler runs after the pipeline's backward (they are off
+    its critical path): the cotangent of each loss-param matmul's output (the logits'), in f32
+    — the loss's dtype (measured: the recipe's 62.5 MiB f32 logits gradient alive through
+    GPipe's backward on H100)."""
+    pipe, lv, sizes = s.pipe, s.lv, s.sizes
+    lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
+    rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
+    k = max(lv.layers // (pipe["stages"] * pipe.get("repeats", 1)), 1)
+    act_mb = act_carried / pipe["microbatches"]
+    stage_res = sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, lv.tensor_dims, sizes)
+                    for sh, d in pipe["stage_residuals"])
+    op = backward_op_peak(s, rows) or 0.0
+    chunk_weights = sum(c for c, q in zip(lv.comp, lv.piped) if q) * s.bc / pipe.get("repeats", 1)
+    tokens = tokens_in(s.batch) / s.n_data / s.m
+    head = sum(tokens * math.prod(l.shape) / lv.width / (math.prod(l.shape) / c) * 4
+               for l, c, q, mm in zip(lv.leaves, lv.comp, lv.piped, s.reading.matmul)
+               if mm and not q and len(l.shape) == 2 and lv.width in l.shape)
+    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights
+            + pipeline_buffers(pipe, act_carried, g_comp) + head)
+
+
+def n_tensor_stacked(shape, rows: int, k: int, tensor_dims, sizes) -> int:
+    """``n_tensor_of`` for a value of a pipeline chunk: one stacked over the chunk's ``k``
+    layers (a layer scan's residuals, ``(k, rows, ...)``) is read past its stacking dim (with
+    ``k`` equal to the rows, the layer dim would pass for the rows and the rows for a feature)."""
+    shape = tuple(shape)
+    if len(shape) > 2 and shape[0] == k and shape[1] == rows:
+        shape = shape[1:]
+    return n_tensor_of(shape, rows, tensor_dims, sizes)
+
+
+def backward_op_peak(s, rows: int) -> float | None:
+    """The liveness peak of one explicit backward op (the pipeline note's ``chunk_backward``:
+    the chunk's forward recomputed and its VJP for one microbatch), read with the liveness
+    model of the un-pipelined estimate (``program.jaxpr_peak``): the layers' saved inputs, one
+    layer's recomputed intermediates with their cotangents, the chunk's weight gradients.
+    None when the note has no such jaxpr or its weights are not the stage's leaves in order."""
+    closed, lv, sizes, pipe = s.pipe.get("chunk_backward"), s.lv, s.sizes, s.pipe
+    if closed is None:
+        return None
+    stage = [i for i, q in enumerate(lv.piped) if q]
+    n = len(closed.jaxpr.invars) - 2  # the chunk's weights, then its input and output cotangent
+    avals = [v.aval for v in closed.jaxpr.invars[:n]]
+    v = pipe.get("repeats", 1)
+    k = lv.leaves[stage[0]].shape[0] // (pipe["stages"] * v) if stage else 0
+    if n != len(stage) or any(tuple(a.shape) != (v, k) + tuple(lv.leaves[i].shape[1:]) for a, i in zip(avals, stage)):
+        return None
+    # The chunk's weights: the stage leaves' compute layout over the axes the pipeline leaves
+    # to the compiler (the pipe split is already in the note's shapes).
+    t_split = [math.prod(lv.leaves[i].shape) / pipe["stages"] / lv.comp[i] for i in stage]
+
+    def split_of(aval, leaf, manual=frozenset()):
+        if leaf is not None:
+            return 1, t_split[leaf]  # any view of it (a layer of the stack) is split like it
+        return 1, n_tensor_of(aval.shape, rows, lv.tensor_dims, sizes)
+
+    # The chunk's inputs saved by its layer scan, ``(k,) + h``: the residual stream, whole over
+    # the tensor axes (by shape alone a stack of k == rows layers passes for a split feature).
+    h = tuple(closed.jaxpr.invars[n].aval.shape)
+    return jaxpr_peak(closed, n_params=n, split_of=split_of, canonical_dots=s.platform == "cpu",
+                      whole=lambda var: tuple(getattr(var.aval, "shape", ())) == (k,) + h)
