@@ -20,7 +20,7 @@ from .stepleaves import itemsize, n_tensor_of
 def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
     """GPipe/circular's backward on XLA:GPU/XLA:TPU at its peak, a tick of the transposed scan,
     per device: what the forward scan saved every tick (the chunk's residuals and its input),
-    the tick's backward (``_backward_op_peak``) with the chunk's compute-dtype weights the
+    the tick's backward (``backward_op_peak``) with the chunk's compute-dtype weights the
     layer scan's loop carries, the pipeline's input, the outputs' cotangent and its
     ``pipeline_buffers``; and what the loss's backward leaves alive for the loss params'
     gradient matmuls, which XLA's scheduler runs after the pipeline's backward (they are off
