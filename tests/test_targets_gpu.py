@@ -88,9 +88,8 @@ def test_each_schedule_holds_its_memory_formula_on_h100():
     ``cost.pipememory.gpipe_backward``: the backward op's liveness read off its jaxpr, the f32
     accumulators, the copies XLA makes around the switch and the layer scan, the loss head's
     cotangent GPipe keeps) against XLA:GPU's, per schedule, at the recipe's table (c) size.
-    Measured: GPipe 0.99, 1F1B 0.96, interleaved 0.94, ZB-H1 0.97, ZB-V 0.80 — XLA:GPU keeps
-    ZB-V's copy of the W ring through its B ops, which the formula does not (BENCHMARKS.md)."""
+    Measured: GPipe 0.99, 1F1B 0.96, interleaved 0.94, ZB-H1 1.00, ZB-V 0.94 (the W ring read
+    in the switch and written after it: held once)."""
     require("h100")
     ratios = schedule_memory_ratios("h100")
-    assert all(0.9 <= ratios[s] <= 1.1 for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")), ratios
-    assert 0.75 <= ratios["zb-v"] <= 1.1, ratios
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios

@@ -103,9 +103,11 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     What the scan carries from tick to tick: the f32 gradient accumulators (the stage's, the
     loss params', the input's ``(m + 1)`` microbatch rows — f32 too, ``acc_ratio`` times a
     microbatch's activation bytes) and ZB's ring of pending W's (``w_ring`` slots of
-    ``w_saved`` bytes, ``pipeline.split``) — the ``lax.switch``'s operands, which every branch
-    updates —, the rings of stage inputs and cotangents (one spare slot each) and, alive
-    throughout, the pipeline's input (all microbatches of a device's rows).
+    ``w_saved`` bytes, ``pipeline.split``). The accumulators are the ``lax.switch``'s operands,
+    which every branch updates; the W ring is only read there and written after it, in place
+    (the branch hands back one slot). Alive throughout: the W ring, the rings of stage inputs
+    and cotangents (one spare slot each) and the pipeline's input (all microbatches of a
+    device's rows).
 
     At its peak the tick holds either a second copy of the switch's operands (XLA copies a
     loop-carried value into the conditional that updates it, and back) or, inside a backward
@@ -116,8 +118,9 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     the chunk's compute-dtype weights once more, as the layer scan's loop carries them (XLA
     gives a loop's carry buffers of its own, and the weights stay alive after the loop for
     the next op: they are copied in). Under remat the
-    op's peak wins for 1F1B; ZB's W ring makes the copy win (ZB-H1 at d=512 on H100: 2 x 307
-    MiB of operands against 1F1B's whole 149 MiB).
+    op's peak wins for 1F1B. [issue 25: when the branches returned the W ring whole, XLA held
+    it twice — ZB-H1 at d=512 on H100 659.5 MiB, ZB-V 639.2; read-only in the switch, 546.6 and
+    438.2.]
 
     Without ``op_peak`` (no jaxpr in the note): the stage's residuals for the microbatch and
     one layer's share of them again in cotangents, a fresh stage gradient and a second copy of
@@ -127,8 +130,11 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     act_mb = act_elems_x4 / pm
     tab = schedule_table(pipe)
     if op_peak is not None:
-        operands = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + tab.w_ring * w_saved
-        throughout = (tab.act_ring + tab.grad_ring + 2) * act_mb + pm * act_mb
+        operands = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio
+        # ZB's W ring is read in the switch and written after it, in place: held once, and
+        # every branch hands back one slot (B its new entry, built up through the chunk's
+        # layers beside the op's own peak; the others the slot they read).
+        throughout = (tab.act_ring + tab.grad_ring + 2) * act_mb + pm * act_mb + (tab.w_ring + 1) * w_saved
         return throughout + max(operands + op_peak + rest_grads + chunk_weights, 2 * operands)
     rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
     carry = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + rings + pm * act_mb

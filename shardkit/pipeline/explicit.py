@@ -125,7 +125,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                 def branch_fn(acc, w_ring):
                     if split is not None and op in (B, W):
                         return split_op(op, on_loss, acc, w_ring)
-                    return (*branch_fn_(acc), w_ring)
+                    return (*branch_fn_(acc), None if w_ring is None else take(w_ring, w_at))
 
                 def branch_fn_(acc):
                     if op == IDLE:
@@ -160,7 +160,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                 w_k = jax.tree.map(lambda a: a[0], weights)  # (k, ...)
                 if op == W:
                     d_w = split.weight_grad(w_k, take(w_ring, w_at))
-                    return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), w_ring
+                    return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), take(w_ring, w_at)
                 y, kept = split.forward(w_k, h, (groups[stage, c], mb, take(extras_mb, mb)))
                 d_l = None
                 if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
@@ -170,12 +170,17 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                     g_y = g
                 d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
                 acc = add_x(acc if d_l is None else add_w(acc, None, d_l), d_h)
-                return zero_h, d_h, acc, put(w_ring, saved, w_at)
+                return zero_h, d_h, acc, saved
 
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
-                send_h, send_g, acc, w_ring = lax.switch(br, [run(o, l) for o, l in pairs], acc, w_ring)
+                send_h, send_g, acc, saved = lax.switch(br, [run(o, l) for o, l in pairs], acc, w_ring)
+            if split is not None:
+                # The ring is only read inside the switch and written here, in place: B's new
+                # entry, or (every other op) the slot's own content back. Returned from the
+                # branches whole, the ring was copied and, in ZB-V, held twice.
+                w_ring = put(w_ring, saved, w_at)
             send_self = zero_h
             if vee:  # one message per op, routed by the table
                 msg = send_h + send_g
