@@ -76,7 +76,8 @@ def _job(module, family, mesh, zero) -> dict:
 def _figures(report) -> dict:
     """What the cache keeps of one compiled layout: both step times, the peaks, and the
     compiled collectives by role (bytes, executions) beside the estimate's."""
-    nonzero = lambda d: {k: v for k, v in d.items() if v}  # noqa: E731
+    def nonzero(d):
+        return {k: v for k, v in d.items() if v}
     return {"estimate": report.estimate["time/step"], "compiled": report.step_time["step"],
             "peak_estimate": report.estimate["memory/peak"], "peak_compiled": float(report.memory["peak"]),
             "roles": nonzero(report.roles()), "counts": nonzero(report.role_counts()),

@@ -50,7 +50,7 @@ def view_dims(e, dims: frozenset) -> frozenset | None:
     if name == "broadcast_in_dim":
         return frozenset(e.params["broadcast_dimensions"][d] for d in dims)
     if name == "squeeze":
-        gone = set(d % e.invars[0].aval.ndim for d in e.params["dimensions"])
+        gone = {d % e.invars[0].aval.ndim for d in e.params["dimensions"]}
         keep = [d for d in range(e.invars[0].aval.ndim) if d not in gone]
         return frozenset(keep.index(d) for d in dims if d in keep)
     if name == "reshape":
