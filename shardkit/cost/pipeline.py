@@ -141,8 +141,8 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
     # [issue 25] ZB-H1/ZB-V: B keeps what its W reads (``w_saved`` bytes per pending W, the
     # trace note's ``w_saved``; ``pipeline.split``) in a ring of ``w_ring`` slots, carried
-    # through the loop and, like the accumulators, again as the switch's result.
-    return carry + backward_op + tab.w_ring * w_saved
+    # through the loop, and the switch hands back one slot (the ring itself is only read there).
+    return carry + backward_op + w_saved
 
 
 def pipelined_uses(pipe: dict, layers: int) -> float:

@@ -42,6 +42,8 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import xla_cpu
+from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
+from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
                          OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW, view_dims)
 
@@ -89,65 +91,6 @@ class ProgramReading:
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
-
-
-def _sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
-    """Nested jaxprs of an equation with the outer vars feeding their inputs and how many times
-    each runs (``scan``: its length; a ``cond``: each branch once, the caller takes the max)."""
-    p, name = eqn.params, eqn.primitive.name
-    if name == "scan":
-        return [(p["jaxpr"].jaxpr, list(eqn.invars), float(p["length"]))]
-    if name == "cond":
-        return [(b.jaxpr, list(eqn.invars[1:]), 1.0) for b in p["branches"]]
-    if name == "while":
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        body = p["body_jaxpr"].jaxpr
-        return [(body, list(eqn.invars[nc:nc + nb]) + list(eqn.invars[nc + nb:]), float("nan"))]
-    out = []
-    for sub in jcore.jaxprs_in_params(p):
-        sub = getattr(sub, "jaxpr", sub)
-        if len(sub.invars) == len(eqn.invars):
-            out.append((sub, list(eqn.invars), 1.0))
-        elif len(sub.invars) < len(eqn.invars):  # custom_vjp: consts first
-            out.append((sub, list(eqn.invars[len(eqn.invars) - len(sub.invars):]), 1.0))
-    return out
-
-
-def _elementwise_output(eqn, index: int) -> bool:
-    """Whether a ``shard_map``'s output ``index`` needs no buffer of its own once XLA has
-    partitioned the shard_map away: one of its inputs passed through (a weight saved for the
-    backward: the caller's buffer), or a fusible elementwise op of values it keeps anyway."""
-    body = eqn.params["jaxpr"]
-    body = getattr(body, "jaxpr", body)
-    out = body.outvars[index]
-    if isinstance(out, jcore.Literal) or out in body.invars:
-        return True
-    for e in body.eqns:
-        if out in e.outvars:
-            if e.primitive.name in _VIEW:
-                return bool(e.invars) and e.invars[0] in body.invars
-            return e.primitive.name in _FUSIBLE
-    return False
-
-
-def _bytes(aval) -> float:
-    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
-
-
-def _dot_flops(eqn) -> float:
-    out = eqn.outvars[0].aval
-    if eqn.primitive.name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
-    rhs = eqn.invars[1].aval  # conv: rhs = (out_features, in_features / groups, *window)
-    dn = eqn.params["dimension_numbers"]
-    rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
-    window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    # A strided convolution's input gradient is a convolution of the gradient dilated by the
-    # stride (lhs_dilation): the inserted zeros are not multiplied (cuDNN, XLA:GPU's count).
-    dilated = math.prod(eqn.params.get("lhs_dilation") or (1,))
-    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window / dilated
 
 
 class _Reader:
@@ -460,34 +403,6 @@ class _Reader:
             peak = max(peak, live[i] + p.inner_peak.get(i, 0.0))
         self._live, self._born = live, p.born
         return float(peak)
-
-
-class _Pass:
-    """The bookkeeping of one reading of one jaxpr (``_Reader.run``)."""
-
-    def __init__(self, jaxpr: jcore.Jaxpr, outputs_live: bool, reduced: set):
-        self.outputs_live = outputs_live
-        self.reduced = reduced  # equations XLA:CPU materialises for a reduction's operand
-        self.fused: set = set()  # vars that XLA would not materialise
-        self.roots: dict = {}  # var -> the materialised vars it is computed from
-        self.last: dict = {}
-        self.size: dict = {}
-        self.born: dict = {}
-        self.flops = self.total = 0.0
-        self.inner_peak: dict = {}
-        self.consumers: dict = {}
-        self.jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-        for e in jaxpr.eqns:
-            for u in e.invars:
-                if not isinstance(u, jcore.Literal):
-                    self.consumers.setdefault(u, []).append(e.primitive.name)
-        if not outputs_live:
-            # A value that only reaches a nested jaxpr's output through reshapes and casts is
-            # written straight into the caller's buffer too.
-            for e in reversed(jaxpr.eqns):
-                if (e.primitive.name in _VIEW and e.outvars[0] in self.jaxpr_out and e.invars
-                        and not isinstance(e.invars[0], jcore.Literal) and len(self.consumers[e.invars[0]]) == 1):
-                    self.jaxpr_out.add(e.invars[0])
 
 
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
