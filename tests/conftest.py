@@ -57,9 +57,12 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # Compositions of paths the sweep checks one by one (dp_pp_tp_zb stays as the composition),
     # and ZB-H1 alone (pp_zb): dp_pp_tp_zb runs the same schedule with data and tensor axes, and
     # tests/test_pipeline.py checks ZB-H1's split backward against the sequential model.
-    "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b", "pp_zb"},
+    # Circular (pp_circular) is GPipe's autodiff path with repeats: pp_gpipe runs the recipe's and
+    # its formulas, pp_interleaved the stage-major relayout, tests/test_pipeline.py circular itself.
+    "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b", "pp_zb",
+                                                            "pp_circular"},
     "test_cost.py::test_transformer_estimate_matches_compiled": {"zero1", "fsdp_tp", "tp_pp", "dp_pp_tp",
-                                                                 "dp_pp_tp_1f1b", "pp_zb"},
+                                                                 "dp_pp_tp_1f1b", "pp_zb", "pp_circular"},
     # Each ZeRO stage once, over one and over two data axes.
     "test_resnet.py::test_layouts_match_one_device": {"0-data=2,fsdp=4", "0-data=4,fsdp=2", "1-data=8",
                                                       "1-data=2,fsdp=4", "3-data=8", "3-data=4,fsdp=2"},
