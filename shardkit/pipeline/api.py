@@ -182,8 +182,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
+    n_data = math.prod(mesh.shape[a] for a in data)
     if schedule in EXPLICIT and rng is None and noting():
-        n_data = math.prod(mesh.shape[a] for a in data)
         try:
             info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
             if split_ops is not None:  # what one pending W holds (the estimate's W ring)
@@ -191,7 +191,6 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     if rng is None and noting(detail=True):  # a GPU/TPU target's estimate (cost.fromstep)
-        n_data = math.prod(mesh.shape[a] for a in data)
         try:
             # One backward op (explicit) or one tick of the transposed scan (GPipe/circular).
             info["chunk_backward"] = chunk_backward(chunk, params_s, x_mb, extras_mb, n_data)
@@ -224,14 +223,20 @@ def _resolve_mesh(mesh, axis):
     return mesh
 
 
+def _compiler_axes(mesh, axis: str, data) -> list[str]:
+    """Axes of size > 1 the stages leave to the compiler: not the pipe axis, not the manual
+    data axes, not a vmap's spmd axis (``sk.DiLoCo``'s replicas)."""
+    mapped = vmapped_axes()
+    return [a for a in mesh.axis_names if a != axis and a not in data and a not in mapped and mesh.shape[a] > 1]
+
+
 def _check_vmapped(mesh, axis: str, data) -> None:
     """Inside ``sk.DiLoCo``'s replicas (a ``vmap`` with ``spmd_axis_name``) jax 0.10.2 adds the
     replica axis to every sharding constraint traced in the stages, where that axis is manual,
     and lowering then fails ("pspec P('replica', ..., 'tensor') contains a manual axes"). Only
     constraints over compiler-owned axes (tensor, fsdp) trip it: refuse that combination
     before tracing, naming the layouts that work."""
-    mapped = vmapped_axes()
-    auto = [a for a in mesh.axis_names if a != axis and a not in data and a not in mapped and mesh.shape[a] > 1]
+    mapped, auto = vmapped_axes(), _compiler_axes(mesh, axis, data)
     if mapped and auto:
         raise ValueError(
             f"sk.pipeline inside sk.DiLoCo's replicas (over {sorted(mapped)}) with the compiler-owned "
@@ -247,8 +252,7 @@ def _check_compiler_axes(mesh, axis: str, data, schedule: str) -> None:
     (e.g. ``context`` and ``tensor``, ``tensor`` and ``expert``) aborts the process in XLA's
     SPMD partitioner (jax 0.10.2, XLA:CPU, XLA:GPU: "Check failed: partition_group_list...").
     One such axis compiles, and GPipe/circular compile with several: refuse before tracing."""
-    mapped = vmapped_axes()
-    auto = [a for a in mesh.axis_names if a != axis and a not in data and a not in mapped and mesh.shape[a] > 1]
+    auto = _compiler_axes(mesh, axis, data)
     if schedule in EXPLICIT and len(auto) > 1:
         raise ValueError(
             f"schedule {schedule!r} with the compiler-owned axes {auto} (sizes "

@@ -159,8 +159,9 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                 needs kept in the W ring; W: the weight-gradient matmuls from it (``split``)."""
                 w_k = jax.tree.map(lambda a: a[0], weights)  # (k, ...)
                 if op == W:
-                    d_w = split.weight_grad(w_k, take(w_ring, w_at))
-                    return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), take(w_ring, w_at)
+                    slot = take(w_ring, w_at)
+                    d_w = split.weight_grad(w_k, slot)
+                    return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), slot
                 y, kept = split.forward(w_k, h, (groups[stage, c], mb, take(extras_mb, mb)))
                 d_l = None
                 if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
