@@ -27,11 +27,21 @@ def sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
     out = []
     for sub in jcore.jaxprs_in_params(p):
         sub = getattr(sub, "jaxpr", sub)
+        if _combiner(sub, eqn):
+            continue  # a scatter's, reduce's or sort's scalar computation: not a region of the program
         if len(sub.invars) == len(eqn.invars):
             out.append((sub, list(eqn.invars), 1.0))
         elif len(sub.invars) < len(eqn.invars):  # custom_vjp: consts first
             out.append((sub, list(eqn.invars[len(eqn.invars) - len(sub.invars):]), 1.0))
     return out
+
+
+def _combiner(sub: jcore.Jaxpr, eqn) -> bool:
+    """Whether ``sub`` is the scalar function an array op applies element by element (a
+    scatter's update, a reduction's or a sort's comparison): all its inputs are scalars
+    while the op's are arrays. Its inputs and outputs do not correspond to the op's."""
+    return all(not getattr(v.aval, "shape", ()) for v in sub.invars) and any(
+        getattr(getattr(u, "aval", None), "shape", ()) for u in eqn.invars)
 
 
 def elementwise_output(eqn, index: int) -> bool:
