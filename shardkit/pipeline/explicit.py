@@ -20,7 +20,9 @@ over data once after it (never per backward op).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,113 @@ def _zeros_acc(tree):
 
 def _add(acc, d):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One device's operation at one tick: what its ``lax.switch`` branches read (the chunk's
+    weights, the saved stage input ``h``, the output cotangent ``g``) and how they add into the
+    accumulators ``(d params, d loss_params, d x rows, loss total)``."""
+
+    chunk: Callable
+    loss_fn: Callable
+    split: SplitBackward | None
+    ring: bool  # several chunks per device: the weight accumulator is selected per chunk
+    v: int
+    seed: jax.Array  # the local loss's cotangent, 1 / (m · n_data)
+    zero_h: jax.Array
+    groups: jax.Array
+    stage: jax.Array
+    c: jax.Array
+    mb: jax.Array
+    dx: jax.Array  # the row of the input-gradient accumulator (m: discarded)
+    w_at: jax.Array
+    h: jax.Array
+    g: jax.Array
+    weights: object  # the chunk's weights as a (1, k, ...) stack
+    loss_params: object
+    extras_mb: object
+    targets_mb: object
+
+    def out(self, Wc, h):
+        return self.chunk(Wc, 0, h, self.groups[self.stage, self.c], self.mb, take(self.extras_mb, self.mb))
+
+    def loss(self, Wc, LP, h):
+        return self.loss_fn(LP, self.out(Wc, h), take(self.targets_mb, self.mb)).astype(jnp.float32)
+
+    def add_w(self, acc, d_w, d_l=None):
+        gp, gl, gx, total = acc
+        if d_w is None:
+            pass
+        elif self.ring:  # an elementwise select over the chunks: updated in place
+            def upd(a, d):
+                hit = (jnp.arange(self.v) == self.c).reshape((self.v,) + (1,) * (a.ndim - 1))
+                return jnp.where(hit, a + d.astype(a.dtype), a)
+            gp = jax.tree.map(upd, gp, d_w)
+        else:
+            gp = _add(gp, d_w)
+        return gp, gl if d_l is None else _add(gl, d_l), gx, total
+
+    def add_x(self, acc, d_h):  # only stage 0's first chunk owns dx (row m = discard)
+        gp, gl, gx, total = acc
+        return gp, gl, put(gx, d_h.astype(gx.dtype), self.dx), total
+
+    def branch(self, op, on_loss):
+        """The switch branch of ``op`` (on the loss's chunk or not): ``(acc, w_ring) -> (send
+        down, send up, acc, the W ring slot to write back)``."""
+        def branch_fn(acc, w_ring):
+            if self.split is not None and op in (B, W):
+                return self.split_op(op, on_loss, acc, w_ring)
+            return (*self.run(op, on_loss, acc), None if w_ring is None else take(w_ring, self.w_at))
+        return branch_fn
+
+    def run(self, op, on_loss, acc):
+        """Idle, F, or a backward op that recomputes the chunk's forward (B, W, fused BW)."""
+        zero_h, weights, h = self.zero_h, self.weights, self.h
+        if op == IDLE:
+            return zero_h, zero_h, acc
+        if op == F and not on_loss:
+            return self.out(weights, h), zero_h, acc
+        if op == F:
+            gp, gl, gx, total = acc
+            return zero_h, zero_h, (gp, gl, gx, total + self.loss(weights, self.loss_params, h))
+        if op == B:  # input gradient only, sent upstream now
+            if on_loss:
+                d_h = jax.vjp(lambda h: self.loss(weights, self.loss_params, h), h)[1](self.seed)[0]
+            else:
+                d_h = jax.vjp(lambda h: self.out(weights, h), h)[1](self.g)[0]
+            return zero_h, d_h, self.add_x(acc, d_h)
+        if op == W:  # weight gradient, deferred into the bubble by the table
+            if on_loss:
+                d_w, d_l = jax.vjp(lambda Wc, LP: self.loss(Wc, LP, h), weights, self.loss_params)[1](self.seed)
+                return zero_h, zero_h, self.add_w(acc, d_w, d_l)
+            d_w = jax.vjp(lambda Wc: self.out(Wc, h), weights)[1](self.g)[0]
+            return zero_h, zero_h, self.add_w(acc, d_w)
+        if on_loss:  # BW: both at once (1F1B)
+            d_w, d_l, d_h = jax.vjp(self.loss, weights, self.loss_params, h)[1](self.seed)
+        else:
+            (d_w, d_h), d_l = jax.vjp(self.out, weights, h)[1](self.g), None
+        return zero_h, d_h, self.add_x(self.add_w(acc, d_w, d_l), d_h)
+
+    def split_op(self, op, on_loss, acc, w_ring):
+        """B: the chunk's forward once, its input gradient sent upstream now, what W needs kept
+        in the W ring; W: the weight-gradient matmuls from it (``split``)."""
+        split, zero_h, mb = self.split, self.zero_h, self.mb
+        w_k = jax.tree.map(lambda a: a[0], self.weights)  # (k, ...)
+        if op == W:
+            slot = take(w_ring, self.w_at)
+            d_w = split.weight_grad(w_k, slot)
+            return zero_h, zero_h, self.add_w(acc, jax.tree.map(lambda a: a[None], d_w)), slot
+        y, kept = split.forward(w_k, self.h, (self.groups[self.stage, self.c], mb, take(self.extras_mb, mb)))
+        d_l = None
+        if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
+            d_l, g_y = jax.vjp(lambda LP, y: self.loss_fn(LP, y, take(self.targets_mb, mb)).astype(jnp.float32),
+                               self.loss_params, y)[1](self.seed)
+        else:
+            g_y = self.g
+        d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
+        acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
+        return zero_h, d_h, acc, saved
 
 
 def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
@@ -97,86 +206,12 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             c = c if ring else 0
             weights = (jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c, 1, 0), params_l)
                        if ring else params_l)
-
-            def out(Wc, h):
-                return chunk(Wc, 0, h, groups[stage, c], mb, take(extras_mb, mb))
-
-            def loss(Wc, LP, h):
-                return loss_fn(LP, out(Wc, h), take(targets_mb, mb)).astype(jnp.float32)
-
-            def add_w(acc, d_w, d_l=None):
-                gp, gl, gx, total = acc
-                if d_w is None:
-                    pass
-                elif ring:  # an elementwise select over the chunks: updated in place
-                    def upd(a, d):
-                        hit = (jnp.arange(v) == c).reshape((v,) + (1,) * (a.ndim - 1))
-                        return jnp.where(hit, a + d.astype(a.dtype), a)
-                    gp = jax.tree.map(upd, gp, d_w)
-                else:
-                    gp = _add(gp, d_w)
-                return gp, gl if d_l is None else _add(gl, d_l), gx, total
-
-            def add_x(acc, d_h):  # only stage 0's first chunk owns dx (row m = discard)
-                gp, gl, gx, total = acc
-                return gp, gl, put(gx, d_h.astype(gx.dtype), dx), total
-
-            def run(op, on_loss):
-                def branch_fn(acc, w_ring):
-                    if split is not None and op in (B, W):
-                        return split_op(op, on_loss, acc, w_ring)
-                    return (*branch_fn_(acc), None if w_ring is None else take(w_ring, w_at))
-
-                def branch_fn_(acc):
-                    if op == IDLE:
-                        return zero_h, zero_h, acc
-                    if op == F and not on_loss:
-                        return out(weights, h), zero_h, acc
-                    if op == F:
-                        gp, gl, gx, total = acc
-                        return zero_h, zero_h, (gp, gl, gx, total + loss(weights, loss_params, h))
-                    if op == B:  # input gradient only, sent upstream now
-                        if on_loss:
-                            d_h = jax.vjp(lambda h: loss(weights, loss_params, h), h)[1](seed)[0]
-                        else:
-                            d_h = jax.vjp(lambda h: out(weights, h), h)[1](g)[0]
-                        return zero_h, d_h, add_x(acc, d_h)
-                    if op == W:  # weight gradient, deferred into the bubble by the table
-                        if on_loss:
-                            d_w, d_l = jax.vjp(lambda Wc, LP: loss(Wc, LP, h), weights, loss_params)[1](seed)
-                            return zero_h, zero_h, add_w(acc, d_w, d_l)
-                        d_w = jax.vjp(lambda Wc: out(Wc, h), weights)[1](g)[0]
-                        return zero_h, zero_h, add_w(acc, d_w)
-                    if on_loss:  # BW: both at once (1F1B)
-                        d_w, d_l, d_h = jax.vjp(lambda Wc, LP, h: loss(Wc, LP, h), weights, loss_params, h)[1](seed)
-                    else:
-                        (d_w, d_h), d_l = jax.vjp(out, weights, h)[1](g), None
-                    return zero_h, d_h, add_x(add_w(acc, d_w, d_l), d_h)
-                return branch_fn
-
-            def split_op(op, on_loss, acc, w_ring):
-                """B: the chunk's forward once, its input gradient sent upstream now, what W
-                needs kept in the W ring; W: the weight-gradient matmuls from it (``split``)."""
-                w_k = jax.tree.map(lambda a: a[0], weights)  # (k, ...)
-                if op == W:
-                    slot = take(w_ring, w_at)
-                    d_w = split.weight_grad(w_k, slot)
-                    return zero_h, zero_h, add_w(acc, jax.tree.map(lambda a: a[None], d_w)), slot
-                y, kept = split.forward(w_k, h, (groups[stage, c], mb, take(extras_mb, mb)))
-                d_l = None
-                if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
-                    d_l, g_y = jax.vjp(lambda LP, y: loss_fn(LP, y, take(targets_mb, mb)).astype(jnp.float32),
-                                       loss_params, y)[1](seed)
-                else:
-                    g_y = g
-                d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
-                acc = add_x(acc if d_l is None else add_w(acc, None, d_l), d_h)
-                return zero_h, d_h, acc, saved
-
+            op = _Op(chunk, loss_fn, split, ring, v, seed, zero_h, groups, stage, c, mb, dx, w_at, h, g, weights,
+                     loss_params, extras_mb, targets_mb)
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
-                send_h, send_g, acc, saved = lax.switch(br, [run(o, l) for o, l in pairs], acc, w_ring)
+                send_h, send_g, acc, saved = lax.switch(br, [op.branch(o, l) for o, l in pairs], acc, w_ring)
             if split is not None:
                 # The ring is only read inside the switch and written here, in place: B's new
                 # entry, or (every other op) the slot's own content back. Returned from the
