@@ -156,6 +156,15 @@ class _Op:
         return zero_h, d_h, acc, saved
 
 
+def _routes(p: int, around: bool):
+    """The ``ppermute`` pairs (down, up) between the ``p`` stages: around a ring when the last
+    stage's chunk c feeds stage 0's chunk c+1 (interleaved), else a line. ZB-V's two
+    directions carry both kinds of message; its chunk 0 goes down, chunk 1 comes up."""
+    if around:
+        return [(s, (s + 1) % p) for s in range(p)], [(s, (s - 1) % p) for s in range(p)]
+    return [(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)]
+
+
 def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
                    rng, *, mesh, axis, data, split: SplitBackward | None = None):
     """Runs ``tab``; returns (mean loss, (d params_s, d loss_params, d x_mb)). ``split``: the
@@ -163,13 +172,9 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
     p, m, v = tab.stages, tab.microbatches, tab.repeats
     pairs, branch = switch_branches(tab)
     dx_row = np.where((np.arange(p)[None, :] == 0) & (tab.chunk == 0) & np.isin(tab.op, (B, BW)), tab.mb, m)
-    ring = v > 1  # several chunks per device: the weights are sliced per op
     vee = tab.name == "zb-v"
-    if vee:  # ZB-V: both directions carry both kinds; chunk 0 goes down, chunk 1 comes up
-        ring = True
-    around = v > 1 and not vee  # interleaved: stage p-1 feeds stage 0 around a ring
-    down = [(s, (s + 1) % p) for s in range(p)] if around else [(s, s + 1) for s in range(p - 1)]
-    up = [(s, (s - 1) % p) for s in range(p)] if around else [(s + 1, s) for s in range(p - 1)]
+    # Several chunks per device (ZB-V: two): the weights are sliced per op.
+    ring, (down, up) = v > 1 or vee, _routes(p, around=v > 1 and not vee)
     n_data = math.prod(mesh.shape[a] for a in data)
     everywhere = (axis, *data)
 
@@ -226,15 +231,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                 send_g = lax.ppermute(send_g, axis, up)
             return ((send_h, send_g, send_self), act_ring, grad_ring, acc, w_ring), None
 
-        acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
-               jnp.zeros((m + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
-        w_ring = None
-        if split is not None:  # per pending W: its chunk's per-layer residuals and cotangents
-            w0 = jax.tree.map(lambda a: a[0], params_l)
-            w_ring = jax.tree.map(lambda a: jnp.zeros((tab.w_ring,) + a.shape, a.dtype),
-                                  split.saved_shapes(w0, zero_h, ctx0))
-        init = varying(((zero_h, zero_h, zero_h), jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
-                        jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, w_ring), everywhere)
+        init = varying(_initial_carry(tab, split, params_l, loss_params, zero_h, ctx0), everywhere)
         *_, (gp, gl, gx, total), _ = lax.scan(tick, init, rows)[0]
         if data:  # the one reduction over data per step
             gp, gl, total = lax.psum((gp, gl, total), data)
@@ -243,17 +240,38 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
         gp = jax.tree.map(lambda a: a[None], gp)
         return total, (gp, gl, gx)
 
+    total, (gp, gl, gx) = _on_stages(body, mesh, axis, data, params_s, loss_params, x_mb, extras_mb, targets_mb, rng)
+    cast = lambda d, a: d.astype(jnp.result_type(a))  # noqa: E731
+    return total, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))
+
+
+def _initial_carry(tab: Schedule, split, params_l, loss_params, zero_h, ctx0):
+    """The scan's carry before the first tick: the messages in flight, the rings of stage inputs
+    and output cotangents, the accumulators (f32 where the values are narrower), and ZB's ring
+    of pending W's (per pending W: its chunk's per-layer residuals and cotangents)."""
+    acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
+           jnp.zeros((tab.microbatches + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
+    w_ring = None
+    if split is not None:
+        w0 = jax.tree.map(lambda a: a[0], params_l)
+        w_ring = jax.tree.map(lambda a: jnp.zeros((tab.w_ring,) + a.shape, a.dtype),
+                              split.saved_shapes(w0, zero_h, ctx0))
+    return ((zero_h, zero_h, zero_h), jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
+            jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, w_ring)
+
+
+def _on_stages(body, mesh, axis, data, params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
+    """``body`` under ``shard_map`` with ``axis`` and the data axes manual: a device gets its
+    stage's weights and its rows of every microbatch; the loss and ``loss_params`` are whole."""
     spec, row = P(axis), row_spec(data)
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     rows_of = lambda t: jax.tree.map(lambda _: row, t)  # noqa: E731
-    total, (gp, gl, gx) = block_shard_map(
+    return block_shard_map(
         body, mesh=mesh, axis_names={axis, *data},
         in_specs=(jax.tree.map(lambda _: spec, params_s), rep(loss_params), row, rows_of(extras_mb),
                   rows_of(targets_mb), None if rng is None else P()),
         out_specs=(P(), (jax.tree.map(lambda _: spec, params_s), rep(loss_params), row)),
     )(params_s, loss_params, x_mb, extras_mb, targets_mb, rng)
-    cast = lambda d, a: d.astype(jnp.result_type(a))  # noqa: E731
-    return total, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))
 
 
 def _zero_cotangent(a):
