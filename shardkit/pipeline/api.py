@@ -159,22 +159,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
         remat = "full"
     chunk = chunk_runner(stage_fn, k, extras is not None, rng, remat, own_remat)
-    # Stage-major layout (p, v, k, ...): device s holds groups s, s+p, ... (ZB-V: s and
-    # 2p-1-s); for v == 1, or weights stored stage-major, a plain reshape of the contiguous
-    # layer sharding.
-    if layer_order not in LAYER_ORDERS:
-        raise ValueError(f"unknown layer_order {layer_order!r}; choose one of {LAYER_ORDERS}")
-    if layer_order == "stage-major":
-        params_s = jax.tree.map(lambda a: a.reshape((p, v, k) + a.shape[1:]), stage_params)
-    elif schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
-        # XLA reduce the stage gradients over data twice)
-        def vee(a):
-            a = a.reshape((2, p, k) + a.shape[1:])
-            return jnp.stack([a[0], jnp.flip(a[1], 0)], axis=1)
-        params_s = jax.tree.map(vee, stage_params)
-    else:
-        params_s = jax.tree.map(
-            lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
+    params_s = _stage_major(stage_params, layer_order, schedule, p, v, k)
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
             "data_axes": data}
@@ -182,7 +167,39 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    n_data = math.prod(mesh.shape[a] for a in data)
+    _note_for_estimates(info, chunk, split_ops, params_s, x_mb, extras_mb, rng, math.prod(mesh.shape[a] for a in data))
+    note("pipeline", info)
+    if schedule in EXPLICIT:
+        tab = pipeline_schedule(schedule, p, m, v)
+        return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
+                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops)
+    y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
+    if loss_fn is None:
+        return merge(y_mb)
+    return mean_loss(loss_fn, loss_params, y_mb, targets_mb)
+
+
+def _stage_major(stage_params, layer_order: str, schedule: str, p: int, v: int, k: int):
+    """The layers as ``(p, v, k, ...)``: device s holds groups s, s+p, ... (ZB-V: s and
+    2p-1-s); for v == 1, or weights stored stage-major, a plain reshape of the contiguous
+    layer sharding."""
+    if layer_order not in LAYER_ORDERS:
+        raise ValueError(f"unknown layer_order {layer_order!r}; choose one of {LAYER_ORDERS}")
+    if layer_order == "stage-major":
+        return jax.tree.map(lambda a: a.reshape((p, v, k) + a.shape[1:]), stage_params)
+    if schedule == "zb-v":  # the second half of the groups in reverse (a gather here made
+        # XLA reduce the stage gradients over data twice)
+        def vee(a):
+            a = a.reshape((2, p, k) + a.shape[1:])
+            return jnp.stack([a[0], jnp.flip(a[1], 0)], axis=1)
+        return jax.tree.map(vee, stage_params)
+    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
+
+
+def _note_for_estimates(info: dict, chunk, split_ops, params_s, x_mb, extras_mb, rng, n_data: int) -> None:
+    """What the memory estimate of a traced step reads off the pipeline, into ``info`` (traced
+    only while an estimate is noting: ordinary traces pay nothing)."""
+    schedule = info["schedule"]
     if schedule in EXPLICIT and rng is None and noting():
         try:
             info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
@@ -198,15 +215,6 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
                 info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
-    note("pipeline", info)
-    if schedule in EXPLICIT:
-        tab = pipeline_schedule(schedule, p, m, v)
-        return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops)
-    y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
-    if loss_fn is None:
-        return merge(y_mb)
-    return mean_loss(loss_fn, loss_params, y_mb, targets_mb)
 
 
 def _resolve_mesh(mesh, axis):
