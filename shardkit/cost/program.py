@@ -73,7 +73,8 @@ class ProgramReading:
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         notes: what the reader could not see into.
         row_syncs: (all-reduces over the data axes the pass waits for apart from the
-            gradients' reduction, their bytes): ``syncs.row_syncs``.
+            gradients' reduction, their bytes): ``syncs.row_syncs``. ``split_followed``: the
+            weights' tensor-split dims placed the reductions inside every ``shard_map`` too.
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
@@ -95,6 +96,7 @@ class ProgramReading:
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
     row_syncs: tuple[int, float] = (0, 0.0)
+    split_followed: bool = False
 
 
 class _Reader:
@@ -107,6 +109,7 @@ class _Reader:
         self.weight_dims: dict = {}
         self.rows = 0  # the microbatch's rows, where weight_dims are followed
         self.weight_axes: frozenset | None = None  # the mesh axes weight_dims are split over
+        self.split_followed = True  # weight_dims followed into every shard_map
         self.reducing: dict = {}  # a tensor-parallel reduction's result -> (its elements, executions)
         self.manual: frozenset = frozenset()  # mesh axes a shard_map being read made manual
         self.shard_maps = 0
@@ -318,6 +321,7 @@ class _Reader:
             if name == "shard_map":  # inside, values are local over these axes
                 self.shard_maps += 1
                 self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
+                self.split_followed &= self.weight_axes is not None and not self.manual & self.weight_axes
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
             if len(sub.outvars) == len(e.outvars):
@@ -464,7 +468,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
-                          row_syncs(jaxpr, split_of))
+                          row_syncs(jaxpr, split_of), reader.weight_axes is not None and reader.split_followed)
 
 
 
