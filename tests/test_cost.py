@@ -310,3 +310,39 @@ def test_pipeline_override_and_bubble():
     more = cost.estimate_for_step(step, state, batch, pipeline=(8, "gpipe", 1))
     assert more.layout.microbatches == 8 and more.collectives["pipe-permute"] > 0
     assert more.time["bubble"] < auto.time["bubble"]
+
+
+# ---- the program reader: reductions over the rows the backward waits for -------------------------
+
+def _syncs(loss):
+    """``ProgramReading.row_syncs`` of ``loss`` on 32 rows split 8 ways over the data axes."""
+    from shardkit.cost.program import read_program
+
+    params = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((32, 16), jnp.float32)}
+
+    def split_of(aval, leaf, manual=frozenset()):
+        return (8 if leaf is None and aval.shape[:1] == (32,) else 1), 1
+
+    return read_program(loss, params, batch, split_of=split_of, n_params=1).row_syncs[0]
+
+
+def test_row_syncs_count_the_reductions_the_backward_waits_for():
+    def plain(p, b):  # the loss's mean reaches the loss value only: folded into the gradients'
+        return jnp.mean(jnp.tanh(b["x"] @ p["w"]))
+
+    def balanced(p, b):  # Switch's load balance: the rows' shares scale every row's gradient
+        probs = jax.nn.softmax(b["x"] @ p["w"])
+        share = jnp.mean(jax.lax.stop_gradient(probs), axis=0)
+        return jnp.sum(share * jnp.mean(probs, axis=0))
+
+    def batch_norm_twice(p, b):  # a chain: the second statistics wait for the first
+        def norm(h):
+            mu = jnp.mean(h, axis=0, keepdims=True)
+            return (h - mu) * jax.lax.rsqrt(jnp.mean((h - mu) ** 2, axis=0, keepdims=True) + 1e-5)
+        h = norm(b["x"] @ p["w"])
+        return jnp.mean(jnp.tanh(norm(h * h)))
+
+    assert _syncs(plain) == 0
+    assert _syncs(balanced) == 1
+    assert _syncs(batch_norm_twice) >= 2

@@ -20,7 +20,6 @@ CAVEAT_BOUNDS = {
     ("cnn", "data=8", 3): {"collective/other": 1.0},  # 1 KiB vs 0
     ("moe", "data=8", 3): {"memory/temporaries": 0.25, "memory/peak": 0.25},  # 0.77, 0.80
     ("moe", "tensor=8", 0): {"memory/temporaries": 0.25, "memory/peak": 0.25, "flops": 0.2},  # 0.78, 0.79, 0.90
-    ("moe", "data=2,fsdp=2,tensor=2", 1): {"collective/tensor-reduce": 0.9},  # 0.14: marked not modelled
     ("moe", "fsdp=2,expert=4", 3): {"memory/temporaries": 0.2, "memory/peak": 0.2},  # 0.83, 0.85
 }
 

@@ -31,9 +31,10 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
         # A shard_map (sk.moe, a user's own) is partitioned by hand inside; around it XLA
         # decides where weights are gathered and kept and where tensor-split values meet.
         region = "a shard_map's (sk.moe's) weights"
-        if any(tensor_split):
+        if any(tensor_split) and not reading.split_followed:
             out["collective/tensor-reduce"] = (f"not modelled: the reductions XLA places around {region} when "
                                                "they are tensor-split (only the matmuls outside are counted)")
+        if any(tensor_split):
             why = f"not modelled: how XLA partitions {region} over the tensor axes"
             for q in ("memory/temporaries", "memory/peak", "flops"):
                 out[q] = why

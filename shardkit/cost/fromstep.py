@@ -118,7 +118,9 @@ def _facts(step, state, batch, pipeline) -> _Step:
     weight_dims = None if (pipe or sp or sizes.get("context", 1) > 1) else [
         [d for d, e in enumerate(l.spec) if any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1
                                                 for a in entry_axes(e))] for l in lv.leaves]
-    reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp, weight_dims)
+    weight_axes = frozenset(a for l in lv.leaves for e in l.spec for a in entry_axes(e)
+                            if a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1)
+    reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp, weight_dims, weight_axes)
     return _Step(step, state, batch, sizes, plan.zero, step.microbatches, itemsize(prec.params), bc,
                  itemsize(prec.grads), platform, 4 if platform == "cpu" else bc, data_axes,
                  math.prod(sizes[a] for a in data_axes), sp, sizes.get("context", 1), pipe, lv, reading)
@@ -244,6 +246,11 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
                      zero12_ops=zero12_ops,
                      bg=s.bg, wire=s.wire, bp=s.bp)
+        # Reductions over the rows the rest of the pass reads back (a MoE load-balancing loss's
+        # expert counts): all-reduces of their own, before the gradients exist (``syncs``).
+        syncs, sync_bytes = reading.row_syncs
+        col["grad-reduce"] += m * sync_bytes
+        counts["grad-reduce"] += m * syncs
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
     # parallelism the traced program's tensor-split contractions give the reductions; with them,
     # Megatron's per-use count (``stepleaves.tensor_uses``).
@@ -343,7 +350,8 @@ def _hardware(hardware, mesh) -> hw_lib.Hardware:
         return hw_lib.lookup("h100")
 
 
-def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_dims=None) -> ProgramReading:
+def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_dims=None,
+          weight_axes=None) -> ProgramReading:
     """``program.read_program`` on one microbatch of this step, with per-device sizes from the
     plan (see ``program``'s docstring for the rules)."""
     mb, params = microbatch(step, state, batch)
@@ -379,4 +387,5 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_di
 
     with step.plan.active():
         return read_program(step.microbatch_loss(state), params, mb, split_of=split_of, n_params=len(comp),
-                            canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims)
+                            canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims,
+                            weight_axes=weight_axes)

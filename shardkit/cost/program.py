@@ -42,6 +42,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import xla_cpu
+from .syncs import row_syncs
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
@@ -71,6 +72,9 @@ class ProgramReading:
             the collectives the program writes itself (inside ``shard_map``), through loops.
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         notes: what the reader could not see into.
+        row_syncs: (all-reduces over the data axes the pass waits for apart from the
+            gradients' reduction, their bytes): ``syncs.row_syncs``. ``split_followed``: the
+            weights' tensor-split dims placed the reductions inside every ``shard_map`` too.
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
@@ -91,6 +95,8 @@ class ProgramReading:
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
+    row_syncs: tuple[int, float] = (0, 0.0)
+    split_followed: bool = False
 
 
 class _Reader:
@@ -102,6 +108,8 @@ class _Reader:
         # axes (the leaf's spec, carried through transposes, reshapes, casts and loop slices).
         self.weight_dims: dict = {}
         self.rows = 0  # the microbatch's rows, where weight_dims are followed
+        self.weight_axes: frozenset | None = None  # the mesh axes weight_dims are split over
+        self.split_followed = True  # weight_dims followed into every shard_map
         self.reducing: dict = {}  # a tensor-parallel reduction's result -> (its elements, executions)
         self.manual: frozenset = frozenset()  # mesh axes a shard_map being read made manual
         self.shard_maps = 0
@@ -234,7 +242,10 @@ class _Reader:
         """Whether a ``dot_general`` with a weight operand of known split dims keeps a split dim
         in its result; None where no operand is such a weight (the size rule decides)."""
         contract, _ = e.params["dimension_numbers"]
-        if self.manual or any(isinstance(u, jcore.Literal) for u in e.invars[:2]):
+        # Inside a shard_map manual over the data axes alone (sk.moe's) a weight keeps its split;
+        # one manual over an axis a weight's dims name holds a local block (the sizes decide).
+        if (self.manual and (self.weight_axes is None or self.manual & self.weight_axes)) or any(
+                isinstance(u, jcore.Literal) for u in e.invars[:2]):
             return None
         known = [u for u in e.invars[:2] if u in self.weight_dims]
         if not known:
@@ -310,9 +321,14 @@ class _Reader:
             if name == "shard_map":  # inside, values are local over these axes
                 self.shard_maps += 1
                 self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
+                self.split_followed &= self.weight_axes is not None and not self.manual & self.weight_axes
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
             if len(sub.outvars) == len(e.outvars):
+                # A weight the body hands out (a shard_map's residual for its backward, one copy
+                # per device stacked along dim 0) keeps its split dims.
+                self.weight_dims.update((o, self.weight_dims[v]) for v, o in zip(sub.outvars, e.outvars)
+                                        if v in self.weight_dims and v.aval.ndim == o.aval.ndim)
                 kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
                 whole_out = kept if whole_out is None else whole_out & kept
             self.in_loop -= loop
@@ -406,7 +422,8 @@ class _Reader:
 
 
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
-                 canonical_dots: bool = False, weight_dims: list | None = None) -> ProgramReading:
+                 canonical_dots: bool = False, weight_dims: list | None = None,
+                 weight_axes: frozenset | None = None) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -424,6 +441,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
             feature), and the batch and what a whole table looks up are whole over those axes.
             None: the size rule alone (sequence or context parallelism split activations on
             other grounds).
+        weight_axes: the mesh axes ``weight_dims`` are split over: inside a ``shard_map``
+            manual over none of them the weights keep those dims (None: no shard_map does).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
@@ -432,6 +451,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     reader = _Reader(split_of, n_params, canonical_dots)
     if weight_dims is not None:
         reader.weight_dims = {v: frozenset(d) for v, d in zip(jaxpr.invars[:n_params], weight_dims)}
+        reader.weight_axes = weight_axes
         reader.unsplit.update(jaxpr.invars[n_params:])
         leaves = jax.tree.leaves(batch)
         reader.rows = leaves[0].shape[0] if leaves and leaves[0].shape else 0
@@ -447,7 +467,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
-                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
+                          row_syncs(jaxpr, split_of), reader.weight_axes is not None and reader.split_followed)
 
 
 

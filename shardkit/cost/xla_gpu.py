@@ -40,7 +40,9 @@ def data_ops(lv, zero_specs, uses, reading, *, zero: int, microbatches: int, gra
         reading: the ``program.ProgramReading`` (loop uses, lookups, matmuls).
     """
     m, loop, comp, stored = microbatches, reading.loop_use, lv.comp, lv.stored
-    scatter = zero >= 2 or lv.fsdp  # the gradients are reduce-scattered
+    # The gradients are reduce-scattered — where ZeRO shards some leaf: on a mesh larger than
+    # every leaf's dims divide (a small model on 256 GPUs) ZeRO-2/3 all-reduce them all.
+    scatter = lv.fsdp or (zero >= 2 and any(z < f for f, z in zip(lv.full, lv.zshard)))
     in_loop = any(loop)
     out_bytes = sum(c for c, lp in zip(comp, loop) if not lp) * grad_bytes
     # Reduce-scatters combine whatever dim they scatter, apart for leaves split over other axes
