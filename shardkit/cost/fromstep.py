@@ -26,7 +26,7 @@ from . import xla_gpu
 from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, recompute_factor)
 from .stepleaves import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
-                         n_tensor_of, residual_bytes, tensor_uses)
+                         n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +253,10 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                    tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
                    tables=(tables, n_tables), param_bytes=s.bp, grad_bytes=s.bg,
                    measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
+    # Operands gathered where a product's two operands keep dims split over the same devices
+    # (a tensor split spread over heads and their features: ``headsplit``).
+    col["tensor-gather"] += m * reading.tensor_gather * s.wire
+    counts["tensor-gather"] += m * reading.tensor_gather_ops
     if s.platform == "gpu" and not pipe and not sp and counts["tensor-reduce"]:
         # The step's gradient-norm metric sums tensor-split gradients over the tensor axes: one
         # scalar all-reduce a step (its bytes are nothing; its latency is not).
@@ -379,4 +383,6 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_di
 
     with step.plan.active():
         return read_program(step.microbatch_loss(state), params, mb, split_of=split_of, n_params=len(comp),
-                            canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims)
+                            canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims,
+                            feature_dims=lambda shape: split_feature_dims(shape, rows, tensor_dims),
+                            tensor_axis=n_tensor)

@@ -44,6 +44,7 @@ from jax._src import core as jcore
 from . import xla_cpu
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
+from .headsplit import HeadSplits
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
                          OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW, view_dims)
 
@@ -74,7 +75,11 @@ class ProgramReading:
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
-            activations that is not a layer scan: a time recurrence inside a layer).
+            activations that is not a layer scan: a time recurrence inside a layer),
+            ``"relayout"`` (a slice or concatenation along a dim split over part of the tensor
+            axis: ``headsplit``).
+        tensor_gather: elements one device gathers over the tensor-like axes where a product's
+            two operands keep dims split over the same devices (``headsplit``); ``_ops``: how many.
     """
 
     lookup: list[bool]
@@ -91,6 +96,8 @@ class ProgramReading:
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
+    tensor_gather: float = 0.0
+    tensor_gather_ops: float = 0.0
 
 
 class _Reader:
@@ -119,9 +126,12 @@ class _Reader:
         self.notes: list[str] = []
         self.unseen: dict[str, str] = {}
         self._times = 1.0
+        self.heads: HeadSplits | None = None  # activations split over several dims (heads)
 
     def size_of(self, aval, leaf, var=None) -> float:
         d, t = self.split_of(aval, leaf, self.manual)
+        if self.heads is not None and var in self.heads.parts:
+            t = math.prod(self.heads.parts[var].values())
         return _bytes(aval) / (d * (1 if var in self.unsplit else t))
 
     def split(self, u, origin: dict) -> tuple[float, float]:
@@ -162,7 +172,15 @@ class _Reader:
                         self.loop_use[s_] = True
             if name in ("add", "add_any") and not self.canonical_dots:
                 self._reassociate(p, e)
-            if name in _MATMUL:
+            if self.heads is not None and not self.manual and name not in _MATMUL and not _sub_jaxprs(e):
+                before = self.heads.reduce_elems
+                self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
+                                  lambda v: self.split_of(v.aval, None, self.manual)[0])
+                self.tensor_reduce += self.heads.reduce_elems - before
+                self.tensor_reduce_ops += self._times if self.heads.reduce_elems > before else 0.0
+            if name in _MATMUL and self._head_matmul(p, i, e, origin, src):
+                pass
+            elif name in _MATMUL:
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
@@ -215,6 +233,42 @@ class _Reader:
             if s is not None:
                 self.matmul[s] = True
                 self.conv[s] += e.primitive.name == "conv_general_dilated"
+
+    def _dims(self, u, origin: dict):
+        """An operand's split dims for ``headsplit`` (None: the size rule cannot place them)."""
+        if isinstance(u, jcore.Literal):
+            return {}
+        return self.heads.dims(u, self.split(u, origin)[1], self.weight_dims.get(u), u in self.unsplit)
+
+    def _head_matmul(self, p: _Pass, i: int, e, origin: dict, src: list) -> bool:
+        """A ``dot_general`` with an operand split over several dims (``headsplit``): its flops,
+        partial sums and gathers by those dims; False where the reader's own rules apply."""
+        if (self.heads is None or self.manual or e.primitive.name != "dot_general"
+                or not any(u in self.heads.parts for u in e.invars[:2] if not isinstance(u, jcore.Literal))):
+            return False
+        da, db = (self._dims(u, origin) for u in e.invars[:2])
+        if da is None or db is None:
+            return False
+        d = max([self.split(u, origin)[0] for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
+                + [self.split_of(e.outvars[0].aval, None, self.manual)[0]])
+        before = self.heads.reduce_elems
+        _, whole = self.heads.dot(e, da, db, self._times, d)
+        if self.heads.reduce_elems > before:
+            elems = self.heads.reduce_elems - before
+            self.tensor_reduce += elems
+            self.tensor_reduce_ops += self._times
+            self.reducing[e.outvars[0]] = (elems, self._times)
+        if whole:
+            self.unsplit.add(e.outvars[0])
+        # Flops as the reader's own rule shares them (the most split operand): XLA:GPU's
+        # compiles of Griffin run more of the per-head products than the head split implies.
+        ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
+        p.total += _dot_flops(e)
+        p.flops += _dot_flops(e) / max(dd * t for dd, t in ops + [(d, 1)])
+        for s in src[:2]:
+            if s is not None:
+                self.matmul[s] = True
+        return True
 
     def _reassociate(self, p: _Pass, e) -> None:
         """A sum of two tensor-parallel reductions' results that nothing else reads is one
@@ -297,6 +351,9 @@ class _Reader:
                                             if name == "scan" and k + shift >= first_xs else dims)
             self.sliced.update(iv for iv, ov in zip(sub.invars, outer)
                                if not isinstance(ov, jcore.Literal) and ov in self.sliced)
+            if self.heads is not None:
+                self.heads.enter(outer, sub.invars, [name == "scan" and k + shift >= first_xs
+                                                     for k in range(len(outer))])
             if math.isnan(times):
                 self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
                 self.unseen.setdefault("while", "a while loop of unknown trip count (its body counted once)")
@@ -312,6 +369,9 @@ class _Reader:
                 self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
+            if self.heads is not None and len(sub.outvars) == len(e.outvars):
+                self.heads.leave(sub.outvars, e.outvars, [name == "scan" and k >= e.params["num_carry"]
+                                                          for k in range(len(e.outvars))])
             if len(sub.outvars) == len(e.outvars):
                 kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
                 whole_out = kept if whole_out is None else whole_out & kept
@@ -406,7 +466,8 @@ class _Reader:
 
 
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
-                 canonical_dots: bool = False, weight_dims: list | None = None) -> ProgramReading:
+                 canonical_dots: bool = False, weight_dims: list | None = None,
+                 feature_dims: Callable | None = None, tensor_axis: int = 1) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -424,6 +485,9 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
             feature), and the batch and what a whole table looks up are whole over those axes.
             None: the size rule alone (sequence or context parallelism split activations on
             other grounds).
+        feature_dims, tensor_axis: with ``weight_dims``, the dims of an activation the size rule
+            reads as tensor-split (``shape -> [dims]``) and the tensor axes' size: a split
+            feature reshaped into heads is then followed dim by dim (``headsplit``).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
@@ -435,6 +499,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         reader.unsplit.update(jaxpr.invars[n_params:])
         leaves = jax.tree.leaves(batch)
         reader.rows = leaves[0].shape[0] if leaves and leaves[0].shape else 0
+        if feature_dims is not None and tensor_axis > 1:
+            reader.heads = HeadSplits(tensor_axis, feature_dims)
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
 
 
@@ -445,9 +511,14 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
     first_grad = min((reader._born.get(v, len(live)) for v in grads), default=len(live) - 1)
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
+    heads = reader.heads
+    if heads is not None and heads.relayouts:
+        reader.unseen.setdefault("relayout", heads.relayouts[0] + " (XLA moves blocks between layouts: "
+                                 "all-to-alls, permutes)")
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
-                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
+                          heads.gather_elems if heads else 0.0, heads.gather_ops if heads else 0.0)
 
 
 
