@@ -82,8 +82,6 @@ class HeadSplits:
 
     Attributes:
         parts: var -> ``Dims``, for the values followed here.
-        reduce_elems, reduce_ops: partial sums all-reduced over the devices sharing a
-            contracted dim (elements per device, executions).
         gather_elems, gather_ops: operands gathered where both of a product's operands keep
             split dims (elements of the gathered result per device, executions).
         relayouts: what XLA moves between layouts that is not counted (slices, concatenations,
@@ -94,7 +92,6 @@ class HeadSplits:
         self.axis = axis
         self.feature_dims = feature_dims
         self.parts: dict = {}
-        self.reduce_elems = self.reduce_ops = 0.0
         self.gather_elems = self.gather_ops = 0.0
         self.relayouts: list[str] = []
 
@@ -112,9 +109,10 @@ class HeadSplits:
         fd = self.feature_dims(tuple(u.aval.shape))
         return {fd[0]: self.axis} if len(fd) == 1 else None
 
-    def follow(self, e, operand_dims: Callable, times: float, data_split: Callable) -> None:
+    def follow(self, e, operand_dims: Callable, times: float, data_split: Callable) -> float:
         """Carries the split dims through a non-matmul equation ``e`` (views, elementwise math,
-        reductions, slices); ``operand_dims(u)`` gives an operand's dims (``dims``)."""
+        reductions, slices); ``operand_dims(u)`` gives an operand's dims (``dims``). Returns the
+        elements one device all-reduces for it (a sum over a split dim), ``times`` executions."""
         name = e.primitive.name
         ins = [u for u in e.invars if not isinstance(u, jcore.Literal)]
         tracked = [u for u in ins if u in self.parts]
@@ -131,9 +129,9 @@ class HeadSplits:
                 # A split feature factored into heads starts here; one merged back into a
                 # plain split feature leaves it to the reader's own rules.
                 self.parts[out] = got
-            return
+            return 0.0
         if not tracked:
-            return
+            return 0.0
         src = self.parts[tracked[0]]
         out = e.outvars[0]
         if name == "transpose":
@@ -150,9 +148,8 @@ class HeadSplits:
             axes = set(e.params.get("axes", ()))
             keep = [d for d in range(tracked[0].aval.ndim) if d not in axes]
             self.parts[out] = {keep.index(d): f for d, f in src.items() if d in keep}
-            red = math.prod(f for d, f in src.items() if d in axes)
-            if red > 1:  # a sum over a split dim: partial sums
-                self._reduce(out, times, data_split(out), self.parts[out])
+            if math.prod(f for d, f in src.items() if d in axes) > 1:  # a sum over a split dim
+                return self._reduce(out, times, data_split(out), self.parts[out])
         elif name in SLICE or name in ("split", "concatenate", "pad", "dynamic_update_slice"):
             same = [v for v in e.outvars if v.aval.ndim == tracked[0].aval.ndim]
             if len(same) < len(e.outvars) or any(v.aval.shape[d] != tracked[0].aval.shape[d]
@@ -165,11 +162,12 @@ class HeadSplits:
             for v in e.outvars:
                 if v.aval.shape == tracked[0].aval.shape:
                     self.parts[v] = dict(src)
+        return 0.0
 
-    def dot(self, e, da: Dims, db: Dims, times: float, d: float) -> tuple[float, bool]:
-        """A ``dot_general`` with split dims on its operands: the result's dims, its partial
-        sums (reduced), a gathered operand where both keep split dims. Returns (the devices one
-        product's flops are shared by over the tensor axis, whether its result is whole)."""
+    def dot(self, e, da: Dims, db: Dims, times: float, d: float) -> float:
+        """A ``dot_general`` with split dims on its operands: the result's dims, a gathered
+        operand where both keep split dims; returns the elements of its partial sums one device
+        all-reduces (0: none), ``times`` executions. A result with no split dim is whole."""
         (ca, cb), (ba, bb) = e.params["dimension_numbers"]
         a, b = e.invars[:2]
         red = math.prod(max(da.get(i, 1), db.get(j, 1)) for i, j in zip(ca, cb))
@@ -199,19 +197,17 @@ class HeadSplits:
         out.update(kept_a)
         out.update(kept_b)
         out = {k: f for k, f in out.items() if f > 1}
-        if red > 1:
-            self._reduce(e.outvars[0], times, d, out)
         if out:
             self.parts[e.outvars[0]] = out
-        return red * math.prod(out.values()), not out
+        return self._reduce(e.outvars[0], times, d, out) if red > 1 else 0.0
 
     def _plain(self, v, dims: Dims) -> bool:
         """Whether ``dims`` is the whole axis on the one dim the size rule reads as split."""
         return list(dims.values()) == [self.axis] and self.feature_dims(tuple(v.aval.shape)) == list(dims)
 
-    def _reduce(self, v, times: float, d: float, out: Dims) -> None:
-        self.reduce_elems += times * math.prod(v.aval.shape) / (d * math.prod(out.values() or (1,)))
-        self.reduce_ops += times
+    @staticmethod
+    def _reduce(v, times: float, d: float, out: Dims) -> float:
+        return times * math.prod(v.aval.shape) / (d * math.prod(out.values() or (1,)))
 
     def enter(self, outer: list, inner: list, shift: list[bool]) -> None:
         """Passes the dims of a nested jaxpr's operands to its inputs (``shift``: a scan's xs,

@@ -21,7 +21,8 @@ tensor-like axes when one of its feature dimensions is a tensor-sharded weight d
 (Megatron's split) — except a matmul's result with a weight, which is split exactly when a dim
 the product keeps is one the weight's spec splits (followed through views: a Conv1D kernel
 used transposed), and whole otherwise (after the all-reduce of a split contraction's partial
-sums); the batch, what a whole table looks up and elementwise math of whole values are whole.
+sums); the batch, what a whole table looks up and elementwise math of whole values are whole; a
+split feature reshaped into heads is followed dim by dim (``headsplit``).
 These are the only guesses: ``ProgramReading.notes`` lists what the
 reader could not see into (a ``while`` of unknown trip count, a custom call).
 
@@ -33,7 +34,6 @@ being modelled.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -45,59 +45,9 @@ from . import xla_cpu
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
 from .headsplit import HeadSplits
+from .reading import ProgramReading as ProgramReading
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
                          OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW, view_dims)
-
-
-@dataclasses.dataclass
-class ProgramReading:
-    """What one microbatch's forward + backward pass does, per device.
-
-    Attributes:
-        lookup: per parameter leaf, whether it is indexed (``gather``: an embedding table).
-        matmul: per parameter leaf, whether it is a matmul/convolution operand.
-        conv: per parameter leaf, how many convolutions read it (0: not a kernel); the
-            backward's input-gradient convolution reads the kernel reversed (``rev``).
-        loop_use: per parameter leaf, whether a loop body (``scan``/``while``) uses it: XLA
-            then gathers a ZeRO-3 weight inside the loop, forward and backward (else once).
-        flops: matmul + convolution flops one device executes for one microbatch (each op's
-            global flops over the largest split of its operands and result).
-        total_flops: the same on all devices together (each op counted once).
-        peak: the largest sum of live materialised buffers during the pass (bytes, one device),
-            arguments (parameters, batch) excluded; the gradients are live at its end.
-        residuals: bytes live when the backward pass starts (what the forward keeps for it).
-        tensor_reduce: elements one device all-reduces over the tensor-like axes (the results
-            of matmuls that contract a tensor-split dimension); ``tensor_reduce_ops``: how many.
-        explicit: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device of
-            the collectives the program writes itself (inside ``shard_map``), through loops.
-        shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
-        notes: what the reader could not see into.
-        unseen: what the program holds that the model cannot see, ``{kind: description}``:
-            ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
-            ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
-            activations that is not a layer scan: a time recurrence inside a layer),
-            ``"relayout"`` (a slice or concatenation along a dim split over part of the tensor
-            axis: ``headsplit``).
-        tensor_gather: elements one device gathers over the tensor-like axes where a product's
-            two operands keep dims split over the same devices (``headsplit``); ``_ops``: how many.
-    """
-
-    lookup: list[bool]
-    matmul: list[bool]
-    conv: list[int]
-    loop_use: list[bool]
-    flops: float
-    total_flops: float
-    peak: float
-    residuals: float
-    tensor_reduce: float
-    tensor_reduce_ops: float
-    notes: list[str]
-    explicit: dict = dataclasses.field(default_factory=dict)
-    shard_maps: int = 0
-    unseen: dict = dataclasses.field(default_factory=dict)
-    tensor_gather: float = 0.0
-    tensor_gather_ops: float = 0.0
 
 
 class _Reader:
@@ -173,14 +123,9 @@ class _Reader:
             if name in ("add", "add_any") and not self.canonical_dots:
                 self._reassociate(p, e)
             if self.heads is not None and not self.manual and name not in _MATMUL and not _sub_jaxprs(e):
-                before = self.heads.reduce_elems
-                self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
-                                  lambda v: self.split_of(v.aval, None, self.manual)[0])
-                self.tensor_reduce += self.heads.reduce_elems - before
-                self.tensor_reduce_ops += self._times if self.heads.reduce_elems > before else 0.0
-            if name in _MATMUL and self._head_matmul(p, i, e, origin, src):
-                pass
-            elif name in _MATMUL:
+                self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
+                                                              lambda v: self.split_of(v.aval, None, self.manual)[0]))
+            if name in _MATMUL and not self._head_matmul(p, e, origin, src):
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
@@ -216,9 +161,7 @@ class _Reader:
         if max(t for _, t in ops) > 1 and out_t == 1:
             # A tensor-split contraction leaves partial sums: XLA all-reduces the result
             # (Megatron's row-parallel forward, column-parallel input gradient).
-            self.tensor_reduce += self._times * math.prod(e.outvars[0].aval.shape) / out_d
-            self.tensor_reduce_ops += self._times
-            self.reducing[e.outvars[0]] = (self._times * math.prod(e.outvars[0].aval.shape) / out_d, self._times)
+            self._reduced(e.outvars[0], self._times * math.prod(e.outvars[0].aval.shape) / out_d)
             # The all-reduce writes a second buffer beside the partial sums.
             reduce_copy = self.size_of(e.outvars[0].aval, None)
         else:
@@ -240,7 +183,14 @@ class _Reader:
             return {}
         return self.heads.dims(u, self.split(u, origin)[1], self.weight_dims.get(u), u in self.unsplit)
 
-    def _head_matmul(self, p: _Pass, i: int, e, origin: dict, src: list) -> bool:
+    def _reduced(self, v, elems: float) -> None:
+        """A tensor-parallel all-reduce of ``elems`` elements a device (0: none) of ``v``."""
+        if elems:
+            self.tensor_reduce += elems
+            self.tensor_reduce_ops += self._times
+            self.reducing[v] = (elems, self._times)
+
+    def _head_matmul(self, p: _Pass, e, origin: dict, src: list) -> bool:
         """A ``dot_general`` with an operand split over several dims (``headsplit``): its flops,
         partial sums and gathers by those dims; False where the reader's own rules apply."""
         if (self.heads is None or self.manual or e.primitive.name != "dot_general"
@@ -249,20 +199,13 @@ class _Reader:
         da, db = (self._dims(u, origin) for u in e.invars[:2])
         if da is None or db is None:
             return False
-        d = max([self.split(u, origin)[0] for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
-                + [self.split_of(e.outvars[0].aval, None, self.manual)[0]])
-        before = self.heads.reduce_elems
-        _, whole = self.heads.dot(e, da, db, self._times, d)
-        if self.heads.reduce_elems > before:
-            elems = self.heads.reduce_elems - before
-            self.tensor_reduce += elems
-            self.tensor_reduce_ops += self._times
-            self.reducing[e.outvars[0]] = (elems, self._times)
-        if whole:
-            self.unsplit.add(e.outvars[0])
-        # Flops as the reader's own rule shares them (the most split operand): XLA:GPU's
-        # compiles of Griffin run more of the per-head products than the head split implies.
         ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
+        d = max([dd for dd, _ in ops] + [self.split_of(e.outvars[0].aval, None, self.manual)[0]])
+        self._reduced(e.outvars[0], self.heads.dot(e, da, db, self._times, d))
+        if e.outvars[0] not in self.heads.parts:
+            self.unsplit.add(e.outvars[0])
+        # Flops shared as the reader's own rule shares them (by the most split operand): XLA:GPU
+        # runs more of Griffin's per-head products per device than the head split implies.
         p.total += _dot_flops(e)
         p.flops += _dot_flops(e) / max(dd * t for dd, t in ops + [(d, 1)])
         for s in src[:2]:
