@@ -69,6 +69,9 @@ _UNSEEN = {
     # over a head dim split between devices): XLA's all-to-alls and permutes, found on Griffin
     # at tensor=8 with 4 heads (30 ops).
     "relayout": ("collective/other",),
+    # Fewer heads than tensor devices: the gathers around the per-head reductions XLA
+    # reduce-scatters (Griffin at tensor=8: 7 gathers, 144 KB, none modelled).
+    "head-spill": ("collective/tensor-gather",),
 }
 
 

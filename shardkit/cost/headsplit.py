@@ -86,6 +86,9 @@ class HeadSplits:
             split dims (elements of the gathered result per device, executions).
         relayouts: what XLA moves between layouts that is not counted (slices, concatenations,
             pads along a dim split this way).
+        spills: reshapes whose split spilled from the heads into their own dims (fewer heads
+            than devices): XLA then reduce-scatters some per-head partial sums and gathers them
+            back where they are read, which is not counted (only the reductions are).
     """
 
     def __init__(self, axis: int, feature_dims: Callable[[tuple], list[int]]):
@@ -94,6 +97,9 @@ class HeadSplits:
         self.parts: dict = {}
         self.gather_elems = self.gather_ops = 0.0
         self.relayouts: list[str] = []
+        self.spills: list[str] = []
+        self.reduced: set = set()  # (operand, devices) whose products' partial sums were reduced
+        self.root: dict = {}  # a followed value -> the value it views (one input reshaped twice)
 
     def dims(self, u, split: float, weight: frozenset | None, whole: bool) -> Dims | None:
         """The split dims of an operand: followed here, a weight's spec, whole, or the size
@@ -129,11 +135,17 @@ class HeadSplits:
                 # A split feature factored into heads starts here; one merged back into a
                 # plain split feature leaves it to the reader's own rules.
                 self.parts[out] = got
+                self.root[out] = self.root.get(ins[0], ins[0])
+                if factored and len(got) > 1:
+                    self.spills.append(f"a tensor split of {self.axis} reshaped {ins[0].aval.shape} -> "
+                                       f"{out.aval.shape} spills from the heads into their own dims")
             return 0.0
         if not tracked:
             return 0.0
         src = self.parts[tracked[0]]
         out = e.outvars[0]
+        if name in VIEW:
+            self.root[out] = self.root.get(tracked[0], tracked[0])
         if name == "transpose":
             perm = e.params["permutation"]
             self.parts[out] = {k: src[p] for k, p in enumerate(perm) if p in src}
@@ -164,10 +176,13 @@ class HeadSplits:
                     self.parts[v] = dict(src)
         return 0.0
 
-    def dot(self, e, da: Dims, db: Dims, times: float, d: float) -> float:
+    def dot(self, e, da: Dims, db: Dims, times: float, d: float) -> tuple[float, bool]:
         """A ``dot_general`` with split dims on its operands: the result's dims, a gathered
-        operand where both keep split dims; returns the elements of its partial sums one device
-        all-reduces (0: none), ``times`` executions. A result with no split dim is whole."""
+        operand where both keep split dims. Returns the elements of its partial sums one device
+        all-reduces (0: none), ``times`` executions, and whether that all-reduce joins an
+        earlier one: products of one operand reduced over the same devices are independent, and
+        XLA's combiner makes them one op (Griffin's two RG-LRU gates of one input). A result
+        with no split dim is whole."""
         (ca, cb), (ba, bb) = e.params["dimension_numbers"]
         a, b = e.invars[:2]
         red = math.prod(max(da.get(i, 1), db.get(j, 1)) for i, j in zip(ca, cb))
@@ -199,7 +214,12 @@ class HeadSplits:
         out = {k: f for k, f in out.items() if f > 1}
         if out:
             self.parts[e.outvars[0]] = out
-        return self._reduce(e.outvars[0], times, d, out) if red > 1 else 0.0
+        if red == 1:
+            return 0.0, False
+        keys = {(self.root.get(u, u), red) for u in (a, b) if u in self.parts}
+        joins = bool(keys & self.reduced)
+        self.reduced |= keys
+        return self._reduce(e.outvars[0], times, d, out), joins
 
     def _plain(self, v, dims: Dims) -> bool:
         """Whether ``dims`` is the whole axis on the one dim the size rule reads as split."""

@@ -183,12 +183,14 @@ class _Reader:
             return {}
         return self.heads.dims(u, self.split(u, origin)[1], self.weight_dims.get(u), u in self.unsplit)
 
-    def _reduced(self, v, elems: float) -> None:
-        """A tensor-parallel all-reduce of ``elems`` elements a device (0: none) of ``v``."""
+    def _reduced(self, v, elems: float, ops: float | None = None) -> None:
+        """A tensor-parallel all-reduce of ``elems`` elements a device (0: none) of ``v``, in
+        ``ops`` collectives (default: one an execution)."""
         if elems:
+            ops = self._times if ops is None else ops
             self.tensor_reduce += elems
-            self.tensor_reduce_ops += self._times
-            self.reducing[v] = (elems, self._times)
+            self.tensor_reduce_ops += ops
+            self.reducing[v] = (elems, ops)
 
     def _head_matmul(self, p: _Pass, e, origin: dict, src: list) -> bool:
         """A ``dot_general`` with an operand split over several dims (``headsplit``): its flops,
@@ -201,7 +203,8 @@ class _Reader:
             return False
         ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
         d = max([dd for dd, _ in ops] + [self.split_of(e.outvars[0].aval, None, self.manual)[0]])
-        self._reduced(e.outvars[0], self.heads.dot(e, da, db, self._times, d))
+        elems, joins = self.heads.dot(e, da, db, self._times, d)
+        self._reduced(e.outvars[0], elems, ops=0.0 if joins else self._times)
         if e.outvars[0] not in self.heads.parts:
             self.unsplit.add(e.outvars[0])
         # Flops shared as the reader's own rule shares them (by the most split operand): XLA:GPU
@@ -458,6 +461,9 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     if heads is not None and heads.relayouts:
         reader.unseen.setdefault("relayout", heads.relayouts[0] + " (XLA moves blocks between layouts: "
                                  "all-to-alls, permutes)")
+    if heads is not None and heads.spills:
+        reader.unseen.setdefault("head-spill", heads.spills[0] + " (XLA reduce-scatters some per-head "
+                                 "partial sums there and gathers them back where they are read)")
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
