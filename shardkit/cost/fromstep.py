@@ -253,10 +253,6 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                    tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
                    tables=(tables, n_tables), param_bytes=s.bp, grad_bytes=s.bg,
                    measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
-    # Operands gathered where a product's two operands keep dims split over the same devices
-    # (a tensor split spread over heads and their features: ``headsplit``).
-    col["tensor-gather"] += m * reading.tensor_gather * s.wire
-    counts["tensor-gather"] += m * reading.tensor_gather_ops
     if s.platform == "gpu" and not pipe and not sp and counts["tensor-reduce"]:
         # The step's gradient-norm metric sums tensor-split gradients over the tensor axes: one
         # scalar all-reduce a step (its bytes are nothing; its latency is not).

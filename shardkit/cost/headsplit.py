@@ -7,12 +7,14 @@ devices become 4 heads over 4 devices and each head's 16 features over the other
 heads do not divide the axis, the split spills into the head's own dims. A contraction over a
 dim a device holds part of leaves partial sums that XLA all-reduces over the devices sharing
 that dim, whatever the operands are: a head's logits (q·k over the head dim), a block-diagonal
-gate (``... h i, h i j -> ... h j``), the key/value gradients (summed over the heads), and a
-product whose two operands keep split dims on the same devices makes XLA gather one of them.
-Checked on XLA:GPU's compile of recurrentgemma's Griffin (4 heads) at tensor=8 and tensor=4.
-What it cannot follow (slices, concatenations or pads along a dim split this way: rotary
-embeddings that split the head dim, which XLA moves with all-to-alls and permutes) is reported
-as a relayout, never guessed.
+gate (``... h i, h i j -> ... h j``), the key/value gradients (summed over the heads).
+Checked on XLA:GPU's compiles of recurrentgemma's Griffin and HF GPT-2 (4 heads each) at
+tensor=8 and tensor=4. What it cannot bound is reported, never guessed: slices,
+concatenations or pads along a dim split this way (rotary embeddings that split the head dim,
+which XLA moves with all-to-alls and permutes), a product whose two operands keep dims split
+over the same devices (XLA gathers or moves one of them), and the gathers XLA adds around a
+split that spilled into the heads' own dims (it reduce-scatters some per-head partial sums
+and gathers them back where they are read).
 
 ``program._Reader`` asks ``HeadSplits`` for the dims of each value; a value not followed here
 keeps the reader's own rules (weight specs, the size rule).
@@ -82,10 +84,9 @@ class HeadSplits:
 
     Attributes:
         parts: var -> ``Dims``, for the values followed here.
-        gather_elems, gather_ops: operands gathered where both of a product's operands keep
-            split dims (elements of the gathered result per device, executions).
         relayouts: what XLA moves between layouts that is not counted (slices, concatenations,
-            pads along a dim split this way).
+            pads along a dim split this way; a product whose operands keep dims split over the
+            same devices).
         spills: reshapes whose split spilled from the heads into their own dims (fewer heads
             than devices): XLA then reduce-scatters some per-head partial sums and gathers them
             back where they are read, which is not counted (only the reductions are).
@@ -95,7 +96,6 @@ class HeadSplits:
         self.axis = axis
         self.feature_dims = feature_dims
         self.parts: dict = {}
-        self.gather_elems = self.gather_ops = 0.0
         self.relayouts: list[str] = []
         self.spills: list[str] = []
         self.reduced: set = set()  # (operand, devices) whose products' partial sums were reduced
@@ -125,7 +125,7 @@ class HeadSplits:
         if name == "reshape" and ins:
             d = operand_dims(ins[0])
             if not d:
-                return
+                return 0.0
             out = e.outvars[0]
             got, factored = reshape_dims(tuple(ins[0].aval.shape), tuple(out.aval.shape), d)
             if got is None:
@@ -177,10 +177,9 @@ class HeadSplits:
         return 0.0
 
     def dot(self, e, da: Dims, db: Dims, times: float, d: float) -> tuple[float, bool]:
-        """A ``dot_general`` with split dims on its operands: the result's dims, a gathered
-        operand where both keep split dims. Returns the elements of its partial sums one device
-        all-reduces (0: none), ``times`` executions, and whether that all-reduce joins an
-        earlier one: products of one operand reduced over the same devices are independent, and
+        """A ``dot_general`` with split dims on its operands: the result's dims. Returns the
+        elements of its partial sums one device all-reduces (0: none), ``times`` executions, and
+        whether that all-reduce joins an earlier one: products of one operand reduced over the same devices are independent, and
         XLA's combiner makes them one op (Griffin's two RG-LRU gates of one input). A result
         with no split dim is whole."""
         (ca, cb), (ba, bb) = e.params["dimension_numbers"]
@@ -193,22 +192,14 @@ class HeadSplits:
         free_b = [j for j in range(b.aval.ndim) if j not in cb and j not in bb]
         kept_a = {len(ba) + k: da.get(i, 1) for k, i in enumerate(free_a)}
         kept_b = {len(ba) + len(free_a) + k: db.get(j, 1) for k, j in enumerate(free_b)}
-        if math.prod(kept_a.values()) > 1 and math.prod(kept_b.values()) > 1 and \
-                red * math.prod(out.values()) * math.prod(kept_a.values()) * math.prod(kept_b.values()) > self.axis:
-            if a not in self.parts or b not in self.parts:
-                # One side's split is the size rule's guess (a cotangent as wide as a split
-                # feature): the side followed here decides, the other is taken whole.
-                (kept_b if a in self.parts else kept_a).clear()
-        if math.prod(kept_a.values()) > 1 and math.prod(kept_b.values()) > 1 and \
-                red * math.prod(out.values()) * math.prod(kept_a.values()) * math.prod(kept_b.values()) > self.axis:
-            # Both operands keep dims split over the same devices: XLA gathers the smaller one.
-            small_a = math.prod(a.aval.shape) / math.prod(da.values() or (1,)) <= \
-                math.prod(b.aval.shape) / math.prod(db.values() or (1,))
-            side, kept = (a, kept_a) if small_a else (b, kept_b)
-            self.gather_elems += times * math.prod(side.aval.shape) / (d * max(math.prod(
-                (da if small_a else db).values() or (1,)) / math.prod(kept.values()), 1))
-            self.gather_ops += times
-            kept.clear()
+        ka, kb = math.prod(kept_a.values()), math.prod(kept_b.values())
+        if ka > 1 and kb > 1 and ka * kb * red * math.prod(out.values()) > self.axis:
+            if a in self.parts and b in self.parts:
+                self.relayouts.append(f"a product of {a.aval.shape} and {b.aval.shape} whose operands keep dims "
+                                      "split over the same devices")
+            # One side's split may be the size rule's guess (a cotangent as wide as a split
+            # feature): the side followed here decides, the other is taken whole.
+            (kept_b if a in self.parts else kept_a).clear()
         out.update(kept_a)
         out.update(kept_b)
         out = {k: f for k, f in out.items() if f > 1}

@@ -466,8 +466,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                                  "partial sums there and gathers them back where they are read)")
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
-                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
-                          heads.gather_elems if heads else 0.0, heads.gather_ops if heads else 0.0)
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
 
 
 

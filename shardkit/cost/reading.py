@@ -35,9 +35,7 @@ class ProgramReading:
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
             activations that is not a layer scan: a time recurrence inside a layer),
             ``"relayout"`` (a slice or concatenation along a dim split over part of the tensor
-            axis: ``headsplit``).
-        tensor_gather: elements one device gathers over the tensor-like axes where a product's
-            two operands keep dims split over the same devices (``headsplit``); ``_ops``: how many.
+            axis: ``headsplit``), ``"head-spill"`` (fewer heads than tensor devices).
     """
 
     lookup: list[bool]
@@ -54,5 +52,3 @@ class ProgramReading:
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
-    tensor_gather: float = 0.0
-    tensor_gather_ops: float = 0.0
