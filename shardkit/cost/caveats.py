@@ -66,6 +66,13 @@ _UNSEEN = {
     # A recurrence keeps its carries per step for the backward, and XLA decides how to lay
     # out and reuse them: found on a scanned RG-LRU (recurrentgemma), peak 0.5x compiled.
     "recurrence": ("memory/temporaries", "memory/peak"),
+    # A slice or concatenation along a dim split over part of the tensor axis (rotary embeddings
+    # over a head dim split between devices): XLA's all-to-alls and permutes, found on Griffin
+    # at tensor=8 with 4 heads (30 ops).
+    "relayout": ("collective/other",),
+    # Fewer heads than tensor devices: the gathers around the per-head reductions XLA
+    # reduce-scatters (Griffin at tensor=8: 7 gathers, 144 KB, none modelled).
+    "head-spill": ("collective/tensor-gather",),
 }
 
 

@@ -26,7 +26,7 @@ from . import xla_gpu
 from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, recompute_factor)
 from .stepleaves import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
-                         n_tensor_of, residual_bytes, tensor_uses)
+                         n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,4 +388,6 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_di
     with step.plan.active():
         return read_program(step.microbatch_loss(state), params, mb, split_of=split_of, n_params=len(comp),
                             canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims,
-                            weight_axes=weight_axes)
+                            weight_axes=weight_axes,
+                            feature_dims=lambda shape: split_feature_dims(shape, rows, tensor_dims),
+                            tensor_axis=n_tensor)

@@ -21,7 +21,8 @@ tensor-like axes when one of its feature dimensions is a tensor-sharded weight d
 (Megatron's split) — except a matmul's result with a weight, which is split exactly when a dim
 the product keeps is one the weight's spec splits (followed through views: a Conv1D kernel
 used transposed), and whole otherwise (after the all-reduce of a split contraction's partial
-sums); the batch, what a whole table looks up and elementwise math of whole values are whole.
+sums); the batch, what a whole table looks up and elementwise math of whole values are whole; a
+split feature reshaped into heads is followed dim by dim (``headsplit``).
 These are the only guesses: ``ProgramReading.notes`` lists what the
 reader could not see into (a ``while`` of unknown trip count, a custom call).
 
@@ -33,7 +34,6 @@ being modelled.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -45,58 +45,10 @@ from . import xla_cpu
 from .syncs import row_syncs
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
+from .headsplit import HeadSplits
+from .reading import ProgramReading as ProgramReading
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
                          OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW, view_dims)
-
-
-@dataclasses.dataclass
-class ProgramReading:
-    """What one microbatch's forward + backward pass does, per device.
-
-    Attributes:
-        lookup: per parameter leaf, whether it is indexed (``gather``: an embedding table).
-        matmul: per parameter leaf, whether it is a matmul/convolution operand.
-        conv: per parameter leaf, how many convolutions read it (0: not a kernel); the
-            backward's input-gradient convolution reads the kernel reversed (``rev``).
-        loop_use: per parameter leaf, whether a loop body (``scan``/``while``) uses it: XLA
-            then gathers a ZeRO-3 weight inside the loop, forward and backward (else once).
-        flops: matmul + convolution flops one device executes for one microbatch (each op's
-            global flops over the largest split of its operands and result).
-        total_flops: the same on all devices together (each op counted once).
-        peak: the largest sum of live materialised buffers during the pass (bytes, one device),
-            arguments (parameters, batch) excluded; the gradients are live at its end.
-        residuals: bytes live when the backward pass starts (what the forward keeps for it).
-        tensor_reduce: elements one device all-reduces over the tensor-like axes (the results
-            of matmuls that contract a tensor-split dimension); ``tensor_reduce_ops``: how many.
-        explicit: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device of
-            the collectives the program writes itself (inside ``shard_map``), through loops.
-        shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
-        notes: what the reader could not see into.
-        row_syncs: (all-reduces over the data axes the pass waits for apart from the
-            gradients' reduction, their bytes): ``syncs.row_syncs``. ``split_followed``: the
-            weights' tensor-split dims placed the reductions inside every ``shard_map`` too.
-        unseen: what the program holds that the model cannot see, ``{kind: description}``:
-            ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
-            ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
-            activations that is not a layer scan: a time recurrence inside a layer).
-    """
-
-    lookup: list[bool]
-    matmul: list[bool]
-    conv: list[int]
-    loop_use: list[bool]
-    flops: float
-    total_flops: float
-    peak: float
-    residuals: float
-    tensor_reduce: float
-    tensor_reduce_ops: float
-    notes: list[str]
-    explicit: dict = dataclasses.field(default_factory=dict)
-    shard_maps: int = 0
-    unseen: dict = dataclasses.field(default_factory=dict)
-    row_syncs: tuple[int, float] = (0, 0.0)
-    split_followed: bool = False
 
 
 class _Reader:
@@ -127,9 +79,12 @@ class _Reader:
         self.notes: list[str] = []
         self.unseen: dict[str, str] = {}
         self._times = 1.0
+        self.heads: HeadSplits | None = None  # activations split over several dims (heads)
 
     def size_of(self, aval, leaf, var=None) -> float:
         d, t = self.split_of(aval, leaf, self.manual)
+        if self.heads is not None and var in self.heads.parts:
+            t = math.prod(self.heads.parts[var].values())
         return _bytes(aval) / (d * (1 if var in self.unsplit else t))
 
     def split(self, u, origin: dict) -> tuple[float, float]:
@@ -170,7 +125,10 @@ class _Reader:
                         self.loop_use[s_] = True
             if name in ("add", "add_any") and not self.canonical_dots:
                 self._reassociate(p, e)
-            if name in _MATMUL:
+            if self.heads is not None and not self.manual and name not in _MATMUL and not _sub_jaxprs(e):
+                self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
+                                                              lambda v: self.split_of(v.aval, None, self.manual)[0]))
+            if name in _MATMUL and not self._head_matmul(p, e, origin, src):
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
@@ -206,9 +164,7 @@ class _Reader:
         if max(t for _, t in ops) > 1 and out_t == 1:
             # A tensor-split contraction leaves partial sums: XLA all-reduces the result
             # (Megatron's row-parallel forward, column-parallel input gradient).
-            self.tensor_reduce += self._times * math.prod(e.outvars[0].aval.shape) / out_d
-            self.tensor_reduce_ops += self._times
-            self.reducing[e.outvars[0]] = (self._times * math.prod(e.outvars[0].aval.shape) / out_d, self._times)
+            self._reduced(e.outvars[0], self._times * math.prod(e.outvars[0].aval.shape) / out_d)
             # The all-reduce writes a second buffer beside the partial sums.
             reduce_copy = self.size_of(e.outvars[0].aval, None)
         else:
@@ -223,6 +179,45 @@ class _Reader:
             if s is not None:
                 self.matmul[s] = True
                 self.conv[s] += e.primitive.name == "conv_general_dilated"
+
+    def _dims(self, u, origin: dict):
+        """An operand's split dims for ``headsplit`` (None: the size rule cannot place them)."""
+        if isinstance(u, jcore.Literal):
+            return {}
+        return self.heads.dims(u, self.split(u, origin)[1], self.weight_dims.get(u), u in self.unsplit)
+
+    def _reduced(self, v, elems: float, ops: float | None = None) -> None:
+        """A tensor-parallel all-reduce of ``elems`` elements a device (0: none) of ``v``, in
+        ``ops`` collectives (default: one an execution)."""
+        if elems:
+            ops = self._times if ops is None else ops
+            self.tensor_reduce += elems
+            self.tensor_reduce_ops += ops
+            self.reducing[v] = (elems, ops)
+
+    def _head_matmul(self, p: _Pass, e, origin: dict, src: list) -> bool:
+        """A ``dot_general`` with an operand split over several dims (``headsplit``): its flops,
+        partial sums and gathers by those dims; False where the reader's own rules apply."""
+        if (self.heads is None or self.manual or e.primitive.name != "dot_general"
+                or not any(u in self.heads.parts for u in e.invars[:2] if not isinstance(u, jcore.Literal))):
+            return False
+        da, db = (self._dims(u, origin) for u in e.invars[:2])
+        if da is None or db is None:
+            return False
+        ops = [self.split(u, origin) for u in e.invars[:2] if not isinstance(u, jcore.Literal)]
+        d = max([dd for dd, _ in ops] + [self.split_of(e.outvars[0].aval, None, self.manual)[0]])
+        elems, joins = self.heads.dot(e, da, db, self._times, d)
+        self._reduced(e.outvars[0], elems, ops=0.0 if joins else self._times)
+        if e.outvars[0] not in self.heads.parts:
+            self.unsplit.add(e.outvars[0])
+        # Flops shared as the reader's own rule shares them (by the most split operand): XLA:GPU
+        # runs more of Griffin's per-head products per device than the head split implies.
+        p.total += _dot_flops(e)
+        p.flops += _dot_flops(e) / max(dd * t for dd, t in ops + [(d, 1)])
+        for s in src[:2]:
+            if s is not None:
+                self.matmul[s] = True
+        return True
 
     def _reassociate(self, p: _Pass, e) -> None:
         """A sum of two tensor-parallel reductions' results that nothing else reads is one
@@ -308,6 +303,9 @@ class _Reader:
                                             if name == "scan" and k + shift >= first_xs else dims)
             self.sliced.update(iv for iv, ov in zip(sub.invars, outer)
                                if not isinstance(ov, jcore.Literal) and ov in self.sliced)
+            if self.heads is not None:
+                self.heads.enter(outer, sub.invars, [name == "scan" and k + shift >= first_xs
+                                                     for k in range(len(outer))])
             if math.isnan(times):
                 self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
                 self.unseen.setdefault("while", "a while loop of unknown trip count (its body counted once)")
@@ -324,6 +322,9 @@ class _Reader:
                 self.split_followed &= self.weight_axes is not None and not self.manual & self.weight_axes
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
+            if self.heads is not None and len(sub.outvars) == len(e.outvars):
+                self.heads.leave(sub.outvars, e.outvars, [name == "scan" and k >= e.params["num_carry"]
+                                                          for k in range(len(e.outvars))])
             if len(sub.outvars) == len(e.outvars):
                 # A weight the body hands out (a shard_map's residual for its backward, one copy
                 # per device stacked along dim 0) keeps its split dims.
@@ -423,7 +424,8 @@ class _Reader:
 
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False, weight_dims: list | None = None,
-                 weight_axes: frozenset | None = None) -> ProgramReading:
+                 weight_axes: frozenset | None = None, feature_dims: Callable | None = None,
+                 tensor_axis: int = 1) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -443,6 +445,9 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
             other grounds).
         weight_axes: the mesh axes ``weight_dims`` are split over: inside a ``shard_map``
             manual over none of them the weights keep those dims (None: no shard_map does).
+        feature_dims, tensor_axis: with ``weight_dims``, the dims of an activation the size rule
+            reads as tensor-split (``shape -> [dims]``) and the tensor axes' size: a split
+            feature reshaped into heads is then followed dim by dim (``headsplit``).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
@@ -455,6 +460,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         reader.unsplit.update(jaxpr.invars[n_params:])
         leaves = jax.tree.leaves(batch)
         reader.rows = leaves[0].shape[0] if leaves and leaves[0].shape else 0
+        if feature_dims is not None and tensor_axis > 1:
+            reader.heads = HeadSplits(tensor_axis, feature_dims)
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
 
 
@@ -465,6 +472,13 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
     first_grad = min((reader._born.get(v, len(live)) for v in grads), default=len(live) - 1)
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
+    heads = reader.heads
+    if heads is not None and heads.relayouts:
+        reader.unseen.setdefault("relayout", heads.relayouts[0] + " (XLA moves blocks between layouts: "
+                                 "all-to-alls, permutes)")
+    if heads is not None and heads.spills:
+        reader.unseen.setdefault("head-spill", heads.spills[0] + " (XLA reduce-scatters some per-head "
+                                 "partial sums there and gathers them back where they are read)")
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,

@@ -129,9 +129,15 @@ def n_tensor_of(shape, rows: int, tensor_dims: set[int], sizes) -> int:
     n = sizes.get("tensor", 1)
     if n <= 1:
         return 1
+    return n if split_feature_dims(shape, rows, tensor_dims) else 1
+
+
+def split_feature_dims(shape, rows: int, tensor_dims: set[int]) -> list[int]:
+    """The dims of an activation ``n_tensor_of`` reads as tensor-split: its feature dims (after
+    its ``rows`` dim) whose size is a tensor-sharded weight dimension."""
     shape = list(shape)
     at = 0 if shape[:1] == [rows] else 1 if shape[1:2] == [rows] else -1
-    return n if any(d in tensor_dims for d in shape[at + 1:]) else 1
+    return [k for k in range(at + 1, len(shape)) if shape[k] in tensor_dims]
 
 
 def _strip(spec, axes):
