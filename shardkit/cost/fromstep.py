@@ -238,6 +238,11 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         if s.platform == "gpu" and not pipe:  # XLA:GPU combines them
             reduce_ops, gather_ops, zero12_ops = xla_gpu.data_ops(
                 lv, step.layout.zero_specs, uses, reading, zero=zero, microbatches=m, grad_bytes=s.bg, wire=s.wire)
+        # Batch statistics (BatchNorm's sums) are all-reduced where the next layer reads them,
+        # one op per dependency depth (``batchstats``); they are grad-reduce in the compile.
+        stat_bytes, stat_ops = reading.batch_stats
+        col["grad-reduce"] += m * stat_bytes
+        counts["grad-reduce"] += m * stat_ops
         data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
                      gather_ops=gather_ops,

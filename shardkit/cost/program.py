@@ -42,6 +42,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import xla_cpu
+from .batchstats import batch_statistics
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
@@ -70,6 +71,8 @@ class ProgramReading:
         explicit: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device of
             the collectives the program writes itself (inside ``shard_map``), through loops.
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
+        batch_stats: ``(bytes, ops)`` one device all-reduces over the data axes for the batch
+            statistics the step computes on (BatchNorm's; ``batchstats``).
         notes: what the reader could not see into.
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
@@ -91,6 +94,7 @@ class ProgramReading:
     explicit: dict = dataclasses.field(default_factory=dict)
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
+    batch_stats: tuple[float, float] = (0.0, 0.0)
 
 
 class _Reader:
@@ -436,8 +440,6 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         leaves = jax.tree.leaves(batch)
         reader.rows = leaves[0].shape[0] if leaves and leaves[0].shape else 0
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
-
-
     # The forward/backward boundary: the first equation that consumes the loss's cotangent
     # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any
     # gradient-shaped output is born is a fair stand-in for "what the forward keeps".
@@ -447,7 +449,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     residuals = float(max(live[:max(first_grad, 1)], default=0.0))
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
-                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen)
+                          {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
+                          batch_statistics(jaxpr, split_of))
 
 
 
