@@ -43,6 +43,7 @@ from jax._src import core as jcore
 
 from . import xla_cpu
 from .batchstats import batch_statistics
+from .reshard import activations_smaller
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
 from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
@@ -73,6 +74,8 @@ class ProgramReading:
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         batch_stats: ``(bytes, ops)`` one device all-reduces over the data axes for the batch
             statistics the step computes on (BatchNorm's; ``batchstats``).
+        moved: per parameter leaf, whether a matmul reading it moves fewer elements than the
+            weight holds, where XLA may gather activations instead of it (``reshard``).
         notes: what the reader could not see into.
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
@@ -95,6 +98,7 @@ class ProgramReading:
     shard_maps: int = 0
     unseen: dict = dataclasses.field(default_factory=dict)
     batch_stats: tuple[float, float] = (0.0, 0.0)
+    moved: list[bool] = dataclasses.field(default_factory=list)
 
 
 class _Reader:
@@ -450,7 +454,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
-                          batch_statistics(jaxpr, split_of))
+                          batch_statistics(jaxpr, split_of), activations_smaller(jaxpr, n_params))
 
 
 
