@@ -69,8 +69,8 @@ def batch_statistics(jaxpr: jcore.Jaxpr, split_of: Callable) -> tuple[float, flo
     total = 0.0
     for e in jaxpr.eqns:
         d = max((depth.get(u, 0) for u in e.invars if not isinstance(u, jcore.Literal)), default=0)
-        out = e.outvars[0]
-        if (e.primitive.name in REDUCE and e.invars and split(e.invars[0]) and not split(out)
+        out = e.outvars[0] if e.outvars else None
+        if (out is not None and e.primitive.name in REDUCE and e.invars and split(e.invars[0]) and not split(out)
                 and not output_only(out)):
             d += 1
             depths.add(d)
