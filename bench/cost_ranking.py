@@ -141,7 +141,7 @@ def main() -> None:
     import families as house
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default="gpt,mlp,gpt2,resnet18,cnn,griffin")
+    ap.add_argument("--families", default="gpt,mlp,gpt2,resnet18,cnn,griffin,bert")
     ap.add_argument("--devices", default="64,256")
     ap.add_argument("--reuse", action="store_true", help="compile only layouts not in the cache")
     ap.add_argument("--reestimate", action="store_true",

@@ -226,6 +226,53 @@ def test_strided_convolution_flops_skip_the_dilation_zeros():
     assert reading.total_flops == conv + head == 707_911_680  # the H100 and XLA:CPU compiles' count
 
 
+@pytest.mark.parametrize("size,channels,stride,expected", [
+    (2, 128, 1, 3 * 2_097_152 + 2 * 4_718_592),   # ResNet-18's 2x2 stage, 3x3 pad 1
+    (1, 512, 1, 3 * 2_097_152 + 2 * 18_874_368),  # its 1x1 stage, 3x3 pad 1
+    (1, 256, 2, 2 * 524_288 + 3 * 1_048_576),      # 1x1 convolutions, the second stride 2
+])
+def test_convolutions_on_maps_smaller_than_their_window_count_the_swapped_window(size, channels, stride, expected):
+    # Two convolutions, the second's input gradient and both filter gradients, 4 rows. XLA
+    # (ConvOperandSwapper) swaps the operands of a convolution whose window has more taps than
+    # its input has positions: a 3x3 window on a 2x2 map runs as a 2x2 window (on a 1x1 map, a
+    # 1x1 one); the filter gradients keep theirs. The per-convolution counts are those of
+    # flaxmodels' ResNet-18 compiled for 8 H100s at 32 rows of 16x16 images (the jaxpr's full
+    # windows read 9/4 and 9x that). A strided 1x1 convolution's input gradient on a 1x1 map
+    # meets every gradient element (the dilation inserts no zeros there): 1,048,576 each.
+    from shardkit.cost.program import read_program
+
+    k = 3 if stride == 1 else 1
+    params = {"a": jax.ShapeDtypeStruct((k, k, channels, channels), jnp.float32),
+              "b": jax.ShapeDtypeStruct((k, k, channels, 2 * channels if stride > 1 else channels), jnp.float32)}
+    batch = jax.ShapeDtypeStruct((4, size, size, channels), jnp.float32)
+
+    def loss(p, x):
+        conv = lambda x, w, s: lax.conv_general_dilated(x, w, (s, s), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))  # noqa: E731
+        return jnp.sum(conv(jax.nn.relu(conv(x, p["a"], 1)), p["b"], stride) ** 2)
+
+    reading = read_program(loss, params, batch, split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2)
+    assert reading.total_flops == expected
+
+
+def test_batchnorm_statistics_are_all_reduced_once_per_dependency_depth():
+    # flaxmodels' ResNet-18 (20 BatchNorms, 3 on downsample branches) at 32 rows of 16x16
+    # images, compiled for data=8 H100s: 35 small data-axis all-reduces of 76,800 bytes in all
+    # besides the gradients' 3 (BatchNorm's forward sums and backward sums, combined where
+    # independent). Read off the trace (``syncs.row_syncs``, the same walk that counts sk.moe's
+    # expert counts): 34 ops, one per link of the longest chain of statistics; their bytes
+    # 96,044, 25% over the compile's (the extra reductions it counts were not traced).
+    pytest.importorskip("flaxmodels")
+    import third_party_families as T
+    from shardkit.cost.syncs import row_syncs
+
+    with jax.numpy_rank_promotion("allow"):
+        variables, loss, _, batch = T.resnet18(rows=32)
+        closed = jax.make_jaxpr(jax.value_and_grad(lambda v, b: loss(v, b)[0]))(variables, batch)
+    split_of = lambda aval, leaf, manual=(): (8 if 32 in aval.shape else 1, 1)  # noqa: E731
+    ops, nbytes = row_syncs(closed.jaxpr, split_of)
+    assert ops == 34 and 76_800 <= nbytes <= 1.26 * 76_800
+
+
 # ---- what the ranking needs: tensor reductions placed by the weights, XLA:GPU's op counts ---------
 
 def test_tensor_reductions_follow_the_weights_not_the_widths():

@@ -247,7 +247,9 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                      zero12_ops=zero12_ops,
                      bg=s.bg, wire=s.wire, bp=s.bp)
         # Reductions over the rows the rest of the pass reads back (a MoE load-balancing loss's
-        # expert counts): all-reduces of their own, before the gradients exist (``syncs``).
+        # expert counts, BatchNorm's batch statistics): all-reduces of their own, before the
+        # gradients exist, one op per link of their longest chain (``syncs``); grad-reduce in
+        # the compile.
         syncs, sync_bytes = reading.row_syncs
         col["grad-reduce"] += m * sync_bytes
         counts["grad-reduce"] += m * syncs

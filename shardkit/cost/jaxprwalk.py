@@ -74,11 +74,55 @@ def dot_flops(eqn) -> float:
     rhs = eqn.invars[1].aval  # conv: rhs = (out_features, in_features / groups, *window)
     dn = eqn.params["dimension_numbers"]
     rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
+    swapped = _swapped_window(eqn)
+    if swapped is not None:
+        return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * swapped
     window = math.prod(rhs.shape[d] for d in rhs_spec[2:])
-    # A strided convolution's input gradient is a convolution of the gradient dilated by the
-    # stride (lhs_dilation): the inserted zeros are not multiplied (cuDNN, XLA:GPU's count).
-    dilated = math.prod(eqn.params.get("lhs_dilation") or (1,))
-    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window / dilated
+    if any(d > 1 for d in eqn.params.get("lhs_dilation") or ()):
+        # A strided convolution's input gradient is a convolution of the gradient dilated by the
+        # stride (lhs_dilation): the inserted zeros are not multiplied, each gradient element
+        # meets every tap (cuDNN's backward-input, XLA:GPU's count) — per spatial dim the
+        # gradient's extent, not the result's over the stride (they differ at a 1x1 map).
+        lhs = eqn.invars[0].aval
+        lhs_spec, out_spec = (dn.lhs_spec, dn.out_spec) if dn is not None else (tuple(range(lhs.ndim)),) * 2
+        window *= math.prod(lhs.shape[a] / out.shape[b] for a, b in zip(lhs_spec[2:], out_spec[2:]))
+    return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
+
+
+def _swapped_window(eqn) -> float | None:
+    """The window a convolution runs with once XLA has swapped its operands, or None where it
+    does not. XLA's ``ConvOperandSwapper`` (once in ``AlgebraicSimplifier``) makes the kernel
+    the input where the window has more taps than the input has positions (a 3x3 convolution
+    on a 1x1 or 2x2 map, forward or input gradient): the swapped window is the input's extent,
+    its dilation (a strided convolution's input gradient) written out as zeros, so most taps
+    that would land on padding are never multiplied. Read off ResNet-18's H100 compile at 16x16
+    images (its 1x1 and 2x2 stages); the filter gradients, whose window is the output map,
+    keep theirs."""
+    p = eqn.params
+    if p.get("feature_group_count", 1) > 1 or p.get("batch_group_count", 1) > 1:
+        return None
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    dn = p["dimension_numbers"]
+    lhs_spec = dn.lhs_spec if dn is not None else tuple(range(lhs.ndim))
+    rhs_spec = dn.rhs_spec if dn is not None else tuple(range(rhs.ndim))
+    nd = len(rhs_spec) - 2
+    strides = p.get("window_strides") or (1,) * nd
+    pads = p.get("padding") or ((0, 0),) * nd
+    base = p.get("lhs_dilation") or (1,) * nd
+    wdil = p.get("rhs_dilation") or (1,) * nd
+    kernel = swapped = 1
+    window = 1.0
+    for i in range(nd):
+        k, n = rhs.shape[rhs_spec[2 + i]], lhs.shape[lhs_spec[2 + i]]
+        (lo, hi), s, b, w = pads[i], strides[i], base[i], wdil[i]
+        plain = lo == hi == 0 and w == 1
+        if plain and ((b == k and s == k - 1) or (k == n and b == 1 and s == 1)):
+            window *= k  # a group or pure contraction dim: kept as it is
+            continue
+        kernel *= k
+        swapped *= k if (n == 1 and s == 1 and w == 1 and lo == hi == k - 1) else n
+        window *= 1 + (n - 1) * b
+    return window if kernel > swapped else None
 
 
 class Pass:

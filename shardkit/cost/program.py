@@ -42,6 +42,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import xla_cpu
+from .reshard import activations_smaller
 from .syncs import row_syncs
 from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops, elementwise_output as _elementwise_output
 from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
@@ -463,8 +464,6 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         if feature_dims is not None and tensor_axis > 1:
             reader.heads = HeadSplits(tensor_axis, feature_dims)
     flops, total, peak = reader.run(jaxpr, origin, outputs_live=True)
-
-
     # The forward/backward boundary: the first equation that consumes the loss's cotangent
     # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any
     # gradient-shaped output is born is a fair stand-in for "what the forward keeps".
@@ -482,7 +481,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     return ProgramReading(reader.lookup, reader.matmul, reader.conv, reader.loop_use, flops, total, peak, residuals,
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
-                          row_syncs(jaxpr, split_of), reader.weight_axes is not None and reader.split_followed)
+                          row_syncs(jaxpr, split_of), reader.weight_axes is not None and reader.split_followed,
+                          activations_smaller(jaxpr, n_params))
 
 
 

@@ -33,6 +33,8 @@ class ProgramReading:
         row_syncs: (all-reduces over the data axes the pass waits for apart from the
             gradients' reduction, their bytes): ``syncs.row_syncs``. ``split_followed``: the
             weights' tensor-split dims placed the reductions inside every ``shard_map`` too.
+        moved: per parameter leaf, whether a matmul reading it moves fewer elements than the
+            weight holds, where XLA may gather activations instead of it (``reshard``).
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
@@ -57,3 +59,4 @@ class ProgramReading:
     unseen: dict = dataclasses.field(default_factory=dict)
     row_syncs: tuple[int, float] = (0, 0.0)
     split_followed: bool = False
+    moved: list[bool] = dataclasses.field(default_factory=list)
