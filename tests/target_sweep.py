@@ -57,11 +57,14 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 #   repeats (stage-major chunks);
 # - pp_zb (H100): ZB-H1 is dp_pp_tp_zb's schedule, with data and tensor axes around it (TPU keeps
 #   pp_zb and moves dp_pp_tp_zb); pp_zb_16 is dp_pp_tp_zb's axes (tensor=4) on hybrid_16's two hosts;
+# - pp_1f1b: pp_zero3 compiles 1F1B on the same mesh (ZeRO-3 for ZeRO-1: the same grad-reduce
+#   and pipe-permute checks), diloco_pp with a replica axis; ZeRO-1 inside a pipeline is in
+#   pp_gpipe and pp_interleaved;
 # - zero2 (TPU): its one ZeRO-2 assertion (reduce-scatter) is XLA:GPU's; on XLA:TPU it checks
 #   what dp does, and ZeRO's sharded state compiles in diloco (ZeRO-1), zero3 and pp_zero3.
 EXTENDED_H100 = {"fsdp_tp", "tp_pp", "dp_pp_tp", "dp_pp_tp_1f1b", "ep_dp", "ep_fsdp", "cp_tp",
                  "dp_cp_fsdp", "pp_1f1b_16", "ep_dp_16", "zero1", "tp", "ep_tp", "zero2_16",
-                 "tp_sp", "fsdp", "pp_circular", "pp_zb", "pp_zb_16"}
+                 "tp_sp", "fsdp", "pp_circular", "pp_zb", "pp_zb_16", "pp_1f1b"}
 EXTENDED_TPU = (EXTENDED_H100 - {"pp_zb"}) | {"dp_pp_tp_zb", "zero2"}
 # Two H100 hosts: the outer axes cross InfiniBand.
 CASES_16 = {
