@@ -46,11 +46,26 @@ CASES_8["diloco_tp"] = Case(Layout("replica=2,data=2,tensor=2", sequence_paralle
 CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), diloco=True)
 # Layouts whose every code path another case of the same sweep already compiles for that
 # target (a composition of paths compiled separately): run with --extended (conftest.py).
-# zero1 is zero2 without the reduce-scatter, tp is in tp_sp and hybrid, ep_tp is ep with tp's
-# sums, zero2_16 is zero2's reduce-scatter with hybrid_16's hosts.
+# zero1 is zero2 without the reduce-scatter, tp is in diloco_tp and hybrid, ep_tp is ep with TP's
+# sums, zero2_16 is zero2's reduce-scatter with hybrid_16's hosts. Each promise `check` makes
+# keeps a default case per target:
+# - tp_sp: diloco_tp is the same data × tensor program with sequence parallelism (every
+#   assertion tp_sp meets, plus the replica's), hybrid the same TP sums and SP gather with FSDP;
+# - fsdp: hybrid gathers weights over its fsdp axis, zero3 over all 8 devices (the same two
+#   assertions: a param gather, params under the optimizer state);
+# - pp_circular: GPipe with repeats; pp_gpipe compiles the GPipe schedule, pp_interleaved the
+#   repeats (stage-major chunks);
+# - pp_zb (H100): ZB-H1 is dp_pp_tp_zb's schedule, with data and tensor axes around it (TPU keeps
+#   pp_zb and moves dp_pp_tp_zb); pp_zb_16 is dp_pp_tp_zb's axes (tensor=4) on hybrid_16's two hosts;
+# - pp_1f1b: pp_zero3 compiles 1F1B on the same mesh (ZeRO-3 for ZeRO-1: the same grad-reduce
+#   and pipe-permute checks), diloco_pp with a replica axis; ZeRO-1 inside a pipeline is in
+#   pp_gpipe and pp_interleaved;
+# - zero2 (TPU): its one ZeRO-2 assertion (reduce-scatter) is XLA:GPU's; on XLA:TPU it checks
+#   what dp does, and ZeRO's sharded state compiles in diloco (ZeRO-1), zero3 and pp_zero3.
 EXTENDED_H100 = {"fsdp_tp", "tp_pp", "dp_pp_tp", "dp_pp_tp_1f1b", "ep_dp", "ep_fsdp", "cp_tp",
-                 "dp_cp_fsdp", "pp_1f1b_16", "ep_dp_16", "zero1", "tp", "ep_tp", "zero2_16"}
-EXTENDED_TPU = EXTENDED_H100 | {"dp_pp_tp_zb", "pp_circular", "fsdp"}
+                 "dp_cp_fsdp", "pp_1f1b_16", "ep_dp_16", "zero1", "tp", "ep_tp", "zero2_16",
+                 "tp_sp", "fsdp", "pp_circular", "pp_zb", "pp_zb_16", "pp_1f1b"}
+EXTENDED_TPU = (EXTENDED_H100 - {"pp_zb"}) | {"dp_pp_tp_zb", "zero2"}
 # Two H100 hosts: the outer axes cross InfiniBand.
 CASES_16 = {
     "hybrid_16": Case(Layout("data=2,fsdp=2,tensor=4", zero=1, sequence_parallel=True)),
