@@ -57,11 +57,11 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     if not piped and any(g and m for g, m in zip(gathered, reading.moved)):
         # ResNet-18 at 16x16, ZeRO-3 on 8 H100s: grad-reduce and param-gather 0.03x and 0.02x of
         # the estimate, temporaries 0.1x (``reshard``).
-        why = ("approximate: some ZeRO-3/FSDP-sharded weights are larger than the activations they "
+        why = ("not modelled: some ZeRO-3/FSDP-sharded weights are larger than the activations they "
                "multiply; XLA may gather those activations instead and keep the weight and its gradient "
-               "sharded (not modelled: the figure assumes the weights are gathered)")
+               "sharded (the figure assumes the weights are gathered)")
         for q in ("collective/param-gather", "collective/grad-reduce", "memory/temporaries", "memory/peak"):
-            out.setdefault(q, why)
+            out[q] = why
     if not piped:
         out.update(unseen_caveats(reading, data_axes, moe))
     return out
