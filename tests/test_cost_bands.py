@@ -51,7 +51,12 @@ def test_nothing_in_cost_imports_explain():
 
 def test_band_label_reads_the_measured_table(monkeypatch):
     monkeypatch.setitem(bands.BANDS, "h100", {"memory/peak": (-0.08, 0.15, 40, 6)})
+    monkeypatch.setitem(bands.HELD_OUT, "h100", {})
     assert bands.label("h100", "memory/peak") == "band -8%..+15%, 40 layouts of 6 models, H100"
+    # The held-out model widens the printed band (a user's model is unfitted too), and shows.
+    monkeypatch.setitem(bands.HELD_OUT, "h100", {"memory/peak": (-0.36, -0.02, 6, 1)})
+    assert bands.label("h100", "memory/peak") == \
+        "band -36%..+15%, 46 layouts of 7 models (held out, -36%..-2%), H100"
     assert bands.label("h100", "flops") is None and bands.label("", "memory/peak") is None
 
 
@@ -62,6 +67,7 @@ def _report(estimate: dict, compiled_peak: int, caveats=None) -> Report:
 
 def test_report_prints_bands_and_flags_a_peak_under_the_compiled_one(monkeypatch):
     monkeypatch.setitem(bands.BANDS, "h100", {"memory/peak": (-0.08, 0.15, 40, 6)})
+    monkeypatch.setitem(bands.HELD_OUT, "h100", {})
     close = {r["quantity"]: r for r in _report({"memory/peak": 95.0}, 100).comparison()}
     assert close["memory/peak"]["caveat"] is None
     assert close["memory/peak"]["band"] == "band -8%..+15%, 40 layouts of 6 models, H100"

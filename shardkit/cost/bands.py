@@ -20,21 +20,21 @@ BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
         'collective/grad-reduce': (-0.000, 0.019, 30, 7),
         'collective/param-gather': (-0.541, 0.000, 27, 7),
-        'collective/tensor-gather': (-1.000, -1.000, 4, 2),
-        'collective/tensor-reduce': (-0.999, -0.000, 13, 7),
+        'collective/tensor-gather': (-1.000, -1.000, 3, 2),
+        'collective/tensor-reduce': (-0.999, -0.000, 14, 7),
         'flops': (-0.242, 0.001, 44, 7),
-        'memory/peak': (-0.279, 0.240, 35, 6),
-        'memory/temporaries': (-0.392, 0.252, 35, 6),
+        'memory/peak': (-0.279, 0.090, 35, 6),
+        'memory/temporaries': (-0.392, 0.143, 35, 6),
     },
 }
 HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {
     'h100': {
-        'collective/grad-reduce': (0.002, 0.003, 5, 1),
+        'collective/grad-reduce': (-0.000, -0.000, 5, 1),
         'collective/param-gather': (-0.253, 0.000, 4, 1),
-        'collective/tensor-reduce': (-0.143, -0.000, 2, 1),
+        'collective/tensor-reduce': (-0.000, -0.000, 2, 1),
         'flops': (0.002, 0.167, 6, 1),
-        'memory/peak': (-0.363, 0.317, 6, 1),
-        'memory/temporaries': (-0.414, 0.331, 6, 1),
+        'memory/peak': (-0.363, -0.017, 6, 1),
+        'memory/temporaries': (-0.414, -0.018, 6, 1),
     },
 }
 HELD_OUT_FAMILY = 'bert'
@@ -45,15 +45,24 @@ _NAMES = {"h100": "H100", "tpu-v5p": "TPU v5p", "cpu": "XLA:CPU"}
 
 def band(target: str, quantity: str) -> tuple[float, float, int, int] | None:
     """``(low, high, layouts, models)`` of ``quantity`` (``sk.Report.comparison()``'s names) on
-    ``target`` (``""``: simulated CPU devices), or None where it was not measured."""
-    return BANDS.get(target or "cpu", {}).get(quantity)
+    ``target`` (``""``: simulated CPU devices), or None where it was not measured: the fitted
+    families and the held-out one together — a user's model is one nobody fitted either."""
+    fitted = BANDS.get(target or "cpu", {}).get(quantity)
+    held = HELD_OUT.get(target or "cpu", {}).get(quantity)
+    if fitted is None or held is None:
+        return fitted
+    return (min(fitted[0], held[0]), max(fitted[1], held[1]), fitted[2] + held[2], fitted[3] + held[3])
 
 
 def label(target: str, quantity: str) -> str | None:
-    """The band as the report prints it: ``"band -8%..+15%, 40 layouts of 6 models, H100"``."""
+    """The band as the report prints it: ``"band -8%..+15%, 40 layouts of 6 models, H100"``,
+    and the held-out model's own range where one was measured."""
     b = band(target, quantity)
     if b is None:
         return None
     low, high, layouts, models = b
-    return (f"band {low * 100:+.0f}%..{high * 100:+.0f}%, {layouts} layouts of {models} models, "
+    held = HELD_OUT.get(target or "cpu", {}).get(quantity)
+    apart = f" (held out, {held[0] * 100:+.0f}%..{held[1] * 100:+.0f}%)" if held and BANDS.get(
+        target or "cpu", {}).get(quantity) else ""
+    return (f"band {low * 100:+.0f}%..{high * 100:+.0f}%, {layouts} layouts of {models} models{apart}, "
             f"{_NAMES.get(target or 'cpu', target)}")
