@@ -115,11 +115,10 @@ def _facts(step, state, batch, pipeline) -> _Step:
     # A weight's dims split over the tensor-like axes (not the batch axes, not pipe): they place
     # its matmuls' tensor-parallel reductions (``program``); not followed where activations are
     # split on other grounds (sequence, context) or inside a pipeline's shard_map.
+    tensor_like = lambda a: a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1  # noqa: E731
     weight_dims = None if (pipe or sp or sizes.get("context", 1) > 1) else [
-        [d for d, e in enumerate(l.spec) if any(a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1
-                                                for a in entry_axes(e))] for l in lv.leaves]
-    weight_axes = frozenset(a for l in lv.leaves for e in l.spec for a in entry_axes(e)
-                            if a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1)
+        [d for d, e in enumerate(l.spec) if any(map(tensor_like, entry_axes(e)))] for l in lv.leaves]
+    weight_axes = frozenset(a for l in lv.leaves for e in l.spec for a in entry_axes(e) if tensor_like(a))
     reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp, weight_dims, weight_axes)
     return _Step(step, state, batch, sizes, plan.zero, step.microbatches, itemsize(prec.params), bc,
                  itemsize(prec.grads), platform, 4 if platform == "cpu" else bc, data_axes,
