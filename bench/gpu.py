@@ -322,7 +322,8 @@ def markdown(result: dict) -> str:
     rows = [("device", result["device"], f"jax {result['jax']}, XLA flags: {result['xla_flags'] or 'defaults'}"),
             ("tests -m gpu", "skipped" if g is None else f"{g['passed']} passed, {g['failed']} failed",
              "" if g is None else f"{g['seconds']:.0f} s")]
-    t, r, o = (result[k] for k in ("transformer", "resnet", "overhead"))
+    # a section not reached yet (the file is rewritten after each one) reads as not run
+    t, r, o = (result.get(k, {"error": "not run (yet)"}) for k in ("transformer", "resnet", "overhead"))
     if "error" in t:
         rows.append(("transformer", "failed", t["error"][:200]))
     else:
@@ -388,6 +389,18 @@ def main(argv=None) -> int:
               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "tests": tests}
     sections = (("transformer", lambda: measure_transformer(args, device, peak)),
                 ("resnet", lambda: measure_resnet(args, device)), ("overhead", lambda: measure_overhead(args, device)))
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu-dry-run" if args.dry_run else "gpu"
+
+    def write() -> str:
+        # after every section: a lease that ends mid-run still leaves what was measured
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        table = markdown(result)
+        (out / f"{stem}.md").write_text(table)
+        return table
+
+    write()
     failed = False
     for name, measure in sections:
         t0 = time.perf_counter()
@@ -399,12 +412,7 @@ def main(argv=None) -> int:
                 raise
             traceback.print_exc()
             result[name], failed = {"error": f"{type(e).__name__}: {e}"[:3000]}, True
-    out = pathlib.Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "gpu-dry-run" if args.dry_run else "gpu"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    (out / f"{stem}.md").write_text(table)
+        table = write()
     print(table)
     print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
     return 0 if not failed and (tests is None or tests["failed"] == 0) else 1
