@@ -46,16 +46,26 @@ def measure(rev: str, workdir: str) -> dict:
     res = subprocess.run([py, "-m", "pytest", "-q"], cwd=clone, env=env, capture_output=True, text=True)
     tests = time.perf_counter() - t0
     tail = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-500:]
+    # pytest's -ra summary names every test that failed or errored: kept, so a failure in a
+    # timing run can be rerun by name instead of guessed at
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in res.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
     files: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0.0, 0.0])
+    per_test = []
     if os.path.exists(stats):
         for line in open(stats):
             r = json.loads(line)
+            per_test.append(r)
             f = files[r["test"].split("::")[0].removeprefix("tests/")]
             for i, k in enumerate(("compiles", "cache_hits", "compile_s", "wall_s")):
                 f[i + 1] += r[k]
             f[0] += 1
-    return {"rev": rev, "install_s": install, "tests_s": tests, "total_s": install + tests,
-            "returncode": res.returncode, "summary": tail, "files": dict(files)}
+    per_test.sort(key=lambda r: -r["wall_s"])
+    return {"rev": rev, "commit": subprocess.run(["git", "-C", clone, "rev-parse", "--short", "HEAD"],
+                                                 capture_output=True, text=True).stdout.strip(),
+            "install_s": install, "tests_s": tests, "total_s": install + tests,
+            "returncode": res.returncode, "summary": tail, "failed": failed, "files": dict(files),
+            "tests": per_test, "output_tail": res.stdout[-20000:] if res.returncode else ""}
 
 
 def main() -> None:
@@ -92,6 +102,15 @@ def main() -> None:
     tot = [sum(v[i] for v in last["files"].values()) for i in range(5)]
     f.add_row("all", str(tot[0]), str(tot[1]), str(tot[2]), f"{tot[3]:.0f}", f"{tot[4]:.0f}")
     console.print(f)
+    slow = Table(title=f"the {a.top} slowest tests ({last['rev']})")
+    for c in ("test", "compiles", "compile s", "wall s"):
+        slow.add_column(c, justify="left" if c == "test" else "right")
+    for r in last["tests"][:a.top]:
+        slow.add_row(r["test"], str(r["compiles"]), f"{r['compile_s']:.0f}", f"{r['wall_s']:.0f}")
+    console.print(slow)
+    for r in runs:
+        if r["failed"]:
+            console.print(f"[red]{r['rev']}: {len(r['failed'])} failed[/red]: " + ", ".join(r["failed"]))
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(runs, fh, indent=1)
