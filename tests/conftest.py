@@ -92,6 +92,19 @@ SLOW_TESTS = {
 }
 
 
+# The files that take longest, longest first (bench/suite_time.py's per-file table). pytest-xdist's
+# `--dist loadfile` hands whole files to the 2 workers in collection order, two at first, then the
+# next to whichever worker is free: in alphabetical order the longest files (the target sweeps,
+# the transformer recipe) came last, and one worker ran the tail alone. Longest first is the
+# classic greedy schedule (each file goes to the worker that frees first): the workers finish
+# within about one short file of each other. Files not listed keep their order after these.
+LONGEST_FIRST = (
+    "test_targets_gpu.py", "test_transformer.py", "test_cost_families.py", "test_cost.py",
+    "test_targets_tpu.py", "test_resnet.py", "test_pipeline.py", "test_checkpoint.py",
+    "test_recipe_data.py", "test_distributed.py", "test_step.py", "test_moe.py", "test_diloco.py",
+)
+
+
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",
                      help="also run the extended cases: sweep cases whose code paths other cases "
@@ -112,7 +125,9 @@ def pytest_collection_modifyitems(config, items):
          else kept).append(item)
     if extended:
         config.hook.pytest_deselected(items=extended)
-        items[:] = kept
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: the same order in every worker (xdist checks), tests within a file unmoved
+    items[:] = sorted(kept, key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
