@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
         return 0
-    command, rest = argv[0], argv[1:]
+    command, rest, kwargs = argv[0], argv[1:], {}
     if command == "mesh":
         return _mesh(rest)
     if command == "train":
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         target = (f"models.{rest[0]}.__main__", "main")
+        # --help and errors name the command as typed, not `python -m models.NAME`.
+        kwargs = {"prog": f"shardkit train {rest[0]}"}
         rest = rest[1:]
     elif command in _TOOLS:
         target = _TOOLS[command][:2]
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, AttributeError) as e:
         print(f"shardkit {command}: not available in this install ({e})", file=sys.stderr)
         return 2
-    return int(fn(rest) or 0)
+    return int(fn(rest, **kwargs) or 0)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,18 @@ class FlagError(ValueError):
         self.flag = flag
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m models.transformer",
-                                description="Train a GPT-style decoder under any shardkit layout.")
+PROG = "python -m models.transformer"
+
+
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The recipe's flags; ``prog`` is the command the user typed (``shardkit train transformer``)."""
+    from .layouts import MESH_AXES
+
+    p = argparse.ArgumentParser(prog=prog, description="Train a GPT-style decoder under any shardkit layout.")
     a = p.add_argument
     a("--size", default="tiny", help=f"named model size: {', '.join(SIZES)} (default tiny)")
-    a("--mesh", default="data=2,fsdp=2,tensor=2", help="mesh layout, axes among replica, data, "
-      "fsdp, tensor, pipe (default data=2,fsdp=2,tensor=2)")
+    a("--mesh", default="data=2,fsdp=2,tensor=2", help=f"mesh layout, axes among {', '.join(MESH_AXES)} "
+      "(default data=2,fsdp=2,tensor=2)")
     a("--zero", type=int, default=0, help="ZeRO stage 0-3 over the data axes")
     a("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     a("--offload", default="", help="state kept in pinned host memory between steps, comma-separated: "
@@ -85,10 +90,10 @@ def parser() -> argparse.ArgumentParser:
     a("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (default 0.7)")
     a("--diloco-outer-momentum", type=float, default=0.9, help="its Nesterov momentum (default 0.9; 0 = "
       "plain SGD, and with --diloco-outer-lr 1 plain parameter averaging)")
-    a("--steps", type=int, default=200)
+    a("--steps", type=int, default=200, help="training steps (default 200)")
     schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
                         no_decay="norm|embed", grad_clip=1.0)
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the initial parameters and of the data order (default 0)")
     a("--data", help="token file (.bin/.u16 uint16, .u32 uint32) or text file; default: the "
       "Python standard library as bytes")
     a("--data-format", default="auto", help="auto, text, uint16 or uint32")
@@ -96,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
       "standard library) is tokenised once into token files, the vocab follows the tokenizer")
     a("--token-dir", help="where --tokenizer writes its token files (default ~/.cache/shardkit/tokens)")
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
-    a("--eval-batches", type=int, default=4)
+    a("--eval-batches", type=int, default=4, help="validation batches per evaluation (default 4)")
     a("--metrics-out", help="write JSON lines (step, loss, tokens_per_s, mfu; val_loss) here")
     metrics_lib.add_flags(p)
     a("--checkpoint-dir", help="save checkpoints here (Orbax; any mesh or ZeRO stage can restore them)")
@@ -247,9 +252,10 @@ def _tokenized_data(args, tokenizer):
                        f"(vocab {tokenizer.vocab:,}; tokens in {files[0].parent})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs training; returns the exit status (2 for a bad flag)."""
-    args = runconfig.parse(parser(), argv)  # --config FILE.toml, then the command line
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Runs training; returns the exit status (2 for a bad flag). ``prog`` names the command in
+    ``--help`` and errors."""
+    args = runconfig.parse(parser(prog), argv)  # --config FILE.toml, then the command line
     try:
         if args.resume and not args.checkpoint_dir:
             raise FlagError("--resume", "needs --checkpoint-dir")
