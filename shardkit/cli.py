@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Run 'shardkit COMMAND --help' for a command's options.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     t = sub.add_parser("train", help=f"train a bundled recipe ({', '.join(RECIPES)})", add_help=False)
-    t.add_argument("recipe", nargs="?", choices=RECIPES)
+    t.add_argument("recipe", nargs="?", choices=RECIPES, help="then the recipe's flags ('shardkit train RECIPE --help')")
     sub.add_parser("mesh", help="show how a mesh spec lays out devices", add_help=False)
     for name, (_, _, text) in _TOOLS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "mesh":
         return _mesh(rest)
     if command == "train":
+        if rest[:1] in (["-h"], ["--help"]):
+            t.print_help()
+            return 0
         if not rest or rest[0] not in RECIPES:
             print(f"shardkit train: name a recipe: {', '.join(RECIPES)} (e.g. 'shardkit train transformer --help')",
                   file=sys.stderr)

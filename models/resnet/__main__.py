@@ -35,8 +35,8 @@ class _UsageError(Exception):
     pass
 
 
-def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
-    """The recipe's flags, checked; ``prog`` is the command the user typed (``shardkit train resnet``)."""
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The recipe's flags; ``prog`` is the command the user typed (``shardkit train resnet``)."""
     p = _Parser(prog=prog, description="Train ResNet-18/50 with global-batch BatchNorm on a shardkit mesh.")
     a = p.add_argument
     a("--mesh", default="data=8", help="mesh layout, e.g. 'data=8' or 'data=2,fsdp=4' (default data=8)")
@@ -64,7 +64,12 @@ def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--show-layout", action="store_true", help="print every parameter's sharding")
     a("--cpu-devices", type=int, default=8, metavar="N", help="simulated CPU devices (default 8; 0: use JAX's devices)")
-    args = runconfig.parse(p, argv)  # --config FILE.toml, then the command line
+    return p
+
+
+def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
+    """The command line, checked (``_UsageError`` naming the flag)."""
+    args = runconfig.parse(parser(prog), argv)  # --config FILE.toml, then the command line
     for name in ("steps", "batch", "microbatches"):
         if getattr(args, name) < 1:
             raise _UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
