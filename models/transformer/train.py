@@ -356,16 +356,21 @@ def _run(args) -> int:
         raise FlagError("--resume" if position is not None else "--batch", str(e)) from None
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
-    compiled = None if step.diloco else step.lower(state, batches.batch_at(0)).compile()
+    if step.diloco:  # its programs (inner step, syncs, metrics), compiled once here; "inner" runs every step
+        placed, shardings = step.place_batch(batches.batch_at(0))
+        compiled = step.diloco.programs(state, placed, shardings)["inner"]
+    else:
+        compiled = step.lower(state, batches.batch_at(0)).compile()
     compile_s = time.perf_counter() - t0
-    console.print(_memory_line(state, compiled, compile_s))
+    console.print(_memory_line(state, compiled, compile_s, "DiLoCo's programs" if step.diloco else "step"))
     replica_bytes = replica_traffic(step, state, batches.batch_at(0), compiled)
     if replica_bytes is not None:
         console.print(f"replica-axis traffic: {replica_bytes:,.0f} bytes per device per step")
 
     evaluate = _evaluator(step, plan, pipeline, (lambda m, b, p: moe_loss_fn(m, b, p)[1]["ce"])
                           if cfg.moe_experts else loss_fn)
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    evaluated = f" (of the {step.diloco.replicas} replicas' parameters averaged)" if step.diloco else ""
+    n_params = parameter_count(step, state)
     flops_tok = flops_per_token(cfg, cfg.seq)
     peak = hardware.total_peak_flops(mesh.devices.flat)
     tokens_per_step = args.batch * cfg.seq
@@ -413,7 +418,7 @@ def _run(args) -> int:
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
                     progress.console.print(f"step {i + 1}: train loss {last_loss:.4f}  "
-                                           f"validation loss {val_loss:.4f}")
+                                           f"validation loss {val_loss:.4f}{evaluated}")
                     if out:
                         out.write(json.dumps({"step": i, "val_loss": val_loss}) + "\n")
                     tb.write({"step": i, "val_loss": val_loss})
@@ -438,7 +443,7 @@ def _run(args) -> int:
         return 0
     steady = sorted(timings[1:] or timings)[len(timings[1:] or timings) // 2]
     if is_main:
-        print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}; "
+        print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}{evaluated}; "
               f"median step {steady * 1e3:.1f} ms = {tokens_per_step / steady:,.0f} tokens/s, "
               f"MFU {flops_tok * tokens_per_step / steady / peak:.1%}")
     return 0 if math.isfinite(last_loss) else 1
@@ -494,9 +499,18 @@ def _batch_sharding(plan):
     return plan.sharding(P(axes if len(axes) != 1 else axes[0]) if axes else P())
 
 
-def _memory_line(state, compiled, compile_s: float) -> str:
+def parameter_count(step, state) -> int:
+    """The model's parameters, counted once: under DiLoCo every leaf carries a leading replica
+    dimension (each replica's copy), which is not more model."""
+    import jax
+
+    lead = 1 if step.diloco else 0
+    return sum(math.prod(x.shape[lead:]) for x in jax.tree.leaves(state.params))
+
+
+def _memory_line(state, compiled, compile_s: float, what: str = "step") -> str:
     """Per-device persistent state (exact, from the shard shapes) and the compiled step's
-    temporaries."""
+    temporaries (DiLoCo: its inner program's)."""
     from shardkit.explain import compiled_memory, shard_bytes
 
     mib = 1 / 2**20
@@ -505,7 +519,7 @@ def _memory_line(state, compiled, compile_s: float) -> str:
     mem = compiled_memory(compiled) if compiled is not None else {}
     if mem:
         line += f" + step temporaries {mem['temporaries'] * mib:.2f} MiB"
-    return line + f"  (step compiled in {compile_s:.1f} s)"
+    return line + f"  ({what} compiled in {compile_s:.1f} s)"
 
 
 def _evaluator(step, plan, pipeline, loss_fn):
@@ -523,8 +537,14 @@ def _evaluator(step, plan, pipeline, loss_fn):
 
     sharding = _batch_sharding(plan)
 
+    # DiLoCo: the replicas' parameters averaged, the model they have trained together. θ_outer
+    # (consensus's parameters) is the last sync's: before the first sync it is the initial model.
+    average = jax.jit(lambda params: jax.tree.map(
+        lambda x: jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[0], params))
+
     def evaluate(state, batches) -> float:
-        state = step.diloco.consensus(state) if step.diloco else state  # DiLoCo: θ_outer
+        if step.diloco:
+            state = step.diloco.consensus(state).replace(params=average(state.params))
         with plan.active():
             losses = []
             for b in batches:
