@@ -41,10 +41,12 @@ def without_chatter(text: str) -> str:
 def native_stderr_filtered() -> Iterator[None]:
     """Collects what is written to file descriptor 2 inside the block (C++ logging included) and
     writes it back to ``sys.stderr`` afterwards, without the chatter. Where descriptor 2 cannot
-    be redirected (closed, or not a file), the block runs unfiltered."""
+    be redirected (closed) or there is no ``sys.stderr``, the block runs unfiltered."""
     try:
-        saved = os.dup(2)
+        saved = os.dup(2) if sys.stderr is not None else None
     except OSError:
+        saved = None
+    if saved is None:
         yield
         return
     with tempfile.TemporaryFile() as tmp:
