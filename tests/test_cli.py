@@ -128,10 +128,12 @@ def test_every_bench_script_answers_help_before_importing_jax():
 def test_mesh_prints_only_its_answer():
     # The answer as this process (8 simulated devices) describes it; the command starts its own.
     answer = sk.describe_mesh(sk.make_mesh("data=2,tensor=4")) + "\n"
-    res, = _run_all([SHARDKIT + ["mesh", "data=2,tensor=4"]])
+    res, recipe = _run_all([SHARDKIT + ["mesh", "data=2,tensor=4"], [sys.executable, "-m", "models.resnet", "--help"]])
     assert res.returncode == 0
     assert res.stderr == ""
     assert res.stdout == answer
+    # A recipe run as a module imports JAX (through models/) as quietly.
+    assert recipe.returncode == 0 and recipe.stderr == "" and recipe.stdout.startswith("usage: python -m models.resnet")
 
 
 def test_filter_drops_only_the_startup_chatter(capfd):
