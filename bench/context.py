@@ -23,6 +23,20 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", default="1024,2048,4096,8192", help="sequence lengths for table (a)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per layout (median)")
+    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "context.json"))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk  # noqa: E402
 
 sk.use_cpu_devices(8)
@@ -143,11 +157,7 @@ def throughput(cfg, batch: int, steps: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqs", default="1024,2048,4096,8192", help="sequence lengths for table (a)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per layout (median)")
-    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "context.json"))
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     console = Console(width=140)
     seqs = [int(s) for s in args.seqs.split(",") if s]
 

@@ -27,6 +27,25 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="h100")
+    ap.add_argument("--families", default="", help="comma-separated subset (default: all installed)")
+    ap.add_argument("--held-out", default="bert",
+                    help="the family kept out of the fitting (HF Flax BERT since issue 24 fixed the model on ResNet-18)")
+    ap.add_argument("--reuse", action="store_true", help="read compiled figures back from bench/results")
+    ap.add_argument("--write-bands", action="store_true", help="write the bands into shardkit/cost/bands.py")
+    ap.add_argument("--reestimate", action="store_true",
+                    help="recompute the estimates of the cached layouts (no compile): after a model change")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk  # noqa: E402
 
 sk.use_cpu_devices(8)
@@ -126,17 +145,8 @@ def _read_tables(text):
     return [(k, namespace[k]) for k in ("BANDS", "HELD_OUT")]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="h100")
-    ap.add_argument("--families", default="", help="comma-separated subset (default: all installed)")
-    ap.add_argument("--held-out", default="bert",
-                    help="the family kept out of the fitting (HF Flax BERT since issue 24 fixed the model on ResNet-18)")
-    ap.add_argument("--reuse", action="store_true", help="read compiled figures back from bench/results")
-    ap.add_argument("--write-bands", action="store_true", help="write the bands into shardkit/cost/bands.py")
-    ap.add_argument("--reestimate", action="store_true",
-                    help="recompute the estimates of the cached layouts (no compile): after a model change")
-    args = ap.parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     fams = sources()
     wanted = [f for f in fams if not args.families or f in args.families.split(",")]

@@ -24,6 +24,23 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled comparison")
+    p.add_argument("--robustness", action="store_true",
+                   help="only the comparison on two transformer configs the tests do not use")
+    p.add_argument("--families", action="store_true",
+                   help="only the comparison on model families the formulas were not written for")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_model.json"))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk  # noqa: E402
 
 sk.use_cpu_devices(8)
@@ -201,14 +218,7 @@ def rankings(console: Console) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled comparison")
-    p.add_argument("--robustness", action="store_true",
-                   help="only the comparison on two transformer configs the tests do not use")
-    p.add_argument("--families", action="store_true",
-                   help="only the comparison on model families the formulas were not written for")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_model.json"))
-    a = p.parse_args(argv)
+    a = parse_args(argv)
     console = Console(width=170)
     result = {"devices": 8, "platform": jax.default_backend()}
     if a.robustness:

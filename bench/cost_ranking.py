@@ -31,6 +31,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="gpt,mlp,gpt2,resnet18,cnn,griffin,bert")
+    ap.add_argument("--devices", default="64,256")
+    ap.add_argument("--reuse", action="store_true", help="compile only layouts not in the cache")
+    ap.add_argument("--reestimate", action="store_true",
+                    help="recompute the analytic side of cached layouts (tracing only, no compile)")
+    ap.add_argument("--write", action="store_true", help="with --reestimate: write the new estimates to the cache")
+    ap.add_argument("--chunk", type=int, default=8, help="layouts compiled per subprocess")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk  # noqa: E402
 
 sk.use_cpu_devices(8)
@@ -137,18 +155,10 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def main() -> None:
+def main(argv=None) -> None:
     import families as house
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default="gpt,mlp,gpt2,resnet18,cnn,griffin,bert")
-    ap.add_argument("--devices", default="64,256")
-    ap.add_argument("--reuse", action="store_true", help="compile only layouts not in the cache")
-    ap.add_argument("--reestimate", action="store_true",
-                    help="recompute the analytic side of cached layouts (tracing only, no compile)")
-    ap.add_argument("--write", action="store_true", help="with --reestimate: write the new estimates to the cache")
-    ap.add_argument("--chunk", type=int, default=8, help="layouts compiled per subprocess")
-    args = ap.parse_args()
+    args = parse_args(argv)
     try:
         import third_party_families as third
         third_names = third.available()

@@ -43,14 +43,19 @@ def run(mesh: str, every: int | None, steps: int, extra: list[str]) -> dict:
             "train_loss": [r["loss"] for r in rows if "loss" in r][-1], "seconds": time.perf_counter() - t}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--every", default="10,50,100")
     ap.add_argument("--replicas", default="2,4")
     ap.add_argument("--extra", default="", help="more recipe flags for every run, e.g. '--diloco-compress int8'")
     ap.add_argument("--out", default="bench/results/diloco.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     extra = a.extra.split()
     results = []
     for r in (int(x) for x in a.replicas.split(",")):

@@ -112,7 +112,8 @@ def program_times(a) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="replica=4,data=2")
     ap.add_argument("--steps", type=int, default=301)
@@ -123,7 +124,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--programs-only", action="store_true", help="only the program-time table")
     ap.add_argument("--out", default="bench/results/diloco_overlap.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 

@@ -168,7 +168,8 @@ def report(a) -> None:
     print(f"wrote {a.out} and {png}")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warm", type=int, default=1000, help="DP warm-start steps")
     ap.add_argument("--steps", type=int, default=1000, help="continuation steps (DP and every DiLoCo run)")
@@ -180,7 +181,11 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/diloco_protocol", help="warm-start checkpoint and scratch files")
     ap.add_argument("--out", default="bench/results/diloco_protocol.json")
     ap.add_argument("--report", action="store_true", help="only redraw the table and plot from <out>l")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     if not a.report:

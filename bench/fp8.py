@@ -109,7 +109,8 @@ def target_rows(a, console) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--size", default="tiny")
@@ -120,7 +121,11 @@ def main() -> None:
     ap.add_argument("--skip-cpu", action="store_true")
     ap.add_argument("--skip-target", action="store_true")
     ap.add_argument("--out", default="bench/results/fp8.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     import shardkit as sk
 
     sk.use_cpu_devices(1)  # this process only traces; runs and compiles are subprocesses

@@ -44,8 +44,6 @@ import xml.etree.ElementTree as ET
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import shardkit as sk  # noqa: E402  (no JAX backend started by importing it)
-
 # NVIDIA's published single-GPU mixed-precision training throughput for ResNet-50 v1.5.
 NVIDIA_RESNET50 = {
     "images_per_s": 2470.0,
@@ -57,6 +55,7 @@ NVIDIA_RESNET50 = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on one CPU device (checks the code)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per model (default 20; dry run 3)")
@@ -75,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 1 or args.batch < 1 or args.resnet_batch < 1:
         ap.error("--steps, --batch and --resnet-batch must be positive")
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+import shardkit as sk  # noqa: E402  (no JAX backend started by importing it)
 
 
 # ---- 1. the gpu-marked tests ---------------------------------------------------------------------

@@ -39,6 +39,22 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--timeout", type=float, default=3000.0)
+    p.add_argument("--pipeline", default="", help="compile one pipeline only: SCHEDULE,m,v[,layers[,data,zero"
+                                                   "[,context]]] (e.g. interleaved-1f1b,32,8)")
+    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk  # noqa: E402
 from shardkit import cost  # noqa: E402
 
@@ -144,13 +160,7 @@ def _line(name: str, row: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--timeout", type=float, default=3000.0)
-    p.add_argument("--pipeline", default="", help="compile one pipeline only: SCHEDULE,m,v[,layers[,data,zero"
-                                                   "[,context]]] (e.g. interleaved-1f1b,32,8)")
-    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
-    a = p.parse_args(argv)
+    a = parse_args(argv)
     _use_flash_like()
     if a.pipeline:
         schedule, *nums = a.pipeline.split(",")

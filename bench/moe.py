@@ -27,6 +27,22 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100, help="training steps for the load-balance runs")
+    p.add_argument("--timed", type=int, default=10, help="timed steps per layout")
+    p.add_argument("--weights", type=lambda s: [float(w) for w in s.split(",")], default=[0.0, 0.01, 0.1],
+                   help="load-balancing loss weights to train with (comma-separated)")
+    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "moe.json"))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -120,13 +136,7 @@ def train_balance(cfg: Config, batches, tokens, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100, help="training steps for the load-balance runs")
-    p.add_argument("--timed", type=int, default=10, help="timed steps per layout")
-    p.add_argument("--weights", type=lambda s: [float(w) for w in s.split(",")], default=[0.0, 0.01, 0.1],
-                   help="load-balancing loss weights to train with (comma-separated)")
-    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "moe.json"))
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     console = Console(width=150)
     train, _ = data_lib.stdlib_corpus(max_bytes=1 << 22)
     feed = data_lib.Batches(train, BATCH, CFG.seq, seed=0)

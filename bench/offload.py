@@ -26,6 +26,25 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="7b")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--resolution", type=int, default=4, help="layers the largest-model bisection resolves")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--variants", nargs="+", help="only these variants (and 'as is'), e.g. fp8")
+    ap.add_argument("--skip-table", action="store_true")
+    ap.add_argument("--skip-fit", action="store_true")
+    ap.add_argument("--out", default="bench/results/offload.json")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk
 
 GIB = 2 ** 30
@@ -150,17 +169,8 @@ def largest(a, console) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="7b")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--resolution", type=int, default=4, help="layers the largest-model bisection resolves")
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--variants", nargs="+", help="only these variants (and 'as is'), e.g. fp8")
-    ap.add_argument("--skip-table", action="store_true")
-    ap.add_argument("--skip-fit", action="store_true")
-    ap.add_argument("--out", default="bench/results/offload.json")
-    a = ap.parse_args()
+def main(argv=None) -> None:
+    a = parse_args(argv)
     sk.use_cpu_devices(1)  # this process only traces; the compiles run in a child
     from rich.console import Console
 

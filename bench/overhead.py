@@ -17,10 +17,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import shardkit as sk  # noqa: E402
 
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--mesh", default="data=2,fsdp=2,tensor=2")
@@ -28,7 +27,18 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--out", default="bench/results/overhead.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
+import shardkit as sk  # noqa: E402
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     sk.use_cpu_devices(8)
     import jax
     import jax.numpy as jnp

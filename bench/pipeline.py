@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -22,6 +23,16 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (no options), read before JAX is imported: ``--help`` answers at once."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()
 
 import jax  # noqa: E402
 
@@ -191,7 +202,8 @@ def _time(fn, args, reps):
     return best
 
 
-def main():
+def main(argv=None):
+    parse_args(argv)
     console = Console()
     out = {"devices": jax.device_count(), "backend": jax.default_backend()}
 

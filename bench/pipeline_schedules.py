@@ -23,6 +23,7 @@ Writes bench/results/pipeline_schedules.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -33,6 +34,23 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before JAX is imported: ``--help`` answers at once."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-cpu", action="store_true", help="skip (b), the CPU compile and step times")
+    ap.add_argument("--layers", type=int, default=None, help="layers of (b)'s residual-MLP stack "
+                    "(default 8: two per stage)")
+    ap.add_argument("--no-h100", action="store_true", help="skip (c), the deviceless H100 compile")
+    ap.add_argument("--tpu", action="store_true", help="(c) also on 16 TPU v5p chips")
+    ap.add_argument("--validate", action="store_true", help="(c'): estimate / compiled on H100 for (c) and "
+                    "two shapes the formula was not fitted on")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
 
 import jax  # noqa: E402
 
@@ -189,16 +207,16 @@ def validate():
     return out
 
 
-def main():
+def main(argv=None):
+    args = parse_args(argv)
     path = pathlib.Path(__file__).parent / "results" / "pipeline_schedules.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results["bubbles"] = bubbles()
-    if "--no-cpu" not in sys.argv:
-        layers = int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else None
-        results["cpu"] = cpu(layers=layers)
-    if "--no-h100" not in sys.argv:
-        results["h100"] = h100(tpu="--tpu" in sys.argv)
-    if "--validate" in sys.argv:
+    if not args.no_cpu:
+        results["cpu"] = cpu(layers=args.layers)
+    if not args.no_h100:
+        results["h100"] = h100(tpu=args.tpu)
+    if args.validate:
         results["validate"] = validate()
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=float))

@@ -36,6 +36,20 @@ import types
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "published.json"))
+    p.add_argument("--fit", action="store_true",
+                   help="refit each chip's Efficiency.matmul on its calibration rows marked fit")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 from shardkit import cost  # noqa: E402
 from shardkit.cost import steptime  # noqa: E402
 
@@ -526,11 +540,7 @@ def _line(name: str, s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "published.json"))
-    p.add_argument("--fit", action="store_true",
-                   help="refit each chip's Efficiency.matmul on its calibration rows marked fit")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 

@@ -22,10 +22,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import shardkit as sk  # noqa: E402
 
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--depth", type=int, default=50)
@@ -35,7 +34,18 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per stage, after one warm-up step")
     ap.add_argument("--out", default="bench/results/resnet.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
+import shardkit as sk  # noqa: E402
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     sk.use_cpu_devices(a.devices)
     import jax
     from rich.console import Console

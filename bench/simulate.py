@@ -28,10 +28,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import shardkit as sk  # noqa: E402
 
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1b", help="transformer size (models/transformer/config.py SIZES)")
     ap.add_argument("--layouts", nargs="+",
@@ -44,7 +43,18 @@ def main() -> None:
     ap.add_argument("--sp", action="store_true", help="sequence parallelism over tensor")
     ap.add_argument("--target", default="cpu", help="h100, h200, a100, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
     ap.add_argument("--out", default=None, help="JSON rows (default bench/results/simulate_<target>.json)")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
+import shardkit as sk  # noqa: E402
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     a.out = a.out or f"bench/results/simulate_{a.target}.json"
     sk.use_cpu_devices(1)  # this process only traces; the compile runs in the child
     from rich.console import Console

@@ -68,13 +68,18 @@ def measure(rev: str, workdir: str) -> dict:
             "tests": per_test, "output_tail": res.stdout[-20000:] if res.returncode else ""}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", default="HEAD")
     ap.add_argument("--baseline", default=None, help="a revision to measure first, for the ratio")
     ap.add_argument("--top", type=int, default=25, help="test files shown, by wall time")
     ap.add_argument("--out", default="bench/results/suite_time.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 

@@ -19,6 +19,21 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8, help="timed steps per layout (median)")
+    p.add_argument("--layouts", default=None, help="comma-separated names of models/transformer/layouts.py "
+                   "(default: all)")
+    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "transformer.json"))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
 import shardkit as sk  # noqa: E402
 
 sk.use_cpu_devices(8)
@@ -96,12 +111,8 @@ def compile_time(layers: int, repeats: int = 2) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="timed steps per layout (median)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names")
-    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "transformer.json"))
-    args = p.parse_args(argv)
-    names = [n for n in args.layouts.split(",") if n]
+    args = parse_args(argv)
+    names = [n for n in args.layouts.split(",") if n] if args.layouts else list(LAYOUTS)
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         print(f"error: --layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}", file=sys.stderr)

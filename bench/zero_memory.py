@@ -16,16 +16,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import shardkit as sk  # noqa: E402
 
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before anything heavy is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default="bench/results/zero_memory.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
+
+import shardkit as sk  # noqa: E402
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     sk.use_cpu_devices(a.devices)
     import jax
     import jax.numpy as jnp

@@ -1,5 +1,6 @@
 """shardkit: declare a mesh and per-layer partition specs; get a compiled SPMD train step."""
 
+from . import _quiet as _quiet  # first: imports JAX without the CUDA plugin's start-up chatter
 from . import checkpoint as checkpoint
 from . import cost as cost
 from . import distributed as distributed

@@ -45,22 +45,27 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Run 'shardkit COMMAND --help' for a command's options.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     t = sub.add_parser("train", help=f"train a bundled recipe ({', '.join(RECIPES)})", add_help=False)
-    t.add_argument("recipe", nargs="?", choices=RECIPES)
+    t.add_argument("recipe", nargs="?", choices=RECIPES, help="then the recipe's flags ('shardkit train RECIPE --help')")
     sub.add_parser("mesh", help="show how a mesh spec lays out devices", add_help=False)
     for name, (_, _, text) in _TOOLS.items():
         sub.add_parser(name, help=text, add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
         return 0
-    command, rest = argv[0], argv[1:]
+    command, rest, kwargs = argv[0], argv[1:], {}
     if command == "mesh":
         return _mesh(rest)
     if command == "train":
+        if rest[:1] in (["-h"], ["--help"]):
+            t.print_help()
+            return 0
         if not rest or rest[0] not in RECIPES:
             print(f"shardkit train: name a recipe: {', '.join(RECIPES)} (e.g. 'shardkit train transformer --help')",
                   file=sys.stderr)
             return 2
         target = (f"models.{rest[0]}.__main__", "main")
+        # --help and errors name the command as typed, not `python -m models.NAME`.
+        kwargs = {"prog": f"shardkit train {rest[0]}"}
         rest = rest[1:]
     elif command in _TOOLS:
         target = _TOOLS[command][:2]
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, AttributeError) as e:
         print(f"shardkit {command}: not available in this install ({e})", file=sys.stderr)
         return 2
-    return int(fn(rest) or 0)
+    return int(fn(rest, **kwargs) or 0)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from ._quiet import without_chatter
+
 log = logging.getLogger("shardkit.distributed")
 
 DEFAULT_PORT = 8476
@@ -307,8 +309,17 @@ def _describe_exit(rc: int) -> str:
 
 
 def _pump(stream, out, tag: str) -> None:
+    """Copies a process's lines to ``out`` prefixed ``tag``, without the libraries' start-up
+    chatter. Gloo prints into the middle of a line; the line's two halves are joined again."""
+    pending = ""
     for line in iter(stream.readline, ""):
-        out.write(f"{tag}{line}")
+        pending = without_chatter(pending + line)
+        if pending.endswith("\n"):
+            out.write(f"{tag}{pending}")
+            out.flush()
+            pending = ""
+    if pending:
+        out.write(f"{tag}{pending}\n")
         out.flush()
     stream.close()
 

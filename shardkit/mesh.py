@@ -46,6 +46,9 @@ def use_cpu_devices(n: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+    from ._quiet import register_plugins
+
+    register_plugins()  # now, quietly: the CUDA plugin logs to stderr as it registers
 
 
 _VMAPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("shardkit_vmapped_axes",

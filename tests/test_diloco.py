@@ -522,3 +522,30 @@ def test_overlapped_streaming_matches_reference_and_runs_beside_the_inner_step()
         sk.DiLoCo(every=3, overlap=4)
     with pytest.raises(ValueError, match=r"mix=0.5\): mixing merges an overlapped sync"):
         sk.DiLoCo(mix=0.5)
+
+
+def test_transformer_recipe_reports_the_model_it_trains(capsys):
+    """Issue 34 item 6: before the first sync the recipe's validation loss is that of the
+    replicas' averaged parameters (θ_outer is still the initial model), the parameter count is
+    the model's (not times the replicas), and the compile time is that of DiLoCo's programs."""
+    from flax import nnx
+
+    from models.transformer import train
+    from models.transformer.model import Transformer
+
+    flags = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--cpu-devices", "0",
+             "--eval-batches", "2", "--mesh", "replica=2,data=4", "--diloco-every", "50", "--steps", "4",
+             "--eval-every", "4", "--lr", "1e-2"]
+    assert train.main(flags) == 0
+    out = capsys.readouterr().out
+    cfg = train.model_config(train.parser().parse_args(flags))
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    n_model = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert f"\n{n_model:,} parameters," in out, out[-2000:]
+    compile_s = float(re.search(r"\(DiLoCo's programs compiled in ([\d.]+) s\)", out)[1])
+    assert compile_s > 0
+    first, last, val = map(float, re.search(r"done: loss ([\d.]+) → ([\d.]+), validation ([\d.]+) \(of the 2 "
+                                            r"replicas' parameters averaged\)", out).groups())
+    # θ_outer would score about the initial loss; the replicas' average scores about what they reached.
+    assert first - last > 0.2 and val < first - (first - last) / 2, (first, last, val)

@@ -101,6 +101,8 @@ def test_two_processes_train_like_one_and_share_checkpoints(tmp_path):
                   "--restore", str(tmp_path / "one"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[0] processes 2 devices 8 rows 0:8" in res.stdout
+    # Quiet: neither Gloo's per-communicator lines nor the CUDA plugin's start-up lines come through.
+    assert "[Gloo]" not in res.stdout and "cudart_stub" not in res.stderr, (res.stdout + res.stderr)[-3000:]
     # Gloo sums across processes in another order than one process does: float32 rounding only.
     np.testing.assert_allclose(_values(res.stdout, "loss"), reference, rtol=1e-6)
     np.testing.assert_allclose(_values(res.stdout, "resumed"), reference[5:], rtol=1e-6)

@@ -22,7 +22,7 @@ from . import data
 from .config import DEPTHS, STEMS, Config
 from .train import OPTIMIZERS, Evaluator, compiled_memory, init_state, make_optimizer, make_plan, make_step, state_bytes_per_device
 
-PROG = "models.resnet"
+PROG = "python -m models.resnet"
 DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.1}
 
 
@@ -35,8 +35,9 @@ class _UsageError(Exception):
     pass
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = _Parser(prog=PROG, description="Train ResNet-18/50 with global-batch BatchNorm on a shardkit mesh.")
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The recipe's flags; ``prog`` is the command the user typed (``shardkit train resnet``)."""
+    p = _Parser(prog=prog, description="Train ResNet-18/50 with global-batch BatchNorm on a shardkit mesh.")
     a = p.add_argument
     a("--mesh", default="data=8", help="mesh layout, e.g. 'data=8' or 'data=2,fsdp=4' (default data=8)")
     a("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage: 0 data parallel .. 3 FSDP")
@@ -55,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     schedules.add_flags(p, lr=None, lr_help=" (default 3e-3 adamw, 0.1 sgd)", warmup="steps/10",
                         weight_decay=5e-4, no_decay=None, grad_clip=None, min_lr_ratio=0.0)
     a("--eval-every", type=int, default=50, help="test accuracy every N steps (0: only at the end)")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the initial parameters and of the data order (default 0)")
     a("--metrics-out", default=None, metavar="FILE", help="write JSON lines of metrics here")
     metrics_lib.add_flags(p)
     a("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints here (Orbax; any mesh can restore them)")
@@ -63,7 +64,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--show-layout", action="store_true", help="print every parameter's sharding")
     a("--cpu-devices", type=int, default=8, metavar="N", help="simulated CPU devices (default 8; 0: use JAX's devices)")
-    args = runconfig.parse(p, argv)  # --config FILE.toml, then the command line
+    return p
+
+
+def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
+    """The command line, checked (``_UsageError`` naming the flag)."""
+    args = runconfig.parse(parser(prog), argv)  # --config FILE.toml, then the command line
     for name in ("steps", "batch", "microbatches"):
         if getattr(args, name) < 1:
             raise _UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -85,11 +91,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 on success, 2 for bad flags or data)."""
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Entry point; returns the exit status (0 on success, 2 for bad flags or data). ``prog``
+    names the command in ``--help`` and errors."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, prog)
         # Under `shardkit launch` / SLURM / Kubernetes this joins the job (the launcher sets
         # each process's device count); alone it does nothing.
         if sk.distributed.initialize() is None and args.cpu_devices:
@@ -99,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     except (_UsageError, ValueError, RuntimeError, OSError, sk.checkpoint.CheckpointError) as e:
         text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        print(f"{PROG}: error: {text}", file=sys.stderr)
+        print(f"{prog}: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -49,6 +49,8 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 # Expert parallelism splits the batch too: the experts' devices each route their own tokens.
 BATCH_AXES = DATA_AXES + ("expert",)
+# Every mesh axis the rules use: what `--mesh` accepts.
+MESH_AXES = tuple(dict.fromkeys(DATA_AXES + tuple(a for axes in RULES.values() for a in axes)))
 
 
 def axis_rules(mesh_shape: Mapping[str, int], cfg: Config | None = None, *,

@@ -35,13 +35,18 @@ class FlagError(ValueError):
         self.flag = flag
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m models.transformer",
-                                description="Train a GPT-style decoder under any shardkit layout.")
+PROG = "python -m models.transformer"
+
+
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The recipe's flags; ``prog`` is the command the user typed (``shardkit train transformer``)."""
+    from .layouts import MESH_AXES
+
+    p = argparse.ArgumentParser(prog=prog, description="Train a GPT-style decoder under any shardkit layout.")
     a = p.add_argument
     a("--size", default="tiny", help=f"named model size: {', '.join(SIZES)} (default tiny)")
-    a("--mesh", default="data=2,fsdp=2,tensor=2", help="mesh layout, axes among replica, data, "
-      "fsdp, tensor, pipe (default data=2,fsdp=2,tensor=2)")
+    a("--mesh", default="data=2,fsdp=2,tensor=2", help=f"mesh layout, axes among {', '.join(MESH_AXES)} "
+      "(default data=2,fsdp=2,tensor=2)")
     a("--zero", type=int, default=0, help="ZeRO stage 0-3 over the data axes")
     a("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)}")
     a("--offload", default="", help="state kept in pinned host memory between steps, comma-separated: "
@@ -85,10 +90,10 @@ def parser() -> argparse.ArgumentParser:
     a("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate (default 0.7)")
     a("--diloco-outer-momentum", type=float, default=0.9, help="its Nesterov momentum (default 0.9; 0 = "
       "plain SGD, and with --diloco-outer-lr 1 plain parameter averaging)")
-    a("--steps", type=int, default=200)
+    a("--steps", type=int, default=200, help="training steps (default 200)")
     schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
                         no_decay="norm|embed", grad_clip=1.0)
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the initial parameters and of the data order (default 0)")
     a("--data", help="token file (.bin/.u16 uint16, .u32 uint32) or text file; default: the "
       "Python standard library as bytes")
     a("--data-format", default="auto", help="auto, text, uint16 or uint32")
@@ -96,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
       "standard library) is tokenised once into token files, the vocab follows the tokenizer")
     a("--token-dir", help="where --tokenizer writes its token files (default ~/.cache/shardkit/tokens)")
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
-    a("--eval-batches", type=int, default=4)
+    a("--eval-batches", type=int, default=4, help="validation batches per evaluation (default 4)")
     a("--metrics-out", help="write JSON lines (step, loss, tokens_per_s, mfu; val_loss) here")
     metrics_lib.add_flags(p)
     a("--checkpoint-dir", help="save checkpoints here (Orbax; any mesh or ZeRO stage can restore them)")
@@ -247,9 +252,10 @@ def _tokenized_data(args, tokenizer):
                        f"(vocab {tokenizer.vocab:,}; tokens in {files[0].parent})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs training; returns the exit status (2 for a bad flag)."""
-    args = runconfig.parse(parser(), argv)  # --config FILE.toml, then the command line
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Runs training; returns the exit status (2 for a bad flag). ``prog`` names the command in
+    ``--help`` and errors."""
+    args = runconfig.parse(parser(prog), argv)  # --config FILE.toml, then the command line
     try:
         if args.resume and not args.checkpoint_dir:
             raise FlagError("--resume", "needs --checkpoint-dir")
@@ -350,16 +356,21 @@ def _run(args) -> int:
         raise FlagError("--resume" if position is not None else "--batch", str(e)) from None
     evals = data_lib.eval_batches(val_tokens, args.batch, cfg.seq, args.eval_batches)
     t0 = time.perf_counter()
-    compiled = None if step.diloco else step.lower(state, batches.batch_at(0)).compile()
+    if step.diloco:  # its programs (inner step, syncs, metrics), compiled once here; "inner" runs every step
+        placed, shardings = step.place_batch(batches.batch_at(0))
+        compiled = step.diloco.programs(state, placed, shardings)["inner"]
+    else:
+        compiled = step.lower(state, batches.batch_at(0)).compile()
     compile_s = time.perf_counter() - t0
-    console.print(_memory_line(state, compiled, compile_s))
+    console.print(_memory_line(state, compiled, compile_s, "DiLoCo's programs" if step.diloco else "step"))
     replica_bytes = replica_traffic(step, state, batches.batch_at(0), compiled)
     if replica_bytes is not None:
         console.print(f"replica-axis traffic: {replica_bytes:,.0f} bytes per device per step")
 
     evaluate = _evaluator(step, plan, pipeline, (lambda m, b, p: moe_loss_fn(m, b, p)[1]["ce"])
                           if cfg.moe_experts else loss_fn)
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    evaluated = f" (of the {step.diloco.replicas} replicas' parameters averaged)" if step.diloco else ""
+    n_params = parameter_count(step, state)
     flops_tok = flops_per_token(cfg, cfg.seq)
     peak = hardware.total_peak_flops(mesh.devices.flat)
     tokens_per_step = args.batch * cfg.seq
@@ -407,7 +418,7 @@ def _run(args) -> int:
                 if done or (args.eval_every and (i + 1) % args.eval_every == 0):
                     val_loss = evaluate(state, evals)
                     progress.console.print(f"step {i + 1}: train loss {last_loss:.4f}  "
-                                           f"validation loss {val_loss:.4f}")
+                                           f"validation loss {val_loss:.4f}{evaluated}")
                     if out:
                         out.write(json.dumps({"step": i, "val_loss": val_loss}) + "\n")
                     tb.write({"step": i, "val_loss": val_loss})
@@ -432,7 +443,7 @@ def _run(args) -> int:
         return 0
     steady = sorted(timings[1:] or timings)[len(timings[1:] or timings) // 2]
     if is_main:
-        print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}; "
+        print(f"done: loss {first_loss:.3f} → {last_loss:.3f}, validation {val_loss:.3f}{evaluated}; "
               f"median step {steady * 1e3:.1f} ms = {tokens_per_step / steady:,.0f} tokens/s, "
               f"MFU {flops_tok * tokens_per_step / steady / peak:.1%}")
     return 0 if math.isfinite(last_loss) else 1
@@ -488,9 +499,18 @@ def _batch_sharding(plan):
     return plan.sharding(P(axes if len(axes) != 1 else axes[0]) if axes else P())
 
 
-def _memory_line(state, compiled, compile_s: float) -> str:
+def parameter_count(step, state) -> int:
+    """The model's parameters, counted once: under DiLoCo every leaf carries a leading replica
+    dimension (each replica's copy), which is not more model."""
+    import jax
+
+    lead = 1 if step.diloco else 0
+    return sum(math.prod(x.shape[lead:]) for x in jax.tree.leaves(state.params))
+
+
+def _memory_line(state, compiled, compile_s: float, what: str = "step") -> str:
     """Per-device persistent state (exact, from the shard shapes) and the compiled step's
-    temporaries."""
+    temporaries (DiLoCo: its inner program's)."""
     from shardkit.explain import compiled_memory, shard_bytes
 
     mib = 1 / 2**20
@@ -499,7 +519,7 @@ def _memory_line(state, compiled, compile_s: float) -> str:
     mem = compiled_memory(compiled) if compiled is not None else {}
     if mem:
         line += f" + step temporaries {mem['temporaries'] * mib:.2f} MiB"
-    return line + f"  (step compiled in {compile_s:.1f} s)"
+    return line + f"  ({what} compiled in {compile_s:.1f} s)"
 
 
 def _evaluator(step, plan, pipeline, loss_fn):
@@ -517,8 +537,14 @@ def _evaluator(step, plan, pipeline, loss_fn):
 
     sharding = _batch_sharding(plan)
 
+    # DiLoCo: the replicas' parameters averaged, the model they have trained together. θ_outer
+    # (consensus's parameters) is the last sync's: before the first sync it is the initial model.
+    average = jax.jit(lambda params: jax.tree.map(
+        lambda x: jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[0], params))
+
     def evaluate(state, batches) -> float:
-        state = step.diloco.consensus(state) if step.diloco else state  # DiLoCo: θ_outer
+        if step.diloco:
+            state = step.diloco.consensus(state).replace(params=average(state.params))
         with plan.active():
             losses = []
             for b in batches:
