@@ -52,7 +52,8 @@ class Plan:
 
     Attributes:
         mesh: the device mesh (``sk.make_mesh``).
-        rules: ``PathRules`` or a list of ``(regex, spec)``; consulted first.
+        rules: ``PathRules``, a list of ``(regex, spec)`` or a ``{regex: spec}`` dict (in its
+            order); consulted first.
         axis_rules: ``AxisRules``, a dict or ``(name, mesh axes)`` pairs mapping logical axis
             names (from Flax metadata and ``sk.constrain``) to mesh axes; a name listed more
             than once is an ordered list of fallbacks (see ``AxisRules``). Mesh axis names map

@@ -77,16 +77,27 @@ class PathRules:
 
     Args:
         rules: pairs of a regex (string or compiled) and a spec (PartitionSpec, tuple of mesh
-            axis names / tuples of names / None, or ``()`` / None for replicated).
+            axis names / tuples of names / None, or ``()`` / None for replicated), or a dict
+            ``{regex: spec}`` (its order is the rules' order).
+
+    Raises:
+        ValueError: an entry that is not a ``(regex, spec)`` pair, or a regex that does not compile.
     """
 
-    def __init__(self, rules: Iterable[tuple[str | re.Pattern, SpecLike]]):
+    def __init__(self, rules: Mapping[str | re.Pattern, SpecLike] | Iterable[tuple[str | re.Pattern, SpecLike]]):
         self.rules: list[tuple[re.Pattern, P]] = []
-        for i, item in enumerate(rules):
-            try:
-                pattern, spec = item
-            except (TypeError, ValueError):
-                raise ValueError(f"PathRules entry {i} is {item!r}; each entry is a (regex, spec) pair") from None
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise ValueError(f"PathRules takes (regex, spec) pairs or a {{regex: spec}} dict, got {rules!r}; "
+                             "e.g. sk.PathRules([(r'w1', ('fsdp', 'tensor')), (r'.*', ())])")
+        # A dict reads like AxisRules' table; its insertion order is the rules' order.
+        items = rules.items() if isinstance(rules, Mapping) else rules
+        for i, item in enumerate(items):
+            # A bare string unpacks into two characters ("w1" -> regex "w", spec "1"): refuse it.
+            pair = not isinstance(item, (str, bytes)) and isinstance(item, Sequence) and len(item) == 2
+            if not pair or not isinstance(item[0], (str, re.Pattern)):
+                raise ValueError(f"PathRules entry {i} is {item!r}; each entry is a (regex, spec) pair, "
+                                 "e.g. (r'mlp/w1', ('fsdp', 'tensor')) or (r'.*', ()) to replicate the rest")
+            pattern, spec = item
             try:
                 rx = pattern if isinstance(pattern, re.Pattern) else re.compile(pattern)
             except re.error as e:
@@ -132,13 +143,17 @@ class AxisRules:
     """
 
     def __init__(self, mapping: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]]):
+        if isinstance(mapping, (str, bytes)) or not isinstance(mapping, Iterable):
+            raise ValueError(f"AxisRules takes a {{logical name: mesh axes}} dict or (name, mesh axes) pairs, "
+                             f"got {mapping!r}; e.g. sk.AxisRules({{'batch': 'data', 'mlp': 'tensor'}})")
         items = mapping.items() if isinstance(mapping, Mapping) else mapping
         self.entries: list[tuple[str, tuple[str, ...]]] = []
         for i, item in enumerate(items):
-            try:
-                name, axes = item
-            except (TypeError, ValueError):
-                raise ValueError(f"AxisRules entry {i} is {item!r}; each entry is a (logical name, mesh axes) pair") from None
+            # A bare string would unpack into two characters ("ab" -> 'a' mapped to 'b').
+            if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2 \
+                    or not isinstance(item[0], str):
+                raise ValueError(f"AxisRules entry {i} is {item!r}; each entry is a (logical name, mesh axes) pair")
+            name, axes = item
             if axes is None:
                 axes = ()
             elif isinstance(axes, str):

@@ -142,10 +142,24 @@ def test_batch_specs_and_errors():
     ({"precision": "fp4"}, r"unknown precision 'fp4'; choose one of \['fp32', 'bf16', 'bf16-pure', 'fp16', 'fp8'\]"),
     ({"rules": [("(", ())]}, r"not a valid regex"),
     ({"rules": [("a",)]}, r"each entry is a \(regex, spec\) pair"),
+    # a bare string used to unpack into two characters: regex 'w', spec P('1')
+    ({"rules": ["w1"]}, r"PathRules entry 0 is 'w1'; each entry is a \(regex, spec\) pair"),
+    ({"rules": [(3, ())]}, r"PathRules entry 0 is \(3, \(\)\)"),
+    ({"rules": "w1"}, r"PathRules takes \(regex, spec\) pairs or a \{regex: spec\} dict"),
+    ({"axis_rules": ["ab"]}, r"AxisRules entry 0 is 'ab'"),
 ])
 def test_plan_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sk.Plan(sk.make_mesh("data=8"), **kwargs)
+
+
+def test_path_rules_as_a_dict_keep_their_order():
+    # Plan(rules={...}) used to read each key as a pair of characters ("unknown mesh axis '1'").
+    p = {"w1": S((16, 64), f32), "w2": S((64, 16), f32), "b": S((64,), f32)}
+    plan = sk.Plan(sk.make_mesh("fsdp=4,tensor=2"), rules={r"w1": ("fsdp", "tensor"), r"w\d": ("tensor", "fsdp"),
+                                                           r".*": ()})
+    assert plan.param_specs(p) == {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp"), "b": P()}
+    assert [rx.pattern for rx, _ in plan.rules.rules] == ["w1", r"w\d", ".*"]
 
 
 def test_describe_is_a_table_with_every_leaf():
