@@ -172,6 +172,41 @@ def test_describe_is_a_table_with_every_leaf():
     assert "mlp/w1" in text and "(8, 16)" in text  # per-device block of w1 under ZeRO-3 + TP
 
 
+def test_describe_state_params_of_nnx_and_linen_models():
+    # state.params is a plain tree: Flax's logical names are gone, and describe used to raise
+    # "no PathRules entry matches and it has no logical axis names".
+    import flax.linen as nn
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), use_bias=False,
+                                 rngs=rngs)
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(64, kernel_init=k, use_bias=False)(x)
+
+    plan = sk.Plan(sk.make_mesh("fsdp=4,tensor=2"), rules=[(r"params/.*/bias", ())],
+                   axis_rules={"embed": "fsdp", "mlp": "tensor"})
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: 0.0)
+    with nnx.use_eager_sharding(False):
+        state = step.init(MLP(nnx.Rngs(0)))
+    text = str(plan.describe(state.params))
+    assert "up/kernel" in text and "P('fsdp', 'tensor')" in text and "logical ('embed', 'mlp')" in text
+    assert plan.param_specs(state.params) == {"up": {"kernel": P("fsdp", "tensor")}}
+    # Linen: the rules see 'params/...' paths, as the step did
+    variables = jax.eval_shape(lambda: Dense().init(jax.random.key(0), jnp.ones((1, 16))))
+    state = step.abstract_state(variables)
+    assert plan.param_specs(state.params) == {"Dense_0": {"kernel": P("fsdp", "tensor")}}
+    assert "params/Dense_0/kernel" in str(plan.describe(state.params))
+    # a tree the plan never laid out still needs rules
+    with pytest.raises(sk.ShardingError, match="no PathRules entry matches"):
+        plan.describe({"up": {"kernel": S((16, 32), f32)}})
+
+
 def test_precision_presets():
     assert sk.Precision.preset("bf16").compute == jnp.bfloat16
     assert sk.Precision.preset("bf16").params == jnp.float32
