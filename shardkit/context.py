@@ -59,6 +59,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._context_blocks import F32, _NEG, _Config, _backward_body, _compiler_blockwise, _forward_body, _mask
+from ._axes import claim_axes
 from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
@@ -128,6 +129,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
         o = context_attention(shard(q), shard(k), shard(v), causal=True, axis=axis, strategy=strategy,
                               order="zigzag", scale=scale, segment_ids=shard(segment_ids), mesh=mesh)
         return context_unshard(o, axis=axis, mesh=mesh)
+    claim_axes(axis)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from . import _axes
 from ._diloco import COMPRESSIONS, DiLoCo, fragment_map, replica_mean, sent_bytes
 from .cost.hlo import traffic_from_hlo
 from .mesh import vmapping_over
@@ -231,7 +232,9 @@ class DiLoCoStep:
 
     def _inner_fn(self, state, batch):
         inner = self.inner
-        with self.plan.active():
+        # The replicas' vmap owns the DiLoCo axis; the whole program is checked against the
+        # outer plan (the inner one leaves the axis out).
+        with _axes.checking_axes(self.step.plan, (self.axis,)), self.plan.active():
             rows = jax.tree.map(self._split_rows, batch)
 
             def one(params, opt_state, model_state, skipped, streak, loss_scale, b):

@@ -59,7 +59,7 @@ class Tiny(nnx.Module):
 
 
 def _step(mesh, microbatches):
-    plan = sk.Plan(mesh, axis_rules={"mlp": "tensor"}, zero=1, precision="fp8")
+    plan = sk.Plan(mesh, axis_rules=sk.AxisRules({"mlp": "tensor"}, drop_missing=True), zero=1, precision="fp8")
     loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
     return sk.train_step(plan, optax.adamw(1e-2), microbatches=microbatches, clip_norm=1.0)(loss)
 
