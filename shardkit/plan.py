@@ -16,7 +16,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _axes, _model, _zero, offload as _offload
+from . import _axes, _describe, _model, _zero, offload as _offload
+from ._describe import shard_shape as shard_shape  # noqa: F401  (imported from here by sk.cost)
 from .precision import Precision
 from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes, leaf_info,
                     resolve, spec_axes, validate)
@@ -400,25 +401,7 @@ class Plan:
                 params)``): its leaves are listed too, under ``opt_state/``. Leaves ZeRO
                 cannot shard are listed with a note here instead of raising.
         """
-        notes = []
-        if self.unused_axes:
-            notes.append(f"mesh axes left unused on purpose (their devices repeat the work): {list(self.unused_axes)}")
-        if self._dropped:
-            notes.append("AxisRules entries naming axes this mesh lacks, dropped (drop_missing=True): "
-                         + "; ".join(self._dropped))
-        t = _Table(title=f"{self} — per-leaf sharding", caption="\n".join(notes) or None)
-        for col in ("path", "shape", "dtype", "spec", "per device", "source"):
-            t.add_column(col)
-        rows = self.leaf_layouts(model)
-        if opt_state is not None:
-            u = self._unpack(model)
-            lay = self._layout(u.params, u.logical, u.adapter.param_prefix, check=False)
-            rows += [dataclasses.replace(l, path=f"opt_state/{l.path}")
-                     for l in self.opt_state_layouts(opt_state, u.params, lay)]
-        for l in rows:
-            t.add_row(l.path, str(l.shape), str(getattr(l.dtype, "name", l.dtype)), str(l.spec),
-                      str(shard_shape(l.shape, l.spec, self.mesh)), l.source + (f" — {l.note}" if l.note else ""))
-        return t
+        return _describe.table(self, model, opt_state)
 
     def __repr__(self) -> str:
         axes = ",".join(f"{n}={s}" for n, s in self.mesh.shape.items())
@@ -426,39 +409,6 @@ class Plan:
         unused = f", unused_axes={self.unused_axes}" if self.unused_axes else ""
         return (f"Plan(mesh='{axes}', zero={self.zero}, precision={self.precision.name!r}, "
                 f"batch_axes={self.batch_axes}{offload}{unused})")
-
-
-try:
-    from rich.table import Table as _RichTable
-except ImportError:  # pragma: no cover - rich ships with flax
-    _RichTable = object
-
-
-class _Table(_RichTable):
-    """A ``rich`` table that also prints as text with plain ``print`` and renders in notebooks."""
-
-    def _export(self, html: bool) -> str:
-        import io
-
-        from rich.console import Console
-
-        console = Console(file=io.StringIO(), width=160, record=True)
-        console.print(self)
-        return console.export_html(inline_styles=True) if html else console.export_text()
-
-    def __str__(self) -> str:
-        return self._export(html=False)
-
-    def _repr_html_(self) -> str:
-        return self._export(html=True)
-
-
-def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[int, ...]:
-    """The per-device block shape of an array of ``shape`` laid out by ``spec``."""
-    out = list(shape)
-    for d, e in enumerate(spec):
-        out[d] //= math.prod(mesh.shape[a] for a in entry_axes(e))
-    return tuple(out)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
