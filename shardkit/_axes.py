@@ -73,8 +73,8 @@ def check(plan, also: Iterable[str] = ()) -> None:
         f"mesh {mesh}: {named} used by nothing, so its devices would repeat each other's work "
         f"(is it a misspelt standard axis: {', '.join(STANDARD)}?):", problems,
         fix=f"use {idle[0]!r} in a rule (e.g. AxisRules({{'mlp': {idle[0]!r}}})) or the batch axes "
-            "(Plan(batch_axes=...)), fix its spelling, drop it from the mesh, or keep it on purpose with "
-            f"Plan(..., unused_axes=({idle[0]!r},))")
+            "(Plan(batch_axes=...)), fix its spelling, drop it from the mesh, or keep it on purpose (or for "
+            f"your own shard_map, which the plan cannot see) with Plan(..., unused_axes=({idle[0]!r},))")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ def table(plan, model, opt_state=None) -> "_Table":
     per-device shape and deciding rule, with what the plan leaves unused or dropped below."""
     notes = []
     if plan.unused_axes:
-        notes.append(f"mesh axes left unused on purpose (their devices repeat the work): {list(plan.unused_axes)}")
+        notes.append(f"mesh axes left unused on purpose (their devices repeat the work, unless the step's own "
+                     f"shard_map uses them): {list(plan.unused_axes)}")
     if plan._dropped:
         notes.append("AxisRules entries naming axes this mesh lacks, dropped (drop_missing=True): "
                      + "; ".join(plan._dropped))

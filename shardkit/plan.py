@@ -81,7 +81,8 @@ class Plan:
         offload: what lives in pinned host memory between steps: ``("opt_state",)`` keeps the
             optimizer state there (ZeRO's specs, host memory), brought to the device for the
             update inside the step and written back (``sk.offload``). Default ``()``.
-        unused_axes: mesh axes left unused on purpose (their devices repeat the same work).
+        unused_axes: mesh axes no rule or batch axis uses, kept on purpose: their devices repeat
+            the same work, or the step's own ``shard_map`` uses them (the plan cannot see it).
             Any other axis of size > 1 that no rule, batch axis, parameter spec, ``sk.constrain``
             or building block (``sk.pipeline``, ``sk.context_attention``, ``sk.moe``,
             ``sk.DiLoCo``) uses is a ``ShardingError`` when the step is traced, before it

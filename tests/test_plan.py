@@ -261,7 +261,7 @@ def test_a_mesh_axis_nothing_uses_is_an_error_before_compiling():
     state, metrics = step(step.init({"w": jnp.ones((8, 8))}), batch)
     assert float(metrics["loss"]) == 64.0
     text = " ".join(str(plan.describe(state.params)).split())  # the caption wraps at the table's width
-    assert "left unused on purpose (their devices repeat the work): ['tensr']" in text
+    assert "left unused on purpose (their devices repeat the work" in text and "['tensr']" in text
     # an axis used by a parameter's own names (no rule), by sk.constrain or by a building block counts
     uses = {"constrain": lambda p, b: loss(p, sk.constrain(b, ("data", "tensr"))),
             "block": lambda p, b: jnp.mean(sk.pipeline(lambda w, x: jnp.tanh(x @ w), p["w"][None].repeat(4, 0),
