@@ -70,9 +70,11 @@ def inner_plan(plan: Plan, axis: str) -> Plan:
     AxisRules (activations named ``batch`` map to the inner data axes only)."""
     ar = plan.axis_rules
     if ar is not None:
-        ar = AxisRules([(name, tuple(a for a in axes if a != axis)) for name, axes in ar.entries])
+        ar = AxisRules([(name, tuple(a for a in axes if a != axis)) for name, axes in ar.entries],
+                       drop_missing=ar.drop_missing)
     return Plan(plan.mesh, rules=plan.rules, axis_rules=ar, zero=plan.zero, precision=plan.precision,
-                batch_axes=tuple(a for a in plan.batch_axes if a != axis), strict=plan.strict)
+                batch_axes=tuple(a for a in plan.batch_axes if a != axis), strict=plan.strict,
+                unused_axes=tuple(a for a in plan.unused_axes if a != axis))
 
 
 def _with_axis(spec: P, axis: str) -> P:
