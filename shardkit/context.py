@@ -125,10 +125,10 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
                             + (", or load_balance=False (needs a multiple of "
                                f"{c})" if zigzag else ", or a smaller context axis"))
     if zigzag and order == "natural":
-        shard = lambda a: None if a is None else context_shard(a, axis=axis, mesh=mesh)  # noqa: E731
+        shard = lambda a, inverse=False: None if a is None else _exchange(a, axis, c, mesh, inverse)  # noqa: E731
         o = context_attention(shard(q), shard(k), shard(v), causal=True, axis=axis, strategy=strategy,
                               order="zigzag", scale=scale, segment_ids=shard(segment_ids), mesh=mesh)
-        return context_unshard(o, axis=axis, mesh=mesh)
+        return shard(o, inverse=True)
     claim_axes(axis)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag})
@@ -270,6 +270,36 @@ def _reorder(x, axis, seq_dim, mesh, size, inverse):
 
     return jax.tree.map(one, x)
 
+
+
+def _exchange(x: jax.Array, axis: str, c: int, mesh: Any, inverse: bool) -> jax.Array:
+    """``x`` (``(B, T, ...)``, ``T`` split contiguously over ``axis``) into ``context_shard``'s
+    zig-zag order, or back with ``inverse``, moving each device's block once: two
+    ``ppermute``\ s of half a block (the even and the odd chunk), where a reorder of the
+    global array compiles to an all-gather of the sequence. Nested in another shard_map (an
+    ``sk.pipeline`` stage) the compiler moves the global array instead."""
+    if getattr(mesh, "manual_axes", ()):
+        return _reorder(x, axis, 1, mesh, c, inverse)
+    home = lambda j: j if j < c else 2 * c - 1 - j  # noqa: E731  (device of chunk j in zig-zag order)
+
+    def body(a):  # this device's block: two chunks of T / 2c
+        d, h = jax.lax.axis_index(axis), a.shape[1] // 2
+        lo, hi = a[:, :h], a[:, h:]
+        if not inverse:  # device s holds chunks 2s, 2s+1; chunk j goes to home(j)
+            even = jax.lax.ppermute(lo, axis, [(s, home(2 * s)) for s in range(c)])
+            odd = jax.lax.ppermute(hi, axis, [(s, home(2 * s + 1)) for s in range(c)])
+            first_even = d % 2 == 0  # device d holds chunks d, 2c-1-d: the even one first iff d is even
+        else:  # device s holds chunks s, 2c-1-s (one even, one odd); chunk j goes to device j // 2
+            swap = d % 2 == 1
+            e_src, o_src = jnp.where(swap, hi, lo), jnp.where(swap, lo, hi)
+            even = jax.lax.ppermute(e_src, axis, [(s, (s if s % 2 == 0 else 2 * c - 1 - s) // 2) for s in range(c)])
+            odd = jax.lax.ppermute(o_src, axis, [(s, (2 * c - 1 - s if s % 2 == 0 else s) // 2) for s in range(c)])
+            first_even = True  # device d holds chunks 2d, 2d+1
+        first, second = jnp.where(first_even, even, odd), jnp.where(first_even, odd, even)
+        return jnp.concatenate([first, second], axis=1)
+
+    seq = P(None, axis)
+    return block_shard_map(body, mesh=mesh, axis_names={axis}, in_specs=(seq,), out_specs=seq)(x)
 
 
 def _sharded(cfg: _Config) -> Callable:
