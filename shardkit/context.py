@@ -275,7 +275,7 @@ def _reorder(x, axis, seq_dim, mesh, size, inverse):
 def _exchange(x: jax.Array, axis: str, c: int, mesh: Any, inverse: bool) -> jax.Array:
     """``x`` (``(B, T, ...)``, ``T`` split contiguously over ``axis``) into ``context_shard``'s
     zig-zag order, or back with ``inverse``, moving each device's block once: two
-    ``ppermute``\ s of half a block (the even and the odd chunk), where a reorder of the
+    ppermutes of half a block (the even and the odd chunk), where a reorder of the
     global array compiles to an all-gather of the sequence. Nested in another shard_map (an
     ``sk.pipeline`` stage) the compiler moves the global array instead."""
     if getattr(mesh, "manual_axes", ()):
