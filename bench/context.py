@@ -71,7 +71,7 @@ def attention_program(c: int, T: int):
     args = [jax.ShapeDtypeStruct((1, T, h, DH), jnp.float32, sharding=spec) for h in (HQ, HKV, HKV)]
 
     def loss(q, k, v):
-        return jnp.sum(sk.context_attention(q, k, v, mesh=mesh) ** 2)
+        return jnp.sum(sk.context_attention(q, k, v, order="zigzag", mesh=mesh) ** 2)
 
     with jax.set_mesh(mesh):
         return mesh, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()

@@ -27,7 +27,10 @@ an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with 
   ``context_shard`` reorders a batch (tokens, labels, positions, segment ids) once, before the
   model; position-wise layers do not care, RoPE takes the reordered positions, a mean loss
   over reordered tokens and labels is unchanged, and ``context_unshard`` restores the natural
-  order of any per-token output.
+  order of any per-token output. A causal, load-balanced call says which order its tokens
+  are in (``order="zigzag"`` after ``context_shard``; ``order="natural"`` reorders q, k, v
+  into zig-zag and the output back inside the call, at the cost of moving them once across
+  the axis): the two orders hold the same tokens, so a wrong guess would be silently wrong.
 
 Without the axis in the mesh (or at size 1) it is ordinary attention, so the same model code
 runs on one device. Called inside another ``shard_map`` (an ``sk.pipeline`` stage) the same
@@ -40,7 +43,7 @@ Usage (causal, load-balanced)::
     cos, sin = sk.context_shard((cos, sin), seq_dim=0)   # RoPE tables follow the tokens
     ...                                         # in the model, per attention layer:
     q = sk.constrain(q, ("batch", "context", "heads", None))
-    o = sk.context_attention(q, k, v, causal=True)
+    o = sk.context_attention(q, k, v, causal=True, order="zigzag")
     loss = mean_cross_entropy(logits, batch["labels"])   # unchanged by the reorder
 """
 
@@ -56,17 +59,19 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._context_blocks import F32, _NEG, _Config, _backward_body, _compiler_blockwise, _forward_body, _mask
+from ._axes import claim_axes
 from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
 
 STRATEGIES = ("ring", "allgather")
+ORDERS = ("natural", "zigzag")
 
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                       axis: str = "context", strategy: str = "ring", load_balance: bool = True,
-                      scale: float | None = None, segment_ids: jax.Array | None = None,
-                      mesh: Any = None) -> jax.Array:
+                      order: str | None = None, scale: float | None = None,
+                      segment_ids: jax.Array | None = None, mesh: Any = None) -> jax.Array:
     """Softmax attention with the sequence split over the ``axis`` mesh axis.
 
     Args:
@@ -78,9 +83,15 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
         causal: a token attends to itself and the tokens before it (by global position).
         axis: the mesh axis the sequence is split over.
         strategy: ``"ring"`` (K/V passed around the axis) or ``"allgather"``.
-        load_balance: for ``causal``: the sequence arrives in ``context_shard``'s zig-zag
-            order (see the module docstring); ``False``: in natural order, split contiguously
-            (device ``c-1`` then does ``c`` times the work of device 0).
+        load_balance: for ``causal``: every device does the same work, in ``context_shard``'s
+            zig-zag order (see the module docstring); ``False``: the sequence in natural order,
+            split contiguously (device ``c-1`` then does ``c`` times the work of device 0).
+        order: the order the tokens of q, k, v (and ``segment_ids``) are in, required for a
+            causal, load-balanced call: ``"zigzag"`` (they went through ``context_shard``;
+            the output is in that order too) or ``"natural"`` (reordered into zig-zag and
+            the output back inside this call: one more move of q, k, v and the output
+            across the axis). Without the axis both give plain attention on the tokens as
+            they are. Non-causal attention does not depend on the order.
         scale: score scale; default ``1/sqrt(Dh)``.
         segment_ids: optional ``(B, T)`` integers (packed documents): a token attends only to
             tokens with the same id. In the same (possibly reordered) order as ``q``.
@@ -92,11 +103,13 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
 
     Raises:
         ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, ``segment_ids``
-            not ``(B, T)``, an unknown strategy.
+            not ``(B, T)``, an unknown strategy or order, a causal load-balanced call
+            without ``order``, or ``order="zigzag"`` with ``load_balance=False``.
         ShardingError: ``T`` not divisible by the axis size (twice it under causal load
             balancing).
     """
     _check(q, k, v, segment_ids, strategy)
+    _check_order(causal, load_balance, order)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mesh = _resolve_mesh(mesh)
     c = dict(mesh.shape).get(axis, 1) if mesh is not None else 1
@@ -111,6 +124,12 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
                             f"parts ({why}); use a sequence length that is a multiple of {n}"
                             + (", or load_balance=False (needs a multiple of "
                                f"{c})" if zigzag else ", or a smaller context axis"))
+    if zigzag and order == "natural":
+        shard = lambda a, inverse=False: None if a is None else _exchange(a, axis, c, mesh, inverse)  # noqa: E731
+        o = context_attention(shard(q), shard(k), shard(v), causal=True, axis=axis, strategy=strategy,
+                              order="zigzag", scale=scale, segment_ids=shard(segment_ids), mesh=mesh)
+        return shard(o, inverse=True)
+    claim_axes(axis)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None)
@@ -174,6 +193,23 @@ def context_unshard(x: Any, *, axis: str = "context", seq_dim: int = 1, mesh: An
 
 # ---- checks and plumbing -------------------------------------------------------------------------
 
+def _check_order(causal: bool, load_balance: bool, order: str | None) -> None:
+    if order is not None and order not in ORDERS:
+        raise ValueError(f"context_attention: unknown order {order!r}; the tokens are in {ORDERS[0]!r} "
+                         f"order or in {ORDERS[1]!r} order (after sk.context_shard)")
+    if causal and load_balance and order is None:
+        # Both orders hold the same tokens: guessing either is silently wrong for the other.
+        raise ValueError(
+            "context_attention(causal=True) balances the causal work over the context axis and must know "
+            "the order the tokens are in: pass order='zigzag' if q, k, v (and segment_ids) went through "
+            "sk.context_shard (as the recipe's batch does; the output is in that order too), or "
+            "order='natural' for tokens in their natural order (reordered inside the call), or "
+            "load_balance=False (natural order, contiguous split, unbalanced work)")
+    if causal and order == "zigzag" and not load_balance:
+        raise ValueError("context_attention: order='zigzag' is the load-balanced layout; drop load_balance=False, "
+                         "or pass tokens in natural order (sk.context_unshard) with load_balance=False")
+
+
 def _check(q, k, v, segment_ids, strategy) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"context_attention: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
@@ -234,6 +270,36 @@ def _reorder(x, axis, seq_dim, mesh, size, inverse):
 
     return jax.tree.map(one, x)
 
+
+
+def _exchange(x: jax.Array, axis: str, c: int, mesh: Any, inverse: bool) -> jax.Array:
+    """``x`` (``(B, T, ...)``, ``T`` split contiguously over ``axis``) into ``context_shard``'s
+    zig-zag order, or back with ``inverse``, moving each device's block once: two
+    ppermutes of half a block (the even and the odd chunk), where a reorder of the
+    global array compiles to an all-gather of the sequence. Nested in another shard_map (an
+    ``sk.pipeline`` stage) the compiler moves the global array instead."""
+    if getattr(mesh, "manual_axes", ()):
+        return _reorder(x, axis, 1, mesh, c, inverse)
+    home = lambda j: j if j < c else 2 * c - 1 - j  # noqa: E731  (device of chunk j in zig-zag order)
+
+    def body(a):  # this device's block: two chunks of T / 2c
+        d, h = jax.lax.axis_index(axis), a.shape[1] // 2
+        lo, hi = a[:, :h], a[:, h:]
+        if not inverse:  # device s holds chunks 2s, 2s+1; chunk j goes to home(j)
+            even = jax.lax.ppermute(lo, axis, [(s, home(2 * s)) for s in range(c)])
+            odd = jax.lax.ppermute(hi, axis, [(s, home(2 * s + 1)) for s in range(c)])
+            first_even = d % 2 == 0  # device d holds chunks d, 2c-1-d: the even one first iff d is even
+        else:  # device s holds chunks s, 2c-1-s (one even, one odd); chunk j goes to device j // 2
+            swap = d % 2 == 1
+            e_src, o_src = jnp.where(swap, hi, lo), jnp.where(swap, lo, hi)
+            even = jax.lax.ppermute(e_src, axis, [(s, (s if s % 2 == 0 else 2 * c - 1 - s) // 2) for s in range(c)])
+            odd = jax.lax.ppermute(o_src, axis, [(s, (2 * c - 1 - s if s % 2 == 0 else s) // 2) for s in range(c)])
+            first_even = True  # device d holds chunks 2d, 2d+1
+        first, second = jnp.where(first_even, even, odd), jnp.where(first_even, odd, even)
+        return jnp.concatenate([first, second], axis=1)
+
+    seq = P(None, axis)
+    return block_shard_map(body, mesh=mesh, axis_names={axis}, in_specs=(seq,), out_specs=seq)(x)
 
 
 def _sharded(cfg: _Config) -> Callable:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from . import _axes
 from ._diloco import COMPRESSIONS, DiLoCo, fragment_map, replica_mean, sent_bytes
 from .cost.hlo import traffic_from_hlo
 from .mesh import vmapping_over
@@ -69,9 +70,11 @@ def inner_plan(plan: Plan, axis: str) -> Plan:
     AxisRules (activations named ``batch`` map to the inner data axes only)."""
     ar = plan.axis_rules
     if ar is not None:
-        ar = AxisRules([(name, tuple(a for a in axes if a != axis)) for name, axes in ar.entries])
+        ar = AxisRules([(name, tuple(a for a in axes if a != axis)) for name, axes in ar.entries],
+                       drop_missing=ar.drop_missing)
     return Plan(plan.mesh, rules=plan.rules, axis_rules=ar, zero=plan.zero, precision=plan.precision,
-                batch_axes=tuple(a for a in plan.batch_axes if a != axis), strict=plan.strict)
+                batch_axes=tuple(a for a in plan.batch_axes if a != axis), strict=plan.strict,
+                unused_axes=tuple(a for a in plan.unused_axes if a != axis))
 
 
 def _with_axis(spec: P, axis: str) -> P:
@@ -231,7 +234,9 @@ class DiLoCoStep:
 
     def _inner_fn(self, state, batch):
         inner = self.inner
-        with self.plan.active():
+        # The replicas' vmap owns the DiLoCo axis; the whole program is checked against the
+        # outer plan (the inner one leaves the axis out).
+        with _axes.checking_axes(self.step.plan, (self.axis,)), self.plan.active():
             rows = jax.tree.map(self._split_rows, batch)
 
             def one(params, opt_state, model_state, skipped, streak, loss_scale, b):

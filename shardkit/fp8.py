@@ -132,7 +132,10 @@ class Fp8Dot(nnx.Module):
     def __init__(self, history: int = HISTORY):
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"Fp8Dot(history={history!r}): the amax history needs at least one step")
-        self.meta = Fp8Meta(jnp.zeros((3, history), F32), out_sharding=(None, None))
+        # Named (None, None) so plans resolve it as replicated without a rule; not sharded at
+        # construction (Flax's eager sharding), which would need a mesh in scope: a model built
+        # eagerly and handed to step.init is laid out there, like one built inside it.
+        self.meta = Fp8Meta(jnp.zeros((3, history), F32), out_sharding=(None, None), eager_sharding=False)
 
     def __call__(self, spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
         return fp8_einsum(spec, x, kernel, self.meta[...])

@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
+from . import _axes
 from .plan import Plan
+from .rules import spec_axes
 
 ROLES = ("params", "grads", "opt_state", "batch", "replicated", None)
 
@@ -34,6 +36,7 @@ class PlannedJit:
             raise ValueError("an 'opt_state' argument is laid out like the 'params' argument; mark one argument 'params'")
         self.fn, self.plan, self.args, self.out, self.donate = fn, plan, tuple(args), out, tuple(donate)
         self._cache: dict = {}
+        self._used: set[str] = set()  # mesh axes the arguments' shardings use
 
     def _shardings_for(self, role, value, params):
         plan = self.plan
@@ -57,6 +60,7 @@ class PlannedJit:
         if key not in self._cache:
             params = next((a for a, r in zip(args, self.args) if r == "params"), None)
             in_sh = tuple(self._shardings_for(r, a, params) for r, a in zip(self.args, args))
+            self._used.update(a for sh in jax.tree.leaves(in_sh) for a in spec_axes(sh.spec))
             out_sh = None
             if self.out is not None:
                 with self.plan.active():
@@ -65,9 +69,15 @@ class PlannedJit:
                     out_sh = tuple(self._shardings_for(r, o, params) for r, o in zip(self.out, out_shape))
                 else:
                     out_sh = self._shardings_for(self.out, out_shape, params)
-            self._cache[key] = jax.jit(self.fn, in_shardings=in_sh, out_shardings=out_sh,
+            self._cache[key] = jax.jit(self._checked, in_shardings=in_sh, out_shardings=out_sh,
                                        donate_argnums=self.donate)
         return self._cache[key]
+
+    def _checked(self, *args):
+        """``fn`` traced with every mesh axis checked for a use (a mesh axis nothing uses is an
+        error, before compiling)."""
+        with _axes.checking_axes(self.plan, self._used):
+            return self.fn(*args)
 
     def lower(self, *args) -> jax.stages.Lowered:
         with self.plan.active():

@@ -62,6 +62,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .mesh import block_shard_map, vmapped_axes
+from ._axes import claim_axes
 from .plan import note
 from .rules import path_str
 
@@ -140,6 +141,7 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     mesh = _resolve_mesh(mesh)
     manual = _manual_axes()
     n, tok_axes, N = _placement(mesh, axis, batch_axes, manual, E, lead, g)
+    claim_axes(axis, *tok_axes)
 
     logits_NxE = router_logits.reshape(N, E).astype(F32)
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)

@@ -16,13 +16,14 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _model, _zero, offload as _offload
+from . import _axes, _describe, _model, _zero, offload as _offload
+from ._describe import shard_shape as shard_shape  # noqa: F401  (imported from here by sk.cost)
 from .precision import Precision
 from .rules import (AxisRules, LeafLayout, PathRules, ShardingError, entry_axes, leaf_info,
-                    resolve, validate)
+                    resolve, spec_axes, validate)
 
 _DATA_LIKE = ("replica", "data", "fsdp")
-STANDARD_AXES = ("replica", "data", "fsdp", "tensor", "sequence", "pipe", "expert", "context")
+STANDARD_AXES = _axes.STANDARD
 _ACTIVE: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("shardkit_plan", default=None)
 _NOTES: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("shardkit_trace_notes", default=None)
 _DETAIL: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_detailed_notes", default=False)
@@ -52,12 +53,15 @@ class Plan:
 
     Attributes:
         mesh: the device mesh (``sk.make_mesh``).
-        rules: ``PathRules`` or a list of ``(regex, spec)``; consulted first.
+        rules: ``PathRules``, a list of ``(regex, spec)`` or a ``{regex: spec}`` dict (in its
+            order); consulted first.
         axis_rules: ``AxisRules``, a dict or ``(name, mesh axes)`` pairs mapping logical axis
             names (from Flax metadata and ``sk.constrain``) to mesh axes; a name listed more
             than once is an ordered list of fallbacks (see ``AxisRules``). Mesh axis names map
-            to themselves by default. A standard axis (``STANDARD_AXES``) the mesh lacks is
-            dropped, so one table serves every layout; any other unknown axis is an error.
+            to themselves by default. A name mapped to an axis the mesh lacks is an error
+            (every one listed), unless the table is ``sk.AxisRules(..., drop_missing=True)``:
+            then a standard axis (``STANDARD_AXES``) the mesh lacks is dropped, so one table
+            serves several layouts, and ``describe`` lists what was dropped.
         zero: 0 (data parallel), 1 (optimizer state sharded over the data axes), 2 (+ gradients
             reduce-scattered), 3 (+ parameters sharded, FSDP).
         precision: a preset name or ``sk.Precision``.
@@ -77,6 +81,12 @@ class Plan:
         offload: what lives in pinned host memory between steps: ``("opt_state",)`` keeps the
             optimizer state there (ZeRO's specs, host memory), brought to the device for the
             update inside the step and written back (``sk.offload``). Default ``()``.
+        unused_axes: mesh axes no rule or batch axis uses, kept on purpose: their devices repeat
+            the same work, or the step's own ``shard_map`` uses them (the plan cannot see it).
+            Any other axis of size > 1 that no rule, batch axis, parameter spec, ``sk.constrain``
+            or building block (``sk.pipeline``, ``sk.context_attention``, ``sk.moe``,
+            ``sk.DiLoCo``) uses is a ``ShardingError`` when the step is traced, before it
+            compiles. ``describe`` lists them.
     """
 
     mesh: Mesh
@@ -87,6 +97,7 @@ class Plan:
     batch_axes: Sequence[str] | str | None = None
     strict: bool = True
     offload: Sequence[str] | str = ()
+    unused_axes: Sequence[str] | str = ()
 
     def __post_init__(self):
         # An AbstractMesh (sizes and names, no devices) plans for a mesh that is not here (sk.cost.simulate).
@@ -113,18 +124,51 @@ class Plan:
         object.__setattr__(self, "precision", Precision.resolve(self.precision))
         object.__setattr__(self, "batch_axes", batch_axes)
         object.__setattr__(self, "offload", _offload.check(self.offload))
-        # One AxisRules table serves many meshes: a standard axis the mesh lacks is dropped
-        # (size 1) when specs are resolved; any other unknown name is a typo and an error.
+        # A name mapped to an axis the mesh lacks is an error: a typo, or a table written for
+        # another mesh. With drop_missing one table serves many meshes, and a standard axis the
+        # mesh lacks is dropped when specs are resolved; any other unknown name is still a typo.
         entries = list(axis_rules.entries) if axis_rules else []
         typos = [f"{logical!r} -> {a!r}" for logical, axes in entries for a in axes
                  if a not in names and a not in STANDARD_AXES]
         if typos:
             raise ValueError(f"AxisRules map to mesh axes that are neither in the mesh {dict(self.mesh.shape)} "
                              f"nor standard axis names {STANDARD_AXES}: {', '.join(typos)}")
+        absent = axis_rules.absent(dict(self.mesh.shape)) if axis_rules else []
+        if absent and not axis_rules.drop_missing:
+            raise ShardingError(
+                f"{len(absent)} AxisRules entr(y/ies) name mesh axes the mesh {dict(self.mesh.shape)} lacks:", absent,
+                fix="map them to axes of this mesh (or None to replicate), add the axis to the mesh at size 1 "
+                    "(make_mesh('data=8,tensor=1')), or use one table for several meshes with "
+                    "sk.AxisRules({...}, drop_missing=True)")
+        object.__setattr__(self, "_dropped", absent)
         # Mesh axis names map to themselves unless the table says otherwise.
         named = {logical for logical, _ in entries}
-        table = AxisRules([(a, (a,)) for a in names if a not in named] + entries)
+        table = AxisRules([(a, (a,)) for a in names if a not in named] + entries,
+                          drop_missing=bool(axis_rules and axis_rules.drop_missing))
         object.__setattr__(self, "_axis_table", table)
+        # Logical axis names of the models this plan laid out, by their parameters' (paths,
+        # shapes): ``state.params`` is a plain tree without Flax's metadata, and
+        # ``describe(state.params)`` must resolve it as the step did.
+        object.__setattr__(self, "_seen", {})
+        self._check_unused_axes(names)
+
+    def _check_unused_axes(self, names: tuple[str, ...]) -> None:
+        unused = (self.unused_axes,) if isinstance(self.unused_axes, str) else tuple(self.unused_axes)
+        unknown = [a for a in unused if a not in names]
+        if unknown:
+            raise ValueError(f"unused_axes {unknown} are not mesh axes; the mesh has {dict(self.mesh.shape)}")
+        used = _axes.plan_axes(self, unused=False)
+        contradicted = [a for a in unused if a in used]
+        if contradicted:
+            raise ValueError(f"unused_axes {contradicted} are used by the plan's rules or batch axes "
+                             f"{self.batch_axes}; list only axes nothing uses")
+        object.__setattr__(self, "unused_axes", unused)
+
+    def check_axes_used(self, also=()) -> None:
+        """Raises ``ShardingError`` naming every mesh axis of size > 1 that nothing uses: no
+        rule, batch axis or ``unused_axes`` entry, nor any of ``also`` (the axes a traced step
+        used). ``sk.train_step`` and ``sk.jit`` call it when they trace, before compiling."""
+        _axes.check(self, also)
 
     # ---- resolution -------------------------------------------------------------------------
 
@@ -140,6 +184,8 @@ class Plan:
     def _layout(self, tree, logical: dict, prefix: str = "", what: str = "parameter",
                 check: bool = True) -> ParamLayout:
         paths, shapes, dtypes, treedef = leaf_info(tree)
+        if what == "parameter" and (logical or prefix):
+            self._seen[(tuple(paths), tuple(shapes))] = (prefix, logical)
         rule_paths = [prefix + p for p in paths]
         names = [logical.get(p) for p in rule_paths]
         leaves = resolve(rule_paths, shapes, dtypes, names, self.rules, self._axis_table, what,
@@ -154,14 +200,28 @@ class Plan:
                                      for l, (_, _, bad) in zip(leaves, placed) if bad], "parameter")
         return ParamLayout(treedef, leaves, [s for s, _, _ in placed])
 
-    def param_layout(self, model) -> ParamLayout:
+    def _unpack(self, model) -> _model.Unpacked:
+        """``model`` split into plain trees; a plain tree with the parameters' paths and shapes
+        of a model this plan laid out (``state.params`` of an NNX or Linen model) gets that
+        model's logical names and path prefix back."""
         u = _model.unpack(model)
+        if u.adapter.kind != "pytree" or u.logical:
+            return u
+        paths, shapes, _, _ = leaf_info(u.params)
+        seen = self._seen.get((tuple(paths), tuple(shapes)))
+        if seen is None:
+            return u
+        prefix, logical = seen
+        return dataclasses.replace(u, adapter=_model.Adapter("pytree", param_prefix=prefix), logical=logical)
+
+    def param_layout(self, model) -> ParamLayout:
+        u = self._unpack(model)
         return self._layout(u.params, u.logical, u.adapter.param_prefix)
 
     def leaf_layouts(self, model) -> list[LeafLayout]:
         """Per leaf of the model's parameters and state: path, shape, spec, and which rule
         decided it (a parameter ZeRO cannot shard is listed with its note, never raised)."""
-        u = _model.unpack(model)
+        u = self._unpack(model)
         lay = self._layout(u.params, u.logical, u.adapter.param_prefix, check=False)
         rows = [dataclasses.replace(l, spec=(z if self.zero == 3 else l.spec))
                 for l, z in zip(lay.leaves, lay.zero_specs)]
@@ -294,6 +354,7 @@ class Plan:
         if len(names) != x.ndim:
             raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
         spec = self._axis_table.spec(names, x.shape, dict(self.mesh.shape), lenient=True)
+        _axes.claim_axes(*spec_axes(spec))
         # Inside a shard_map (e.g. sk.pipeline's stages) some axes are manual: constrain only
         # over the others, on the context's abstract mesh.
         context = jax.sharding.get_abstract_mesh()
@@ -334,63 +395,21 @@ class Plan:
         ``rich`` Table; ``print()`` renders it as text, notebooks as HTML).
 
         Args:
-            model: the parameters (a tree, NNX module or Linen variables).
+            model: the parameters (a tree, NNX module or Linen variables, or ``state.params``
+                of a model a step of this plan was initialised with: it is resolved as that
+                model, logical axis names included).
             opt_state: the optimizer state built from them (e.g. ``jax.eval_shape(tx.init,
                 params)``): its leaves are listed too, under ``opt_state/``. Leaves ZeRO
                 cannot shard are listed with a note here instead of raising.
         """
-        t = _Table(title=f"{self} — per-leaf sharding")
-        for col in ("path", "shape", "dtype", "spec", "per device", "source"):
-            t.add_column(col)
-        rows = self.leaf_layouts(model)
-        if opt_state is not None:
-            u = _model.unpack(model)
-            lay = self._layout(u.params, u.logical, u.adapter.param_prefix, check=False)
-            rows += [dataclasses.replace(l, path=f"opt_state/{l.path}")
-                     for l in self.opt_state_layouts(opt_state, u.params, lay)]
-        for l in rows:
-            t.add_row(l.path, str(l.shape), str(getattr(l.dtype, "name", l.dtype)), str(l.spec),
-                      str(shard_shape(l.shape, l.spec, self.mesh)), l.source + (f" — {l.note}" if l.note else ""))
-        return t
+        return _describe.table(self, model, opt_state)
 
     def __repr__(self) -> str:
         axes = ",".join(f"{n}={s}" for n, s in self.mesh.shape.items())
         offload = f", offload={self.offload}" if self.offload else ""
+        unused = f", unused_axes={self.unused_axes}" if self.unused_axes else ""
         return (f"Plan(mesh='{axes}', zero={self.zero}, precision={self.precision.name!r}, "
-                f"batch_axes={self.batch_axes}{offload})")
-
-
-try:
-    from rich.table import Table as _RichTable
-except ImportError:  # pragma: no cover - rich ships with flax
-    _RichTable = object
-
-
-class _Table(_RichTable):
-    """A ``rich`` table that also prints as text with plain ``print`` and renders in notebooks."""
-
-    def _export(self, html: bool) -> str:
-        import io
-
-        from rich.console import Console
-
-        console = Console(file=io.StringIO(), width=160, record=True)
-        console.print(self)
-        return console.export_html(inline_styles=True) if html else console.export_text()
-
-    def __str__(self) -> str:
-        return self._export(html=False)
-
-    def _repr_html_(self) -> str:
-        return self._export(html=True)
-
-
-def shard_shape(shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[int, ...]:
-    """The per-device block shape of an array of ``shape`` laid out by ``spec``."""
-    out = list(shape)
-    for d, e in enumerate(spec):
-        out[d] //= math.prod(mesh.shape[a] for a in entry_axes(e))
-    return tuple(out)
+                f"batch_axes={self.batch_axes}{offload}{unused})")
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -77,16 +77,27 @@ class PathRules:
 
     Args:
         rules: pairs of a regex (string or compiled) and a spec (PartitionSpec, tuple of mesh
-            axis names / tuples of names / None, or ``()`` / None for replicated).
+            axis names / tuples of names / None, or ``()`` / None for replicated), or a dict
+            ``{regex: spec}`` (its order is the rules' order).
+
+    Raises:
+        ValueError: an entry that is not a ``(regex, spec)`` pair, or a regex that does not compile.
     """
 
-    def __init__(self, rules: Iterable[tuple[str | re.Pattern, SpecLike]]):
+    def __init__(self, rules: Mapping[str | re.Pattern, SpecLike] | Iterable[tuple[str | re.Pattern, SpecLike]]):
         self.rules: list[tuple[re.Pattern, P]] = []
-        for i, item in enumerate(rules):
-            try:
-                pattern, spec = item
-            except (TypeError, ValueError):
-                raise ValueError(f"PathRules entry {i} is {item!r}; each entry is a (regex, spec) pair") from None
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise ValueError(f"PathRules takes (regex, spec) pairs or a {{regex: spec}} dict, got {rules!r}; "
+                             "e.g. sk.PathRules([(r'w1', ('fsdp', 'tensor')), (r'.*', ())])")
+        # A dict reads like AxisRules' table; its insertion order is the rules' order.
+        items = rules.items() if isinstance(rules, Mapping) else rules
+        for i, item in enumerate(items):
+            # A bare string unpacks into two characters ("w1" -> regex "w", spec "1"): refuse it.
+            pair = not isinstance(item, (str, bytes)) and isinstance(item, Sequence) and len(item) == 2
+            if not pair or not isinstance(item[0], (str, re.Pattern)):
+                raise ValueError(f"PathRules entry {i} is {item!r}; each entry is a (regex, spec) pair, "
+                                 "e.g. (r'mlp/w1', ('fsdp', 'tensor')) or (r'.*', ()) to replicate the rest")
+            pattern, spec = item
             try:
                 rx = pattern if isinstance(pattern, re.Pattern) else re.compile(pattern)
             except re.error as e:
@@ -119,26 +130,40 @@ class AxisRules:
     same spec (Flax's check), are in the mesh and divide the dimension (checks Flax leaves out)
     wins. Fixed names are placed first (they have no alternative), then fallback entries in
     table order. If no entry of a name fits, resolution fails naming every entry and why;
-    ``(name, None)`` as the last entry replicates that dimension on purpose. A name all of whose
-    entries name standard axes the mesh lacks is replicated, as a fixed name would be.
+    ``(name, None)`` as the last entry replicates that dimension on purpose.
+
+    A fixed name mapped to a mesh axis the mesh lacks is an error (``"mlp": "tensor"`` on a
+    mesh whose axis is spelled ``tensr`` would otherwise replicate every MLP silently), and so
+    is a repeated name none of whose entries the mesh has. One table for several meshes (the
+    recipes' layouts, ``explain(mesh=...)``) says so: ``drop_missing=True`` drops the axes a
+    mesh lacks from each entry (a name left with none is replicated; ``plan.describe`` lists
+    what was dropped), or the mesh carries the axis at size 1 (``"data=8,tensor=1"``).
 
     Args:
         mapping: a dict, or ``(name, mesh axes)`` pairs (names may repeat), where mesh axes is
             a mesh axis, a tuple of mesh axes, or None (replicated).
+        drop_missing: drop the mesh axes a mesh lacks instead of refusing the table there.
 
     Attributes:
         entries: the ``(name, mesh axes)`` pairs in table order.
         mapping: each name's first entry (its only one unless the name repeats).
+        drop_missing: as the argument.
     """
 
-    def __init__(self, mapping: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]]):
+    def __init__(self, mapping: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]], *,
+                 drop_missing: bool = False):
+        self.drop_missing = bool(drop_missing)
+        if isinstance(mapping, (str, bytes)) or not isinstance(mapping, Iterable):
+            raise ValueError(f"AxisRules takes a {{logical name: mesh axes}} dict or (name, mesh axes) pairs, "
+                             f"got {mapping!r}; e.g. sk.AxisRules({{'batch': 'data', 'mlp': 'tensor'}})")
         items = mapping.items() if isinstance(mapping, Mapping) else mapping
         self.entries: list[tuple[str, tuple[str, ...]]] = []
         for i, item in enumerate(items):
-            try:
-                name, axes = item
-            except (TypeError, ValueError):
-                raise ValueError(f"AxisRules entry {i} is {item!r}; each entry is a (logical name, mesh axes) pair") from None
+            # A bare string would unpack into two characters ("ab" -> 'a' mapped to 'b').
+            if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2 \
+                    or not isinstance(item[0], str):
+                raise ValueError(f"AxisRules entry {i} is {item!r}; each entry is a (logical name, mesh axes) pair")
+            name, axes = item
             if axes is None:
                 axes = ()
             elif isinstance(axes, str):
@@ -153,6 +178,29 @@ class AxisRules:
             self.mapping.setdefault(name, axes)
         counts = collections.Counter(name for name, _ in self.entries)
         self.fallbacks: frozenset[str] = frozenset(n for n, c in counts.items() if c > 1)
+
+    def _here(self, axes: tuple[str, ...], mesh_sizes: Mapping[str, int] | None) -> tuple[str, ...] | None:
+        """The entry's axes on this mesh; None where it names an axis the mesh lacks and
+        ``drop_missing`` is off (the entry cannot be used here)."""
+        if mesh_sizes is None:
+            return axes
+        kept = tuple(a for a in axes if a in mesh_sizes)
+        return None if len(kept) < len(axes) and not self.drop_missing else kept
+
+    def absent(self, mesh_sizes: Mapping[str, int]) -> list[str]:
+        """Each fixed name mapped to axes the mesh lacks, and each repeated name none of whose
+        entries the mesh has (``(name, None)`` counts as one it has), described."""
+        out = []
+        for name, axes in self.entries:
+            lacking = [a for a in axes if a not in mesh_sizes]
+            if name not in self.fallbacks and lacking:
+                out.append(f"{name!r} -> {axes if len(axes) > 1 else axes[0]!r}: the mesh has no "
+                           f"{', '.join(map(repr, lacking))}")
+        for name in sorted(self.fallbacks):
+            options = [axes for n, axes in self.entries if n == name]
+            if not any(all(a in mesh_sizes for a in axes) for axes in options):
+                out.append(f"{name!r}: none of its entries {options} has all its axes in the mesh")
+        return out
 
     def spec(self, names: Sequence[str | None], shape: Sequence[int] | None = None,
              mesh_sizes: Mapping[str, int] | None = None, *, lenient: bool = False) -> P:
@@ -177,18 +225,24 @@ class AxisRules:
         repeated = [n for n in dims if list(names).count(n) > 1]
         if repeated:
             raise ShardingError(f"logical axis name(s) {repeated} name more than one dimension of {tuple(names)}")
-        # A standard axis the mesh lacks is dropped (the Plan has already rejected typos).
-        present = (lambda axes: axes) if mesh_sizes is None else (
-            lambda axes: tuple(a for a in axes if a in mesh_sizes))
-        result: list[tuple[str, ...] | None] = [None if n is None or n in self.fallbacks else present(self.mapping[n])
+        fixed = {n: self._here(self.mapping[n], mesh_sizes) for n in dims if n not in self.fallbacks}
+        lacking = [n for n, axes in fixed.items() if axes is None]
+        if lacking:
+            mesh = dict(mesh_sizes)
+            raise ShardingError(
+                f"logical axis name(s) {lacking} map to mesh axes the mesh {mesh} lacks: "
+                + ", ".join(f"{n!r} -> {self.mapping[n]}" for n in lacking),
+                fix="map them to axes of this mesh or None, add the axis at size 1, or build the table "
+                    "with sk.AxisRules(..., drop_missing=True) to use it on meshes without some of its axes")
+        result: list[tuple[str, ...] | None] = [None if n is None or n in self.fallbacks else fixed[n]
                                                 for n in names]
         used = {a for axes in result if axes for a in axes}
         tried: dict[str, list[str]] = {n: [] for n in dims if n in self.fallbacks}
         for name, axes in self.entries:
             if name not in tried or result[dims[name]] is not None:
                 continue
-            d, here = dims[name], present(axes)
-            if axes and not here:
+            d, here = dims[name], self._here(axes, mesh_sizes)
+            if here is None or axes and not here:
                 tried[name].append(f"{axes} not in the mesh")
                 continue
             taken = [a for a in here if a in used]
@@ -202,9 +256,10 @@ class AxisRules:
                 continue
             result[dims[name]] = here
             used.update(here)
-        # A name all of whose entries name axes this mesh lacks is replicated, as a fixed name is.
+        # With drop_missing, a name all of whose entries name axes this mesh lacks is replicated,
+        # as a fixed name is.
         unplaced = [n for n in tried if result[dims[n]] is None
-                    and not all(t.endswith("not in the mesh") for t in tried[n])]
+                    and not (self.drop_missing and all(t.endswith("not in the mesh") for t in tried[n]))]
         if unplaced and not lenient:
             details = "; ".join(f"{n!r} (dim {dims[n]}" + (f", size {shape[dims[n]]}" if shape is not None else "")
                                 + f"): {', '.join(tried[n])}" for n in unplaced)
@@ -217,9 +272,10 @@ class AxisRules:
         return P(*entries)
 
     def __repr__(self) -> str:
+        flag = ", drop_missing=True" if self.drop_missing else ""
         if self.fallbacks:
-            return f"AxisRules({self.entries!r})"
-        return f"AxisRules({self.mapping!r})"
+            return f"AxisRules({self.entries!r}{flag})"
+        return f"AxisRules({self.mapping!r}{flag})"
 
 
 @dataclasses.dataclass(frozen=True)

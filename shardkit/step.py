@@ -23,11 +23,11 @@ import optax
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
-from . import _model, _update, offload
+from . import _axes, _model, _update, offload
 from .diloco import DiLoCo, DiLoCoStep
 from .plan import ParamLayout, Plan, collecting_notes
 from .precision import LossScale, cast_floats, cast_input
-from .rules import ShardingError
+from .rules import ShardingError, spec_axes
 
 
 @struct.dataclass
@@ -397,7 +397,8 @@ class TrainStep:
     def _step(self, state: TrainState, batch):
         # Runs at trace time only: what the loss's building blocks note (e.g. sk.pipeline's
         # schedule) is kept for explain().
-        with collecting_notes() as notes:
+        # ... and every mesh axis must be used by something, checked before compiling.
+        with _axes.checking_axes(self.plan, self._leaf_axes(state)), collecting_notes() as notes:
             out = self._step_body(state, batch)
         self.trace_notes = notes
         if self._overwrite is not None and "pipeline" in notes:
@@ -405,6 +406,14 @@ class TrainStep:
                              "the pipeline sums its microbatches' gradients, the histories need their max; "
                              "run the fp8 layers outside the pipeline or use precision='bf16'")
         return out
+
+    def _leaf_axes(self, state: TrainState) -> set[str]:
+        """Mesh axes the parameters' and model state's resolved specs use (Flax metadata may
+        name mesh axes directly, without a rule)."""
+        specs = [l.spec for l in self._layout.leaves]
+        specs += jax.tree.leaves(self.plan.state_specs(state.model_state, self._logical),
+                                 is_leaf=lambda x: isinstance(x, P))
+        return {a for spec in specs for a in spec_axes(spec)}
 
     def _step_body(self, state: TrainState, batch):
         return _update.step_body(self, state, batch)

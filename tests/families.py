@@ -25,7 +25,9 @@ from jax import lax
 
 import shardkit as sk
 
-AXIS_RULES = {"batch": ("data", "fsdp", "expert"), "mlp": "tensor", "heads": "tensor", "channels": "tensor"}
+# One table for every layout: axes a mesh lacks are dropped, on purpose.
+AXIS_RULES = sk.AxisRules({"batch": ("data", "fsdp", "expert"), "mlp": "tensor", "heads": "tensor", "channels": "tensor"},
+                          drop_missing=True)
 
 
 def _normal(rng, shape, scale=0.02):

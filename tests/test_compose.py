@@ -55,7 +55,8 @@ def train(mesh_spec, zero, devices=None):
     batch_axes = tuple(a for a in ("data", "expert") if a in mesh.shape)
     rules = [(r"experts/", ("expert",))] if "expert" in mesh.shape else []
     plan = sk.Plan(mesh, rules=rules + [(r".*", ())], zero=zero,
-                   axis_rules={"batch": batch_axes, "context": "context"}, batch_axes=batch_axes)
+                   axis_rules=sk.AxisRules({"batch": batch_axes, "context": "context"}, drop_missing=True),
+                   batch_axes=batch_axes)
     step = sk.train_step(plan, optax.adam(1e-2), microbatches=2)(loss)
     state = step.init(init())
     losses = []

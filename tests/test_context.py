@@ -51,24 +51,26 @@ def loss_of(attend, target):
 
 
 def cp_attend(mesh, causal, strategy, balance, seg):
-    """context_attention on the zig-zag-reordered sequence (with balance), output restored."""
+    """context_attention with load balancing on the zig-zag-reordered sequence, output
+    restored (``balance="zigzag"``), on the natural order (``"natural"``: reordered inside the
+    call), or without it (``False``)."""
     def attend(q, k, v):
-        shard = (lambda a: sk.context_shard(a, mesh=mesh)) if balance else (lambda a: a)
+        shard = (lambda a: sk.context_shard(a, mesh=mesh)) if balance == "zigzag" else (lambda a: a)
         s = None if seg is None else shard(seg)
         o = sk.context_attention(shard(q), shard(k), shard(v), causal=causal, strategy=strategy,
-                                 load_balance=balance, segment_ids=s, mesh=mesh)
-        return sk.context_unshard(o, mesh=mesh) if balance else o
+                                 load_balance=bool(balance), order=balance or None, segment_ids=s, mesh=mesh)
+        return sk.context_unshard(o, mesh=mesh) if balance == "zigzag" else o
     return attend
 
 
 # (strategy, causal, load balance, segment ids): together every option on every mesh kind.
 CASES = {
-    "context=8": [("ring", True, True, True), ("ring", True, False, False),
-                  ("allgather", False, False, True), ("allgather", True, True, False),
-                  ("ring", False, True, False)],
-    "data=2,context=4": [("ring", True, True, False), ("allgather", True, False, True),
-                         ("ring", False, False, True)],
-    "context=4,tensor=2": [("ring", True, True, True), ("allgather", True, True, False)],
+    "context=8": [("ring", True, "zigzag", True), ("ring", True, False, False),
+                  ("allgather", False, False, True), ("allgather", True, "zigzag", False),
+                  ("ring", False, "zigzag", False)],
+    "data=2,context=4": [("ring", True, "zigzag", False), ("allgather", True, False, True),
+                         ("ring", False, False, True), ("ring", True, "natural", True)],
+    "context=4,tensor=2": [("ring", True, "zigzag", True), ("allgather", True, "natural", False)],
 }
 
 
@@ -127,7 +129,7 @@ def test_inside_a_pipeline_stage():
     mesh = sk.make_mesh("context=2,pipe=2,data=2")
 
     def piped(W, x, remat):
-        y = sk.pipeline(layer(lambda q, k, v: sk.context_attention(q, k, v)), W,
+        y = sk.pipeline(layer(lambda q, k, v: sk.context_attention(q, k, v, order="zigzag")), W,
                         sk.context_shard(x), microbatches=2, remat=remat)
         return jnp.mean(y ** 2)
 
@@ -151,7 +153,7 @@ def test_bf16_within_bound_and_plain_without_axis():
     axis it is plain attention, equal to the oracle to 1e-6."""
     mesh = sk.make_mesh("context=8")
     q, k, v, _, _ = inputs(2)
-    attend = cp_attend(mesh, True, "ring", True, None)
+    attend = cp_attend(mesh, True, "ring", "zigzag", None)
     with jax.set_mesh(mesh):
         out = jax.jit(attend)(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
     ref = oracle(q, k, v, True, None)
@@ -159,7 +161,7 @@ def test_bf16_within_bound_and_plain_without_axis():
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
     assert err <= 2e-2, err
     data_only = sk.make_mesh("data=8")
-    plain = sk.context_attention(q, k, v, mesh=data_only)
+    plain = sk.context_attention(q, k, v, order="natural", mesh=data_only)
     np.testing.assert_allclose(plain, ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(sk.context_shard(q, mesh=data_only), q)
 
@@ -175,11 +177,34 @@ def test_context_shard_round_trip():
     np.testing.assert_array_equal(tree["pos"], [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
 
 
+def test_natural_order_equals_jax_attention_and_an_ambiguous_call_is_refused():
+    """The issue's case: data=2,context=4, B=2, T=64, 4 heads of 16, tokens in natural order.
+    Without ``order`` the call used to assume zig-zag order and differ from
+    ``jax.nn.dot_product_attention(is_causal=True)`` by 1.59; now it must say the order, and
+    ``order="natural"`` matches to 1e-5 (float32)."""
+    mesh = sk.make_mesh("data=2,context=4")
+    r = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(r.normal(size=(2, 64, 4, 16)), jnp.float32) for _ in range(3))
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data", "context")))  # noqa: E731
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"must know the order the tokens are in: pass order='zigzag' .*"
+                                             r"sk.context_shard.* or order='natural'"):
+            sk.context_attention(put(q), put(k), put(v), causal=True, axis="context")
+        out = jax.jit(lambda q, k, v: sk.context_attention(q, k, v, causal=True, axis="context",
+                                                           order="natural"))(put(q), put(k), put(v))
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"unknown order 'zig-zag'"):
+        sk.context_attention(q, k, v, order="zig-zag", mesh=mesh)
+    with pytest.raises(ValueError, match=r"order='zigzag' is the load-balanced layout"):
+        sk.context_attention(q, k, v, order="zigzag", load_balance=False, mesh=mesh)
+
+
 def test_errors_name_sizes_and_fix():
     mesh = sk.make_mesh("context=8")
     q, k, v, _, seg = inputs()
     with pytest.raises(sk.ShardingError, match=r"length 24 does not split into 16 .*multiple of 16.*load_balance=False"):
-        sk.context_attention(q[:, :24], k[:, :24], v[:, :24], mesh=mesh)
+        sk.context_attention(q[:, :24], k[:, :24], v[:, :24], order="zigzag", mesh=mesh)
     with pytest.raises(ValueError, match=r"length 20 does not split into 8 .*multiple of 8"):
         sk.context_attention(q[:, :20], k[:, :20], v[:, :20], causal=False, mesh=mesh)
     with pytest.raises(ValueError, match=r"3 query heads are not a multiple of 2 kv heads"):
@@ -201,7 +226,7 @@ def _attention_grad_program(mesh, n, strategy="ring"):
     args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=spec) for s in (shape, kv_shape, kv_shape)]
 
     def loss(q, k, v):
-        return jnp.sum(sk.context_attention(q, k, v, strategy=strategy, mesh=mesh) ** 2)
+        return jnp.sum(sk.context_attention(q, k, v, strategy=strategy, order="zigzag", mesh=mesh) ** 2)
 
     with jax.set_mesh(mesh):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()

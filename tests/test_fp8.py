@@ -59,7 +59,7 @@ class Tiny(nnx.Module):
 
 
 def _step(mesh, microbatches):
-    plan = sk.Plan(mesh, axis_rules={"mlp": "tensor"}, zero=1, precision="fp8")
+    plan = sk.Plan(mesh, axis_rules=sk.AxisRules({"mlp": "tensor"}, drop_missing=True), zero=1, precision="fp8")
     loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
     return sk.train_step(plan, optax.adamw(1e-2), microbatches=microbatches, clip_norm=1.0)(loss)
 
@@ -84,6 +84,30 @@ def test_the_step_writes_the_amax_histories_and_takes_their_max_over_microbatche
     assert not np.asarray(state.opt_state[0].mu["d1"]["meta"]).any()  # never optimized
     state, _ = step(state, batch)
     assert np.asarray(state.params["d1"]["meta"])[0, 1] == pytest.approx(amax_x, rel=1e-2)  # rolled
+
+
+class Plain(nnx.Module):
+    """Unannotated weights: a model a user can build eagerly, outside any mesh."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 16)) / 4)
+        self.dot = sk.fp8.Fp8Dot(history=4)
+
+    def __call__(self, x):
+        return self.dot("bd,df->bf", x, self.w[...])
+
+
+def test_a_model_with_fp8_dots_built_eagerly_or_inside_init():
+    # Built eagerly, Fp8Dot's history used to fail inside Flax ("An auto mesh context or
+    # metadata is required ... out_sharding=P(None, None)"); only step.init(lambda: ...) worked.
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r"^w$", ())], precision="fp8")
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: jnp.mean(m(b) ** 2))
+    eager = step.init(Plain(nnx.Rngs(0)))
+    lazy = step.init(lambda: Plain(nnx.Rngs(0)))
+    for state in (eager, lazy):
+        assert state.params["dot"]["meta"].shape == (3, 4)
+        assert state.params["dot"]["meta"].sharding.spec == jax.sharding.PartitionSpec()
+    np.testing.assert_array_equal(eager.params["w"], lazy.params["w"])
 
 
 def test_fp8_needs_an_fp8_matmul_in_the_model_and_a_target_with_fp8():

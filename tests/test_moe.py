@@ -110,7 +110,7 @@ def run_layout(mesh_spec):
     tok = P(tuple(a for a in mesh.axis_names if a != "tensor"))
     wspec = {"w1": P("expert", "fsdp" if "fsdp" in mesh.shape else None, "tensor" if "tensor" in mesh.shape else None),
              "w2": P("expert", "tensor" if "tensor" in mesh.shape else None, None)}
-    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules={"mlp": "tensor"})
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"mlp": "tensor"}, drop_missing=True))
     args = (jax.device_put(x, NamedSharding(mesh, tok)), router,
             {k: jax.device_put(v, NamedSharding(mesh, wspec[k])) for k, v in params.items()},
             jax.device_put(r, NamedSharding(mesh, tok)))

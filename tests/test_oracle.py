@@ -54,7 +54,8 @@ D, F, B, STEPS = 16, 32, 32, 3
 LR, WD, CLIP = 1e-2, 0.1, 0.5
 SLACK = 1.5
 U = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
-AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "mlp": "tensor"}
+# One table for every mesh of the sweep: axes a mesh lacks are dropped, on purpose.
+AXIS_RULES = sk.AxisRules({"batch": ("data", "fsdp"), "embed": "fsdp", "mlp": "tensor"}, drop_missing=True)
 
 
 # ---- the model: an MLP with biases and an RMS-norm scale, written for any compute dtype ---------

@@ -142,10 +142,24 @@ def test_batch_specs_and_errors():
     ({"precision": "fp4"}, r"unknown precision 'fp4'; choose one of \['fp32', 'bf16', 'bf16-pure', 'fp16', 'fp8'\]"),
     ({"rules": [("(", ())]}, r"not a valid regex"),
     ({"rules": [("a",)]}, r"each entry is a \(regex, spec\) pair"),
+    # a bare string used to unpack into two characters: regex 'w', spec P('1')
+    ({"rules": ["w1"]}, r"PathRules entry 0 is 'w1'; each entry is a \(regex, spec\) pair"),
+    ({"rules": [(3, ())]}, r"PathRules entry 0 is \(3, \(\)\)"),
+    ({"rules": "w1"}, r"PathRules takes \(regex, spec\) pairs or a \{regex: spec\} dict"),
+    ({"axis_rules": ["ab"]}, r"AxisRules entry 0 is 'ab'"),
 ])
 def test_plan_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sk.Plan(sk.make_mesh("data=8"), **kwargs)
+
+
+def test_path_rules_as_a_dict_keep_their_order():
+    # Plan(rules={...}) used to read each key as a pair of characters ("unknown mesh axis '1'").
+    p = {"w1": S((16, 64), f32), "w2": S((64, 16), f32), "b": S((64,), f32)}
+    plan = sk.Plan(sk.make_mesh("fsdp=4,tensor=2"), rules={r"w1": ("fsdp", "tensor"), r"w\d": ("tensor", "fsdp"),
+                                                           r".*": ()})
+    assert plan.param_specs(p) == {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp"), "b": P()}
+    assert [rx.pattern for rx, _ in plan.rules.rules] == ["w1", r"w\d", ".*"]
 
 
 def test_describe_is_a_table_with_every_leaf():
@@ -158,6 +172,41 @@ def test_describe_is_a_table_with_every_leaf():
     assert "mlp/w1" in text and "(8, 16)" in text  # per-device block of w1 under ZeRO-3 + TP
 
 
+def test_describe_state_params_of_nnx_and_linen_models():
+    # state.params is a plain tree: Flax's logical names are gone, and describe used to raise
+    # "no PathRules entry matches and it has no logical axis names".
+    import flax.linen as nn
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), use_bias=False,
+                                 rngs=rngs)
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(64, kernel_init=k, use_bias=False)(x)
+
+    plan = sk.Plan(sk.make_mesh("fsdp=4,tensor=2"), rules=[(r"params/.*/bias", ())],
+                   axis_rules={"embed": "fsdp", "mlp": "tensor"})
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: 0.0)
+    with nnx.use_eager_sharding(False):
+        state = step.init(MLP(nnx.Rngs(0)))
+    text = str(plan.describe(state.params))
+    assert "up/kernel" in text and "P('fsdp', 'tensor')" in text and "logical ('embed', 'mlp')" in text
+    assert plan.param_specs(state.params) == {"up": {"kernel": P("fsdp", "tensor")}}
+    # Linen: the rules see 'params/...' paths, as the step did
+    variables = jax.eval_shape(lambda: Dense().init(jax.random.key(0), jnp.ones((1, 16))))
+    state = step.abstract_state(variables)
+    assert plan.param_specs(state.params) == {"Dense_0": {"kernel": P("fsdp", "tensor")}}
+    assert "params/Dense_0/kernel" in str(plan.describe(state.params))
+    # a tree the plan never laid out still needs rules
+    with pytest.raises(sk.ShardingError, match="no PathRules entry matches"):
+        plan.describe({"up": {"kernel": S((16, 32), f32)}})
+
+
 def test_precision_presets():
     assert sk.Precision.preset("bf16").compute == jnp.bfloat16
     assert sk.Precision.preset("bf16").params == jnp.float32
@@ -166,12 +215,64 @@ def test_precision_presets():
     assert sk.Precision.resolve("bf16").name == "bf16"
 
 
-def test_axis_rules_drop_standard_axes_the_mesh_lacks_but_catch_typos():
+def test_axis_rules_naming_an_axis_the_mesh_lacks_is_an_error_unless_dropped_on_purpose():
+    # The case: the mesh spells 'tensr', the table 'tensor'; every MLP used to be
+    # replicated silently (and sk.constrain(x, ("batch", "mlp")) ran without a word).
+    with pytest.raises(sk.ShardingError, match=r"(?s)name mesh axes the mesh .*'tensr': 2.* lacks:\n"
+                                               r"  - 'mlp' -> 'tensor': the mesh has no 'tensor'.*drop_missing=True"):
+        sk.Plan(sk.make_mesh("data=2,fsdp=2,tensr=2"), rules=[(r".*", ())], axis_rules=sk.AxisRules({"mlp": "tensor"}))
     mesh = sk.make_mesh("data=8")
-    plan = sk.Plan(mesh, axis_rules={"batch": ("data", "fsdp"), "mlp": "tensor"})
+    with pytest.raises(sk.ShardingError) as err:  # every offender at once
+        sk.Plan(mesh, axis_rules={"batch": ("data", "fsdp"), "mlp": "tensor"})
+    assert "'batch' -> ('data', 'fsdp'): the mesh has no 'fsdp'" in str(err.value)
+    assert "'mlp' -> 'tensor'" in str(err.value)
+    # a repeated name needs one entry the mesh has ((name, None) is one)
+    with pytest.raises(sk.ShardingError, match=r"'embed': none of its entries \[\('fsdp',\), \('tensor',\)\]"):
+        sk.Plan(mesh, axis_rules=[("embed", "fsdp"), ("embed", "tensor")])
+    assert sk.Plan(mesh, axis_rules=[("embed", "fsdp"), ("embed", None)]).logical_spec(("embed",)) == P()
+    # sk.constrain resolves through AxisRules.spec, which refuses the same table
+    with pytest.raises(sk.ShardingError, match=r"\['mlp'\] map to mesh axes the mesh \{'data': 8\} lacks"):
+        sk.AxisRules({"mlp": "tensor"}).spec(("mlp",), (8,), {"data": 8})
+    # one table for several meshes, on purpose: the axes a mesh lacks are dropped and listed
+    portable = sk.AxisRules({"batch": ("data", "fsdp"), "mlp": "tensor"}, drop_missing=True)
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=portable)
     assert plan.logical_spec(("batch", "mlp")) == P("data")
-    with pytest.raises(ValueError, match=r"neither in the mesh .* 'mlp' -> 'tensr'"):
-        sk.Plan(mesh, axis_rules={"mlp": "tensr"})
+    text = " ".join(str(plan.describe({"w": S((8,), f32)})).split())  # the caption wraps
+    assert "dropped (drop_missing=True): 'batch' -> ('data', 'fsdp'): the mesh has no 'fsdp'" in text
+    with pytest.raises(ValueError, match=r"neither in the mesh .* 'mlp' -> 'tensr'"):  # typos still caught
+        sk.Plan(mesh, axis_rules=sk.AxisRules({"mlp": "tensr"}, drop_missing=True))
+
+
+def test_a_mesh_axis_nothing_uses_is_an_error_before_compiling():
+    # `--mesh data=2,tensr=4`: every parameter P(), batch over data, 4 devices repeating the work.
+    mesh = sk.make_mesh("data=2,tensr=4")
+    loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)  # noqa: E731
+    batch = jnp.ones((8, 8))
+    step = sk.train_step(sk.Plan(mesh, rules=[(r".*", ())]), optax.sgd(0.1))(loss)
+    state = step.init({"w": jnp.ones((8, 8))})
+    with pytest.raises(sk.ShardingError, match=r"(?s)'tensr' \(size 4\) used by nothing.*"
+                                               r"Plan\(\.\.\., unused_axes=\('tensr',\)\)"):
+        step(state, batch)
+    with pytest.raises(sk.ShardingError, match="'tensr'"):
+        sk.jit(loss, sk.Plan(mesh, rules=[(r".*", ())]), args=("params", "batch"))({"w": jnp.ones((8, 8))}, batch)
+    # kept on purpose: named in the Plan, listed by describe
+    plan = sk.Plan(mesh, rules=[(r".*", ())], unused_axes="tensr")
+    step = sk.train_step(plan, optax.sgd(0.1))(loss)
+    state, metrics = step(step.init({"w": jnp.ones((8, 8))}), batch)
+    assert float(metrics["loss"]) == 64.0
+    text = " ".join(str(plan.describe(state.params)).split())  # the caption wraps at the table's width
+    assert "left unused on purpose (their devices repeat the work" in text and "['tensr']" in text
+    # an axis used by a parameter's own names (no rule), by sk.constrain or by a building block counts
+    uses = {"constrain": lambda p, b: loss(p, sk.constrain(b, ("data", "tensr"))),
+            "block": lambda p, b: jnp.mean(sk.pipeline(lambda w, x: jnp.tanh(x @ w), p["w"][None].repeat(4, 0),
+                                                       b, microbatches=4, axis="tensr") ** 2)}
+    for name, fn in uses.items():
+        step = sk.train_step(sk.Plan(mesh, rules=[(r".*", ())]), optax.sgd(0.1))(fn)
+        step(step.init({"w": jnp.ones((8, 8))}), batch)
+    with pytest.raises(ValueError, match=r"unused_axes \['tensor'\] are not mesh axes"):
+        sk.Plan(mesh, unused_axes=("tensor",))
+    with pytest.raises(ValueError, match=r"unused_axes \['data'\] are used by the plan's rules or batch axes"):
+        sk.Plan(mesh, unused_axes=("data", "tensr"))
 
 
 # ---- AxisRules: a repeated logical name is an ordered list of fallbacks ----------------------

@@ -237,6 +237,7 @@ def test_bad_data_is_named(tmp_path):
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (["--dataset", "folder:{tmp}"], "no class subfolders"),
     (["--channels", "tensor"], "channel axis 'tensor' is not in the mesh"),
+    (["--mesh", "data=4,tensor=2"], "'tensor' (size 2) used by nothing"),  # used to train, 2 devices repeating
 ])
 def test_cli_errors_are_one_line(argv, expect, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]

@@ -17,7 +17,8 @@ from flax import nnx
 import shardkit as sk
 
 D, F, B, STEPS = 16, 64, 32, 10
-AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "mlp": "tensor"}
+# One table for every mesh of the sweep: axes a mesh lacks are dropped, on purpose.
+AXIS_RULES = sk.AxisRules({"batch": ("data", "fsdp"), "embed": "fsdp", "mlp": "tensor"}, drop_missing=True)
 
 
 def init_params(key=jax.random.key(0)):

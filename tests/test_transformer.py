@@ -514,6 +514,7 @@ def test_flops_match_compiled_step():
 
 @pytest.mark.parametrize("argv, flag", [
     (["--mesh", "data=3"], "--mesh"),
+    (["--mesh", "data=2,tensr=4"], "'tensr' (size 4) used by nothing"),  # trained with 4 devices repeating
     (["--mesh", "data=2,pipe=4", "--layers", "6"], "--layers"),
     (["--mesh", "data=4,tensor=2", "--heads", "3", "--d-model", "96"], "--heads"),
     (["--mesh", "data=4,pipe=2", "--pipeline-schedule", "zigzag"], "--pipeline-schedule"),

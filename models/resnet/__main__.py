@@ -126,6 +126,7 @@ def _train(args: argparse.Namespace) -> int:
     stem = args.stem if args.stem != "auto" else ("imagenet" if h >= 128 else "cifar")
     cfg = Config(depth=args.depth, num_classes=ds.num_classes, in_channels=c, stem=stem, width=args.width)
     plan = make_plan(mesh, zero=args.zero, precision=args.precision, channels=args.channels)
+    plan.check_axes_used()  # e.g. --mesh data=4,tensor=2 without --channels tensor: refused before compiling
     need = plan.batch_size_multiple * args.microbatches
     if args.batch % need:
         raise ValueError(f"--batch {args.batch} is not a multiple of {need} (the batch axes {plan.batch_axes} "

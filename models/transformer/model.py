@@ -148,7 +148,8 @@ class Attention(nnx.Module):
         k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
 
         if context_size() > 1:  # the sequence stays split: attention over "context"
-            o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True,
+            # the loss put the batch in sk.context_shard's zig-zag order (_context_order)
+            o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True, order="zigzag",
                                              strategy=self.context_strategy)
         else:
             impl = attention_impl(self.attention, q_BxTxHxQ.dtype)

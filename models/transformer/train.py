@@ -310,6 +310,7 @@ def _run(args) -> int:
     sp = shape.get("tensor", 1) > 1 if args.sequence_parallel is None else args.sequence_parallel
     plan = make_plan(mesh, cfg, zero=args.zero, precision=args.precision, sequence_parallel=sp,
                      offload=_offload(args))
+    plan.check_axes_used()  # the layouts' AxisRules name every axis the model uses: refuse a typo now
     pipeline = None
     if shape.get("pipe", 1) > 1:
         pipeline = PipelineSpec(pipe_mb, args.pipeline_schedule, _repeats(args), args.pipeline_layer_order)

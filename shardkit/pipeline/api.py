@@ -77,6 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from ..mesh import vmapped_axes
+from .._axes import claim_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
@@ -146,6 +147,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
             with ``rng``.
     """
     mesh = _resolve_mesh(mesh, axis)
+    claim_axes(axis)
     p = mesh.shape[axis]
     m, v = microbatches, (2 if schedule == "zb-v" else repeats)
     data = _data_axes(mesh, axis, batch_axes, rng)
