@@ -346,3 +346,63 @@ def test_row_syncs_count_the_reductions_the_backward_waits_for():
     assert _syncs(plain) == 0
     assert _syncs(balanced) == 1
     assert _syncs(batch_norm_twice) >= 2
+
+
+def _without_scan_counts(jaxpr):
+    """``jaxpr`` with every scan's ``num_consts``/``num_carry`` params removed, as jax 0.11
+    writes scans (it replaced them by a ``FlatTree``, ``ft_in``)."""
+    from jax._src import core as jcore
+
+    def strip(value):
+        if isinstance(value, jcore.ClosedJaxpr):
+            return jcore.ClosedJaxpr(strip(value.jaxpr), value.consts)
+        if isinstance(value, jcore.Jaxpr):
+            eqns = []
+            for e in value.eqns:
+                params = {k: strip(v) if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
+                          else tuple(strip(b) for b in v) if k == "branches" else v
+                          for k, v in e.params.items() if not (e.primitive.name == "scan" and k in ("num_consts", "num_carry"))}
+                eqns.append(e.replace(params=params))
+            return value.replace(eqns=eqns)
+        return value
+    return strip(jaxpr)
+
+
+def test_scan_counts_are_read_off_the_avals_as_jax_0_11_writes_scans(monkeypatch):
+    """A real H200 run under jax 0.11 raised ``KeyError: 'num_consts'`` in explain(): the
+    reader took a scan's consts and carries from params jax 0.11 no longer writes. They are
+    derived from the avals now; the estimate is the same with those params and without."""
+    from jax._src import core as jcore
+
+    from shardkit.cost.jaxprwalk import scan_split
+
+    def loss(p, batch):
+        def layer(carry, w):
+            x, n = carry
+            return (x + jnp.tanh(x @ w[0]) @ w[1] * p["scale"], n + 1.0), jnp.sum(x)
+        (x, _), sums = jax.lax.scan(layer, (batch["x"], 0.0), (p["w1"], p["w2"]))
+        return jnp.mean(x ** 2) + jnp.sum(sums)
+
+    params = {**_mlp_init(), "scale": jnp.ones(())}
+    batch = {"x": jnp.ones((B, D))}
+    scans = []
+
+    def visit(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "scan":
+                scans.append(e)
+            for sub in jcore.jaxprs_in_params(e.params):
+                visit(getattr(sub, "jaxpr", sub))
+    visit(jax.make_jaxpr(jax.value_and_grad(loss))(params, batch).jaxpr)
+    assert len(scans) >= 2  # the forward scan and its transpose
+    assert [scan_split(e) for e in scans] == [(e.params["num_consts"], e.params["num_carry"]) for e in scans]
+
+    plan = sk.Plan(sk.make_mesh("data=4,tensor=2"), rules=TP_RULES + [(r".*", ())],
+                   axis_rules={"batch": "data", "mlp": "tensor"})
+    step = sk.train_step(plan, optax.adam(1e-3))(loss)
+    state = step.init(params)
+    before = cost.estimate_for_step(step, state, batch).as_dict()
+    make_jaxpr = jax.make_jaxpr
+    monkeypatch.setattr(jax, "make_jaxpr", lambda *a, **k: (lambda *x, **y: _without_scan_counts(
+        make_jaxpr(*a, **k)(*x, **y))))
+    assert cost.estimate_for_step(step, state, batch).as_dict() == before
