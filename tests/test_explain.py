@@ -106,3 +106,41 @@ ENTRY %main (a: (s32[], f32[8])) -> (s32[], f32[8]) {
 }"""
     (c,) = collectives_from_hlo(hlo)
     assert (c.kind, c.count, c.static_count, c.bytes) == ("all-reduce", 4, 1, 4 * 8 * 4)
+
+
+FP8_HLO = """ENTRY %main (x: bf16[8,16,16,32], w: bf16[3,3,32,64], a: f8e4m3fn[16,32], b: f8e4m3fn[32,8], c: bf16[16,32], d: bf16[32,8]) -> f32[16,8] {
+  %x = bf16[8,16,16,32]{3,2,1,0} parameter(0)
+  %w = bf16[3,3,32,64]{3,2,1,0} parameter(1)
+  %conv = bf16[8,16,16,64]{3,2,1,0} convolution(%x, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  %a = f8e4m3fn[16,32]{1,0} parameter(2)
+  %b = f8e4m3fn[32,8]{1,0} parameter(3)
+  %fp8 = f32[16,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %c = bf16[16,32]{1,0} parameter(4)
+  %d = bf16[32,8]{1,0} parameter(5)
+  %tpu = f32[16,8]{1,0} convolution(%c, %d), dim_labels=bf_io->bf
+  %mixed = f32[16,8]{1,0} dot(f8e4m3fn[16,32]{1,0} %a, bf16[32,8]{1,0} %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = f32[16,8]{1,0} add(%fp8, %tpu)
+}"""
+
+
+def test_fp8_flops_count_only_ops_whose_operands_are_fp8():
+    """A bf16 convolution (and XLA:TPU's bf16 dot, written as a convolution) was counted as an
+    fp8 GEMM: ``fp8_only`` applied to dot lines only, so a bf16 conv step read "100% in fp8
+    GEMMs" and was timed at the fp8 peak. Only the dot of two fp8 operands is one."""
+    from shardkit.cost.hlo import matmul_flops_from_hlo
+
+    conv, gemm = 2 * (8 * 16 * 16 * 64) * 9 * 32, 2 * 16 * 8 * 32
+    assert matmul_flops_from_hlo(FP8_HLO) == conv + 3 * gemm  # the fp8, TPU-style and mixed GEMMs
+    assert matmul_flops_from_hlo(FP8_HLO, fp8_only=True) == gemm
+
+
+def test_a_compiled_convolution_step_has_no_fp8_flops():
+    from shardkit.cost.report import report_from_compiled
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(y ** 2)
+    w, x = jnp.ones((3, 3, 4, 8), jnp.bfloat16), jnp.ones((2, 8, 8, 4), jnp.bfloat16)
+    report = report_from_compiled(jax.jit(jax.grad(loss)).lower(w, x).compile(), "conv")
+    assert report.matmul_flops >= 2 * 2 * (2 * 8 * 8 * 8) * 9 * 4  # forward and filter gradient
+    assert report.fp8_matmul_flops == 0 and "fp8" not in str(report)
