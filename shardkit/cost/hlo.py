@@ -315,6 +315,23 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
     return total
 
 
+_REWRITTEN = re.compile(r"\smultiply\(.*op_name=\"([^\"]*dot_general)\"(?:.*stack_frame_id=(\d+))?")
+
+
+def rewritten_matmuls(hlo: str) -> int:
+    """How many ops of the program are matmuls XLA rewrote as an elementwise ``multiply`` (then
+    a ``reduce``) — its algebraic simplifier does so for a matrix-vector or outer product —
+    told apart by the ``dot_general`` they came from (op name and source frame in the
+    metadata). Their flops are not in ``matmul_flops_from_hlo``: no ``dot`` is left to read.
+    (A ``reduce`` alone named after a dot is XLA:GPU's split-K sum of a dot that stays one.)"""
+    comps, mult = _walk(hlo)
+    seen = set()
+    for name, lines in comps.items():
+        if mult.get(name):
+            seen.update(m.groups() for m in map(_REWRITTEN.search, lines) if m is not None)
+    return len(seen)
+
+
 _FP8 = re.compile(r"^f8e\d")
 
 
