@@ -11,6 +11,7 @@ collective and the executed matmul flops within 10%; peak memory within 25% (mea
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -406,3 +407,27 @@ def test_scan_counts_are_read_off_the_avals_as_jax_0_11_writes_scans(monkeypatch
     monkeypatch.setattr(jax, "make_jaxpr", lambda *a, **k: (lambda *x, **y: _without_scan_counts(
         make_jaxpr(*a, **k)(*x, **y))))
     assert cost.estimate_for_step(step, state, batch).as_dict() == before
+
+
+def test_a_compiled_layout_the_estimate_is_far_under_is_flagged_in_the_table():
+    """Notebook 07 showed a compiled H100 peak of 28.9 GB beside 15.3 GB estimated, and a
+    step of 75.9 ms beside 45.6 ms, with no flag; the mesh column was cut to "data=8,…"."""
+    from shardkit.cost.bands import underestimate
+    from shardkit.cost.rank import Verified, compiled_flags
+
+    assert underestimate(15.3, 28.9) == "under-estimate: 47% under the compiled peak; plan with the compiled figure"
+    assert underestimate(95.0, 100.0) is None and underestimate(120.0, 100.0) is None and underestimate(1.0, 0.0) is None
+    res = sk.search("1b", devices=256, global_batch=256, pipe=[1], top=3)
+    first, second = res.estimates[:2]
+    compiled = types.SimpleNamespace(target="h100")  # what the table reads of a compiled report
+    res.verified = [Verified(compiled, 1.89 * first.memory["peak"], True, {"step": first.step_time / 0.6}),
+                    Verified(compiled, 1.05 * second.memory["peak"], True, {"step": second.step_time}), None]
+    assert compiled_flags(first, res.verified[0]) == [
+        "under-estimate: 47% under the compiled peak; plan with the compiled figure",
+        "under-estimate: 40% under the compiled step time (re-timed on its collectives); plan with the compiled figure"]
+    assert compiled_flags(second, res.verified[1]) == [] and res.rows[1]["flags"] == []
+    text = res.table(3)._repr_mimebundle_()["text/plain"]
+    assert "\x1b[" not in text and "…" not in text
+    mesh = first.layout.mesh + (" +sp" if first.layout.sequence_parallel else "")
+    assert f"! #1 {mesh}: under-estimate: 47% under the compiled peak" in " ".join(text.split())
+    assert sum(line.count(" !") for line in text.splitlines() if line.startswith("│ 1 ")) == 2

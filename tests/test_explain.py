@@ -231,3 +231,22 @@ def test_a_caveat_shared_by_several_rows_prints_once_and_a_band_that_bounds_noth
     assert "-100%" not in text.split("collective/tensor-reduce: ")[0] and "-0%" not in text
     assert "collective/tensor-reduce: no band: estimate / compiled - 1 measured -100%..0%" in text
     assert "bounds nothing" in text
+
+
+def test_a_report_renders_once_in_a_notebook_with_plain_text(monkeypatch):
+    """Notebooks 03/04 showed each report twice (rich displayed what ``render`` recorded) and
+    the text/plain was the dataclass's fields, or ANSI codes."""
+    import rich.console
+    import rich.jupyter
+
+    shown = []
+    monkeypatch.setattr(rich.console, "_is_jupyter", lambda: True)  # as inside a kernel
+    monkeypatch.setattr(rich.jupyter, "display", lambda *a, **k: shown.append(a))
+    from shardkit.cost.report import Report
+
+    r = Report("a title", {"peak": 100}, [], 0.0)
+    html = r._repr_html_()
+    printed = []
+    r._repr_pretty_(type("P", (), {"text": lambda self, t: printed.append(t)})(), False)
+    assert not shown and "a title" in html
+    assert printed == [r.render()] and "\x1b[" not in printed[0] and "per-device memory" in printed[0]

@@ -130,8 +130,8 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
 def plan_main(argv: list[str], build_for=None) -> int:
     """``shardkit plan``: rank layouts of a bundled recipe size on N accelerators;
     ``build_for(size, global_batch, seq, precision, target)`` gives ``--verify`` the recipe's
-    step builder (``rank.plan_main``)."""
-    from .rank import plan_main as _main
+    step builder (``plan_command.plan_main``)."""
+    from .plan_command import plan_main as _main
 
     return _main(argv, build_for=build_for)
 
