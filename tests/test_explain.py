@@ -181,6 +181,11 @@ def test_a_matmul_xla_rewrote_is_said_not_read_as_zero_flops():
     text = one.render(width=250)
     assert "multiply + reduce" in text and not re.search(r"\bnan\b", text)
     assert [line.split("│")[4].strip() for line in text.splitlines() if line.startswith("│ flops")] == ["-"]
+    # A dot's scalar index arithmetic (XLA:CPU's ZeRO-3 loops) carries its name too: not a matmul.
+    from shardkit.cost.hlo import rewritten_matmuls
+
+    index = 'ENTRY %m (a: s32[]) -> s32[] {\n  ROOT %i = s32[] multiply(%a, %a), metadata={op_name="jit(f)/dot_general"}\n}'
+    assert rewritten_matmuls(index) == 0 and rewritten_matmuls(index.replace("s32[]", "f32[4,8]")) == 1
 
 
 @pytest.mark.targets

@@ -315,7 +315,10 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
     return total
 
 
-_REWRITTEN = re.compile(r"\smultiply\(.*op_name=\"([^\"]*dot_general)\"(?:.*stack_frame_id=(\d+))?")
+# A floating-point array multiply (not the scalar index arithmetic of a dot's loop) named
+# after a dot_general.
+_REWRITTEN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:bf16|f16|f32|f64|f8\w+)\[\d[\d,]*\]\S*\s+"
+                        r"multiply\(.*op_name=\"([^\"]*dot_general)\"(?:.*stack_frame_id=(\d+))?")
 
 
 def rewritten_matmuls(hlo: str) -> int:
