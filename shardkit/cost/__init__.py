@@ -17,7 +17,8 @@ Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``f
 ``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it) and
 ``xla_gpu`` (how XLA:GPU combines the collectives),
 ``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
-(reading compiled programs), ``rank`` (layout search), ``simulated`` (compiling for meshes that
+(reading compiled programs), ``bands`` (the measured error bands and the under-estimate
+flag), ``rank`` (layout search) with ``plan_command`` (``shardkit plan``), ``simulated`` (compiling for meshes that
 are not here) with ``targets`` (the GPU and TPU compilers, deviceless) and ``compiler`` (the
 subprocess that compiles).
 """

@@ -220,8 +220,9 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
 
     Returns:
         One entry per job, in order: its ``Report``, or the exception that job raised
-        (``ShardingError`` while planning, ``SimulationError`` when its compile failed) — one
-        layout that does not fit does not lose the others.
+        (``ShardingError`` while planning, ``TargetError`` for a device count the target has
+        no topology for, ``SimulationError`` when its compile failed) — one layout that does
+        not fit does not lose the others.
 
     Raises:
         TargetError: as ``simulate``.
