@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _readme_plan(verify: bool) -> list[str]:
     """The README's ``shardkit plan ...`` invocation (with or without ``--verify``), as argv."""
-    lines = re.findall(r"`(shardkit plan --[^`]*)`", (ROOT / "README.md").read_text())
+    lines = re.findall(r"`(shardkit plan --model [^`]*)`", (ROOT / "README.md").read_text())
     (line,) = [x for x in lines if ("--verify" in x) == verify][:1]
     return shlex.split(line)[2:]
 
