@@ -1,5 +1,6 @@
 """Writes notebooks/01..07 *executed* with nbformat + nbclient: ``python notebooks/_build.py``
-(a few minutes on 2 cores; ``python notebooks/_build.py 03_zero_memory`` rebuilds one).
+(a few minutes on 2 cores; ``python notebooks/_build.py 03_zero_memory`` rebuilds one; 07
+takes about 20 minutes: ``--timeout 2400``).
 
 The notebooks are generated so that they stay reproducible and reviewable as code, and they are
 committed with their outputs (text, tables, small PNGs) so that they read where the repository
@@ -380,13 +381,16 @@ def _strip(nb) -> None:
         cell.metadata.pop("execution", None)
 
 
-def build(names=None) -> list[pathlib.Path]:
+def build(names=None, timeout: int = 600) -> list[pathlib.Path]:
+    """Executes and writes the notebooks ``names`` (all by default); ``timeout``: seconds per
+    cell (07's v5p cell, three 256-chip compiles, needs more on a loaded 2-core machine:
+    ``python notebooks/_build.py --timeout 2400 07_compile_for_the_cluster``)."""
     out = []
     for name in names or NOTEBOOKS:
         nb = new_notebook(cells=[new_markdown_cell(src) if kind == "md" else new_code_cell(src)
                                  for kind, src in cells_of(name)])
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        execute(nb)
+        execute(nb, timeout=timeout)
         _strip(nb)
         path = HERE / f"{name}.ipynb"
         nbformat.write(nb, path)
@@ -395,7 +399,11 @@ def build(names=None) -> list[pathlib.Path]:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    for p in build(sys.argv[1:] or None):
+    ap = argparse.ArgumentParser(description="Execute and write notebooks/0*.ipynb from this builder.")
+    ap.add_argument("names", nargs="*", help="notebooks to rebuild (default: all), e.g. 03_zero_memory")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    args = ap.parse_args()
+    for p in build(args.names or None, timeout=args.timeout):
         print(p)
