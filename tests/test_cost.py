@@ -11,6 +11,7 @@ collective and the executed matmul flops within 10%; peak memory within 25% (mea
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -346,3 +347,92 @@ def test_row_syncs_count_the_reductions_the_backward_waits_for():
     assert _syncs(plain) == 0
     assert _syncs(balanced) == 1
     assert _syncs(batch_norm_twice) >= 2
+
+
+def _without_scan_counts(jaxpr):
+    """``jaxpr`` with every scan's ``num_consts``/``num_carry`` params removed, as jax 0.11
+    writes scans (it replaced them by a ``FlatTree``, ``ft_in``)."""
+    from jax._src import core as jcore
+
+    def strip(value):
+        if isinstance(value, jcore.ClosedJaxpr):
+            return jcore.ClosedJaxpr(strip(value.jaxpr), value.consts)
+        if isinstance(value, jcore.Jaxpr):
+            eqns = []
+            for e in value.eqns:
+                params = {k: strip(v) if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
+                          else tuple(strip(b) for b in v) if k == "branches" else v
+                          for k, v in e.params.items() if not (e.primitive.name == "scan" and k in ("num_consts", "num_carry"))}
+                eqns.append(e.replace(params=params))
+            return value.replace(eqns=eqns)
+        return value
+    return strip(jaxpr)
+
+
+def test_scan_counts_are_read_off_the_avals_as_jax_0_11_writes_scans(monkeypatch):
+    """A real H200 run under jax 0.11 raised ``KeyError: 'num_consts'`` in explain(): the
+    reader took a scan's consts and carries from params jax 0.11 no longer writes. They are
+    derived from the avals now; the estimate is the same with those params and without."""
+    from jax._src import core as jcore
+
+    from shardkit.cost.jaxprwalk import scan_split
+
+    def loss(p, batch):
+        def layer(carry, w):
+            x, n = carry
+            return (x + jnp.tanh(x @ w[0]) @ w[1] * p["scale"], n + 1.0), jnp.sum(x)
+        (x, _), sums = jax.lax.scan(layer, (batch["x"], 0.0), (p["w1"], p["w2"]))
+        return jnp.mean(x ** 2) + jnp.sum(sums)
+
+    params = {**_mlp_init(), "scale": jnp.ones(())}
+    batch = {"x": jnp.ones((B, D))}
+    scans = []
+
+    def visit(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "scan":
+                scans.append(e)
+            for sub in jcore.jaxprs_in_params(e.params):
+                visit(getattr(sub, "jaxpr", sub))
+    visit(jax.make_jaxpr(jax.value_and_grad(loss))(params, batch).jaxpr)
+    assert len(scans) >= 2  # the forward scan and its transpose
+    def declared(e):  # what the scan itself says: jax 0.10's params, or jax 0.11's FlatTree
+        if "num_consts" in e.params:
+            return e.params["num_consts"], e.params["num_carry"]
+        consts, carry, _ = e.params["ft_in"].unpack()
+        return len(list(consts)), len(list(carry))
+    assert [scan_split(e) for e in scans] == [declared(e) for e in scans]
+
+    plan = sk.Plan(sk.make_mesh("data=4,tensor=2"), rules=TP_RULES + [(r".*", ())],
+                   axis_rules={"batch": "data", "mlp": "tensor"})
+    step = sk.train_step(plan, optax.adam(1e-3))(loss)
+    state = step.init(params)
+    before = cost.estimate_for_step(step, state, batch).as_dict()
+    make_jaxpr = jax.make_jaxpr
+    monkeypatch.setattr(jax, "make_jaxpr", lambda *a, **k: (lambda *x, **y: _without_scan_counts(
+        make_jaxpr(*a, **k)(*x, **y))))
+    assert cost.estimate_for_step(step, state, batch).as_dict() == before
+
+
+def test_a_compiled_layout_the_estimate_is_far_under_is_flagged_in_the_table():
+    """Notebook 07 showed a compiled H100 peak of 28.9 GB beside 15.3 GB estimated, and a
+    step of 75.9 ms beside 45.6 ms, with no flag; the mesh column was cut to "data=8,…"."""
+    from shardkit.cost.bands import underestimate
+    from shardkit.cost.rank import Verified, compiled_flags
+
+    assert underestimate(15.3, 28.9) == "under-estimate: 47% under the compiled peak; plan with the compiled figure"
+    assert underestimate(95.0, 100.0) is None and underestimate(120.0, 100.0) is None and underestimate(1.0, 0.0) is None
+    res = sk.search("1b", devices=256, global_batch=256, pipe=[1], top=3)
+    first, second = res.estimates[:2]
+    compiled = types.SimpleNamespace(target="h100")  # what the table reads of a compiled report
+    res.verified = [Verified(compiled, 1.89 * first.memory["peak"], True, {"step": first.step_time / 0.6}),
+                    Verified(compiled, 1.05 * second.memory["peak"], True, {"step": second.step_time}), None]
+    assert compiled_flags(first, res.verified[0]) == [
+        "under-estimate: 47% under the compiled peak; plan with the compiled figure",
+        "under-estimate: 40% under the compiled step time (re-timed on its collectives); plan with the compiled figure"]
+    assert compiled_flags(second, res.verified[1]) == [] and res.rows[1]["flags"] == []
+    text = res.table(3)._repr_mimebundle_()["text/plain"]
+    assert "\x1b[" not in text and "…" not in text
+    mesh = first.layout.mesh + (" +sp" if first.layout.sequence_parallel else "")
+    assert f"! #1 {mesh}: under-estimate: 47% under the compiled peak" in " ".join(text.split())
+    assert sum(line.count(" !") for line in text.splitlines() if line.startswith("│ 1 ")) == 2

@@ -344,3 +344,19 @@ def test_a_scatters_scalar_update_does_not_make_its_result_whole():
     # Logits, log-probabilities, their exp and the cotangent, all split (whole, the cotangent
     # alone would be 4 splits).
     assert 4 * split <= reading.peak < 4.1 * split
+
+
+def test_bands_is_an_attribute_of_sk_cost_in_a_fresh_process():
+    # The README's ``sk.cost.bands`` raised AttributeError until the module was imported by hand.
+    import subprocess
+    import sys
+
+    code = ("import shardkit as sk; b = sk.cost.bands; print(b.label('h100', 'memory/peak')); "
+            "print(type(sk.cost.targets).__name__)\n"
+            "try:\n    sk.cost.no_such_thing\nexcept AttributeError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    label, kind, missing = proc.stdout.splitlines()
+    assert label == bands.label("h100", "memory/peak") and label.startswith("band ")
+    assert kind == "module" and "no_such_thing" in missing

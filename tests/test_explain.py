@@ -1,7 +1,10 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import shardkit as sk
 from shardkit.explain import collectives_from_hlo
@@ -106,3 +109,149 @@ ENTRY %main (a: (s32[], f32[8])) -> (s32[], f32[8]) {
 }"""
     (c,) = collectives_from_hlo(hlo)
     assert (c.kind, c.count, c.static_count, c.bytes) == ("all-reduce", 4, 1, 4 * 8 * 4)
+
+
+FP8_HLO = """ENTRY %main (x: bf16[8,16,16,32], w: bf16[3,3,32,64], a: f8e4m3fn[16,32], b: f8e4m3fn[32,8], c: bf16[16,32], d: bf16[32,8]) -> f32[16,8] {
+  %x = bf16[8,16,16,32]{3,2,1,0} parameter(0)
+  %w = bf16[3,3,32,64]{3,2,1,0} parameter(1)
+  %conv = bf16[8,16,16,64]{3,2,1,0} convolution(%x, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  %a = f8e4m3fn[16,32]{1,0} parameter(2)
+  %b = f8e4m3fn[32,8]{1,0} parameter(3)
+  %fp8 = f32[16,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %c = bf16[16,32]{1,0} parameter(4)
+  %d = bf16[32,8]{1,0} parameter(5)
+  %tpu = f32[16,8]{1,0} convolution(%c, %d), dim_labels=bf_io->bf
+  %mixed = f32[16,8]{1,0} dot(f8e4m3fn[16,32]{1,0} %a, bf16[32,8]{1,0} %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = f32[16,8]{1,0} add(%fp8, %tpu)
+}"""
+
+
+def test_fp8_flops_count_only_ops_whose_operands_are_fp8():
+    """A bf16 convolution (and XLA:TPU's bf16 dot, written as a convolution) was counted as an
+    fp8 GEMM: ``fp8_only`` applied to dot lines only, so a bf16 conv step read "100% in fp8
+    GEMMs" and was timed at the fp8 peak. Only the dot of two fp8 operands is one."""
+    from shardkit.cost.hlo import matmul_flops_from_hlo
+
+    conv, gemm = 2 * (8 * 16 * 16 * 64) * 9 * 32, 2 * 16 * 8 * 32
+    assert matmul_flops_from_hlo(FP8_HLO) == conv + 3 * gemm  # the fp8, TPU-style and mixed GEMMs
+    assert matmul_flops_from_hlo(FP8_HLO, fp8_only=True) == gemm
+
+
+def test_a_compiled_convolution_step_has_no_fp8_flops():
+    from shardkit.cost.report import report_from_compiled
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(y ** 2)
+    w, x = jnp.ones((3, 3, 4, 8), jnp.bfloat16), jnp.ones((2, 8, 8, 4), jnp.bfloat16)
+    report = report_from_compiled(jax.jit(jax.grad(loss)).lower(w, x).compile(), "conv")
+    assert report.matmul_flops >= 2 * 2 * (2 * 8 * 8 * 8) * 9 * 4  # forward and filter gradient
+    assert report.fp8_matmul_flops == 0 and "fp8" not in str(report)
+
+
+def _readme_step(rows: int):
+    """The README's "Using it" step (its mesh, rules and loss) and a batch of ``rows`` rows."""
+    plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"),
+                   rules=sk.PathRules([(r"w1", ("fsdp", "tensor")), (r"w2", ("tensor", "fsdp")), (r".*", ())]),
+                   axis_rules=sk.AxisRules({"batch": ("data", "fsdp"), "mlp": "tensor"}), zero=3, precision="bf16")
+
+    @sk.train_step(plan, optax.adamw(3e-4), microbatches=4, clip_norm=1.0)
+    def step(params, batch):
+        x = sk.constrain(batch["x"], ("batch", None))
+        h = jax.nn.gelu(sk.constrain(x @ params["w1"], ("batch", "mlp")))
+        return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+    state = step.abstract_state(lambda: {"w1": jnp.zeros((512, 2048)), "w2": jnp.zeros((2048, 512))})
+    batch = {k: jax.ShapeDtypeStruct((rows, 512), np.float32) for k in ("x", "y")}
+    return step, state, batch
+
+
+def test_a_matmul_xla_rewrote_is_said_not_read_as_zero_flops():
+    """One batch row per device: XLA rewrites the matmul as multiply + reduce, which the
+    flop count cannot read. The report says so and prints no ratio (it printed ``nan``)."""
+    from shardkit.cost.report import report_from_compiled
+
+    f = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))
+    one, many = (report_from_compiled(f.lower(jnp.ones((512, 256)), jnp.ones((n, 512))).compile(), "t")
+                 for n in (1, 16))
+    assert one.unread_matmuls >= 1 and many.unread_matmuls == 0 and many.matmul_flops == 2 * 2 * 16 * 512 * 256
+    one.estimate = {"flops": 2 * 2 * 512 * 256.0}
+    (row,) = [r for r in one.comparison() if r["quantity"] == "flops"]
+    assert row["caveat"].startswith("compiled figure incomplete: XLA rewrote matmuls")
+    text = one.render(width=250)
+    assert "multiply + reduce" in text and not re.search(r"\bnan\b", text)
+    assert [line.split("│")[4].strip() for line in text.splitlines() if line.startswith("│ flops")] == ["-"]
+    # A dot's scalar index arithmetic (XLA:CPU's ZeRO-3 loops) carries its name too: not a matmul.
+    from shardkit.cost.hlo import rewritten_matmuls
+
+    index = 'ENTRY %m (a: s32[]) -> s32[] {\n  ROOT %i = s32[] multiply(%a, %a), metadata={op_name="jit(f)/dot_general"}\n}'
+    assert rewritten_matmuls(index) == 0 and rewritten_matmuls(index.replace("s32[]", "f32[4,8]")) == 1
+
+
+@pytest.mark.targets
+def test_the_readme_step_on_128_h100s_says_why_its_flops_read_zero():
+    """The README's step with its 64-row batch on data=8,fsdp=2,tensor=8 (128 H100s): one row
+    per device per microbatch, every matmul rewritten; with 1,024 rows they stay dots."""
+    pytest.importorskip("jax_cuda12_plugin")
+    step, state, batch = _readme_step(64)
+    report = step.explain(state, batch, mesh="data=8,fsdp=2,tensor=8", target="h100")
+    assert report.matmul_flops == 0 and report.unread_matmuls > 0
+    text = " ".join(report.render(width=250).split())
+    assert not re.search(r"\bnan\b", text) and "compiled figure incomplete" in text and "one batch row per device" in text
+    step, state, batch = _readme_step(1024)
+    big = sk.cost.simulate(step, state, batch, "data=8,fsdp=2,tensor=8", target="h100", estimate=False)
+    assert big.unread_matmuls == 0 and big.matmul_flops == 5 * 2 * 64 * 512 * 256  # 5 GEMMs, 64 rows per device
+
+
+def test_a_gpu_count_no_host_layout_has_is_a_target_error_before_compiling(monkeypatch):
+    from shardkit.cost import simulated
+
+    monkeypatch.setattr(simulated, "run_child", lambda *a, **k: pytest.fail("compiled a mesh of 12 H100s"))
+    step, state, batch = _readme_step(48)
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
+    step = step.with_plan(plan)
+    with pytest.raises(sk.cost.TargetError, match="12 GPUs do not fill hosts of 8") as err:
+        step.explain(state, batch, mesh="data=12", target="h100")
+    assert "Traceback" not in str(err.value)
+    # A TargetError the compiling child raises comes back as one, without the child's traceback.
+    from shardkit.cost.compiler import compile_error
+
+    e = compile_error({"error": "h100: 12 GPUs do not fill hosts of 8", "target_error": True})
+    assert isinstance(e, sk.cost.TargetError) and str(e) == "h100: 12 GPUs do not fill hosts of 8"
+
+
+def test_a_caveat_shared_by_several_rows_prints_once_and_a_band_that_bounds_nothing_is_not_printed(monkeypatch):
+    from shardkit.cost import bands
+    from shardkit.cost.report import Report
+
+    monkeypatch.setitem(bands.BANDS, "h100", {"collective/tensor-reduce": (-0.999, -0.0, 14, 7)})
+    monkeypatch.setitem(bands.HELD_OUT, "h100", {"collective/tensor-reduce": (-0.0, -0.0, 2, 1)})
+    why = "not modelled: some ZeRO-3/FSDP-sharded weights are larger than the activations they multiply"
+    r = Report("t", {"peak": 100, "temporaries": 50}, [], 0.0, target="h100",
+               estimate={"memory/peak": 90.0, "memory/temporaries": 40.0, "collective/tensor-reduce": 4.0},
+               caveats={"memory/peak": why, "memory/temporaries": why})
+    text = r.render(width=250)
+    assert text.count("some ZeRO-3/FSDP-sharded weights") == 1
+    assert "memory/peak, memory/temporaries: not modelled" in text or "memory/temporaries, memory/peak" in text
+    assert "-100%" not in text.split("collective/tensor-reduce: ")[0] and "-0%" not in text
+    assert "collective/tensor-reduce: no band: estimate / compiled - 1 measured -100%..0%" in text
+    assert "bounds nothing" in text
+
+
+def test_a_report_renders_once_in_a_notebook_with_plain_text(monkeypatch):
+    """Notebooks 03/04 showed each report twice (rich displayed what ``render`` recorded) and
+    the text/plain was the dataclass's fields, or ANSI codes."""
+    import rich.console
+    import rich.jupyter
+
+    shown = []
+    monkeypatch.setattr(rich.console, "_is_jupyter", lambda: True)  # as inside a kernel
+    monkeypatch.setattr(rich.jupyter, "display", lambda *a, **k: shown.append(a))
+    from shardkit.cost.report import Report
+
+    r = Report("a title", {"peak": 100}, [], 0.0)
+    html = r._repr_html_()
+    printed = []
+    r._repr_pretty_(type("P", (), {"text": lambda self, t: printed.append(t)})(), False)
+    assert not shown and "a title" in html
+    assert printed == [r.render()] and "\x1b[" not in printed[0] and "per-device memory" in printed[0]

@@ -17,7 +17,8 @@ Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``f
 ``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it) and
 ``xla_gpu`` (how XLA:GPU combines the collectives),
 ``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
-(reading compiled programs), ``rank`` (layout search), ``simulated`` (compiling for meshes that
+(reading compiled programs), ``bands`` (the measured error bands and the under-estimate
+flag), ``rank`` (layout search) with ``plan_command`` (``shardkit plan``), ``simulated`` (compiling for meshes that
 are not here) with ``targets`` (the GPU and TPU compilers, deviceless) and ``compiler`` (the
 subprocess that compiles).
 """
@@ -127,11 +128,13 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
     return _ws(model, layout, hardware, per_device_batch=per_device_batch, devices=devices, **kw)
 
 
-def plan_main(argv: list[str]) -> int:
-    """``shardkit plan``: rank layouts of a bundled recipe size on N accelerators."""
-    from .rank import plan_main as _main
+def plan_main(argv: list[str], build_for=None) -> int:
+    """``shardkit plan``: rank layouts of a bundled recipe size on N accelerators;
+    ``build_for(size, global_batch, seq, precision, target)`` gives ``--verify`` the recipe's
+    step builder (``plan_command.plan_main``)."""
+    from .plan_command import plan_main as _main
 
-    return _main(argv)
+    return _main(argv, build_for=build_for)
 
 
 def __getattr__(name):
@@ -141,14 +144,18 @@ def __getattr__(name):
         return SearchResult
     # Imported on first use: a plain ``import shardkit`` stays light, and the compiling
     # subprocess (``python -m shardkit.cost.compiler``) does not find its module imported twice.
-    if name in ("simulate", "simulate_many", "SimulationError", "DoesNotFit", "DoesNotFit", "abstract_mesh"):
+    if name in ("simulate", "simulate_many", "SimulationError", "DoesNotFit", "abstract_mesh"):
         from . import simulated
 
         return getattr(simulated, name)
-    if name in ("targets", "TARGETS", "TargetError"):
-        import importlib
+    import importlib
+    import importlib.util
 
-        targets = importlib.import_module(f"{__name__}.targets")
-        return targets if name == "targets" else getattr(targets, name)
-    raise AttributeError(name)
+    if name in ("TARGETS", "TargetError"):
+        return getattr(importlib.import_module(f"{__name__}.targets"), name)
+    # Any module of the package as an attribute (``sk.cost.bands``, ``sk.cost.targets``), as
+    # the README writes them, without importing them all with ``import shardkit``.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -54,15 +54,48 @@ def band(target: str, quantity: str) -> tuple[float, float, int, int] | None:
     return (min(fitted[0], held[0]), max(fitted[1], held[1]), fitted[2] + held[2], fitted[3] + held[3])
 
 
+# A band whose low end is at or below this lets the estimate be a tenth of the compiled
+# figure or less, down to nothing: it bounds nothing a reader could plan with.
+UNBOUNDED_BELOW = -0.9
+
+
+def _pct(x: float) -> str:
+    v = round(x * 100)
+    return f"{v:+d}%" if v else "0%"  # never "-0%"
+
+
 def label(target: str, quantity: str) -> str | None:
     """The band as the report prints it: ``"band -8%..+15%, 40 layouts of 6 models, H100"``,
-    and the held-out model's own range where one was measured."""
+    and the held-out model's own range where one was measured. A band that bounds nothing (its
+    low end at or under ``UNBOUNDED_BELOW``: the estimate has read a tenth of the compiled
+    figure or less) is not printed as one: the label says so and why."""
     b = band(target, quantity)
     if b is None:
         return None
     low, high, layouts, models = b
+    where = _NAMES.get(target or "cpu", target)
+    if low <= UNBOUNDED_BELOW:
+        return (f"no band: estimate / compiled - 1 measured {_pct(low)}..{_pct(high)} on {layouts} "
+                f"layouts of {models} models ({where}), a range that bounds nothing; plan with the "
+                "compiled figure")
     held = HELD_OUT.get(target or "cpu", {}).get(quantity)
-    apart = f" (held out, {held[0] * 100:+.0f}%..{held[1] * 100:+.0f}%)" if held and BANDS.get(
+    apart = f" (held out, {_pct(held[0])}..{_pct(held[1])})" if held and BANDS.get(
         target or "cpu", {}).get(quantity) else ""
-    return (f"band {low * 100:+.0f}%..{high * 100:+.0f}%, {layouts} layouts of {models} models{apart}, "
-            f"{_NAMES.get(target or 'cpu', target)}")
+    return f"band {_pct(low)}..{_pct(high)}, {layouts} layouts of {models} models{apart}, {where}"
+
+
+# A peak estimated more than this fraction under the compiled one is always flagged (README).
+FLAG_UNDER = 0.10
+
+
+def underestimate(estimate: float, compiled: float, what: str = "peak") -> str | None:
+    """The flag for an estimate more than ``FLAG_UNDER`` under its compiled figure, as every
+    place that shows the two side by side prints it (``Report.comparison``, ``SearchResult``'s
+    table, the notebooks): ``"under-estimate: 47% under the compiled peak; plan with the
+    compiled figure"``; None when it is not (or either figure is missing)."""
+    if not compiled or estimate is None or compiled != compiled or estimate != estimate:
+        return None
+    under = 1 - estimate / compiled
+    if under <= FLAG_UNDER:
+        return None
+    return f"under-estimate: {under:.0%} under the compiled {what}; plan with the compiled figure"

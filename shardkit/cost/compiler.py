@@ -42,9 +42,12 @@ class DoesNotFit(SimulationError):
 _OOM = re.compile(r"total memory required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM \(([0-9.]+)([KMGT])\)")
 
 
-def compile_error(out: dict) -> SimulationError:
-    """The exception for a job the child could not compile: ``DoesNotFit`` for a compiler's
-    out-of-memory verdict, else ``SimulationError`` with the child's message."""
+def compile_error(out: dict) -> Exception:
+    """The exception for a job the child could not compile: ``TargetError`` for a mesh the
+    target has no devices for, ``DoesNotFit`` for a compiler's out-of-memory verdict, else
+    ``SimulationError`` with the child's message."""
+    if out.get("target_error"):
+        return targets_lib.TargetError(out["error"])
     m = _OOM.search(out["error"])
     if m is None:
         return SimulationError(out["error"])
@@ -117,6 +120,8 @@ def _child(directory: str, count: int) -> None:
     for i, req in enumerate(requests):
         try:
             out = _compile_one(os.path.join(directory, f"module{i}.bin"), req, target)
+        except targets_lib.TargetError as err:  # the user's input: their error, without our traceback
+            out = {"error": str(err), "target_error": True}
         except Exception as err:  # noqa: BLE001 — reported for this module; the others go on
             import traceback
 
@@ -163,6 +168,7 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
     out = {"title": report.title, "memory": report.memory, "flops": report.flops,
            "optimal_seconds": float(cost.get("optimal_seconds", 0.0)), "layout": layout,
            "matmul_flops": report.matmul_flops, "fp8_matmul_flops": report.fp8_matmul_flops,
+           "unread_matmuls": report.unread_matmuls,
            "collectives": [dataclasses.asdict(c) for c in report.collectives],
            "traffic": [dataclasses.asdict(t) for t in report.traffic],
            "seconds": {"compile": t_compile, "total": time.perf_counter() - t0}}

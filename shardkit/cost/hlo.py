@@ -280,8 +280,10 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
     """Flops of every ``dot`` (2 × result elements × contracted size) and ``convolution`` (2 ×
     result elements × window × input features per group), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
-    runs one of its switch's branches, not all of them). ``fp8_only``: only dots whose first
-    operand is fp8 (``f8e4m3fn``, ``f8e5m2``: ``sk.fp8``'s GEMMs)."""
+    runs one of its switch's branches, not all of them). ``fp8_only``: only the ops (dots,
+    convolutions, cuDNN convolutions alike) whose operands are all fp8 (``f8e4m3fn``,
+    ``f8e5m2``, ...: ``sk.fp8``'s GEMMs); XLA:TPU writes a bf16 dot as a ``convolution``, which
+    is no fp8 GEMM."""
     comps, mult = _walk(hlo, branch_weights)
     total = 0.0
     for name, lines in comps.items():
@@ -293,24 +295,69 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (d := _NAMED.match(line)) is not None:
                 shapes[d.group(1)] = d.group(2)
         for line in lines:
-            if (cv := _CONV.match(line)) is not None:
+            cv = _CONV.match(line)
+            cd = _CUDNN.match(line) if cv is None and "__cudnn$conv" in line else None
+            d = _DOT.match(line) if cv is None and cd is None else None
+            if (cv or cd or d) is None or (fp8_only and not _fp8_operands(line, shapes)):
+                continue
+            if cv is not None:
                 total += m * _conv_flops(line, cv, shapes)
                 continue
-            if "__cudnn$conv" in line and (cd := _CUDNN.match(line)) is not None:
+            if cd is not None:
                 total += m * _cudnn_conv_flops(line, cd, shapes)
                 continue
-            d = _DOT.match(line)
-            if d is None:
-                continue
             lhs = d.group(2) or shapes.get(d.group(3), "")
-            if fp8_only and not lhs.startswith("f8"):
-                continue
             lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
             res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
             c = _LHS_C.search(line)
             k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
             total += m * 2.0 * math.prod(res) * k
     return total
+
+
+# A floating-point array multiply (not the scalar index arithmetic of a dot's loop) named
+# after a dot_general.
+_REWRITTEN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:bf16|f16|f32|f64|f8\w+)\[\d[\d,]*\]\S*\s+"
+                        r"multiply\(.*op_name=\"([^\"]*dot_general)\"(?:.*stack_frame_id=(\d+))?")
+
+
+def rewritten_matmuls(hlo: str) -> int:
+    """How many ops of the program are matmuls XLA rewrote as an elementwise ``multiply`` (then
+    a ``reduce``) — its algebraic simplifier does so for a matrix-vector or outer product —
+    told apart by the ``dot_general`` they came from (op name and source frame in the
+    metadata). Their flops are not in ``matmul_flops_from_hlo``: no ``dot`` is left to read.
+    (A ``reduce`` alone named after a dot is XLA:GPU's split-K sum of a dot that stays one.)"""
+    comps, mult = _walk(hlo)
+    seen = set()
+    for name, lines in comps.items():
+        if mult.get(name):
+            seen.update(m.groups() for m in map(_REWRITTEN.search, lines) if m is not None)
+    return len(seen)
+
+
+_FP8 = re.compile(r"^f8e\d")
+
+
+def _fp8_operands(line: str, shapes: dict) -> bool:
+    """Whether every operand of an instruction is fp8: the element type written before the
+    operand's name, or else the one its defining instruction gave it."""
+    ins = _INSTR.match(line)
+    if ins is None:
+        return False
+    text, depth, end = ins.group(3), 1, 0
+    for end, ch in enumerate(text):  # the operand list ends at the op's closing parenthesis
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    types = []
+    for operand in _split_tuple(f"({text[:end]})"):
+        words = operand.split()
+        if not words:
+            continue
+        name = words[-1].lstrip("%")
+        written = words[0] if len(words) > 1 else shapes.get(name, "")
+        types.append(written.lstrip("(").split("[", 1)[0])
+    return bool(types) and all(_FP8.match(t) for t in types)
 
 
 def _conv_flops(line: str, cv, shapes: dict) -> float:

@@ -36,6 +36,32 @@ def sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:
     return out
 
 
+def scan_split(eqn) -> tuple[int, int]:
+    """``(consts, carries)``: how many of a ``scan`` equation's leading inputs are loop
+    constants and how many carries (the rest are the scanned ``xs``).
+
+    Read off the avals, which every jax version has (jax 0.10 also wrote ``num_consts`` and
+    ``num_carry`` into the params; jax 0.11 replaced them by a ``FlatTree``): the body's inputs
+    are consts, carries, then one slice of each ``xs`` (the outer value has one more, leading,
+    dimension); its outputs are the carries (the outer value has the body's shape), then one
+    slice of each ``ys``.
+    """
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    ndim = lambda v: len(getattr(v.aval, "shape", ()))  # noqa: E731
+    carries = 0
+    for inner, outer in zip(body.outvars, eqn.outvars):
+        if ndim(inner) != ndim(outer):
+            break
+        carries += 1
+    xs = 0
+    for inner, outer in zip(reversed(body.invars), reversed(eqn.invars)):
+        if ndim(outer) != ndim(inner) + 1:
+            break
+        xs += 1
+    return len(eqn.invars) - carries - xs, carries
+
+
 def _combiner(sub: jcore.Jaxpr, eqn) -> bool:
     """Whether ``sub`` is the scalar function an array op applies element by element (a
     scatter's update, a reduction's or a sort's comparison): all its inputs are scalars

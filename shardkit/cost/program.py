@@ -45,7 +45,7 @@ from . import xla_cpu
 from .reshard import activations_smaller
 from .syncs import row_syncs
 from .jaxprwalk import Pass as _Pass, elementwise_output as _elementwise_output
-from .jaxprwalk import nbytes as _bytes, sub_jaxprs as _sub_jaxprs
+from .jaxprwalk import nbytes as _bytes, scan_split, sub_jaxprs as _sub_jaxprs
 from .headsplit import HeadSplits
 from .reading import ProgramReading as ProgramReading
 from .tensorsplit import TensorSplits
@@ -145,7 +145,7 @@ class _Reader(TensorSplits):
     def _scans_weights(self, e, origin: dict) -> bool:
         """Whether a ``scan`` walks over stacked parameters (a layer scan, forward or backward)
         rather than over activations only (a recurrence: time steps, chunks)."""
-        xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+        xs = e.invars[sum(scan_split(e)):]
         return any(not isinstance(u, jcore.Literal) and u in origin for u in xs)
 
     def _collective(self, e) -> None:
@@ -165,7 +165,7 @@ class _Reader(TensorSplits):
         subs = _sub_jaxprs(e)
         sub_peak = 0.0
         whole_out = None
-        first_xs = e.params["num_consts"] + e.params["num_carry"] if name == "scan" else len(e.invars)
+        first_xs = sum(scan_split(e)) if name == "scan" else len(e.invars)
         for sub, outer, times in subs:
             inner_origin = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
                             if not isinstance(ov, jcore.Literal) and ov in origin}
@@ -201,7 +201,7 @@ class _Reader(TensorSplits):
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
             if self.heads is not None and len(sub.outvars) == len(e.outvars):
-                self.heads.leave(sub.outvars, e.outvars, [name == "scan" and k >= e.params["num_carry"]
+                self.heads.leave(sub.outvars, e.outvars, [name == "scan" and k >= scan_split(e)[1]
                                                           for k in range(len(e.outvars))])
             if len(sub.outvars) == len(e.outvars):
                 # A weight the body hands out (a shard_map's residual for its backward, one copy

@@ -1,18 +1,19 @@
 """Layout search: enumerate meshes, ZeRO stages, microbatches and remat; rank by estimated
-step time (``sk.search``), weak-scaling predictions, and the ``shardkit plan`` command."""
+step time (``sk.search``), and weak-scaling predictions (the ``shardkit plan`` command that
+prints them is ``plan_command``)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
-import json
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
+from rich.table import Table
+
 from . import hardware as hw_lib
+from .bands import underestimate
 from .formulas import estimate
 from .shapes import Estimate, Layout, model_shape
 from .steptime import efficiency_for, links, times
@@ -66,17 +67,18 @@ class SearchResult:
             v = self.verified[rank - 1] if rank <= len(self.verified) else None
             if v is not None:
                 row.update({"compiled_memory": v.peak, "compiled_step_time": v.step_time,
-                            "compiled_fits": v.fits, "compiled_error": v.error})
+                            "compiled_fits": v.fits, "compiled_error": v.error,
+                            "flags": compiled_flags(e, v)})
             out.append(row)
         return out
 
     def table(self, top: int = 15):
-        """A ``rich`` table of the best ``top`` layouts."""
-        from rich.table import Table
-
+        """A ``rich`` table of the best ``top`` layouts, each mesh written whole; with compiled
+        columns, a figure the estimate is more than 10% under is marked ``!`` and its flag
+        (``compiled_flags``) printed under the table."""
 
         eff = efficiency_for(hw_lib.lookup(self.hardware))
-        t = Table(title=f"{self.model} on {self.devices} x {self.hardware}, global batch "
+        t = RankTable(title=f"{self.model} on {self.devices} x {self.hardware}, global batch "
                         f"{self.global_batch} — estimated (matmuls at {eff.matmul:.0%} of peak; "
                         f"exposed comm: data {eff.exposed_data:.0%}, tensor {eff.exposed_tensor:.0%})")
         checked = any(v is not None for v in self.verified)
@@ -86,14 +88,22 @@ class SearchResult:
             where = (f"{target}'s compiler's program for the layout, compiled deviceless" if target else
                      "XLA:CPU's program for the layout on simulated devices (its buffers: 16-bit dots in f32)")
             t.caption = f"compiled: {where}; step time re-timed with its collective bytes per role"
+        rows = self.rows[:top]
+        meshes = [r["mesh"] + (" +sp" if r["sequence_parallel"] else "") for r in rows]
         for c in ("#", "mesh", "zero", "m", "remat", "pipe sched", "step (s)", "MFU", "tok/s/dev",
                   "mem/dev (GB)", "fits", "bound by", "+same") + (
                       ("compiled mem (GB)", "compiled step (s)", "compiled fits") if checked else ()):
-            t.add_column(c, justify="left" if c in ("mesh", "remat", "pipe sched", "bound by") else "right")
-        for r in self.rows[:top]:
+            # The mesh is what a reader picks: never cut ("data=8,…"); other headers may wrap.
+            wide = dict(no_wrap=True, min_width=max(map(len, meshes), default=4)) if c == "mesh" else {}
+            t.add_column(c, justify="left" if c in ("mesh", "remat", "pipe sched", "bound by") else "right",
+                         overflow="fold", **wide)
+        flagged = [f"#{r['rank']} {m}: {'; '.join(r['flags'])}" for r, m in zip(rows, meshes) if r.get("flags")]
+        if flagged:
+            t.caption += "\n! " + "\n! ".join(flagged)
+        for r, mesh in zip(rows, meshes):
             parts = {k[2:]: v for k, v in r.items() if k.startswith("t_") and k not in ("t_bubble", "t_exposed")}
             bound = max(parts, key=parts.get)
-            t.add_row(str(r["rank"]), r["mesh"] + (" +sp" if r["sequence_parallel"] else ""), str(r["zero"]),
+            t.add_row(str(r["rank"]), mesh, str(r["zero"]),
                       str(r["microbatches"]), r["remat"], r["schedule"], f"{r['step_time']:.3f}",
                       f"{r['mfu']:.1%}", f"{r['tokens_per_s'] / self.devices:,.0f}",
                       f"{r['memory'] / 1e9:.1f}", "yes" if r["fits"] else "[red]no[/red]", bound,
@@ -104,18 +114,13 @@ class SearchResult:
         return self.table()
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        c = Console(file=io.StringIO(), width=140, record=True)
-        c.print(self.table())
-        return c.export_text()
+        return _render(self.table())
 
     def _repr_html_(self) -> str:
-        from rich.console import Console
+        return _render(self.table(), html=True)
 
-        c = Console(file=io.StringIO(), width=140, record=True)
-        c.print(self.table())
-        return c.export_html(inline_styles=True)
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(str(self))
 
 
 def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_size: int = 8,
@@ -278,13 +283,43 @@ def _verify(kept: list[Estimate], same: list[list[str]], k: int, job_for, hw: hw
     return [x[0] for x in order], [x[1] for x in order], [x[2] for x in order]
 
 
+def compiled_flags(e: Estimate, v: Verified) -> list[str]:
+    """The flags of a compiled layout whose estimate is more than 10% under what compiling it
+    found (``bands.underestimate``): its peak, and its step time re-timed on the compiled
+    collectives. What ``SearchResult.table`` and the notebooks print beside the two figures."""
+    if v.report is None:
+        return []
+    flags = [underestimate(e.memory["peak"], v.peak, "peak"),
+             underestimate(e.step_time, v.step_time, "step time (re-timed on its collectives)")]
+    return [f for f in flags if f]
+
+
 def _compiled_cells(row: dict) -> tuple[str, str, str]:
     if "compiled_memory" not in row:
         return "", "", ""
     if row["compiled_error"]:
         return "[red]error[/red]", "", "[red]no[/red]"
-    return (f"{row['compiled_memory'] / 1e9:.1f}", f"{row['compiled_step_time']:.3f}",
+    mark = lambda what: " [bold red]![/bold red]" if any(what in f for f in row["flags"]) else ""  # noqa: E731
+    return (f"{row['compiled_memory'] / 1e9:.1f}{mark('peak')}", f"{row['compiled_step_time']:.3f}{mark('step')}",
             "yes" if row["compiled_fits"] else "[red]no[/red]")
+
+
+class RankTable(Table):
+    """``SearchResult.table``'s: a ``rich`` table a notebook shows as plain text and HTML (rich's
+    own display puts ANSI codes in the text/plain)."""
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **_):
+        return {"text/plain": _render(self), "text/html": _render(self, html=True)}
+
+
+def _render(renderable, html: bool = False, width: int = 180) -> str:
+    """Text or HTML of a rich renderable, recorded off-screen (never displayed by rich itself:
+    in a notebook it would be shown twice, with ANSI codes in its text)."""
+    from rich.console import Console
+
+    c = Console(file=io.StringIO(), width=width, record=True, force_terminal=False, force_jupyter=False)
+    c.print(renderable)
+    return c.export_html(inline_styles=True) if html else c.export_text()
 
 
 def _complexity(lo: Layout) -> tuple:
@@ -345,68 +380,3 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
         rows.append({"devices": n, "layout": str(lo), "global_batch": gb, "step_time": e.step_time,
                      "tokens_per_s_per_device": per_dev, "efficiency": per_dev / base, "mfu": e.mfu})
     return rows
-
-
-def plan_main(argv: list[str], build_for: Callable | None = None) -> int:
-    """``shardkit plan``. ``build_for(size, global_batch, seq, precision, target)`` returns a
-    ``search(build=)`` function for the recipe (the ``shardkit`` command passes the
-    transformer recipe's); without one ``--verify`` is refused."""
-    p = argparse.ArgumentParser(prog="shardkit plan", description=(
-        "Rank mesh layouts of a bundled transformer size on N accelerators by estimated step "
-        "time (analytic model; no accelerator needed); --verify K compiles the best K for --target "
-        "with that accelerator's compiler, deviceless, and re-ranks them."))
-    p.add_argument("--model", default="1b", help="recipe size: 125m, 1b, 7b (default 1b)")
-    p.add_argument("--devices", type=int, default=256)
-    p.add_argument("--hardware", default="h100", help=f"one of {', '.join(sorted(hw_lib.HARDWARE))}")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 per device)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--memory-limit", type=float, default=None, help="GB per device (default 90%% of HBM)")
-    p.add_argument("--top", type=int, default=15)
-    p.add_argument("--verify", type=int, default=0, help="compile the best K layouts and re-rank them (default 0)")
-    p.add_argument("--target", default="cpu",
-                   help="compiler for --verify: h100, h200, a100, b200, tpu-v5e, tpu-v5p, tpu-v6e, "
-                        "cpu (simulated devices; default)")
-    p.add_argument("--precision", default="bf16")
-    p.add_argument("--weak-scaling", action="store_true", help="also predict 8→N weak scaling of the best layout")
-    p.add_argument("--json", default=None, help="write the ranked rows to this file")
-    p.add_argument("--png", default=None, help="save a comparison chart of the top layouts")
-    a = p.parse_args(argv)
-    from rich.console import Console
-
-    console = Console(width=150)
-    global_batch = a.global_batch or 2 * a.devices
-    verify = {}
-    if a.verify:
-        if build_for is None:
-            print("shardkit plan: --verify needs the recipe's step builder (run it as `shardkit plan`)",
-                  file=sys.stderr)
-            return 2
-        verify = {"verify": a.verify, "target": a.target,
-                  "build": build_for(a.model, global_batch, a.seq, a.precision, a.target)}
-    try:
-        res = search(a.model, a.devices, a.hardware, global_batch=global_batch, seq=a.seq,
-                     precision=a.precision, memory_limit=a.memory_limit * 1e9 if a.memory_limit else None,
-                     **verify)
-    except ValueError as e:
-        print(f"shardkit plan: {e}", file=sys.stderr)
-        return 2
-    console.print(res.table(a.top))
-    if not res.best.fits:
-        console.print("[red]no layout fits in memory[/red]: add devices, lower the batch or seq, or raise --memory-limit")
-    scaling = None
-    if a.weak_scaling:
-        devs = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= a.devices]
-        scaling = weak_scaling(a.model, res.best.layout, a.hardware,
-                               per_device_batch=res.global_batch / a.devices, devices=devs, seq=a.seq)
-        for r in scaling:
-            console.print(f"  {r['devices']:5d} devices  {r['layout']:48s} {r['tokens_per_s_per_device']:10,.0f} "
-                          f"tok/s/dev  efficiency {r['efficiency']:.1%}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": res.rows[:a.top], "weak_scaling": scaling}, f, indent=1)
-    if a.png:
-        from .. import viz
-
-        viz.save(viz.compare_layouts(res, top=min(a.top, 12)), a.png)
-        console.print(f"saved {a.png}")
-    return 0

@@ -26,7 +26,7 @@ import numpy as np
 from .hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic, _shape_bytes,
                   collectives_from_hlo as collectives_from_hlo,
                   matmul_flops_from_hlo as matmul_flops_from_hlo,
-                  pipeline_branch_weights as _pipeline_branch_weights,
+                  pipeline_branch_weights as _pipeline_branch_weights, rewritten_matmuls,
                   traffic_from_hlo as traffic_from_hlo)
 
 
@@ -81,6 +81,9 @@ class Report:
             in host memory — device rows and ``peak`` exclude them.
         fp8_matmul_flops: of ``matmul_flops``, those of dots whose operands are fp8 (counted at
             the target's fp8 peak by the step-time model).
+        unread_matmuls: matmuls XLA rewrote as elementwise multiply + reduce (a matrix-vector or
+            outer product), whose flops ``matmul_flops`` cannot count; the report says so and
+            compares no flops ratio (``unread_note``).
     """
 
     title: str
@@ -102,6 +105,7 @@ class Report:
     step_time_source: str = ""
     offloaded: tuple[str, ...] = ()
     fp8_matmul_flops: float = 0.0
+    unread_matmuls: int = 0
 
     @property
     def fits(self) -> bool | None:
@@ -195,16 +199,27 @@ class Report:
         if est and compiled.get("collective/other"):
             rows.append({"quantity": "collective/other", "estimate": float(est.get("collective/other", 0.0)),
                          "compiled": compiled["collective/other"]})
-        from .bands import label
+        from .bands import label, underestimate
 
         for r in rows:
             r["caveat"] = self.caveats.get(r["quantity"])
             r["band"] = label(self.target, r["quantity"])
-            under = 1 - r["estimate"] / r["compiled"] if r["compiled"] else 0.0
-            if r["quantity"] == "memory/peak" and under > 0.10 and not (r["caveat"] or "").startswith("not modelled"):
-                r["caveat"] = (f"under-estimate: {under:.0%} under the compiled peak; plan with the compiled "
-                               "figure" + (f" ({r['caveat']})" if r["caveat"] else ""))
+            flag = underestimate(r["estimate"], r["compiled"]) if r["quantity"] == "memory/peak" else None
+            if flag and not (r["caveat"] or "").startswith("not modelled"):
+                r["caveat"] = flag + (f" ({r['caveat']})" if r["caveat"] else "")
+            if r["quantity"] == "flops" and self.unread_matmuls:
+                r["caveat"] = f"compiled figure incomplete: {self.unread_note()}"
         return rows
+
+    def unread_note(self) -> str:
+        """Why the compiled matmul flops miss some matmuls ("" when they do not)."""
+        if not self.unread_matmuls:
+            return ""
+        return ("XLA rewrote matmuls of this program as elementwise multiply + reduce "
+                f"({self.unread_matmuls} such ops traced to a dot_general), as it does for a matrix-vector "
+                "or outer product (one row, column or contracted element per device: e.g. one batch row "
+                "per device per microbatch); their flops are not in the compiled count, which is then "
+                "below the work done (a batch with more rows per device keeps them matmuls)")
 
     def __rich__(self):
         from rich.console import Group
@@ -237,26 +252,33 @@ class Report:
                  mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}"
                  + (f" ({self.fp8_matmul_flops / self.matmul_flops:.0%} in fp8 GEMMs)"
                     if self.fp8_matmul_flops and self.matmul_flops else "")
-                 + f"; XLA cost analysis (loop bodies once) {self.flops:,.0f}"]
+                 + f"; XLA cost analysis (loop bodies once) {self.flops:,.0f}"
+                 + ((" (incomplete: see flops below the comparison)" if self.estimate
+                     else f"\nnote: {self.unread_note()}") if self.unread_matmuls else "")]
         if self.estimate:
             est = Table(title="modelled (analytic estimate) vs compiled", title_justify="left")
-            footnotes: list[str] = []
+            footnotes: dict[str, list[str]] = {}  # one paragraph per reason, naming its rows
             for c in ("quantity", "estimate", "compiled", "ratio", "modelled?", "band"):
                 est.add_column(c, justify="right" if c in ("estimate", "compiled", "ratio") else "left")
             for r in self.comparison():
                 if not r["estimate"] and not r["compiled"]:
                     continue  # neither side has it: nothing to compare
-                ratio = r["estimate"] / r["compiled"] if r["compiled"] else float("nan")
                 fmt = (lambda v: f"{v:.3g}") if r["quantity"].startswith("flops") else _human
                 caveat = r["caveat"] or "modelled"
                 shown = not caveat.startswith("not modelled")  # the reason, not a number
+                # No ratio against a compiled figure of 0 or one known to be incomplete.
+                ratio = (f"{r['estimate'] / r['compiled']:.2f}" if shown and r["compiled"]
+                         and not caveat.startswith("compiled figure incomplete") else "-")
+                band = (r["band"] or "not measured") if shown else "-"
+                if band.startswith("no band:"):
+                    footnotes.setdefault(band, []).append(r["quantity"])
+                    band = "no band (below)"
                 est.add_row(r["quantity"], fmt(r["estimate"]) if shown else "unmodelled", fmt(r["compiled"]),
-                            f"{ratio:.2f}" if shown else "-", caveat.split(":")[0],
-                            (r["band"] or "not measured") if shown else "-")
+                            ratio, caveat.split(":")[0], band)
                 if r["caveat"]:
-                    footnotes.append(f"{r['quantity']}: {r['caveat']}")
+                    footnotes.setdefault(r["caveat"], []).append(r["quantity"])
             parts.append(est)
-            parts.extend(footnotes)
+            parts.extend(f"{', '.join(names)}: {text}" for text, names in footnotes.items())
         return Group(*parts)
 
     def _target_lines(self) -> list[str]:
@@ -277,7 +299,10 @@ class Report:
     def render(self, html: bool = False, width: int = 110) -> str:
         from rich.console import Console
 
-        console = Console(file=io.StringIO(), width=width, record=True, force_terminal=False)
+        # force_jupyter=False: inside a notebook rich would also display what it records (the
+        # report rendered twice, with ANSI codes in its text/plain).
+        console = Console(file=io.StringIO(), width=width, record=True, force_terminal=False,
+                          force_jupyter=False)
         console.print(self)
         return console.export_html(inline_styles=True) if html else console.export_text()
 
@@ -286,6 +311,10 @@ class Report:
 
     def _repr_html_(self) -> str:
         return self.render(html=True)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """IPython's text/plain: the rendered report (not the dataclass's fields)."""
+        printer.text(self.render())
 
 
 _ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute",
@@ -375,4 +404,5 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     return Report(title, mem, collectives_from_hlo(hlo), flops, traffic=traffic,
                   matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
                   pipe_axis=(pipeline or {}).get("axis"),
-                  fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True))
+                  fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True),
+                  unread_matmuls=rewritten_matmuls(hlo))

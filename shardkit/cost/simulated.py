@@ -220,8 +220,9 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
 
     Returns:
         One entry per job, in order: its ``Report``, or the exception that job raised
-        (``ShardingError`` while planning, ``SimulationError`` when its compile failed) — one
-        layout that does not fit does not lose the others.
+        (``ShardingError`` while planning, ``TargetError`` for a device count the target has
+        no topology for, ``SimulationError`` when its compile failed) — one layout that does
+        not fit does not lose the others.
 
     Raises:
         TargetError: as ``simulate``.
@@ -277,12 +278,16 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
             raise targets_lib.TargetError(
                 f"precision='fp8': {tgt.name} has no fp8 matmuls; compile for an fp8 target "
                 f"(h100, h200, b200) or use precision='bf16' on {tgt.name}")
-    targets_lib.require(tgt)
     if max_devices is None:
         max_devices = MAX_DEVICES if tgt.platform == "cpu" else MAX_TARGET_DEVICES
     amesh = abstract_mesh(mesh, max_devices=max_devices, target=tgt)
+    # A device count the target has no topology for fails here, before tracing, as a TargetError
+    # (whether or not its compiler is installed).
     if tgt.platform == "tpu":
-        targets_lib.tpu_topology(tgt, amesh.size)  # a chip count no slice has: fail before tracing
+        targets_lib.tpu_topology(tgt, amesh.size)
+    elif tgt.platform == "cuda":
+        targets_lib.gpu_hosts(tgt, amesh.size)
+    targets_lib.require(tgt)
     sim = step.with_plan(simulated_plan(step.plan, amesh, zero=zero, batch_axes=batch_axes))
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -336,7 +341,7 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
         out["title"], memory, [Collective(**c) for c in out["collectives"]], out["flops"],
         traffic=[Traffic(**{**t, "axes": tuple(t["axes"])}) for t in out["traffic"]],
         matmul_flops=out["matmul_flops"], data_axes=tuple(plan.batch_axes),
-        fp8_matmul_flops=out.get("fp8_matmul_flops", 0.0),
+        fp8_matmul_flops=out.get("fp8_matmul_flops", 0.0), unread_matmuls=out.get("unread_matmuls", 0),
         pipe_axis=(pipe or {}).get("axis"),
         compiled_on=compiled_on,
         notes=[*notes,

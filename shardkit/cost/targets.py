@@ -134,6 +134,20 @@ def tpu_topology(target: Target, devices: int) -> tuple[str, int]:
     return f"{target.tpu}:{'x'.join(map(str, sorted(dims)))}", devices // per_slice
 
 
+def gpu_hosts(target: Target, devices: int) -> int:
+    """GPUs per host for ``devices`` GPUs of ``target``: a full host of ``per_host``, or one
+    host holding fewer.
+
+    Raises:
+        TargetError: a count that does not fill whole hosts (12 H100s: one and a half hosts).
+    """
+    per_host = min(target.per_host, devices)
+    if devices % per_host:
+        raise TargetError(f"{target.name}: {devices} GPUs do not fill hosts of {target.per_host}; use a "
+                          f"multiple of {target.per_host} (or fewer than {target.per_host} on one host)")
+    return per_host
+
+
 def require(target: Target) -> None:
     """Checks, in the parent, that ``target``'s compiler is installed and matches jax.
 
@@ -199,10 +213,7 @@ def device_mesh(target: Target, pairs: list[tuple[str, int]]):
     n = math.prod(shape)
     notes = []
     if target.platform == "cuda":
-        per_host = min(target.per_host, n)
-        if n % per_host:
-            raise TargetError(f"{target.name}: {n} GPUs do not fill hosts of {target.per_host}; use a "
-                              f"multiple of {target.per_host} (or fewer than {target.per_host} on one host)")
+        per_host = gpu_hosts(target, n)
         topo = topologies.get_topology_desc(platform="cuda", target_config=target.gpu_config(),
                                             topology=f"1x{n // per_host}x{per_host}")
         devices = np.array(topo.devices[:n]).reshape(shape)
