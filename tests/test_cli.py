@@ -77,15 +77,7 @@ def _check_help(helps: dict, typed: str) -> None:
 @pytest.mark.subprocess
 def test_every_command_help_names_the_command_typed(helps):
     for typed in HELP:
-        if typed != "shardkit plan --help":
-            _check_help(helps, typed)
-
-
-@pytest.mark.subprocess
-@pytest.mark.xfail(strict=True, reason="issue 34 item 7 (trust-cost): `shardkit plan` raises TypeError "
-                   "(plan_main() got an unexpected keyword argument 'build_for')")
-def test_plan_help_names_the_command_typed(helps):
-    _check_help(helps, "shardkit plan --help")
+        _check_help(helps, typed)
 
 
 def test_every_recipe_flag_has_help_and_mesh_names_every_axis():
