@@ -161,11 +161,19 @@ if _STATS_FILE:
     monitoring.register_event_duration_secs_listener(_on_duration)
     monitoring.register_event_listener(_on_event)
 
+    import resource
+
+    def _cpu_s() -> float:
+        # this worker's CPU seconds and those of the subprocesses it waited for: unlike wall
+        # time, hardly moved by other jobs on the machine, so a loaded machine still ranks tests
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        before, t0 = dict(_counts), time.perf_counter()
+        before, t0, c0 = dict(_counts), time.perf_counter(), _cpu_s()
         yield
         row = {k: _counts[k] - before[k] for k in _counts}
-        row.update(test=item.nodeid, wall_s=time.perf_counter() - t0, pid=os.getpid())
+        row.update(test=item.nodeid, wall_s=time.perf_counter() - t0, cpu_s=_cpu_s() - c0, pid=os.getpid())
         with open(_STATS_FILE, "a") as f:
             f.write(json.dumps(row) + "\n")
