@@ -50,15 +50,15 @@ def measure(rev: str, workdir: str) -> dict:
     # timing run can be rerun by name instead of guessed at
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in res.stdout.splitlines()
               if line.startswith(("FAILED ", "ERROR "))]
-    files: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0.0, 0.0])
+    files: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0.0, 0.0, 0.0])
     per_test = []
     if os.path.exists(stats):
         for line in open(stats):
             r = json.loads(line)
             per_test.append(r)
             f = files[r["test"].split("::")[0].removeprefix("tests/")]
-            for i, k in enumerate(("compiles", "cache_hits", "compile_s", "wall_s")):
-                f[i + 1] += r[k]
+            for i, k in enumerate(("compiles", "cache_hits", "compile_s", "wall_s", "cpu_s")):
+                f[i + 1] += r.get(k, 0.0)  # cpu_s: revisions before it was recorded have none
             f[0] += 1
     per_test.sort(key=lambda r: -r["wall_s"])
     return {"rev": rev, "commit": subprocess.run(["git", "-C", clone, "rev-parse", "--short", "HEAD"],
@@ -99,19 +99,20 @@ def main(argv=None) -> None:
     console.print(t)
     last = runs[-1]
     f = Table(title=f"where the time goes ({last['rev']}): per test file, summed over workers")
-    for c in ("file", "tests", "compiles", "cache hits", "compile s", "wall s"):
+    for c in ("file", "tests", "compiles", "cache hits", "compile s", "wall s", "cpu s"):
         f.add_column(c, justify="left" if c == "file" else "right")
     rows = sorted(last["files"].items(), key=lambda kv: -kv[1][4])
-    for name, (n, comp, hits, cs, ws) in rows[:a.top]:
-        f.add_row(name, str(n), str(comp), str(hits), f"{cs:.0f}", f"{ws:.0f}")
-    tot = [sum(v[i] for v in last["files"].values()) for i in range(5)]
-    f.add_row("all", str(tot[0]), str(tot[1]), str(tot[2]), f"{tot[3]:.0f}", f"{tot[4]:.0f}")
+    for name, (n, comp, hits, cs, ws, cpu) in rows[:a.top]:
+        f.add_row(name, str(n), str(comp), str(hits), f"{cs:.0f}", f"{ws:.0f}", f"{cpu:.0f}")
+    tot = [sum(v[i] for v in last["files"].values()) for i in range(6)]
+    f.add_row("all", str(tot[0]), str(tot[1]), str(tot[2]), f"{tot[3]:.0f}", f"{tot[4]:.0f}", f"{tot[5]:.0f}")
     console.print(f)
     slow = Table(title=f"the {a.top} slowest tests ({last['rev']})")
-    for c in ("test", "compiles", "compile s", "wall s"):
+    for c in ("test", "compiles", "compile s", "wall s", "cpu s"):
         slow.add_column(c, justify="left" if c == "test" else "right")
     for r in last["tests"][:a.top]:
-        slow.add_row(r["test"], str(r["compiles"]), f"{r['compile_s']:.0f}", f"{r['wall_s']:.0f}")
+        slow.add_row(r["test"], str(r["compiles"]), f"{r['compile_s']:.0f}", f"{r['wall_s']:.0f}",
+                     f"{r.get('cpu_s', 0.0):.0f}")
     console.print(slow)
     for r in runs:
         if r["failed"]:
