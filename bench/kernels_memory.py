@@ -71,17 +71,35 @@ def attention_rows(mesh, a) -> list[dict]:
     return rows
 
 
+def loss_rows(mesh, a) -> list[dict]:
+    """The head's loss gradients (hidden states and output matrix): sequences over ``data``,
+    the vocabulary over ``tensor`` where the mesh has it."""
+    dtype = jnp.dtype(a.dtype)
+    vocab = "tensor" if "tensor" in mesh.shape else None
+    x = jax.ShapeDtypeStruct((a.batch, a.loss_seq, a.d_model), dtype, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((a.vocab, a.d_model), dtype, sharding=NamedSharding(mesh, P(vocab)))
+    t = jax.ShapeDtypeStruct((a.batch, a.loss_seq), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    forms = {"plain (whole f32 logits)": sk.kernels.reference_cross_entropy,
+             f"sk.chunked_cross_entropy (chunk {a.loss_chunk})":
+             lambda x, w, t: sk.chunked_cross_entropy(x, w, t, chunk=a.loss_chunk)}
+    return [_compiled_row(name, jax.grad(fn, argnums=(0, 1)), (x, w, t)) for name, fn in forms.items()]
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", nargs="+", default=["h100", "tpu-v5p"])
     p.add_argument("--mesh", default="data=8", help="mesh axes (data for the batch, tensor for heads)")
-    p.add_argument("--what", nargs="+", default=["attention"], choices=["attention"])
+    p.add_argument("--what", nargs="+", default=["attention"], choices=["attention", "loss"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vocab", type=int, default=128256, help="loss: vocabulary (Llama 3's)")
+    p.add_argument("--d-model", type=int, default=4096, help="loss: hidden width")
+    p.add_argument("--loss-seq", type=int, default=8192, help="loss: tokens per sequence")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="loss: positions per chunk")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON line")
     p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
@@ -91,7 +109,7 @@ def main(argv=None) -> list[dict]:
         mesh, _ = targets.device_mesh(targets.get(name), sk.parse_mesh_spec(a.mesh))
         with jax.set_mesh(mesh):
             for what in a.what:
-                for row in {"attention": attention_rows}[what](mesh, a):
+                for row in {"attention": attention_rows, "loss": loss_rows}[what](mesh, a):
                     rows.append({"target": name, "mesh": a.mesh, "what": what, **row})
     if a.json:
         print(json.dumps(rows))

@@ -17,6 +17,7 @@ from .explain import Collective as Collective
 from .explain import Report as Report
 from .jit import jit as jit
 from .kernels import attention as attention
+from .kernels import chunked_cross_entropy as chunked_cross_entropy
 from .mesh import describe_mesh as describe_mesh
 from .mesh import make_mesh as make_mesh
 from .mesh import parse_mesh_spec as parse_mesh_spec

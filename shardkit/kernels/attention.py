@@ -64,6 +64,13 @@ def attention_implementation(q_shape: tuple[int, ...], dtype, *, causal: bool,
 
 
 def _fits(kernel: str, T: int, Q: int, window: int | None) -> Choice:
+    manual = _manual_axes()
+    if manual:
+        # jax 0.10.2: the Pallas kernels' custom VJPs return gradients without the manual axes'
+        # varying type, which a shard_map that checks them (sk.pipeline's, DiLoCo's) rejects.
+        return Choice("blockwise", f"inside a shard_map manual over {', '.join(manual)} (a pipeline "
+                                   f"stage, DiLoCo replicas), whose type check the {kernel} kernel's "
+                                   "backward fails in this jax")
     if window is not None:
         return Choice("blockwise", f"the Pallas {kernel} kernel has no sliding window")
     if T % _BLOCK:
@@ -72,6 +79,12 @@ def _fits(kernel: str, T: int, Q: int, window: int | None) -> Choice:
     if kernel == "triton" and not 16 <= Q <= 256:
         return Choice("blockwise", f"head_dim {Q} is outside the triton kernel's 16..256")
     return Choice(kernel)
+
+
+def _manual_axes() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(
+        a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window: int | None = None,
@@ -150,8 +163,7 @@ def _per_device(kernel, q, k, v, spec):
     if K != H:
         k, v = jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2)
     mesh = jax.sharding.get_abstract_mesh()
-    free = () if mesh.empty else tuple(
-        a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual)
+    free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in _manual_axes())
     if not free:  # one device, or every axis already manual: this is a per-device program
         return kernel(q, k, v)
     spec = _spec(q, mesh, free) if spec is None else spec

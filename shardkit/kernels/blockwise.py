@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._context_blocks import _vary  # scan carries typed like the inputs inside a shard_map
+
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": masked scores never make exp(-inf + inf) = NaN
 
@@ -69,11 +71,12 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
     def unblock(a):
         return jnp.moveaxis(a, 0, 1).reshape(B, n * block, K, Q)[:, :S]
 
-    q_pos = jnp.arange(T)
-    k_pos = jnp.arange(n * block).reshape(n, block)
+    # Positions are made inside the rules: a custom VJP's rules may not close over traced values.
+    def xs(k, v):
+        return blocks(k), blocks(v), jnp.arange(n * block).reshape(n, block)
 
-    def mask_of(kp):  # (1, T, 1, 1, block) or None
-        m = visible(q_pos, kp, causal, window)
+    def mask_of(kp):  # (1, T, 1, 1, block)
+        m = visible(jnp.arange(T), kp, causal, window)
         pad = kp < S
         m = pad[None, :] if m is None else m & pad[None, :]
         return m[None, :, None, None, :]
@@ -98,8 +101,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
             return (m_new, l * corr + p.sum(-1), acc), None
 
         m0 = jnp.full(q5.shape[:-1], _NEG, F32)
-        (m, l, acc), _ = lax.scan(step, (m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)),
-                                  (blocks(k), blocks(v), k_pos))
+        init = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
+        (m, l, acc), _ = lax.scan(step, init, xs(k, v))
         l_safe = jnp.where(l > 0, l, 1.0)
         return acc / l_safe[..., None], m + jnp.log(l_safe)  # (B, T, K, G, Q), (B, T, K, G)
 
@@ -127,7 +130,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
             dk = jnp.einsum("btkgs,btkgq->bskq", ds.astype(q5.dtype), q5, preferred_element_type=F32)
             return dq, (dk, dv)
 
-        dq, (dk, dv) = lax.scan(step, jnp.zeros(q5.shape, F32), (blocks(k), blocks(v), k_pos))
+        dq0 = _vary(jnp.zeros(q5.shape, F32), (q, k, v, dout))
+        dq, (dk, dv) = lax.scan(step, dq0, xs(k, v))
         return (dq.reshape(B, T, H, Q).astype(q.dtype), unblock(dk).astype(k.dtype),
                 unblock(dv).astype(v.dtype))
 
