@@ -4,6 +4,7 @@ kernel each platform gets, and the target programs compiled deviceless (custom c
 no (T, T) buffer, temporaries far below the plain form's)."""
 
 import functools
+import os
 import importlib
 import json
 import pathlib
@@ -169,3 +170,21 @@ def test_chunked_cross_entropy_equals_the_plain_loss(mesh, chunk):
     _close(got, want, tol=1e-5)
     with pytest.raises(ValueError, match="chunk=0 must be a positive int"):
         sk.chunked_cross_entropy(x, w, t, chunk=0)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_gpu_bench_dry_run_writes_its_table(tmp_path):
+    """``bench/kernels_gpu.py --dry-run``: the GPU bench's code at tiny sizes on CPU, so the
+    command the GPU lease runs cannot rot (accuracy rows within bf16/fp32 bounds, timings)."""
+    proc = subprocess.run([sys.executable, "bench/kernels_gpu.py", "--dry-run", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "kernels_gpu-dry-run.json").read_text())
+    assert result["dry_run"] and not any(k.endswith("_error") for k in result)
+    for r in result["accuracy"]:
+        bound = 2e-2 if r["dtype"] == "bfloat16" else 1e-5  # bf16 roundings of inputs and p; fp32
+        assert "error" not in r and max(r["out"], r["dq"], r["dk"], r["dv"]) < bound * max(1.0, r["scale"]), r
+    assert [r["implementation"] for r in result["timing"]] == ["xla", "auto", "blockwise"]
+    assert all(r["ms"] > 0 for r in result["timing"]) and result["timing"][0]["vs_xla"] == 1.0
+    assert "| 256 | 1 | blockwise |" in (tmp_path / "kernels_gpu-dry-run.md").read_text()
