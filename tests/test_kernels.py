@@ -188,3 +188,16 @@ def test_the_gpu_bench_dry_run_writes_its_table(tmp_path):
     assert [r["implementation"] for r in result["timing"]] == ["xla", "auto", "blockwise"]
     assert all(r["ms"] > 0 for r in result["timing"]) and result["timing"][0]["vs_xla"] == 1.0
     assert "| 256 | 1 | blockwise |" in (tmp_path / "kernels_gpu-dry-run.md").read_text()
+
+
+def test_a_plan_without_batch_or_heads_names_says_how_to_split_the_kernel():
+    """A GPU-target trace whose plan maps no ``heads``: the error names the fix (no silent
+    replication of the kernel's work)."""
+    from shardkit.cost.simulated import abstract_mesh
+
+    am = abstract_mesh("data=8", target="h100")
+    plan = sk.Plan(am, rules=sk.PathRules([(r".*", ())]), axis_rules=sk.AxisRules({"batch": "data"}))
+    q = jax.ShapeDtypeStruct((8, 128, 4, 64), jnp.bfloat16)
+    with plan.active(), jax.sharding.use_abstract_mesh(am), pytest.raises(
+            sk.ShardingError, match="Map 'batch' and 'heads' there, or pass spec="):
+        jax.eval_shape(lambda q: sk.attention(q, q, q, causal=True), q)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..plan import active_plan, note
+from ..rules import ShardingError
 from ..xla import target_platform
 from .blockwise import blockwise_attention, reference_attention
 
@@ -179,7 +180,13 @@ def _spec(q, mesh, free) -> P:
         return P()
     sizes = dict(mesh.shape)
     entries = []
-    for d, e in enumerate(plan.logical_spec(("batch", None, "heads", None))):
+    try:
+        logical = plan.logical_spec(("batch", None, "heads", None))
+    except ShardingError as err:
+        raise ShardingError(f"sk.attention runs its kernel per device over the batch and head axes, "
+                            f"read from the plan's AxisRules: {err}. Map 'batch' and 'heads' there, "
+                            "or pass spec=P(batch_axes, None, head_axes, None)") from None
+    for d, e in enumerate(logical):
         axes = tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a in free)
         n = math.prod(sizes[a] for a in axes)
         entries.append(None if not axes or q.shape[d] % n else axes if len(axes) > 1 else axes[0])
