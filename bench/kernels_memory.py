@@ -99,7 +99,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=128256, help="loss: vocabulary (Llama 3's)")
     p.add_argument("--d-model", type=int, default=4096, help="loss: hidden width")
     p.add_argument("--loss-seq", type=int, default=8192, help="loss: tokens per sequence")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="loss: positions per chunk")
+    p.add_argument("--loss-chunk", type=int, default=512, help="loss: positions per chunk")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON line")
     p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
