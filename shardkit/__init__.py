@@ -5,6 +5,7 @@ from . import checkpoint as checkpoint
 from . import cost as cost
 from . import distributed as distributed
 from . import fp8 as fp8
+from . import kernels as kernels
 from . import offload as offload
 from . import viz as viz
 from .checkpoint import Checkpointer as Checkpointer
@@ -16,6 +17,8 @@ from .cost import search as search
 from .explain import Collective as Collective
 from .explain import Report as Report
 from .jit import jit as jit
+from .kernels import attention as attention
+from .kernels import chunked_cross_entropy as chunked_cross_entropy
 from .mesh import describe_mesh as describe_mesh
 from .mesh import make_mesh as make_mesh
 from .mesh import parse_mesh_spec as parse_mesh_spec

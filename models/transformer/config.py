@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
-ATTENTION = ("auto", "reference", "xla", "cudnn")
+ATTENTION = ("auto", "reference", "xla", "cudnn", "triton", "mosaic", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,16 @@ class Config:
         moe_aux_weight: weight of the router's load-balancing loss (Switch Transformer),
             averaged over MoE layers, in the training objective.
         moe_z_weight: weight of the router z-loss (ST-MoE), averaged over MoE layers.
-        attention: ``"reference"`` (jnp softmax, f32 scores), ``"xla"`` or ``"cudnn"``
-            (``jax.nn.dot_product_attention``; cuDNN flash attention needs a GPU and a 16-bit
-            dtype), or ``"auto"``: cuDNN on GPU in bf16/fp16, XLA on GPU in f32, the
-            reference elsewhere.
+        attention: ``"reference"`` (jnp softmax, f32 scores), ``"xla"``
+            (``jax.nn.dot_product_attention``'s), one of ``sk.attention``'s flash kernels
+            (``"cudnn"``: a GPU and a 16-bit dtype; ``"triton"``, ``"mosaic"``: Pallas on
+            GPU / TPU; ``"blockwise"``: the online-softmax scan anywhere), or ``"auto"``: the
+            target's kernel on GPU and TPU (cuDNN on a GPU in 16-bit, Triton in deviceless GPU
+            compiles, Mosaic on TPU; ``model.attention_impl``), the reference on CPU.
+        loss_chunk: the output projection + cross-entropy in chunks of this many positions
+            per sequence (``sk.chunked_cross_entropy``: the (tokens, vocab) f32 logits and
+            their gradient are never whole); 0: the plain loss; -1 (default): chunks of 512
+            on GPU/TPU targets where one sequence's f32 logits pass 64 MiB, else plain.
         context_strategy: how attention runs on a ``context`` mesh axis
             (``sk.context_attention``): ``"ring"`` (K/V blocks passed around the axis,
             overlapping the next block's compute) or ``"allgather"`` (K/V gathered whole once).
@@ -81,6 +87,7 @@ class Config:
     attention: str = "auto"
     context_strategy: str = "ring"
     fp8: bool = False
+    loss_chunk: int = -1
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "layers", "heads", "seq"):
@@ -107,6 +114,9 @@ class Config:
             raise ValueError(f"Config.dropout={self.dropout!r} must be in [0, 1)")
         if self.attention not in ATTENTION:
             raise ValueError(f"Config.attention={self.attention!r} is not one of {ATTENTION}")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < -1:
+            raise ValueError(f"Config.loss_chunk={self.loss_chunk!r} must be -1 (auto), 0 (plain) or a "
+                             "positive number of positions per chunk")
         if self.context_strategy not in ("ring", "allgather"):
             raise ValueError(f"Config.context_strategy={self.context_strategy!r} is not one of ('ring', 'allgather')")
         if self.moe_experts:

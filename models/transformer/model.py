@@ -152,8 +152,7 @@ class Attention(nnx.Module):
             o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True, order="zigzag",
                                              strategy=self.context_strategy)
         else:
-            impl = attention_impl(self.attention, q_BxTxHxQ.dtype)
-            o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl)
+            o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, self.attention)
         o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", "context", "heads", None))
         return self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...])
 
@@ -163,31 +162,38 @@ def context_size() -> int:
     return dict(jax.sharding.get_abstract_mesh().shape).get("context", 1)
 
 
-def attention_impl(choice: str, dtype) -> str:
+def attention_impl(choice: str, dtype, q_shape: tuple[int, ...] | None = None) -> str:
     """The attention that runs for ``Config.attention`` in ``dtype`` on the platform being
-    compiled for: ``"reference"`` (``reference_attention``), or ``"xla"`` / ``"cudnn"``
-    (``jax.nn.dot_product_attention``'s implementations). ``"auto"`` takes cuDNN's fused
-    flash attention on GPU in a 16-bit dtype (it has no f32 kernel), XLA's on GPU in f32, and
-    the reference elsewhere (on CPU both are the same XLA ops). A step traced for an abstract
-    GPU mesh on a host without GPUs (a cost estimate: it never runs) takes XLA's, since
-    cuDNN's op needs cuDNN present to trace."""
+    compiled for: ``"reference"`` (``reference_attention``), ``"xla"``
+    (``jax.nn.dot_product_attention``'s), or one of ``sk.attention``'s kernels (``"cudnn"``,
+    ``"triton"``, ``"mosaic"``, ``"blockwise"``). ``"auto"`` takes the target's flash kernel
+    (``sk.kernels.attention_implementation``: cuDNN on a GPU in 16-bit, Pallas Triton in a
+    deviceless GPU compile or in f32, Pallas Mosaic on TPU; the blockwise form where the
+    kernel does not take ``q_shape``) and the reference on CPU (XLA:CPU has no fused kernel;
+    at CPU sizes the plain form is the cheaper program)."""
     if choice != "auto":
         return choice
-    if sk.target_platform() != "gpu":
+    if sk.target_platform() == "cpu":
         return "reference"
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    if q_shape is None:  # the kernel the platform has, before any shape check
+        return sk.kernels.attention_implementation((1, 128, 1, 128), dtype, causal=True).implementation
+    return sk.kernels.attention_implementation(q_shape, dtype, causal=True).implementation
 
 
 def causal_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.Array,
                      impl: str = "reference") -> jax.Array:
     """Causal softmax attention with grouped-query heads (H a multiple of K), scaled by
-    1/sqrt(Q); ``impl`` as ``attention_impl`` returns. Result (B, T, H, Q) in the inputs' dtype."""
+    1/sqrt(Q); ``impl`` a ``Config.attention`` choice (``"auto"`` as ``attention_impl``
+    says). Result (B, T, H, Q) in the inputs' dtype."""
+    if impl == "auto" and sk.target_platform() == "cpu":
+        impl = "reference"
     if impl == "reference":
         return reference_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ)
-    # cuDNN skips the masked half of the scores (is_causal); XLA's masks it like the reference.
-    return jax.nn.dot_product_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, is_causal=True,
-                                        implementation=impl)
+    if impl == "xla":  # XLA's masks the (T, T) scores like the reference
+        return jax.nn.dot_product_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, is_causal=True,
+                                            implementation="xla")
+    # The flash kernels (and "auto": sk.attention picks, and says why when it falls back).
+    return sk.attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True, implementation=impl)
 
 
 def reference_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.Array) -> jax.Array:
@@ -441,6 +447,27 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
 
 
+def loss_chunk(cfg: Config, T: int) -> int:
+    """Positions per chunk of the chunked loss for sequences of T tokens, or 0 for the plain
+    one (``Config.loss_chunk``; -1: chunks of 512 where one sequence's f32 logits pass 64 MiB
+    on a GPU/TPU target, where the memory is what decides what fits)."""
+    if cfg.loss_chunk >= 0:
+        return cfg.loss_chunk
+    big = T * cfg.vocab * 4 > 64 * 2**20
+    return 512 if big and T > 512 and sk.target_platform() != "cpu" else 0
+
+
+def head_loss(head: dict, x_BxTxD: jax.Array, targets_BxT: jax.Array, cfg: Config) -> jax.Array:
+    """Mean cross-entropy of the head (final norm, output matrix) on the last hidden states:
+    plain (whole f32 logits), or ``sk.chunked_cross_entropy`` (never the whole logits) as
+    ``loss_chunk`` says."""
+    chunk = loss_chunk(cfg, x_BxTxD.shape[1])
+    if not chunk:
+        return cross_entropy(head_logits(head, x_BxTxD, cfg.norm_eps), targets_BxT)
+    x_BxTxD = rms_norm(x_BxTxD, head["norm"], cfg.norm_eps)
+    return sk.chunked_cross_entropy(x_BxTxD, head["out"], targets_BxT, chunk=chunk)
+
+
 def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = None,
             rng: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross entropy; ``batch = {"inputs": (B,T), "targets": (B,T)}``;
@@ -454,12 +481,13 @@ def loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None = Non
         return moe_loss_fn(model, batch, rng=rng)[0]
     batch = _context_order(batch)
     if pipeline is not None and pipeline.schedule not in AUTODIFF_SCHEDULES:
-        eps = model.cfg.norm_eps
+        cfg = model.cfg
         return model.hidden(
             batch["inputs"], pipeline=pipeline, loss_params=model.head_params(),
-            loss_fn=lambda head, y, t: cross_entropy(head_logits(head, y, eps), t),
+            loss_fn=lambda head, y, t: head_loss(head, y, t, cfg),
             targets=batch["targets"], rng=rng)
-    return cross_entropy(model(batch["inputs"], pipeline=pipeline, rng=rng), batch["targets"])
+    x_BxTxD = model.hidden(batch["inputs"], pipeline=pipeline, rng=rng)
+    return head_loss(model.head_params(), x_BxTxD, batch["targets"], model.cfg)
 
 
 def _context_order(batch: dict) -> dict:
@@ -480,7 +508,7 @@ def moe_loss_fn(model: Transformer, batch: dict, pipeline: PipelineSpec | None =
         return ce, {"ce": ce}
     batch = _context_order(batch)
     x_BxTxD, aux = model.hidden(batch["inputs"], rng=rng, with_aux=True)
-    ce = cross_entropy(model.logits(x_BxTxD), batch["targets"])
+    ce = head_loss(model.head_params(), x_BxTxD, batch["targets"], model.cfg)
     mean = jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
     cfg = model.cfg
     objective = ce + cfg.moe_aux_weight * mean["load_balance"] + cfg.moe_z_weight * mean["z_loss"]

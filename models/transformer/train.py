@@ -67,8 +67,10 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     a("--moe-every", type=int, help="every N-th layer is an MoE layer (default 1: all)")
     a("--moe-capacity", type=float, help="expert capacity factor (tokens beyond it skip the "
       "layer); default: dropless")
-    a("--attention", help="auto (cuDNN flash attention on GPU, jnp softmax on CPU), reference, "
-      "xla or cudnn")
+    a("--attention", help="auto (the target's flash kernel: cuDNN on a GPU, Pallas Triton deviceless, "
+      "Pallas Mosaic on TPU; jnp softmax on CPU), reference, xla, cudnn, triton, mosaic or blockwise")
+    a("--loss-chunk", type=int, help="the loss in chunks of this many positions (never the whole "
+      "logits); 0: plain; -1 (default): chunked on GPU/TPU targets at large vocabularies")
     a("--context-strategy", help="attention on a context axis: ring (default; K/V passed around) "
       "or allgather (K/V gathered once)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -124,7 +126,7 @@ def model_config(args) -> Config:
                                  ("heads", args.heads), ("kv_heads", args.kv_heads),
                                  ("seq", args.seq), ("remat", args.remat),
                                  ("dropout", args.dropout), ("attention", args.attention),
-                                 ("context_strategy", args.context_strategy),
+                                 ("context_strategy", args.context_strategy), ("loss_chunk", args.loss_chunk),
                                  ("moe_experts", args.moe_experts), ("moe_top_k", args.moe_top_k),
                                  ("moe_every", args.moe_every), ("moe_capacity", args.moe_capacity),
                                  ("fp8", True if args.precision == "fp8" else None))
@@ -134,7 +136,7 @@ def model_config(args) -> Config:
     except ValueError as e:
         flag = next((f for f in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
                                  "kv_heads", "d_model", "heads", "remat", "layers", "seq", "dropout",
-                                 "context_strategy", "attention")
+                                 "context_strategy", "attention", "loss_chunk")
                      if f in str(e)), "size")
         raise FlagError("--" + flag.replace("_", "-"), str(e)) from None
 

@@ -1,0 +1,203 @@
+"""``sk.attention``: every implementation against the plain (T, T) form on CPU in fp32
+(forward and gradients; GQA, causal, sliding window; batch- and head-split layouts), the
+kernel each platform gets, and the target programs compiled deviceless (custom call present,
+no (T, T) buffer, temporaries far below the plain form's)."""
+
+import functools
+import os
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import shardkit as sk
+from shardkit.kernels import blockwise_attention, reference_attention
+
+attention_mod = importlib.import_module("shardkit.kernels.attention")  # the module, not sk.attention
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOL = 2e-5  # fp32: the blockwise sums run in another order than the plain softmax's
+
+
+def _qkv(B=2, T=96, H=4, K=2, Q=16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(ks[0], (B, T, H, Q)), jax.random.normal(ks[1], (B, T, K, Q)),
+            jax.random.normal(ks[2], (B, T, K, Q)), jax.random.normal(ks[3], (B, T, H, Q)))
+
+
+def _value_and_grads(fn, q, k, v, dout, **kw):
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, **kw) * dout), argnums=(0, 1, 2))(q, k, v)
+
+
+def _close(a, b, tol=TOL):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 9), (False, 9)])
+def test_blockwise_equals_the_plain_form_with_gradients(causal, window):
+    q, k, v, dout = _qkv()  # T=96 with blocks of 40: the last block padded and masked
+    want = _value_and_grads(reference_attention, q, k, v, dout, causal=causal, window=window)
+    got = _value_and_grads(functools.partial(blockwise_attention, block=40), q, k, v, dout,
+                           causal=causal, window=window)
+    _close(got, want)
+    # sk.attention's CPU path is this form
+    assert sk.kernels.attention_implementation(q.shape, q.dtype, causal=causal, window=window) == ("blockwise", "")
+    _close(_value_and_grads(sk.attention, q, k, v, dout, causal=causal, window=window), want)
+
+
+@pytest.mark.parametrize("mesh,spec", [("data=8", P("data")), ("data=2,tensor=4", P("data", None, "tensor")),
+                                       ("tensor=8", P(None, None, "tensor"))])
+def test_attention_in_batch_and_head_split_layouts(mesh, spec):
+    """The recipe's layouts: batch over data, heads (and the kv heads they read) over tensor."""
+    q, k, v, dout = _qkv(B=8, T=64, H=8, K=8 if "tensor=8" in mesh else 4)
+    want = _value_and_grads(reference_attention, q, k, v, dout, causal=True)
+    m = sk.make_mesh(mesh)
+    put = lambda x: jax.device_put(x, NamedSharding(m, spec))  # noqa: E731
+    fn = jax.jit(functools.partial(_value_and_grads, functools.partial(sk.attention, block=16), causal=True))
+    _close(fn(put(q), put(k), put(v), put(dout)), want)
+
+
+def test_the_pallas_kernels_run_per_device_in_a_plan(monkeypatch):
+    """The Triton kernel's shard_map (interpreted on CPU): each device attends its batch and
+    head shard; kv heads repeated for GQA; the plan's logical axes pick the split."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    q, k, v, dout = _qkv(B=4, T=128, H=4, K=2, Q=16)
+    want = _value_and_grads(reference_attention, q, k, v, dout, causal=True)
+    monkeypatch.setattr(attention_mod, "_triton", lambda q, k, v, causal, scale: gpu_attention.mha(
+        q, k, v, None, sm_scale=scale, causal=causal, interpret=True,
+        block_sizes=gpu_attention.BlockSizes(64, 64, 32, 32, 32, 32)))
+    mesh = sk.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+    plan = sk.Plan(mesh, rules=sk.PathRules([(r".*", ())]),
+                   axis_rules=sk.AxisRules({"batch": "data", "heads": "tensor"}))
+    seen = []
+    real = attention_mod._per_device
+
+    def spy(kernel, q, k, v, spec):
+        seen.append(attention_mod._spec(q, jax.sharding.get_abstract_mesh(), ("data", "tensor")))
+        return real(kernel, q, k, v, spec)
+
+    monkeypatch.setattr(attention_mod, "_per_device", spy)
+
+    def run(q, k, v, dout):
+        with plan.active():
+            return _value_and_grads(sk.attention, q, k, v, dout, causal=True, implementation="triton")
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(run)(q, k, v, dout)
+    _close(got, want, tol=1e-4)  # the interpreted kernel's own f32 block order
+    assert seen == [P("data", None, "tensor")]
+
+
+def test_each_platform_gets_its_kernel_and_a_fallback_says_why():
+    pick = sk.kernels.attention_implementation
+    assert pick((8, 4096, 16, 128), jnp.bfloat16, causal=True, platform="gpu") == ("triton", "")  # deviceless
+    assert pick((8, 4096, 16, 128), jnp.bfloat16, causal=True, platform="tpu") == ("mosaic", "")
+    assert pick((8, 4096, 16, 128), jnp.float32, causal=True, platform="cpu") == ("blockwise", "")
+    impl, why = pick((8, 4096, 16, 128), jnp.bfloat16, causal=True, window=1024, platform="tpu")
+    assert impl == "blockwise" and "sliding window" in why
+    impl, why = pick((8, 1000, 16, 128), jnp.bfloat16, causal=True, platform="gpu")
+    assert impl == "blockwise" and "1000 is not a multiple" in why
+    # A fallback traced for a GPU target warns, naming the reason.
+    from shardkit.cost.simulated import abstract_mesh
+    am = abstract_mesh("data=8", target="h100")
+    q = jax.ShapeDtypeStruct((8, 100, 4, 16), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(am), pytest.warns(sk.kernels.KernelFallbackWarning,
+                                                          match="100 is not a multiple.*platform gpu"):
+        jax.eval_shape(lambda q: sk.attention(q, q, q, causal=True), q)
+
+
+def test_bad_calls_say_what_is_wrong():
+    q, k, v, _ = _qkv(H=3, K=2)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        sk.attention(q, k, v, causal=True)
+    q, k, v, _ = _qkv()
+    with pytest.raises(ValueError, match="implementation='flash' is not one of"):
+        sk.attention(q, k, v, causal=True, implementation="flash")
+    with pytest.raises(ValueError, match="window=0 must be a positive int"):
+        sk.attention(q, k, v, causal=True, window=0)
+    with pytest.raises(TypeError):
+        sk.attention(q, k, v)  # causal is required: a decoder that forgets it sees the future
+
+
+@pytest.mark.subprocess
+@pytest.mark.targets
+@pytest.mark.parametrize("target,call", [("h100", "__gpu$xla.gpu.triton"), ("tpu-v5p", "tpu_custom_call")])
+def test_the_target_compiles_its_flash_kernel_deviceless(target, call):
+    """One attention layer's forward+backward, batch over 8 devices, bf16: the kernel's custom
+    call, no (T, T) buffer, and temporaries a fraction of the plain form's (bench/kernels_memory.py;
+    BENCHMARKS.md has the T=4096 figures)."""
+    from target_sweep import require
+
+    require(target)
+    proc = subprocess.run([sys.executable, "bench/kernels_memory.py", "--target", target, "--json",
+                           "--seq", "1024", "--heads", "4", "--kv-heads", "2"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["program"].split(" ")[0]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    plain, kernel = rows["plain"], rows["sk.attention"]
+    assert kernel["implementation"] == ("triton" if target == "h100" else "mosaic")
+    assert kernel["custom_calls"].get(call, 0) >= 3  # forward, and the backward's dq and dk/dv kernels
+    assert plain["TxT_buffer"] and not kernel["TxT_buffer"]
+    assert kernel["temporaries_mib"] < plain["temporaries_mib"] / 2  # T=1024: 2.5x (v5p), 4096: 12-80x
+
+
+# ---- the chunked loss -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,chunk", [(None, 8), (None, 37), ("data=2,tensor=4", 8)])
+def test_chunked_cross_entropy_equals_the_plain_loss(mesh, chunk):
+    """Loss and gradients (hidden states, output matrix) against the whole-logits form, fp32:
+    chunks that do not divide T=37 (padded, masked), one chunk, and the vocabulary split over
+    ``tensor`` with the sequences over ``data`` (the recipe's vocab-parallel head)."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(ks[0], (4, 37, 16))
+    w = jax.random.normal(ks[1], (64, 16))
+    t = jax.random.randint(ks[2], (4, 37), 0, 64)
+    grads = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))  # noqa: E731
+    want = grads(sk.kernels.reference_cross_entropy)(x, w, t)
+    if mesh is not None:
+        m = sk.make_mesh(mesh)
+        x, t = (jax.device_put(a, NamedSharding(m, P("data"))) for a in (x, t))
+        w = jax.device_put(w, NamedSharding(m, P("tensor")))
+    got = grads(functools.partial(sk.chunked_cross_entropy, chunk=chunk))(x, w, t)
+    _close(got, want, tol=1e-5)
+    with pytest.raises(ValueError, match="chunk=0 must be a positive int"):
+        sk.chunked_cross_entropy(x, w, t, chunk=0)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_gpu_bench_dry_run_writes_its_table(tmp_path):
+    """``bench/kernels_gpu.py --dry-run``: the GPU bench's code at tiny sizes on CPU, so the
+    command the GPU lease runs cannot rot (accuracy rows within bf16/fp32 bounds, timings)."""
+    proc = subprocess.run([sys.executable, "bench/kernels_gpu.py", "--dry-run", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "kernels_gpu-dry-run.json").read_text())
+    assert result["dry_run"] and not any(k.endswith("_error") for k in result)
+    for r in result["accuracy"]:
+        bound = 2e-2 if r["dtype"] == "bfloat16" else 1e-5  # bf16 roundings of inputs and p; fp32
+        assert "error" not in r and max(r["out"], r["dq"], r["dk"], r["dv"]) < bound * max(1.0, r["scale"]), r
+    assert [r["implementation"] for r in result["timing"]] == ["xla", "auto", "blockwise"]
+    assert all(r["ms"] > 0 for r in result["timing"]) and result["timing"][0]["vs_xla"] == 1.0
+    assert "| 256 | 1 | blockwise |" in (tmp_path / "kernels_gpu-dry-run.md").read_text()
+
+
+def test_a_plan_without_batch_or_heads_names_says_how_to_split_the_kernel():
+    """A GPU-target trace whose plan maps no ``heads``: the error names the fix (no silent
+    replication of the kernel's work)."""
+    from shardkit.cost.simulated import abstract_mesh
+
+    am = abstract_mesh("data=8", target="h100")
+    plan = sk.Plan(am, rules=sk.PathRules([(r".*", ())]), axis_rules=sk.AxisRules({"batch": "data"}))
+    q = jax.ShapeDtypeStruct((8, 128, 4, 64), jnp.bfloat16)
+    with plan.active(), jax.sharding.use_abstract_mesh(am), pytest.raises(
+            sk.ShardingError, match="Map 'batch' and 'heads' there, or pass spec="):
+        jax.eval_shape(lambda q: sk.attention(q, q, q, causal=True), q)
