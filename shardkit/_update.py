@@ -100,8 +100,11 @@ def gradients(step, state, batch, key, scale):
     params_g = cast_floats(state.params, prec.grads)
     grad_fn = jax.value_and_grad(step._loss, has_aux=True)
     if m == 1:
+        # No accumulator to keep: the reduced gradient feeds the update only, so it is reduced
+        # straight into the optimizer's shard — one reduce-scatter under ZeRO-1 as under ZeRO-2
+        # (the grads layout keeping it whole would all-reduce it: twice the wire bytes).
         (_, (value, aux, model_state)), grads = grad_fn(params_g, state.model_state, batch, key, scale)
-        return constrain(grads, grad_sh), value, aux, model_state
+        return constrain(grads, step._param_shardings("update")), value, aux, model_state
     # Microbatch i takes rows i, i+m, i+2m, ...: every device keeps its own rows, so splitting
     # needs no communication (a contiguous split would move data).
     mb_sh = plan.sharding(plan.microbatch_spec())
