@@ -33,7 +33,7 @@ def test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say(mes
     """Issue 36: on data × fsdp × tensor, data × fsdp and data × tensor the gradients were
     all-reduced over data (ZeRO's data axes on another dim than fsdp's; ZeRO-1's whole
     gradient): now one reduce-scatter, bytes as the formulas (``target_sweep.check_hybrid_mlp``)."""
-    check_hybrid_mlp(mesh, zero, h100_mlp[(mesh, zero)])
+    check_hybrid_mlp(mesh, zero, h100_mlp[(mesh, zero)], "h100")
 
 
 def test_two_hosts_put_the_outer_axes_across_infiniband(h100):
