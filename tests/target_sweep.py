@@ -249,10 +249,11 @@ def check_hybrid_mlp(mesh_spec: str, zero: int, report, target: str) -> None:
     elements; ZeRO-1/2 gathers the updated f32 masters over data once (Ψ/(t·f) elements);
     weights split over fsdp (or, ZeRO-3, over data and fsdp) are gathered by one all-gather
     over those axes per use, forward and (unless XLA keeps the copy) backward: Ψ/t bf16
-    elements once or twice. Nothing is permuted or all-reduced over a data axis — except that
-    XLA:TPU reduces over a group spanning the whole slice (data=4,fsdp=2 on a 2x2x2 v5p) by an
-    all-reduce and a slice, at the same bytes reduced (its reduce-scatter fusion is for groups
-    of fewer chips: data × fsdp with tensor beside it, data × tensor)."""
+    elements once or twice. Nothing is permuted, nor (XLA:GPU) all-reduced over a data axis.
+    XLA:TPU picks per gradient, at the same bytes reduced: over a group spanning the whole slice
+    (data=4,fsdp=2 on a 2x2x2 v5p) an all-reduce and a slice, and at this size on data=2,tensor=4
+    two of the four gradients so (at the issue's d 1024 all four are reduce-scattered); its
+    reduce-scatter is a fusion around an all-reduce (``cost.hlo``)."""
     if isinstance(report, Exception):
         raise report
     shape = dict(sk.cost.abstract_mesh(mesh_spec).shape)
@@ -261,12 +262,15 @@ def check_hybrid_mlp(mesh_spec: str, zero: int, report, target: str) -> None:
     psi = MLP_LAYERS * 2 * MLP_D * MLP_F
     tol = 0.05
     grads = psi / t * 2
-    whole_slice = target.startswith("tpu") and t == 1
-    kind, other = ("all-reduce", "reduce-scatter") if whole_slice else ("reduce-scatter", "all-reduce")
-    scatters = [x for x in report.traffic if x.kind == kind and set(x.axes) == batch]
-    assert abs(sum(x.operand_bytes for x in scatters) - grads) <= tol * grads, (grads, report.traffic)
-    # Besides, only the scalars (loss, norm) are reduced over the data axes.
-    assert sum(x.bytes for x in report.traffic if x.kind == other and batch & set(x.axes)) < 64, report.traffic
+    tpu = target.startswith("tpu")
+    kinds = ("reduce-scatter", "all-reduce") if tpu else ("reduce-scatter",)
+    # The scalars (loss, norm) are all-reduced over the data axes too: a few bytes.
+    reductions = [x for x in report.traffic if x.kind in kinds and set(x.axes) == batch and x.bytes >= 64]
+    assert abs(sum(x.operand_bytes for x in reductions) - grads) <= tol * grads, (grads, report.traffic)
+    if not (tpu and t == 1):
+        assert any(x.kind == "reduce-scatter" for x in reductions), report.traffic
+    if not tpu:
+        assert sum(x.bytes for x in report.traffic if x.kind == "all-reduce" and batch & set(x.axes)) < 64, report.traffic
     assert not [x for x in report.traffic if x.kind in ("collective-permute", "all-to-all")], report.traffic
     gathers = {x.axes: x.bytes for x in report.traffic if x.kind == "all-gather"}
     if zero < 3:
