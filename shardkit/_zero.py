@@ -1,6 +1,7 @@
-"""Where ZeRO puts a leaf: the data axes on its largest divisible dimension, optimizer state of
-any shape matched to its parameter (factored moments keep the parameter's axes), and the
-strict check that nothing large is replicated silently. ``Plan`` is the public face."""
+"""Where ZeRO puts a leaf: the data axes on the dimension fsdp already splits, else its largest
+divisible one; optimizer state of any shape matched to its parameter (factored moments keep the
+parameter's axes), and the strict check that nothing large is replicated silently. ``Plan`` is
+the public face."""
 
 from __future__ import annotations
 
