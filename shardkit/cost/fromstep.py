@@ -278,7 +278,9 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
                          rest=sum(c for c, q in zip(comp, piped) if not q),
                          tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
-                         act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m)
+                         act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m,
+                         grad_stage=sum(z if grads_on_shard(zero, m) else c
+                                        for c, z, q in zip(comp, zshard, piped) if q))
     return col, counts
 
 
