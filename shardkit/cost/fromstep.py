@@ -135,7 +135,7 @@ def _pass_memory(s: _Step, mem: dict) -> None:
     gradient made outside a loop, which it all-reduces whole and slices after (a loop's stacked
     gradient is reduced slice by slice inside the loop)."""
     lv, zero = s.lv, s.zero
-    whole = [(f if not grads_on_shard(zero, s.m) or (s.platform == "cpu" and not loop) else z)
+    whole = [(f if not grads_on_shard(zero, s.m, bool(s.pipe)) or (s.platform == "cpu" and not loop) else z)
              for f, z, loop in zip(lv.full, lv.zshard, s.reading.loop_use)]
     reduced = sum(whole) * s.bg if s.n_data > 1 else 0.0
     shard_update = sum(lv.zshard) * s.bp if zero in (1, 2) and s.n_data > 1 else 0.0
@@ -223,7 +223,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         reduce_axes = s.data_axes + (("context",) if ctx > 1 and "context" not in s.data_axes else ())
         # A tied embedding's two gradients (output head, lookup's scatter-add) are reduced
         # apart; under sequence parallelism the lookup ran on the whole (gathered) table.
-        reduced = grad_reduce_elems(lv.leaves, comp, step.layout.zero_specs if grads_on_shard(zero, m)
+        reduced = grad_reduce_elems(lv.leaves, comp, step.layout.zero_specs if grads_on_shard(zero, m, bool(pipe))
                                     else [l.spec for l in lv.leaves], reduce_axes, sizes) + sum(
             (math.prod(l.shape) if sp else c) for l, c, t in zip(lv.leaves, comp, tied) if t)
         # ZeRO-3/FSDP gathers a weight where it is used: inside a loop (a layer scan) for the
@@ -278,9 +278,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
                          rest=sum(c for c, q in zip(comp, piped) if not q),
                          tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
-                         act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m,
-                         grad_stage=sum(z if grads_on_shard(zero, m) else c
-                                        for c, z, q in zip(comp, zshard, piped) if q))
+                         act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m)
     return col, counts
 
 

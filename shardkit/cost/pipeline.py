@@ -157,8 +157,7 @@ def pipelined_uses(pipe: dict, layers: int) -> float:
 
 
 def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied: float,
-                     act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1,
-                     grad_stage: float | None = None) -> None:
+                     act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
     """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and
     ``counts`` by role: the one formula set both estimators use, fed by a ``ModelShape``
     (``formulas.estimate``) or by a real step's leaf sums (``fromstep``).
@@ -173,8 +172,6 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
         has_dx: the pipeline's input is differentiable (it came from an embedding).
         wire: bytes per element of the weights on the wire; bg: of gradients.
         n_data: devices along the data axes; step_m: the step's own microbatches.
-        grad_stage: elements of the stage's gradients as they move back (default ``stage``;
-            ZeRO's shard where the step reduces into it: ``roles.grads_on_shard``).
 
     * ``pipe-permute``: every tick hands one activation microbatch down the pipe, and (explicit:
       its cotangent up; GPipe/circular: the transposed scan's permute) back — 2 per tick.
@@ -199,8 +196,7 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
     counts["pipe-permute"] = 2 * ticks * step_m
     if v > 1:
         hops = 1 if p == 2 else 2
-        # The gradients move back on ZeRO's shard where the step reduces them into it.
-        col["pipe-relayout"] = (stage + (stage if grad_stage is None else grad_stage)) * wire * hops * step_m
+        col["pipe-relayout"] = 2 * stage * wire * hops * step_m
         counts["pipe-relayout"] = 2 * hops * step_m
     if not is_explicit(pipe):
         col["pipe-permute"] += 2 * pm * act_mb * step_m

@@ -228,10 +228,10 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
     both = tuple(a for a in ("data", "fsdp") if getattr(lo, a) > 1)
     if lo.fsdp > 1 and lo.data > 1 and lo.zero < 3:
         grad = (("reduce-scatter", ("fsdp",), 1.0),
-                ("reduce-scatter" if grads_on_shard(lo.zero, lo.microbatches) else "all-reduce", ("data",),
-                 1.0 / lo.fsdp))
+                ("reduce-scatter" if grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) else "all-reduce",
+                 ("data",), 1.0 / lo.fsdp))
     else:
-        on_shard = grads_on_shard(lo.zero, lo.microbatches) or lo.fsdp > 1
+        on_shard = grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) or lo.fsdp > 1
         grad = (("reduce-scatter" if on_shard else "all-reduce", both, 1.0),)
     gather_axes = both if lo.zero == 3 else ("fsdp",) if lo.fsdp > 1 else ("data",)
     return {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
