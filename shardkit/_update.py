@@ -14,7 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from . import _model, offload
-from .plan import Plan
+from .plan import Plan, noted
 from .precision import cast_floats, cast_like
 
 constrain = jax.lax.with_sharding_constraint
@@ -100,8 +100,13 @@ def gradients(step, state, batch, key, scale):
     params_g = cast_floats(state.params, prec.grads)
     grad_fn = jax.value_and_grad(step._loss, has_aux=True)
     if m == 1:
+        # No accumulator to keep: the reduced gradient feeds the update only, so it is reduced
+        # straight into the optimizer's shard — one reduce-scatter under ZeRO-1 as under ZeRO-2
+        # (the grads layout keeping it whole would all-reduce it: twice the wire bytes). Not
+        # after sk.pipeline, which reduced its stages' gradients inside its shard_map already.
         (_, (value, aux, model_state)), grads = grad_fn(params_g, state.model_state, batch, key, scale)
-        return constrain(grads, grad_sh), value, aux, model_state
+        into = "grads" if noted("pipeline") is not None else "update"
+        return constrain(grads, step._param_shardings(into)), value, aux, model_state
     # Microbatch i takes rows i, i+m, i+2m, ...: every device keeps its own rows, so splitting
     # needs no communication (a contiguous split would move data).
     mb_sh = plan.sharding(plan.microbatch_spec())

@@ -1,6 +1,7 @@
-"""Where ZeRO puts a leaf: the data axes on its largest divisible dimension, optimizer state of
-any shape matched to its parameter (factored moments keep the parameter's axes), and the
-strict check that nothing large is replicated silently. ``Plan`` is the public face."""
+"""Where ZeRO puts a leaf: the data axes on the dimension fsdp already splits, else its largest
+divisible one; optimizer state of any shape matched to its parameter (factored moments keep the
+parameter's axes), and the strict check that nothing large is replicated silently. ``Plan`` is
+the public face."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ SMALL_PER_DEVICE = 128
 
 
 def zero_spec(plan, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
-    """Adds the unused data axes to the largest dimension they divide (ZeRO's shard).
+    """Adds the unused data axes to the dimension already split over a batch axis, else to
+    the largest dimension they divide (ZeRO's shard).
 
     Returns ``(spec, note, refused)``: ``refused`` when the leaf is big enough that
     replicating it over the data axes counts (``SMALL_PER_DEVICE``) and no dimension is
@@ -31,9 +33,14 @@ def zero_spec(plan, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
         return spec, "", False
     entries = list(spec) + [None] * (len(shape) - len(spec))
     sizes = dict(plan.mesh.shape)
-    # Try all free axes together, then each alone (largest first), on the largest dim.
+    # Try all free axes together, then each alone (largest first), on a dim already split over
+    # a batch axis (fsdp), else on the largest dim. The gradient is a partial sum over every
+    # batch axis: with all of them on one dim its reduction is one reduce-scatter, while
+    # fsdp on one dim and data on another leaves XLA to all-reduce over both and slice
+    # (twice the wire bytes; issue 36).
     options = [free] + [(a,) for a in sorted(free, key=lambda a: -sizes[a])] if len(free) > 1 else [free]
-    dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+    batch = set(plan.batch_axes)
+    dims = sorted(range(len(shape)), key=lambda d: (not batch & set(entry_axes(entries[d])), -shape[d]))
     for axes in options:
         n = math.prod(sizes[a] for a in axes)
         for d in dims:
@@ -43,6 +50,8 @@ def zero_spec(plan, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
                 # tensor shard, where the gradient's reduce-scatter over data leaves it
                 # (data-major order would need collective-permutes to reorder the blocks).
                 new = cur + axes
+                if plan.zero >= 3 and set(cur) <= batch:
+                    new = tuple(a for a in plan.batch_axes if a in new)
                 entries[d] = new[0] if len(new) == 1 else new
                 while entries and entries[-1] is None:
                     entries.pop()

@@ -424,6 +424,12 @@ def active_plan() -> Plan | None:
     return _ACTIVE.get()
 
 
+def noted(key: str) -> Any:
+    """What the step being traced has noted under ``key`` so far (None outside a trace)."""
+    notes = _NOTES.get()
+    return None if notes is None else notes.get(key)
+
+
 def note(key: str, value: Any) -> None:
     """Records a fact about the program being traced (e.g. ``sk.pipeline``'s microbatches and
     schedule) for ``explain()``; a no-op outside a shardkit step's trace."""

@@ -200,3 +200,85 @@ def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES) -> dict[st
         row = next(r for r in report.comparison() if r["quantity"] == "memory/temporaries")
         ratios[s] = row["estimate"] / row["compiled"]
     return ratios
+
+
+# Issue 36: the README's MLP (2 layers, w1 ("fsdp", "tensor"), w2 ("tensor", "fsdp"), bf16, AdamW,
+# one microbatch) on meshes where ZeRO's data axes meet fsdp and tensor. d 256, f 1024 and 256
+# rows keep the issue's proportions (rows = d, f = 4d): with far fewer rows than weights XLA
+# moves the activations instead of reducing the gradients.
+HYBRID_MLP = [(m, z) for m, stages in (("data=2,fsdp=2,tensor=2", (1, 2, 3)), ("data=4,fsdp=2", (1, 2, 3)),
+                                      ("data=2,tensor=4", (1, 2))) for z in stages]
+MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS = 256, 1024, 256, 2
+
+
+def hybrid_mlp_step(mesh_spec: str, zero: int):
+    """``(step, abstract state, batch)`` of the README's MLP planned on this process's 8 devices."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    mesh = sk.make_mesh(mesh_spec)
+    ax = lambda a: a if a in mesh.shape else None  # noqa: E731
+    plan = sk.Plan(mesh, rules=[(r"w1", (ax("fsdp"), ax("tensor"))), (r"w2", (ax("tensor"), ax("fsdp"))), (r".*", ())],
+                   axis_rules={"batch": tuple(a for a in ("data", "fsdp") if a in mesh.shape), "mlp": ax("tensor")},
+                   zero=zero, precision="bf16")
+
+    def loss(params, batch):
+        x = sk.constrain(batch["x"], ("batch", None))
+        for layer in params.values():
+            x = jax.nn.gelu(sk.constrain(x @ layer["w1"], ("batch", "mlp"))) @ layer["w2"]
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    step = sk.train_step(plan, optax.adamw(3e-4))(loss)
+    state = step.abstract_state(lambda: {f"l{i}": {"w1": jnp.zeros((MLP_D, MLP_F)), "w2": jnp.zeros((MLP_F, MLP_D))}
+                                         for i in range(MLP_LAYERS)})
+    row = jax.ShapeDtypeStruct((MLP_ROWS, MLP_D), jnp.float32)
+    return step, state, {"x": row, "y": row}
+
+
+def compile_hybrid_mlp(target: str) -> dict[tuple[str, int], object]:
+    """Every ``HYBRID_MLP`` layout compiled for ``target`` in one subprocess."""
+    jobs = [(*hybrid_mlp_step(m, z), m) for m, z in HYBRID_MLP]
+    return dict(zip(HYBRID_MLP, sk.cost.simulate_many(jobs, target=target, timeout=1800)))
+
+
+def check_hybrid_mlp(mesh_spec: str, zero: int, report, target: str) -> None:
+    """The ZeRO formulas (Rajbhandari et al. 2020; FORMULAS.md) per device, Ψ parameters, t, f,
+    d the tensor, fsdp and data sizes: the gradients (bf16 on the wire: the dots write bf16 and
+    XLA reduces before the f32 cast) are one reduce-scatter over every batch axis of Ψ/t
+    elements; ZeRO-1/2 gathers the updated f32 masters over data once (Ψ/(t·f) elements);
+    weights split over fsdp (or, ZeRO-3, over data and fsdp) are gathered by one all-gather
+    over those axes per use, forward and (unless XLA keeps the copy) backward: Ψ/t bf16
+    elements once or twice. Nothing is permuted, nor (XLA:GPU) all-reduced over a data axis.
+    XLA:TPU picks per gradient, at the same bytes reduced: over a group spanning the whole slice
+    (data=4,fsdp=2 on a 2x2x2 v5p) an all-reduce and a slice, and at this size on data=2,tensor=4
+    two of the four gradients so (at the issue's d 1024 all four are reduce-scattered); its
+    reduce-scatter is a fusion around an all-reduce (``cost.hlo``)."""
+    if isinstance(report, Exception):
+        raise report
+    shape = dict(sk.cost.abstract_mesh(mesh_spec).shape)
+    t, f = shape.get("tensor", 1), shape.get("fsdp", 1)
+    batch = {a for a in ("data", "fsdp") if a in shape}
+    psi = MLP_LAYERS * 2 * MLP_D * MLP_F
+    tol = 0.05
+    grads = psi / t * 2
+    tpu = target.startswith("tpu")
+    kinds = ("reduce-scatter", "all-reduce") if tpu else ("reduce-scatter",)
+    # The scalars (loss, norm) are all-reduced over the data axes too: a few bytes.
+    reductions = [x for x in report.traffic if x.kind in kinds and set(x.axes) == batch and x.bytes >= 64]
+    assert abs(sum(x.operand_bytes for x in reductions) - grads) <= tol * grads, (grads, report.traffic)
+    if not (tpu and t == 1):
+        assert any(x.kind == "reduce-scatter" for x in reductions), report.traffic
+    if not tpu:
+        reduced = sum(x.bytes for x in report.traffic if x.kind == "all-reduce" and batch & set(x.axes))
+        assert reduced < 64, report.traffic
+    assert not [x for x in report.traffic if x.kind in ("collective-permute", "all-to-all")], report.traffic
+    gathers = {x.axes: x.bytes for x in report.traffic if x.kind == "all-gather"}
+    if zero < 3:
+        masters = psi / (t * f) * 4
+        assert abs(gathers.pop(("data",)) - masters) <= tol * masters, (masters, report.traffic)
+    weights = psi / t * 2
+    sharded = tuple(a for a in ("data", "fsdp") if a in shape and (a == "fsdp" or zero == 3))
+    if sharded:
+        assert weights * (1 - tol) <= gathers.pop(sharded) <= 2 * weights * (1 + tol), (weights, report.traffic)
+    assert set(gathers) <= {("tensor",)}, report.traffic

@@ -55,6 +55,38 @@ def test_collectives_are_counted_through_nested_loops():
     assert all(c.static_count == 1 for c in got.values())
 
 
+# XLA:TPU's reduce-scatter, as the v5p compile of the README MLP on data=2,fsdp=2,tensor=2 writes
+# it (issue 36): a kCustom fusion around an all-reduce and the dynamic-slice of this device's shard.
+TPU_REDUCE_SCATTER = """HloModule m
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %a = bf16[] add(%x, %y)
+}
+
+%all-reduce-scatter (input: bf16[1024,2048]) -> bf16[256,2048] {
+  %input = bf16[1024,2048]{1,0:T(8,128)(2,1)} parameter(0)
+  %all-reduce.16 = bf16[1024,2048]{1,0:T(8,128)(2,1)} all-reduce(%input), channel_id=13, replica_groups={{0,4,2,6},{1,5,3,7}}, use_global_device_ids=true, to_apply=%add
+  %o = s32[] constant(0)
+  ROOT %dynamic-slice.80 = bf16[256,2048]{1,0:T(8,128)(2,1)} dynamic-slice(%all-reduce.16, %o, %o), dynamic_slice_sizes={256,2048}
+}
+
+ENTRY %main (g: bf16[1024,2048]) -> bf16[256,2048] {
+  %g = bf16[1024,2048]{1,0} parameter(0)
+  ROOT %fusion = bf16[256,2048]{1,0:T(8,128)(2,1)} fusion(%g), kind=kCustom, calls=%all-reduce-scatter
+}
+"""
+
+
+def test_xla_tpus_reduce_scatter_fusion_reads_as_a_reduce_scatter():
+    from shardkit.cost.hlo import traffic_from_hlo
+
+    (t,) = traffic_from_hlo(TPU_REDUCE_SCATTER, {"data": 2, "fsdp": 2, "tensor": 2})
+    assert (t.kind, t.axes, t.count) == ("reduce-scatter", ("data", "fsdp"), 1)
+    assert t.bytes == 256 * 2048 * 2 and t.operand_bytes == 1024 * 2048 * 2  # the shard; the bytes reduced
+
+
 def test_explain_a_data_parallel_step():
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
     step = sk.train_step(plan, optax.sgd(0.1))(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2))

@@ -286,6 +286,8 @@ LAYOUTS = [  # (mesh, ZeRO stage, microbatches)
     ("data=8", 0, 1), ("data=8", 0, 4), ("data=8", 1, 2), ("data=8", 2, 4), ("data=8", 3, 2),
     ("fsdp=8", 3, 4), ("tensor=8", 0, 2), ("data=2,tensor=4", 1, 2),
     ("data=2,fsdp=2,tensor=2", 3, 2), ("data=2,fsdp=2,tensor=2", 2, 4),
+    # Issue 36: ZeRO-1 reducing one microbatch into its shard; data beside fsdp on one dim.
+    ("data=2,fsdp=2,tensor=2", 1, 1), ("data=4,fsdp=2", 2, 1),
 ]
 
 

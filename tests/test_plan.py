@@ -42,14 +42,23 @@ def test_path_rules_first_match_wins_and_report_source():
 
 @pytest.mark.parametrize("zero,expected_w1,expected_scale", [
     (0, P("fsdp", "tensor"), P()),
-    # largest divisible dim, after its own axes (a ZeRO shard is a slice of the tensor shard)
-    (3, P("fsdp", ("tensor", "data")), P(("data", "fsdp"))),
+    # the dim fsdp already splits, in the batch axes' order (issue 36: the gradient is then one
+    # reduce-scatter over data x fsdp, not an all-reduce of fsdp's shard over data)
+    (3, P(("data", "fsdp"), "tensor"), P(("data", "fsdp"))),
 ])
 def test_zero3_adds_the_data_axes_to_params(zero, expected_w1, expected_scale):
     plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"), rules=RULES, zero=zero)
     specs = plan.param_specs(params())
     assert specs["mlp"]["w1"] == expected_w1
     assert specs["norm"]["scale"] == expected_scale
+
+
+def test_zero2_puts_data_after_fsdp_on_its_dim():
+    """Issue 36: ZeRO-1/2 shards keep fsdp major, so the updated shards are gathered back into
+    the fsdp layout by one all-gather over data (data-major blocks would need a permute)."""
+    plan = sk.Plan(sk.make_mesh("data=2,fsdp=2,tensor=2"), rules=RULES, zero=2)
+    assert plan.grad_specs(params())["mlp"]["w1"] == P(("fsdp", "data"), "tensor")
+    assert plan.grad_specs(params())["mlp"]["w2"] == P("tensor", ("fsdp", "data"))
 
 
 def test_opt_state_follows_params_with_zero_axes():
@@ -169,7 +178,7 @@ def test_describe_is_a_table_with_every_leaf():
     console = Console(record=True, width=200)
     console.print(plan.describe(params()))
     text = console.export_text()
-    assert "mlp/w1" in text and "(8, 16)" in text  # per-device block of w1 under ZeRO-3 + TP
+    assert "mlp/w1" in text and "(4, 32)" in text  # per-device block of w1 under ZeRO-3 + TP
 
 
 def test_describe_state_params_of_nnx_and_linen_models():

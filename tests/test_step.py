@@ -72,6 +72,8 @@ LAYOUTS = [
     ("data=8", 0), ("data=8", 1), ("data=8", 2), ("data=8", 3),
     ("data=2,tensor=4", 0), ("data=4,tensor=2", 1), ("fsdp=4,tensor=2", 3), ("data=2,fsdp=4", 3),
     ("data=2,fsdp=2,tensor=2", 0), ("data=2,fsdp=2,tensor=2", 2), ("data=2,fsdp=2,tensor=2", 3),
+    # Issue 36: ZeRO's data axes beside fsdp on one dim, ZeRO-1 reducing into its shard.
+    ("data=2,fsdp=2,tensor=2", 1), ("data=4,fsdp=2", 2), ("data=2,tensor=4", 1),
 ]
 
 

@@ -3,8 +3,8 @@ TPU, with what each layout promises checked on that program (``target_sweep.chec
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, EXTENDED_TPU, check, compile_cases, params, require, schedule_memory_ratios, selected,
-                          small_step)
+from target_sweep import (CASES_8, EXTENDED_TPU, HYBRID_MLP, check, check_hybrid_mlp, compile_cases, compile_hybrid_mlp,
+                          params, require, schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 
@@ -18,6 +18,19 @@ def v5p(request):
 @pytest.mark.parametrize("name", params(CASES_8, EXTENDED_TPU))
 def test_layout_compiles_for_tpu_v5p_and_keeps_its_promises(name, v5p):
     check(name, CASES_8[name], v5p[name], "tpu-v5p")
+
+
+@pytest.fixture(scope="module")
+def v5p_mlp():
+    require("tpu-v5p")
+    return compile_hybrid_mlp("tpu-v5p")
+
+
+@pytest.mark.parametrize("mesh,zero", HYBRID_MLP)
+def test_hybrid_meshes_reduce_the_gradients_as_the_zero_formulas_say(mesh, zero, v5p_mlp):
+    """Issue 36 on XLA:TPU: one reduce-scatter (its all-reduce-scatter fusion) over the batch
+    axes, or over the whole slice its all-reduce (``target_sweep.check_hybrid_mlp``)."""
+    check_hybrid_mlp(mesh, zero, v5p_mlp[(mesh, zero)], "tpu-v5p")
 
 
 def test_the_slice_and_the_compilers_own_estimate_are_reported(v5p):

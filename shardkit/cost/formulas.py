@@ -23,8 +23,8 @@ from ..precision import Precision
 from . import hardware as hw_lib
 from .pipeline import (is_explicit, layout_note, pipeline_ticks, pipeline_traffic, recompute_factor,
                        schedule_table)
-from .roles import (activation_bytes, context_traffic, data_traffic, moe_traffic, step_temporaries, tensor_traffic,
-                    zero_state)
+from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic, step_temporaries,
+                    tensor_traffic, zero_state)
 from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
 from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
 
@@ -176,7 +176,8 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
     mem["batch"] = 2 * global_batch * T * 4 / s.replicas
     mem["arguments"] = mem["params"] + mem["opt_state"] + mem["batch"]
     gathered = (2 * s.layer_dev * bc + s.layer_dev * bg) if s.sharded else (
-        s.layer_dev * bg if lo.fsdp * (lo.data if lo.zero >= 2 else 1) > 1 else 0.0)
+        s.layer_dev * bg
+        if lo.fsdp * (lo.data if grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) else 1) > 1 else 0.0)
     if s.one_f_one_b:
         # The loop accumulates the stage's gradients in f32, whole, and reduces them once after
         # it: that buffer is the step's gradient (``grads``) unless ZeRO-2/3 or fsdp shard those.

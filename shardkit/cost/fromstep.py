@@ -20,7 +20,7 @@ from .shapes import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
 from .pipememory import backward_op_peak, gpipe_backward, n_tensor_stacked
 from .program import ProgramReading, read_program
-from .roles import data_traffic, step_temporaries, tensor_traffic
+from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import xla_gpu
 from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
@@ -135,7 +135,7 @@ def _pass_memory(s: _Step, mem: dict) -> None:
     gradient made outside a loop, which it all-reduces whole and slices after (a loop's stacked
     gradient is reduced slice by slice inside the loop)."""
     lv, zero = s.lv, s.zero
-    whole = [(f if zero < 2 or (s.platform == "cpu" and not loop) else z)
+    whole = [(f if not grads_on_shard(zero, s.m, bool(s.pipe)) or (s.platform == "cpu" and not loop) else z)
              for f, z, loop in zip(lv.full, lv.zshard, s.reading.loop_use)]
     reduced = sum(whole) * s.bg if s.n_data > 1 else 0.0
     shard_update = sum(lv.zshard) * s.bp if zero in (1, 2) and s.n_data > 1 else 0.0
@@ -223,7 +223,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         reduce_axes = s.data_axes + (("context",) if ctx > 1 and "context" not in s.data_axes else ())
         # A tied embedding's two gradients (output head, lookup's scatter-add) are reduced
         # apart; under sequence parallelism the lookup ran on the whole (gathered) table.
-        reduced = grad_reduce_elems(lv.leaves, comp, step.layout.zero_specs if zero >= 2
+        reduced = grad_reduce_elems(lv.leaves, comp, step.layout.zero_specs if grads_on_shard(zero, m, bool(pipe))
                                     else [l.spec for l in lv.leaves], reduce_axes, sizes) + sum(
             (math.prod(l.shape) if sp else c) for l, c, t in zip(lv.leaves, comp, tied) if t)
         # ZeRO-3/FSDP gathers a weight where it is used: inside a loop (a layer scan) for the

@@ -134,6 +134,9 @@ def _collective_ops(hlo: str, branch_weights=None):
     comps, mult = _walk(hlo, branch_weights)
     for name, lines in comps.items():
         m = mult.get(name, 0)
+        # XLA:TPU writes a reduce-scatter as a fusion of this name around an all-reduce and
+        # the dynamic-slice of this device's shard (its root): one reduce-scatter on the wire.
+        scatter = name.startswith("all-reduce-scatter")
         for line in lines:
             ins = _INSTR.match(line)
             if not ins:
@@ -151,6 +154,9 @@ def _collective_ops(hlo: str, branch_weights=None):
                 shapes = [_shape_bytes(s) for s in _split_tuple(result) if "[]" not in s]  # no scalar contexts
                 b = (max(shapes) if base == "all-gather" else min(shapes) if base == "reduce-scatter"
                      else shapes[0]) if shapes else 0
+            if scatter and base == "all-reduce":
+                root = next((r for r in map(_INSTR.match, lines) if r and r.group(0).lstrip().startswith("ROOT")), None)
+                base, b = "reduce-scatter", _shape_bytes(root.group(1)) if root else b
             yield base, m, b, line
 
 

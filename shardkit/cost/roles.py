@@ -30,6 +30,15 @@ def zero_state(zero: int, *, model: float, shard: float) -> dict[str, float]:
             "opt_state": shard if zero >= 1 else model}
 
 
+def grads_on_shard(zero: int, microbatches: int, pipelined: bool = False) -> bool:
+    """Whether the step reduces gradients into ZeRO's shard (a reduce-scatter over the data
+    axes): ZeRO-2/3, and ZeRO-1 with one microbatch and no ``sk.pipeline``, which keeps no
+    accumulator and so reduces straight into the optimizer's shard (``sk.train_step``).
+    ZeRO-1's accumulator of several microbatches is whole: each microbatch's gradient is
+    all-reduced into it."""
+    return zero >= 2 or (zero == 1 and microbatches == 1 and not pipelined)
+
+
 def step_temporaries(*, pass_peak: float, grads: float, update: float, reduced: float = 0.0,
                      throughout: float = 0.0) -> float:
     """Temporary bytes of one training step: the larger of the forward + backward pass's own peak

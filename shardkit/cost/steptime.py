@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import hardware as hw_lib
 from .pipeline import layout_note, pipeline_bubble
+from .roles import grads_on_shard
 
 if TYPE_CHECKING:
     from .shapes import Layout, ModelShape
@@ -216,7 +217,9 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
     one gather of the updated weights. Gradients are reduce-scattered over the axes that shard
     them and all-reduced over the rest: with ``fsdp`` > 1, ``data`` > 1 and ZeRO < 3 that is a
     reduce-scatter over ``fsdp`` of the whole gradient, then a reduction over ``data`` of the
-    1/fsdp shard (all-reduce below ZeRO-2), as hybrid sharding runs it (Zhao et al. 2023,
+    1/fsdp shard (all-reduce where ZeRO keeps it whole: ``roles.grads_on_shard``; the
+    compiled program reduce-scatters over data × fsdp at once, the same ring volume), as
+    hybrid sharding runs it (Zhao et al. 2023,
     "PyTorch FSDP", arXiv:2304.11277; Rajbhandari et al. 2020). Tensor-parallel reductions are
     all-reduces, or reduce-scatters under sequence parallelism, whose all-gathers are
     ``tensor-gather`` (Korthikanti et al. 2022, sec. 4.2.2).
@@ -225,9 +228,11 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
     both = tuple(a for a in ("data", "fsdp") if getattr(lo, a) > 1)
     if lo.fsdp > 1 and lo.data > 1 and lo.zero < 3:
         grad = (("reduce-scatter", ("fsdp",), 1.0),
-                ("all-reduce" if lo.zero < 2 else "reduce-scatter", ("data",), 1.0 / lo.fsdp))
+                ("reduce-scatter" if grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) else "all-reduce",
+                 ("data",), 1.0 / lo.fsdp))
     else:
-        grad = (("all-reduce" if lo.zero < 2 and lo.fsdp == 1 else "reduce-scatter", both, 1.0),)
+        on_shard = grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) or lo.fsdp > 1
+        grad = (("reduce-scatter" if on_shard else "all-reduce", both, 1.0),)
     gather_axes = both if lo.zero == 3 else ("fsdp",) if lo.fsdp > 1 else ("data",)
     return {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
             "tensor-reduce": (("reduce-scatter" if lo.sequence_parallel else "all-reduce", ("tensor",), 1.0),),

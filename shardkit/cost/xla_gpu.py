@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..rules import entry_axes
+from .roles import grads_on_shard
 
 # ``kDefaultAllReduceCombineThreshold``, and the same for all-gather and reduce-scatter
 # (xla/service/collective_utils.h).
@@ -42,7 +43,7 @@ def data_ops(lv, zero_specs, uses, reading, *, zero: int, microbatches: int, gra
     m, loop, comp, stored = microbatches, reading.loop_use, lv.comp, lv.stored
     # The gradients are reduce-scattered — where ZeRO shards some leaf: on a mesh larger than
     # every leaf's dims divide (a small model on 256 GPUs) ZeRO-2/3 all-reduce them all.
-    scatter = lv.fsdp or (zero >= 2 and any(z < f for f, z in zip(lv.full, lv.zshard)))
+    scatter = lv.fsdp or (grads_on_shard(zero, microbatches) and any(z < f for f, z in zip(lv.full, lv.zshard)))
     in_loop = any(loop)
     out_bytes = sum(c for c, lp in zip(comp, loop) if not lp) * grad_bytes
     # Reduce-scatters combine whatever dim they scatter, apart for leaves split over other axes
