@@ -177,7 +177,9 @@ def test_nnx_linen_and_pytree_models_train_identically():
         tree_losses.append(float(m["loss"]))
     np.testing.assert_allclose(nnx_losses, tree_losses, rtol=1e-5)
     np.testing.assert_allclose(linen_losses, tree_losses, rtol=1e-5)
-    assert nnx_state.params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", ("tensor", "data"))
+    # ZeRO-3: the data axes join the dim fsdp already splits, in the batch axes' order (one
+    # reduce-scatter / all-gather over data x fsdp)
+    assert nnx_state.params["w1"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")
     assert isinstance(nnx_step.model(nnx_state), MLP)
 
 
