@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from ._vma import vary_like
 
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
@@ -45,18 +46,6 @@ def _mask(pq, pk, sq, sk, causal):
         seg = (sq[:, :, None] == sk[:, None, :])[:, :, None, None, :]
         m = seg if m is None else m & seg
     return m
-
-
-def _vary(tree, like):
-    """Casts ``tree`` to vary over every manual axis the ``like`` values vary over (scan carries
-    must keep one type through the loop)."""
-    axes = frozenset().union(*(jax.typeof(a).mat.varying for a in jax.tree.leaves(like)))
-
-    def cast(a):
-        missing = tuple(sorted(axes - jax.typeof(a).mat.varying))
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(cast, tree)
 
 
 # ---- per-device bodies ----------------------------------------------------------------------
@@ -157,7 +146,7 @@ def _compiler_blockwise(cfg: _Config, q, k, v, seg):
             return keep(_online(state, q5, x[0], x[1], mask_of(x, seg, pos), cfg.scale)), None
 
         m0 = jnp.full(q5.shape[:-1], _NEG, F32)
-        state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
+        state = vary_like((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
         (m, l, acc), _ = lax.scan(step, state, xs_of(k, v, seg, pos))
         l_safe = jnp.where(l > 0, l, 1.0)
         return acc / l_safe[..., None], m + jnp.log(l_safe)  # (B, T, K, G, Dh), (B, T, K, G)
@@ -190,7 +179,7 @@ def _compiler_blockwise(cfg: _Config, q, k, v, seg):
             dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(q5.dtype), q5, preferred_element_type=F32)
             return dq, (dk, dv)
 
-        dq0 = _vary(jnp.zeros(q5.shape, F32), (q, k, v, dout))
+        dq0 = vary_like(jnp.zeros(q5.shape, F32), (q, k, v, dout))
         dq, (dk, dv) = lax.scan(step, dq0, xs_of(k, v, seg, pos))
         return (dq.reshape(B, T, Hq, Dh).astype(q.dtype), unblock(dk).astype(k.dtype),
                 unblock(dv).astype(v.dtype), None)
@@ -207,7 +196,7 @@ def _forward_body(cfg: _Config, q, k, v, seg=None):
     kv = (k, v, seg) if cfg.has_seg else (k, v)
     fetch = _fetcher(cfg, kv, i)
     m0 = jnp.full((B, Tl, Hkv, Hq // Hkv), _NEG, F32)
-    state = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q,) + kv)
+    state = vary_like((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q,) + kv)
     kinds = _branches(cfg)
 
     def update(state, block, j, kind):
@@ -250,10 +239,10 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
     kinds = _branches(cfg)
     every = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
     if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
-        grads = _vary((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
+        grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
     else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
-        grads = _vary((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
-    dq = _vary(jnp.zeros(q5.shape, F32), every)
+        grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
+    dq = vary_like(jnp.zeros(q5.shape, F32), every)
 
     def update(dq, dkv, block, j, kind):
         if kind == _SKIP:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._context_blocks import _vary  # scan carries typed like the inputs inside a shard_map
+from .._vma import vary_like  # scan carries typed like the inputs inside a shard_map
 
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": masked scores never make exp(-inf + inf) = NaN
@@ -101,7 +101,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
             return (m_new, l * corr + p.sum(-1), acc), None
 
         m0 = jnp.full(q5.shape[:-1], _NEG, F32)
-        init = _vary((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
+        init = vary_like((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
         (m, l, acc), _ = lax.scan(step, init, xs(k, v))
         l_safe = jnp.where(l > 0, l, 1.0)
         return acc / l_safe[..., None], m + jnp.log(l_safe)  # (B, T, K, G, Q), (B, T, K, G)
@@ -130,7 +130,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
             dk = jnp.einsum("btkgs,btkgq->bskq", ds.astype(q5.dtype), q5, preferred_element_type=F32)
             return dq, (dk, dv)
 
-        dq0 = _vary(jnp.zeros(q5.shape, F32), (q, k, v, dout))
+        dq0 = vary_like(jnp.zeros(q5.shape, F32), (q, k, v, dout))
         dq, (dk, dv) = lax.scan(step, dq0, xs(k, v))
         return (dq.reshape(B, T, H, Q).astype(q.dtype), unblock(dk).astype(k.dtype),
                 unblock(dv).astype(v.dtype))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._context_blocks import _vary  # scan carries typed like the inputs inside a shard_map
+from .._vma import vary_like  # scan carries typed like the inputs inside a shard_map
 
 F32 = jnp.float32
 
@@ -83,7 +83,7 @@ def chunked_cross_entropy(x_BxTxD: jax.Array, w_VxD: jax.Array, targets_BxT: jax
             picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
             return total + jnp.sum(jnp.where(ok, lse - picked, 0.0)), lse
 
-        total0 = _vary(jnp.zeros((), F32), (x, w))
+        total0 = vary_like(jnp.zeros((), F32), (x, w))
         total, lse = lax.scan(step, total0, (chunks(x), chunks(t), valid()))
         return total / (B * T), lse
 
@@ -107,7 +107,7 @@ def chunked_cross_entropy(x_BxTxD: jax.Array, w_VxD: jax.Array, targets_BxT: jax
             dw = dw + jnp.einsum("bcv,bcd->vd", d_logits.astype(xc.dtype), xc, preferred_element_type=F32)
             return dw, dx.astype(x.dtype)
 
-        dw0 = _vary(jnp.zeros(w.shape, F32), (x, w, g))
+        dw0 = vary_like(jnp.zeros(w.shape, F32), (x, w, g))
         dw, dx = lax.scan(step, dw0, (chunks(x), chunks(t), valid(), lse))
         return unchunk(dx), dw.astype(w.dtype), None
 
