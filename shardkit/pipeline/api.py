@@ -80,6 +80,7 @@ from ..mesh import vmapped_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
+from .keep import Kept, keep_policy
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
 from .order import LAYER_ORDERS
 from .split import SplitBackward
@@ -93,7 +94,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
              microbatches: int, schedule: str = "gpipe", repeats: int = 1, axis: str = "pipe",
              loss_fn: Callable[..., jax.Array] | None = None, loss_params: Any = None,
              targets: Any = None, extras: Any = None, rng: jax.Array | None = None,
-             remat: str = "none", mesh: Any = None,
+             remat: str = "none", keep: str | Callable = "input", mesh: Any = None,
              batch_axes: str | tuple[str, ...] | None = None, layer_order: str = "natural") -> jax.Array:
     """Runs a stack of layers as a pipeline over the ``axis`` mesh axis.
 
@@ -121,6 +122,13 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         rng: a PRNG key for dropout-like layers.
         remat: recompute policy for a stage's layers: ``"none"``, ``"full"`` or ``"dots"``
             (save matmul outputs).
+        keep: what an explicit schedule's F keeps for its chunk-microbatch's backward op
+            (``keep``): ``"input"`` (the stage input only: the backward op recomputes the
+            chunk's forward), ``"all"`` (every residual, as Megatron-LM: no recompute, the most
+            memory), or a ``jax.checkpoint`` policy (``"dots"`` or e.g.
+            ``jax.checkpoint_policies.save_only_these_names(...)``: its saved set is kept, the
+            rest recomputed). Kept residuals wait in rings sized from the schedule table
+            (``Schedule.res_ring``). Not ``"input"``: ``remat`` must be ``"none"``.
         mesh: the mesh; defaults to the ambient one (``jax.set_mesh``, as inside
             ``sk.train_step``).
         batch_axes: mesh axes the batch of ``x`` is split over, made manual inside the
@@ -142,8 +150,9 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     Raises:
         ValueError: unknown schedule or remat, no mesh or ``axis`` not in it, too few
             microbatches, indivisible batch or layer count, a shape-changing ``stage_fn``,
-            an explicit schedule without ``loss_fn``, or ``batch_axes`` naming non-data axes or given
-            with ``rng``.
+            an explicit schedule without ``loss_fn``, ``batch_axes`` naming non-data axes or given
+            with ``rng``, or ``keep`` other than ``"input"`` with ``remat`` or a GPipe/circular
+            schedule.
     """
     mesh = _resolve_mesh(mesh, axis)
     p = mesh.shape[axis]
@@ -154,6 +163,9 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                                extras, targets, rng)
     k = L // (p * v)
+    policy = _check_keep(keep, schedule, remat)
+    if policy is not None:  # the chunk runs under the keep policy; F keeps what it saves
+        remat = policy
     if own_remat and remat == "none" and v > 1 and schedule not in EXPLICIT:
         # Circular under autodiff with a self-checkpointing layer: unwrapped, the per-tick
         # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
@@ -162,7 +174,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     params_s = _stage_major(stage_params, layer_order, schedule, p, v, k)
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
-            "data_axes": data}
+            "data_axes": data, "keep": keep if isinstance(keep, str) else "policy"}
     split_ops = None
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
@@ -172,7 +184,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in EXPLICIT:
         tab = pipeline_schedule(schedule, p, m, v)
         return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops)
+                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops,
+                                 keep=None if policy is None else Kept(loss_fn, policy))
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return merge(y_mb)
@@ -268,6 +281,19 @@ def _check_compiler_axes(mesh, axis: str, data, schedule: str) -> None:
             "XLA's partitioner aborts on the explicit schedules' loop with two or more such axes. Use "
             "schedule='gpipe' or 'circular' on this mesh, or keep one of those axes (fold the other "
             "into data/fsdp, e.g. a larger tensor axis instead of tensor x context)")
+
+
+def _check_keep(keep, schedule: str, remat: str):
+    """The keep policy (``keep.keep_policy``); None for the stage input only."""
+    policy = keep_policy(keep)
+    if policy is not None and schedule not in EXPLICIT:
+        raise ValueError(f"keep={keep!r} is for the explicit schedules {EXPLICIT}; schedule={schedule!r} "
+                         "keeps what autodiff keeps (set that with remat=), so leave keep='input'")
+    if policy is not None and remat != "none":
+        raise ValueError(f"keep={keep!r} with remat={remat!r}: both say what the backward recomputes. "
+                         "Pass remat='none' with keep (keep='dots' keeps what remat='dots' saves, from "
+                         "the F op to its backward), or keep='input' with remat")
+    return policy
 
 
 def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:
