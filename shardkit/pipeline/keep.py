@@ -84,5 +84,6 @@ class Kept:
     function under the keep policy (``keep_policy``; the chunk is wrapped by its runner)."""
 
     def __init__(self, loss_fn: Callable, policy):
+        self.policy = policy
         self.loss_fn = loss_fn if policy == "none" else jax.checkpoint(loss_fn, policy=policy)
         self.chunk, self.loss = Pullbacks(), Pullbacks()
