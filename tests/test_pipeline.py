@@ -472,3 +472,14 @@ def test_weights_are_not_saved_per_tick(devices, schedule, v):
     want = jax.grad(lambda params: jnp.sum(jax.lax.scan(
         lambda h, lp: (reshaping_layer(lp, h), None), x, params)[0] ** 2))(params)
     assert_close(jax.jit(jax.grad(loss))(params), want)
+
+
+def test_kept_residual_rings_and_pictures():
+    """The kept-residual ring holds the most chunk-microbatches in flight (F to B/BW) on a
+    stage: 1F1B's p on its first stage; the picture marks the ops that recompute the forward."""
+    one = sched.pipeline_schedule("1f1b", 4, 8)
+    assert one.res_ring == 4 and one.loss_res_ring == 1
+    zb = sched.pipeline_schedule("zb-h1", 2, 2)
+    assert zb.picture("input").splitlines()[1].split() == ["stage", "0:", "F0", "F1", ".", "B0*", "W0", "B1*", "W1"]
+    assert zb.picture("dots").splitlines()[2].split()[4] == "B0~"
+    assert "*" not in zb.picture("all") and "~" not in zb.picture("all")

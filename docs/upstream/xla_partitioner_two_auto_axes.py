@@ -31,23 +31,39 @@ shape, names = ((2, 2, 2), ("pipe", "context", "tensor")) if two else ((2, 4), (
 mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
-def stage(w, h):  # (T, D) @ (D, D): D split over tensor, T over context (auto axes)
-    h = lax.with_sharding_constraint(h, P("context" if two else None, None))
+def stage(w, h):  # (T, D) @ (D, D): D split over tensor (an auto axis)
     return jnp.tanh(h @ w)
 
 
-def body(w, x):  # manual over "pipe" only
+# 1F1B on 2 stages, 2 microbatches: 0 idle, 1 forward, 2 backward (as a per-tick table).
+TABLE = jnp.array([[1, 0], [1, 1], [0, 2], [0, 1], [2, 2], [2, 0]], jnp.int32)
+
+
+def body(w, x):  # manual over "pipe" only; per tick: idle, forward, or a stage's backward
     w = w[0]
+    stage_i = lax.axis_index("pipe")
 
-    def tick(h, i):
-        y = lax.switch(i % 2, [lambda h: stage(w, h), lambda h: h], h)
-        return lax.ppermute(y, "pipe", [(0, 1), (1, 0)]), None
+    def idle(h, g, acc):
+        return jnp.zeros_like(h), jnp.zeros_like(g), acc
 
-    return lax.scan(tick, x, jnp.arange(4))[0]
+    def fwd(h, g, acc):
+        return stage(w, h), jnp.zeros_like(g), acc
+
+    def bwd(h, g, acc):
+        dw, dh = jax.vjp(stage, w, h)[1](g)
+        return jnp.zeros_like(h), dh, acc + dw
+
+    def tick(carry, row):
+        h, g, acc = carry
+        down, up, acc = lax.switch(row[stage_i], [idle, fwd, bwd], h, g, acc)
+        return (lax.ppermute(down, "pipe", [(0, 1)]), lax.ppermute(up, "pipe", [(1, 0)]), acc), None
+
+    return lax.scan(tick, (x, x, jnp.zeros_like(w)), TABLE)[0][2][None]
 
 
-f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipe"), P()), out_specs=P(), axis_names={"pipe"},
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipe"), P()), out_specs=P("pipe"), axis_names={"pipe"},
                           check_vma=False))
 w = jax.device_put(jnp.ones((2, 64, 64)), NamedSharding(mesh, P("pipe", None, "tensor")))
 x = jnp.ones((16, 64))
 print(f.lower(w, x).compile() is not None and "compiled", jax.__version__)
+print(f(w, x).sum(), "ran")

@@ -56,9 +56,11 @@ scan's ``xs`` and ops that only move or re-type data (slices, reshapes, transpos
 recomputed in the backward rather than saved, so nothing derived from the weights — circular's
 per-tick slice of its group included — is kept once per tick. A layer that checkpoints itself
 (``jax.checkpoint``, a recipe's ``remat="full"``) is not wrapped again (``stage.with_remat``).
-The explicit schedules trade compute for memory: a backward op recomputes its chunk's forward
-(4/3 of the layers' flops, ``cost.pipeline.recompute_factor``) and only one microbatch's
-residuals are alive at a time — but ZB's pending W's, each holding what its W reads
+The explicit schedules trade compute for memory as ``keep=`` says: with ``"input"`` (the
+default) a backward op recomputes its chunk's forward (4/3 of the layers' flops,
+``cost.pipeline.recompute_factor``) and only one microbatch's residuals are alive at a time;
+with ``"all"`` or a checkpoint policy each in-flight chunk-microbatch keeps its residuals (or
+the policy's saved set) from its F to its B/BW (``keep``) — but ZB's pending W's, each holding what its W reads
 (``Schedule.pending_w``).
 
 Bubble fractions of the tables (``bench/pipeline.py`` checks them; ``Schedule.formula_bubble``):

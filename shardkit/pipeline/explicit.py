@@ -6,8 +6,10 @@ per-microbatch loss), BW (fused backward: 1F1B, interleaved 1F1B), or, split for
 (Qi et al., ICLR 2024), B (input gradient: ``jax.vjp`` of the stage w.r.t. its input only,
 sent upstream at once) and W (weight gradient: ``jax.vjp`` w.r.t. the chunk's weights only,
 from the saved stage input and the saved output cotangent, run later where the table put it).
-Every backward op recomputes its chunk's forward from the saved input, so the per-microbatch
-state is two rings (stage inputs, output cotangents) sized from the table, whatever ``m``.
+With ``keep="input"`` every backward op recomputes its chunk's forward from the saved input,
+so the per-microbatch state is two rings (stage inputs, output cotangents) sized from the
+table, whatever ``m``; with residuals kept (``keep``) F also leaves its chunk's (and the
+loss's) ``jax.vjp`` residuals in rings the B/BW reads instead of recomputing.
 After the op, two ``ppermute``s move activations down and cotangents up the pipe (rings
 when a device holds several chunks: the last stage's chunk c feeds stage 0's chunk c+1,
 Narayanan et al. 2021).

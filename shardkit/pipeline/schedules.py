@@ -179,8 +179,20 @@ class Schedule:
         (p-1)/(6m+p-1) in its half-stage chunk slots (``formula_bubble``)."""
         return formula_bubble(self.name, self.stages, self.microbatches, self.repeats)
 
+    def picture(self, keep: str = "input") -> str:
+        """``str(self)`` with each backward op that recomputes its chunk's forward marked
+        ``*`` (``keep="input"``: every B and BW) or ``~`` (a checkpoint policy: what it did
+        not save); ``keep="all"`` marks none. W never recomputes (it reads what B kept)."""
+        mark = {"input": "*", "all": ""}.get(keep, "~") if isinstance(keep, str) else "~"
+        return self._text(mark)
+
     def __str__(self) -> str:
-        cells = [[_cell(self, t, s) for t in range(self.ticks)] for s in range(self.stages)]
+        return self._text("")
+
+    def _text(self, mark: str) -> str:
+        again = (self.op == B) | (self.op == BW) if self.executed == "explicit" else np.zeros_like(self.op, bool)
+        cells = [[_cell(self, t, s) + (mark if again[t, s] else "") for t in range(self.ticks)]
+                 for s in range(self.stages)]
         width = max(len(c) for row in cells for c in row)
         head = (f"{self.name}: p={self.stages} m={self.microbatches} v={self.repeats}, "
                 f"{self.ticks} ticks, bubble {self.bubble_fraction:.3f} (formula "
