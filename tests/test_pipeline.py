@@ -326,7 +326,7 @@ def test_errors(devices):
     # Two compiler-owned axes beside the pipe axis abort XLA's partitioner on an explicit
     # schedule (the process dies): refused before tracing; GPipe is not refused.
     two_auto = make_mesh("pipe=2,tensor=2,context=2", devices=devices)
-    with pytest.raises(ValueError, match=r"compiler-owned axes \['tensor', 'context'\].*schedule='gpipe'"):
+    with pytest.raises(ValueError, match=r"compiler-owned axes \['tensor', 'context'\].*schedule='gpipe'.*two_auto_axes"):
         pipeline(layer, params, x, microbatches=4, mesh=two_auto, schedule="1f1b", loss_fn=head_loss,
                  loss_params=head, targets=t)
 

@@ -1,17 +1,26 @@
-"""Reproducer: XLA's SPMD partitioner aborts on a shard_map manual over one axis ("pipe") with
-two auto axes ("tensor", "context") inside, around a scan whose body runs a lax.switch.
+"""Reproducer: a shard_map manual over one axis ("pipe") with two auto axes ("context",
+"tensor") beside it, around a scan whose per-tick lax.switch runs a stage's forward or its
+backward (jax.vjp) and whose carry is passed between stages by ppermute, is partitioned into
+a wrong program: with the weights split over "tensor" the compiled program deadlocks.
 
-    python docs/upstream/xla_partitioner_two_auto_axes.py          # aborts (see below)
-    python docs/upstream/xla_partitioner_two_auto_axes.py --one    # tensor only: compiles
+    python docs/upstream/xla_partitioner_two_auto_axes.py          # compiles, then hangs
+    python docs/upstream/xla_partitioner_two_auto_axes.py --one    # tensor only: runs
 
-jax / jaxlib: VERSIONS (filled in below when run). XLA:CPU, 8 host devices; XLA:GPU aborts the
-same way (compiled deviceless for H100). Message:
+jax 0.10.2, jaxlib 0.10.2, XLA:CPU with 8 host devices, on 2026-11-27. With two auto axes it
+prints "compiled", then every device waits in a collective-permute that only half of them
+reach, and XLA aborts the process:
 
-ABORT
+    F rendezvous.cc:161] [id=2] Termination timeout for `collective permute RendezvousKey{...,
+    global_devices=[0, 1, 2, 3, 4, 5, 6, 7], num_local_participants=8, collective_op_kind=
+    cross_module, op_id=1}` of 40 seconds exceeded. Exiting to ensure a consistent program
+    state. Expected 8 threads to join the rendezvous, but only 4 of them arrived on time.
 
-Plain JAX, no shardkit: this is what shardkit's explicit pipeline schedules (1F1B, ZB) build
-(a per-tick lax.switch choosing the stage's op, ppermute between stages) with the stage's
-weights split over "tensor" and its activations over "context", both left to the compiler.
+With one auto axis ("--one": pipe=2, tensor=4) the same program compiles and runs. shardkit's
+explicit pipeline schedules (1F1B, ZB) build this program; the recipe's stage, which also
+splits its activations over "context", instead aborts XLA's partitioner while compiling
+("Check failed: ... num_replica_groups() * num_devices_per_group() == ...",
+spmd_partitioner_util.cc:497) on XLA:CPU and XLA:GPU; that is why ``sk.pipeline`` refuses two
+compiler-owned axes beside ``pipe`` with an explicit schedule. Plain JAX, no shardkit.
 """
 
 import os
