@@ -5,6 +5,7 @@ un-pipelined model in the same run.
     python bench/pipeline_schedules.py --no-h100  # CPU only
     python bench/pipeline_schedules.py --no-h100 --layers 16  # two-layer chunks at v=2
     python bench/pipeline_schedules.py --no-cpu --tpu --validate  # (c) on H100 and TPU v5p, (c')
+    python bench/pipeline_schedules.py --no-cpu --no-h100 --keep  # (d) keep= on H100, three shapes
 
 (a) bubble of each executed table (p=4, m=8) against its formula; (b) CPU compile (8
 simulated devices, pipe=4, m=8, a residual-MLP stack): matmul flops per device read off the
@@ -17,7 +18,8 @@ per-GPU temporaries against the un-pipelined data=2,fsdp=2,tensor=4 and against 
 estimate's (``explain``'s formula), matmul flops over 1F1B's, and the all-to-alls in the
 program (the natural layer order's relayout); ``--tpu``: the same on 16 TPU v5p chips;
 (c') ``--validate``: estimate / compiled on H100 for (c) and two shapes the formula was not
-fitted on.
+fitted on; (d) ``--keep``: every explicit schedule with ``keep="input"``, ``"dots"`` and
+``"all"`` on the three shapes, H100 temporaries and matmul flops against ``keep="input"``.
 Writes bench/results/pipeline_schedules.json.
 """
 
@@ -46,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tpu", action="store_true", help="(c) also on 16 TPU v5p chips")
     ap.add_argument("--validate", action="store_true", help="(c'): estimate / compiled on H100 for (c) and "
                     "two shapes the formula was not fitted on")
+    ap.add_argument("--keep", action="store_true", help="(d) what each explicit schedule keeps for its "
+                    "backward ops (sk.pipeline(keep=...)): temporaries and matmul flops on H100, every shape")
     return ap.parse_args(argv)
 
 
@@ -207,6 +211,46 @@ def validate():
     return out
 
 
+KEEPS = ("input", "dots", "all")
+
+
+def keep(target="h100", shape="c"):
+    """(d) what each explicit schedule keeps for its backward ops (``sk.pipeline(keep=...)``):
+    the recipe transformer of ``shape`` without remat (the keep setting is the only recompute
+    choice), compiled for ``target`` (deviceless), layers stored stage-major; per-device
+    temporaries and matmul flops against the same schedule with ``keep="input"``."""
+    from models.transformer.config import SIZES
+    from models.transformer.plan import abstract_step
+
+    kw, pmesh, _, pm = SHAPES[shape]
+    cfg = SIZES["1b"].replace(**kw, remat="none")
+    cases = [(s, v, k) for s, v in SCHEDULES if s != "gpipe" for k in KEEPS]
+    jobs = [(*abstract_step(cfg, pmesh, global_batch=32, schedule=s, repeats=v if s == "interleaved-1f1b" else 1,
+                            pipeline_microbatches=pm, target=target, layer_order="stage-major", keep=k), pmesh)
+            for s, v, k in cases]
+    out = {}
+    for (s, _, k), r in zip(cases, sk.cost.simulate_many(jobs, target=target, estimate=True)):
+        if isinstance(r, Exception):
+            out[f"{s}/{k}"] = {"error": repr(r)[:200]}
+            continue
+        est = next((row["estimate"] for row in r.comparison() if row["quantity"] == "memory/temporaries"), None)
+        out[f"{s}/{k}"] = {"temporaries": r.memory["temporaries"], "estimate": est, "matmul_flops": r.matmul_flops}
+    tab = Table(title=f"(d) keep=, recipe transformer ({kw['layers']} layers d={kw['d_model']} seq {kw['seq']}, "
+                      f"remat none, bf16), {target} deviceless, {pmesh}, m={pm}; per device, vs keep='input'")
+    for c in ("schedule", "keep", "temporaries", "vs input", "estimate", "matmul flops", "vs input"):
+        tab.add_column(c)
+    for (s, _, k) in cases:
+        r, base = out[f"{s}/{k}"], out[f"{s}/input"]
+        if "error" in r or "error" in base:
+            tab.add_row(s, k, r.get("error", base.get("error", ""))[:60], "", "", "", "")
+            continue
+        tab.add_row(s, k, f"{r['temporaries'] / 2**20:.1f} MiB", f"{r['temporaries'] / base['temporaries']:.2f}x",
+                    f"{r['estimate'] / 2**20:.1f} MiB" if r["estimate"] else "-", f"{r['matmul_flops']:.5g}",
+                    f"{r['matmul_flops'] / base['matmul_flops']:.3f}")
+    console.print(tab)
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     path = pathlib.Path(__file__).parent / "results" / "pipeline_schedules.json"
@@ -218,6 +262,8 @@ def main(argv=None):
         results["h100"] = h100(tpu=args.tpu)
     if args.validate:
         results["validate"] = validate()
+    if args.keep:
+        results["keep"] = {shape: keep("h100", shape) for shape in SHAPES}
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=float))
 

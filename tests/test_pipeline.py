@@ -104,6 +104,52 @@ def test_new_schedules_match_sequential(devices, p, mult, schedule, v):
     check_against_sequential(mesh, p, mult * p, schedule, v)
 
 
+@pytest.mark.parametrize("schedule,v,keep", [
+    ("1f1b", 1, "all"), ("1f1b", 1, jax.checkpoint_policies.dots_saveable),
+    ("interleaved-1f1b", 2, "all"), ("interleaved-1f1b", 2, "dots"),
+    ("zb-h1", 1, "all"), ("zb-h1", 1, "dots"), ("zb-v", 2, "all"), ("zb-v", 2, "dots")])
+def test_kept_residuals_match_sequential(devices, schedule, v, keep):
+    """keep= (every residual, or a checkpoint policy's saved set, from F to its B/BW): loss and
+    gradients equal the model's; keep="input" is every other test of this file."""
+    params, head, x, t = make_problem(4 * v)
+    want = jax.value_and_grad(sequential_loss, argnums=(0, 1, 2))(params, head, x, t)
+    mesh = make_mesh("pipe=2", devices=devices[:2])
+    got = jax.jit(jax.value_and_grad(
+        lambda params, head, x: pipeline(layer, params, x, microbatches=4, schedule=schedule, repeats=v, keep=keep,
+                                         loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
+        argnums=(0, 1, 2)))(params, head, x)
+    assert_close(got, want)
+
+
+def test_kept_residuals_remove_the_recompute(devices):
+    """1F1B's compiled program (CPU, pipe=2, m=4): with the residuals kept (all, or the matmul
+    outputs) the backward op runs no forward matmul — the matmul flops are exactly F + 2F of
+    the layers and the head, per device — and the temporaries grow with what is kept:
+    input < dots < all."""
+    from shardkit.cost.hlo import matmul_flops_from_hlo, pipeline_branch_weights
+
+    d, rows = 64, 64
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(k[0], (4, d, d)) / np.sqrt(d), "b": jnp.zeros((4, d))}
+    head = {"w": jax.random.normal(k[1], (d, OUT)) / np.sqrt(d)}
+    x, t = jax.random.normal(k[2], (rows, d)), jax.random.normal(k[3], (rows, OUT))
+    mesh = make_mesh("pipe=2", devices=devices[:2])
+    weights = pipeline_branch_weights({"schedule": "1f1b", "stages": 2, "microbatches": 4})
+    flops, temp = {}, {}
+    for keep in ("input", "dots", "all"):
+        compiled = jax.jit(jax.grad(
+            lambda params, head: pipeline(layer, params, x, microbatches=4, schedule="1f1b", keep=keep,
+                                          loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
+            argnums=(0, 1))).lower(params, head).compile()
+        flops[keep] = matmul_flops_from_hlo(compiled.as_text(), weights)
+        temp[keep] = compiled.memory_analysis().temp_size_in_bytes
+    m, per_stage = 4, 2  # 4 layers on 2 stages; the head on one stage of two
+    forward = m * per_stage * 2 * (rows // m) * d * d + m * 2 * (rows // m) * d * OUT / 2
+    assert flops["all"] == flops["dots"] == 3 * forward
+    assert flops["input"] > 3 * forward  # the recompute (XLA:CPU keeps part of it)
+    assert temp["input"] < temp["dots"] < temp["all"], temp
+
+
 @pytest.mark.parametrize("mesh_spec,schedule,v", [
     _lane(fast, spec, schedule, v) for schedule, v in NEW_SCHEDULES
     for spec, fast in (("data=2,pipe=4", schedule == "zb-h1"), ("pipe=4,tensor=2", False),
@@ -259,6 +305,13 @@ def test_errors(devices):
         (dict(schedule="interleaved-1f1b", repeats=2, microbatches=6, x=x[:12], loss_fn=head_loss,
               loss_params=head, targets=t[:12]), "multiple of 4"),
     ]
+    explicit = dict(schedule="1f1b", loss_fn=head_loss, loss_params=head, targets=t)
+    cases += [
+        (dict(keep="everything", **explicit), "unknown keep 'everything'.*'input', 'all', 'dots'"),
+        (dict(keep=3, **explicit), "keep must be one of"),
+        (dict(keep="all"), "keep='all' is for the explicit schedules"),
+        (dict(keep="dots", remat="full", **explicit), "keep='dots' with remat='full'"),
+    ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             run(**kw)
@@ -273,7 +326,7 @@ def test_errors(devices):
     # Two compiler-owned axes beside the pipe axis abort XLA's partitioner on an explicit
     # schedule (the process dies): refused before tracing; GPipe is not refused.
     two_auto = make_mesh("pipe=2,tensor=2,context=2", devices=devices)
-    with pytest.raises(ValueError, match=r"compiler-owned axes \['tensor', 'context'\].*schedule='gpipe'"):
+    with pytest.raises(ValueError, match=r"compiler-owned axes \['tensor', 'context'\].*schedule='gpipe'.*two_auto_axes"):
         pipeline(layer, params, x, microbatches=4, mesh=two_auto, schedule="1f1b", loss_fn=head_loss,
                  loss_params=head, targets=t)
 
@@ -419,3 +472,14 @@ def test_weights_are_not_saved_per_tick(devices, schedule, v):
     want = jax.grad(lambda params: jnp.sum(jax.lax.scan(
         lambda h, lp: (reshaping_layer(lp, h), None), x, params)[0] ** 2))(params)
     assert_close(jax.jit(jax.grad(loss))(params), want)
+
+
+def test_kept_residual_rings_and_pictures():
+    """The kept-residual ring holds the most chunk-microbatches in flight (F to B/BW) on a
+    stage: 1F1B's p on its first stage; the picture marks the ops that recompute the forward."""
+    one = sched.pipeline_schedule("1f1b", 4, 8)
+    assert one.res_ring == 4 and one.loss_res_ring == 1
+    zb = sched.pipeline_schedule("zb-h1", 2, 2)
+    assert zb.picture("input").splitlines()[1].split() == ["stage", "0:", "F0", "F1", ".", "B0*", "W0", "B1*", "W1"]
+    assert zb.picture("dots").splitlines()[2].split()[4] == "B0~"
+    assert "*" not in zb.picture("all") and "~" not in zb.picture("all")

@@ -50,12 +50,15 @@ class PipelineSpec:
         layer_order: ``"natural"``, or ``"stage-major"``: the model's stacked layers are
             stored in the order the schedule reads them (``sk.pipeline_layer_order``; its
             checkpoints hold that order), so the step moves no weights.
+        keep: ``sk.pipeline``'s ``keep`` (explicit schedules): ``"input"``, ``"all"`` or
+            ``"dots"``.
     """
 
     microbatches: int = 4
     schedule: str = "gpipe"
     repeats: int = 1
     layer_order: str = "natural"
+    keep: str = "input"
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -432,7 +435,7 @@ class Transformer(nnx.Module):
             x_BxTxD = x_BxTxD.astype(F32)
         y = sk.pipeline(stage, params, x_BxTxD, microbatches=pipeline.microbatches,
                         schedule=pipeline.schedule, repeats=pipeline.repeats, layer_order=pipeline.layer_order,
-                        loss_fn=loss_fn, loss_params=loss_params, targets=targets, rng=rng)
+                        keep=pipeline.keep, loss_fn=loss_fn, loss_params=loss_params, targets=targets, rng=rng)
         return y if loss_fn is not None else y.astype(dtype)
 
 

@@ -27,7 +27,7 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
                   sequence_parallel: bool = False, schedule: str = "gpipe", repeats: int = 1,
                   pipeline_microbatches: int | None = None, microbatches: int = 1, target: str = "cpu",
                   outer: sk.DiLoCo | None = None, offload: tuple[str, ...] = (),
-                  layer_order: str = "natural"):
+                  layer_order: str = "natural", keep: str = "input"):
     """``(step, abstract state, abstract batch)`` of the recipe (AdamW, clip 1.0) on ``mesh``.
 
     Args:
@@ -44,12 +44,13 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
         offload: ``sk.Plan``'s (the recipe's ``--offload opt_state``).
         layer_order: ``PipelineSpec.layer_order`` (``"stage-major"``: the layers stored as the
             schedule reads them; the abstract state's shapes are the same).
+        keep: ``PipelineSpec.keep`` (what an explicit schedule keeps for its backward ops).
     """
     amesh = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else sk.cost.abstract_mesh(mesh, target=target)
     cfg = cfg.replace(fp8=precision == "fp8")
     plan = make_plan(amesh, cfg, zero=zero, precision=precision, sequence_parallel=sequence_parallel, offload=offload)
     stages = amesh.shape.get("pipe", 1)
-    pipe = PipelineSpec(pipeline_microbatches or 2 * stages, schedule, repeats, layer_order) if stages > 1 else None
+    pipe = PipelineSpec(pipeline_microbatches or 2 * stages, schedule, repeats, layer_order, keep) if stages > 1 else None
     objective = moe_loss_fn if cfg.moe_experts else loss_fn
     step = sk.train_step(plan, optax.adamw(3e-4), microbatches=microbatches, clip_norm=1.0, outer=outer)(
         lambda model, batch: objective(model, batch, pipe))

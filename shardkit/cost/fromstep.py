@@ -189,6 +189,7 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
         backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res, k,
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
+                                    kept=stage_res if pipe.get("keep", "input") != "input" else 0.0,
                                     op_peak=op_peak, acc_ratio=4 / wire,
                                     chunk_weights=sum(c for c, q in zip(comp, piped) if q) * bc / pipe.get("repeats", 1))
     elif gpipe_like and s.platform != "cpu" and pipe.get("stage_residuals") is not None:

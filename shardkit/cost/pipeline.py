@@ -96,7 +96,8 @@ def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> floa
 
 def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
                       stage_residuals: float, stage_layers: int, w_saved: float = 0.0,
-                      op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0) -> float:
+                      op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0,
+                      kept: float = 0.0) -> float:
     """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B, ZB-H1,
     ZB-V; rings sized from the table) at its peak, a backward op, per device.
 
@@ -135,6 +136,10 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
         # every branch hands back one slot (B its new entry, built up through the chunk's
         # layers beside the op's own peak; the others the slot they read).
         throughout = (tab.act_ring + tab.grad_ring + 2) * act_mb + pm * act_mb + (tab.w_ring + 1) * w_saved
+        # ``sk.pipeline(keep=...)``: a chunk-microbatch's kept residuals (``kept`` bytes) wait
+        # in a ring of ``res_ring`` slots; the slot a backward op reads stands in for the
+        # recomputed residuals ``op_peak`` counts (H100, issue 37, one shape: 1F1B 0.96x, ZB-H1 1.00x).
+        throughout += tab.res_ring * kept if kept else 0.0
         return throughout + max(operands + op_peak + rest_grads + chunk_weights, 2 * operands)
     rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
     carry = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + rings + pm * act_mb

@@ -187,7 +187,8 @@ class Layout:
             its residuals and the backward does not recompute the forward (no recompute flops,
             no stage-input rings), ZeRO-3/FSDP weights are gathered once per step and kept (no
             resharding after the forward), and the stage's gradients accumulate in one f32
-            buffer (``formulas._memory``). The analytic model only: ``sk.pipeline`` cannot run it.
+            buffer (``formulas._memory``). ``sk.pipeline`` keeps the residuals with ``keep="all"``; its
+            weights and gradient buffers are still as the other explicit layouts'.
     """
 
     data: int = 1

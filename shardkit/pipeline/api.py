@@ -56,9 +56,11 @@ scan's ``xs`` and ops that only move or re-type data (slices, reshapes, transpos
 recomputed in the backward rather than saved, so nothing derived from the weights — circular's
 per-tick slice of its group included — is kept once per tick. A layer that checkpoints itself
 (``jax.checkpoint``, a recipe's ``remat="full"``) is not wrapped again (``stage.with_remat``).
-The explicit schedules trade compute for memory: a backward op recomputes its chunk's forward
-(4/3 of the layers' flops, ``cost.pipeline.recompute_factor``) and only one microbatch's
-residuals are alive at a time — but ZB's pending W's, each holding what its W reads
+The explicit schedules trade compute for memory as ``keep=`` says: with ``"input"`` (the
+default) a backward op recomputes its chunk's forward (4/3 of the layers' flops,
+``cost.pipeline.recompute_factor``) and only one microbatch's residuals are alive at a time;
+with ``"all"`` or a checkpoint policy each in-flight chunk-microbatch keeps its residuals (or
+the policy's saved set) from its F to its B/BW (``keep``) — but ZB's pending W's, each holding what its W reads
 (``Schedule.pending_w``).
 
 Bubble fractions of the tables (``bench/pipeline.py`` checks them; ``Schedule.formula_bubble``):
@@ -81,6 +83,7 @@ from .._axes import claim_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline
 from .forward import forward
+from .keep import Kept, keep_policy
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
 from .order import LAYER_ORDERS
 from .split import SplitBackward
@@ -94,7 +97,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
              microbatches: int, schedule: str = "gpipe", repeats: int = 1, axis: str = "pipe",
              loss_fn: Callable[..., jax.Array] | None = None, loss_params: Any = None,
              targets: Any = None, extras: Any = None, rng: jax.Array | None = None,
-             remat: str = "none", mesh: Any = None,
+             remat: str = "none", keep: str | Callable = "input", mesh: Any = None,
              batch_axes: str | tuple[str, ...] | None = None, layer_order: str = "natural") -> jax.Array:
     """Runs a stack of layers as a pipeline over the ``axis`` mesh axis.
 
@@ -122,6 +125,13 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         rng: a PRNG key for dropout-like layers.
         remat: recompute policy for a stage's layers: ``"none"``, ``"full"`` or ``"dots"``
             (save matmul outputs).
+        keep: what an explicit schedule's F keeps for its chunk-microbatch's backward op
+            (``keep``): ``"input"`` (the stage input only: the backward op recomputes the
+            chunk's forward), ``"all"`` (every residual, as Megatron-LM: no recompute, the most
+            memory), or a ``jax.checkpoint`` policy (``"dots"`` or e.g.
+            ``jax.checkpoint_policies.save_only_these_names(...)``: its saved set is kept, the
+            rest recomputed). Kept residuals wait in rings sized from the schedule table
+            (``Schedule.res_ring``). Not ``"input"``: ``remat`` must be ``"none"``.
         mesh: the mesh; defaults to the ambient one (``jax.set_mesh``, as inside
             ``sk.train_step``).
         batch_axes: mesh axes the batch of ``x`` is split over, made manual inside the
@@ -143,8 +153,9 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     Raises:
         ValueError: unknown schedule or remat, no mesh or ``axis`` not in it, too few
             microbatches, indivisible batch or layer count, a shape-changing ``stage_fn``,
-            an explicit schedule without ``loss_fn``, or ``batch_axes`` naming non-data axes or given
-            with ``rng``.
+            an explicit schedule without ``loss_fn``, ``batch_axes`` naming non-data axes or given
+            with ``rng``, or ``keep`` other than ``"input"`` with ``remat`` or a GPipe/circular
+            schedule.
     """
     mesh = _resolve_mesh(mesh, axis)
     claim_axes(axis)
@@ -156,6 +167,9 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                                extras, targets, rng)
     k = L // (p * v)
+    policy = _check_keep(keep, schedule, remat)
+    if policy is not None:  # the chunk runs under the keep policy; F keeps what it saves
+        remat = policy
     if own_remat and remat == "none" and v > 1 and schedule not in EXPLICIT:
         # Circular under autodiff with a self-checkpointing layer: unwrapped, the per-tick
         # slice of the stage's groups would be saved once per tick; the chunk recomputes instead.
@@ -164,7 +178,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     params_s = _stage_major(stage_params, layer_order, schedule, p, v, k)
     x_mb, extras_mb, targets_mb = split(x, m), split(extras, m), split(targets, m)
     info = {"microbatches": m, "schedule": schedule, "repeats": v, "stages": p, "axis": axis,
-            "data_axes": data}
+            "data_axes": data, "keep": keep if isinstance(keep, str) else "policy"}
     split_ops = None
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
@@ -174,7 +188,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in EXPLICIT:
         tab = pipeline_schedule(schedule, p, m, v)
         return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops)
+                                 rng, mesh=mesh, axis=axis, data=data, split=split_ops,
+                                 keep=None if policy is None else Kept(loss_fn, policy))
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return merge(y_mb)
@@ -260,8 +275,9 @@ def _check_compiler_axes(mesh, axis: str, data, schedule: str) -> None:
     """The explicit schedules' loop (a ``lax.switch`` per tick inside the shard_map that is
     manual over the pipe and data axes) with two or more compiler-owned axes of size > 1
     (e.g. ``context`` and ``tensor``, ``tensor`` and ``expert``) aborts the process in XLA's
-    SPMD partitioner (jax 0.10.2, XLA:CPU, XLA:GPU: "Check failed: partition_group_list...").
-    One such axis compiles, and GPipe/circular compile with several: refuse before tracing."""
+    SPMD partitioner (jax 0.10.2, XLA:CPU, XLA:GPU: "Check failed: partition_group_list..."), or
+    compiles into a program that deadlocks (``docs/upstream/xla_partitioner_two_auto_axes.py``,
+    plain JAX). One such axis compiles, and GPipe/circular compile with several: refuse before tracing."""
     auto = _compiler_axes(mesh, axis, data)
     if schedule in EXPLICIT and len(auto) > 1:
         raise ValueError(
@@ -269,7 +285,21 @@ def _check_compiler_axes(mesh, axis: str, data, schedule: str) -> None:
             f"{[mesh.shape[a] for a in auto]}) beside {axis!r} is not supported with jax {jax.__version__}: "
             "XLA's partitioner aborts on the explicit schedules' loop with two or more such axes. Use "
             "schedule='gpipe' or 'circular' on this mesh, or keep one of those axes (fold the other "
-            "into data/fsdp, e.g. a larger tensor axis instead of tensor x context)")
+            "into data/fsdp, e.g. a larger tensor axis instead of tensor x context). Reproducer: "
+            "docs/upstream/xla_partitioner_two_auto_axes.py")
+
+
+def _check_keep(keep, schedule: str, remat: str):
+    """The keep policy (``keep.keep_policy``); None for the stage input only."""
+    policy = keep_policy(keep)
+    if policy is not None and schedule not in EXPLICIT:
+        raise ValueError(f"keep={keep!r} is for the explicit schedules {EXPLICIT}; schedule={schedule!r} "
+                         "keeps what autodiff keeps (set that with remat=), so leave keep='input'")
+    if policy is not None and remat != "none":
+        raise ValueError(f"keep={keep!r} with remat={remat!r}: both say what the backward recomputes. "
+                         "Pass remat='none' with keep (keep='dots' keeps what remat='dots' saves, from "
+                         "the F op to its backward), or keep='input' with remat")
+    return policy
 
 
 def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:

@@ -6,8 +6,10 @@ per-microbatch loss), BW (fused backward: 1F1B, interleaved 1F1B), or, split for
 (Qi et al., ICLR 2024), B (input gradient: ``jax.vjp`` of the stage w.r.t. its input only,
 sent upstream at once) and W (weight gradient: ``jax.vjp`` w.r.t. the chunk's weights only,
 from the saved stage input and the saved output cotangent, run later where the table put it).
-Every backward op recomputes its chunk's forward from the saved input, so the per-microbatch
-state is two rings (stage inputs, output cotangents) sized from the table, whatever ``m``.
+With ``keep="input"`` every backward op recomputes its chunk's forward from the saved input,
+so the per-microbatch state is two rings (stage inputs, output cotangents) sized from the
+table, whatever ``m``; with residuals kept (``keep``) F also leaves its chunk's (and the
+loss's) ``jax.vjp`` residuals in rings the B/BW reads instead of recomputing.
 After the op, two ``ppermute``s move activations down and cotangents up the pipe (rings
 when a device holds several chunks: the last stage's chunk c feeds stage 0's chunk c+1,
 Narayanan et al. 2021).
@@ -33,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from ..mesh import block_shard_map
 from .forward import forward
 from .schedules import BW, DOWN, EXPLICIT_SCOPE, IDLE, SELF, UP, B, F, W, Schedule, switch_branches
+from .keep import Kept
 from .split import SplitBackward
 from .stage import mean_loss, put, row_spec, take, varying
 
@@ -74,6 +77,10 @@ class _Op:
     loss_params: object
     extras_mb: object
     targets_mb: object
+    keep: Kept | None  # what F keeps for the backward op (``keep``); None: the stage input only
+    res_at: jax.Array  # the op's slot in the kept-residual rings (chunk, loss)
+    loss_at: jax.Array
+    axes: tuple  # the manual axes (pipe, data): what the rings vary over
 
     def out(self, Wc, h):
         return self.chunk(Wc, 0, h, self.groups[self.stage, self.c], self.mb, take(self.extras_mb, self.mb))
@@ -99,13 +106,56 @@ class _Op:
         return gp, gl, put(gx, d_h.astype(gx.dtype), self.dx), total
 
     def branch(self, op, on_loss):
-        """The switch branch of ``op`` (on the loss's chunk or not): ``(acc, w_ring) -> (send
-        down, send up, acc, the W ring slot to write back)``."""
-        def branch_fn(acc, w_ring):
+        """The switch branch of ``op`` (on the loss's chunk or not): ``(acc, rings) -> (send
+        down, send up, acc, the op's slot of each ring to write back)``; the rings are ZB's
+        pending W's and the kept residuals (chunk, loss), each None where unused."""
+        def branch_fn(acc, rings):
+            own = [None if r is None else take(r, at) for r, at in zip(rings, (self.w_at, self.res_at, self.loss_at))]
+            if self.keep is not None and op in (F, B, BW):
+                return self.kept_op(op, on_loss, acc, own)
             if self.split is not None and op in (B, W):
-                return self.split_op(op, on_loss, acc, w_ring)
-            return (*self.run(op, on_loss, acc), None if w_ring is None else take(w_ring, self.w_at))
+                send_h, send_g, acc, own[0] = self.split_op(op, on_loss, acc, own[0])
+                return send_h, send_g, acc, tuple(own)
+            return (*self.run(op, on_loss, acc), tuple(own))
         return branch_fn
+
+    def kept_op(self, op, on_loss, acc, own):
+        """F keeping its residuals (``keep``), or the B/BW that reads them: no recompute of
+        the forward beyond what the keep policy left out."""
+        keep, zero_h, weights, h = self.keep, self.zero_h, self.weights, self.h
+        w_slot, res, loss_res = own
+        if op == F:
+            if self.split is not None:
+                y, res = self.split.forward(jax.tree.map(lambda a: a[0], weights), h, self.ctx())
+            else:
+                y, res = keep.chunk.vjp(self.out, (weights, h), reuse=(weights, h))
+            if self.split is not None and keep.policy != "none":
+                _check_varying(res, self.axes)
+            res = varying(res, self.axes)
+            if not on_loss:
+                return y, zero_h, acc, (w_slot, res, loss_res)
+            l, loss_res = keep.loss.vjp(self.loss_of_y(keep.loss_fn), (self.loss_params, y),
+                                        reuse=(self.loss_params,))
+            gp, gl, gx, total = acc
+            return zero_h, zero_h, (gp, gl, gx, total + l), (w_slot, res, varying(loss_res, self.axes))
+        d_l, g_y = None, self.g
+        if on_loss:
+            d_l, g_y = keep.loss.pullback(loss_res, (self.loss_params,))(self.seed)
+        g_y = g_y.astype(zero_h.dtype)
+        if op == B:  # ZB's input gradient from the kept linearizations; W's share into its ring
+            w_k = jax.tree.map(lambda a: a[0], weights)
+            d_h, w_slot = self.split.input_grad(w_k, res, g_y)
+            acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
+            return zero_h, d_h, acc, (w_slot, res, loss_res)
+        d_w, d_h = keep.chunk.pullback(res, (weights, h))(g_y)
+        return zero_h, d_h, self.add_x(self.add_w(acc, d_w, d_l), d_h), tuple(own)
+
+    def ctx(self):
+        return self.groups[self.stage, self.c], self.mb, take(self.extras_mb, self.mb)
+
+    def loss_of_y(self, loss_fn):
+        targets = take(self.targets_mb, self.mb)
+        return lambda LP, y: loss_fn(LP, y, targets).astype(jnp.float32)
 
     def run(self, op, on_loss, acc):
         """Idle, F, or a backward op that recomputes the chunk's forward (B, W, fused BW)."""
@@ -135,25 +185,38 @@ class _Op:
             (d_w, d_h), d_l = jax.vjp(self.out, weights, h)[1](self.g), None
         return zero_h, d_h, self.add_x(self.add_w(acc, d_w, d_l), d_h)
 
-    def split_op(self, op, on_loss, acc, w_ring):
+    def split_op(self, op, on_loss, acc, slot):
         """B: the chunk's forward once, its input gradient sent upstream now, what W needs kept
-        in the W ring; W: the weight-gradient matmuls from it (``split``)."""
-        split, zero_h, mb = self.split, self.zero_h, self.mb
+        in the W ring; W: the weight-gradient matmuls from it (``split``). ``slot``: the op's
+        W ring slot."""
+        split, zero_h = self.split, self.zero_h
         w_k = jax.tree.map(lambda a: a[0], self.weights)  # (k, ...)
         if op == W:
-            slot = take(w_ring, self.w_at)
             d_w = split.weight_grad(w_k, slot)
             return zero_h, zero_h, self.add_w(acc, jax.tree.map(lambda a: a[None], d_w)), slot
-        y, kept = split.forward(w_k, self.h, (self.groups[self.stage, self.c], mb, take(self.extras_mb, mb)))
+        y, kept = split.forward(w_k, self.h, self.ctx())
         d_l = None
         if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
-            d_l, g_y = jax.vjp(lambda LP, y: self.loss_fn(LP, y, take(self.targets_mb, mb)).astype(jnp.float32),
-                               self.loss_params, y)[1](self.seed)
+            d_l, g_y = jax.vjp(self.loss_of_y(self.loss_fn), self.loss_params, y)[1](self.seed)
         else:
             g_y = self.g
         d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
         acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
         return zero_h, d_h, acc, saved
+
+
+def _check_varying(res, axes) -> None:
+    """A zero-bubble B under a checkpoint policy re-binds its layers' recomputed forward
+    (``split``) on residuals read back from the ring, where they vary over every manual axis;
+    one that did not (a constant the layer saves, e.g. a mask from ``iota``) would meet a
+    ``pvary`` that jax refuses on a varying value. Refuse before that, with the way out."""
+    fixed = [(tuple(a.shape), sorted(set(axes) - set(jax.typeof(a).mat.varying))) for a in jax.tree.leaves(res)
+             if set(axes) - set(jax.typeof(a).mat.varying)]
+    if fixed:
+        raise ValueError(f"keep=<policy> with a zero-bubble schedule: the policy saves {len(fixed)} value(s) that do "
+                         f"not vary over the manual axes {list(axes)} (shape, axes: {fixed[:4]}), which the B op "
+                         "cannot re-bind from the kept-residual ring. Use keep='all' or keep='input' with "
+                         "'zb-h1'/'zb-v', or the policy with '1f1b'/'interleaved-1f1b'")
 
 
 def _routes(p: int, around: bool):
@@ -166,9 +229,10 @@ def _routes(p: int, around: bool):
 
 
 def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
-                   rng, *, mesh, axis, data, split: SplitBackward | None = None):
+                   rng, *, mesh, axis, data, split: SplitBackward | None = None, keep: Kept | None = None):
     """Runs ``tab``; returns (mean loss, (d params_s, d loss_params, d x_mb)). ``split``: the
-    B/W ops of a table that has them (``split``)."""
+    B/W ops of a table that has them (``split``); ``keep``: F keeps its residuals (``keep``)
+    — ``chunk`` (or ``split``'s layer) then runs under the keep policy."""
     p, m, v = tab.stages, tab.microbatches, tab.repeats
     pairs, branch = switch_branches(tab)
     dx_row = np.where((np.arange(p)[None, :] == 0) & (tab.chunk == 0) & np.isin(tab.op, (B, BW)), tab.mb, m)
@@ -191,14 +255,14 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
         rows = tuple(jnp.asarray(a) for a in (branch, tab.mb, tab.chunk, tab.act_slot, tab.grad_slot,
                                               tab.recv_act, tab.recv_grad, dx_row, tab.w_slot, tab.send,
                                               tab.recv_act_up, tab.recv_grad_down, tab.recv_act_self,
-                                              tab.recv_grad_self))
+                                              tab.recv_grad_self, tab.res_slot, tab.loss_res_slot))
         groups = jnp.asarray(tab.group)
         ctx0 = (0, 0, take(extras_mb, 0))
 
         def tick(carry, row):
             (br, mb, c, a_slot, g_slot, r_act, r_grad, dx, w_at, to, r_act_up, r_grad_down, r_act_self,
-             r_grad_self) = (r[stage] for r in row)
-            (recv_h, recv_g, recv_self), act_ring, grad_ring, acc, w_ring = carry
+             r_grad_self, res_at, loss_at) = (r[stage] for r in row)
+            (recv_h, recv_g, recv_self), act_ring, grad_ring, acc, rings = carry
             act_ring = put(act_ring, recv_h, r_act)
             grad_ring = put(grad_ring, recv_g, r_grad)
             if vee:  # recv_h came from below, recv_g from above: either kind in ZB-V
@@ -212,16 +276,17 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             weights = (jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c, 1, 0), params_l)
                        if ring else params_l)
             op = _Op(chunk, loss_fn, split, ring, v, seed, zero_h, groups, stage, c, mb, dx, w_at, h, g, weights,
-                     loss_params, extras_mb, targets_mb)
+                     loss_params, extras_mb, targets_mb, keep, res_at, loss_at, everywhere)
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
-                send_h, send_g, acc, saved = lax.switch(br, [op.branch(o, l) for o, l in pairs], acc, w_ring)
-            if split is not None:
-                # The ring is only read inside the switch and written here, in place: B's new
-                # entry, or (every other op) the slot's own content back. Returned from the
-                # branches whole, the ring was copied and, in ZB-V, held twice.
-                w_ring = put(w_ring, saved, w_at)
+                send_h, send_g, acc, slots = lax.switch(br, [op.branch(o, l) for o, l in pairs], acc, rings)
+            # The rings are only read inside the switch and written here, in place: the op's
+            # new entry (B: W's share; F: the kept residuals), or (every other op) the slot's
+            # own content back. Returned from the branches whole, a ring was copied and, in
+            # ZB-V, held twice.
+            rings = tuple(None if r is None else put(r, new, at)
+                          for r, new, at in zip(rings, slots, (w_at, res_at, loss_at)))
             send_self = zero_h
             if vee:  # one message per op, routed by the table
                 msg = send_h + send_g
@@ -229,9 +294,10 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             if p > 1:
                 send_h = lax.ppermute(send_h, axis, down)
                 send_g = lax.ppermute(send_g, axis, up)
-            return ((send_h, send_g, send_self), act_ring, grad_ring, acc, w_ring), None
+            return ((send_h, send_g, send_self), act_ring, grad_ring, acc, rings), None
 
-        init = varying(_initial_carry(tab, split, params_l, loss_params, zero_h, ctx0), everywhere)
+        init = varying(_initial_carry(tab, chunk, split, keep, params_l, loss_params, zero_h, ctx0,
+                                      take(targets_mb, 0)), everywhere)
         *_, (gp, gl, gx, total), _ = lax.scan(tick, init, rows)[0]
         if data:  # the one reduction over data per step
             gp, gl, total = lax.psum((gp, gl, total), data)
@@ -245,19 +311,31 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
     return total, (jax.tree.map(cast, gp, params_s), jax.tree.map(cast, gl, loss_params), gx.astype(x_mb.dtype))
 
 
-def _initial_carry(tab: Schedule, split, params_l, loss_params, zero_h, ctx0):
+def _initial_carry(tab: Schedule, chunk, split, keep, params_l, loss_params, zero_h, ctx0, targets0):
     """The scan's carry before the first tick: the messages in flight, the rings of stage inputs
-    and output cotangents, the accumulators (f32 where the values are narrower), and ZB's ring
-    of pending W's (per pending W: its chunk's per-layer residuals and cotangents)."""
+    and output cotangents, the accumulators (f32 where the values are narrower), ZB's ring of
+    pending W's (per pending W: its chunk's per-layer residuals and cotangents) and, with
+    ``keep``, the rings of kept residuals (chunk, loss)."""
     acc = (_zeros_acc(params_l), _zeros_acc(loss_params),
            jnp.zeros((tab.microbatches + 1,) + zero_h.shape, _acc_dtype(zero_h.dtype)), jnp.zeros((), jnp.float32))
-    w_ring = None
+    ring = lambda n, shapes: jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)  # noqa: E731
+    w_ring = res_ring = loss_ring = None
+    w0 = jax.tree.map(lambda a: a[0], params_l)
     if split is not None:
-        w0 = jax.tree.map(lambda a: a[0], params_l)
-        w_ring = jax.tree.map(lambda a: jnp.zeros((tab.w_ring,) + a.shape, a.dtype),
-                              split.saved_shapes(w0, zero_h, ctx0))
+        w_ring = ring(tab.w_ring, split.saved_shapes(w0, zero_h, ctx0))
+    if keep is not None:
+        ctx = (jnp.int32(0), jnp.int32(0), ctx0[2])  # traced (as in the ops): the same leaves
+        if split is not None:
+            kept = jax.eval_shape(lambda w, h, ctx: split.forward(w, h, ctx)[1], w0, zero_h, ctx)
+        else:
+            kept = keep.chunk.shapes(lambda ctx: lambda W, h: chunk(W, 0, h, *ctx),
+                                     (jax.tree.map(lambda a: a[:1], params_l), zero_h), ctx, reuse_at=(0, 1))
+        res_ring = ring(tab.res_ring, kept)
+        loss_ring = ring(tab.loss_res_ring, keep.loss.shapes(
+            lambda t: lambda LP, y: keep.loss_fn(LP, y, t).astype(jnp.float32), (loss_params, zero_h), targets0,
+            reuse_at=(0,)))
     return ((zero_h, zero_h, zero_h), jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
-            jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, w_ring)
+            jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, (w_ring, res_ring, loss_ring))
 
 
 def _on_stages(body, mesh, axis, data, params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
@@ -281,7 +359,7 @@ def _zero_cotangent(a):
 
 
 def explicit_pipeline(tab: Schedule, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
-                      rng, *, mesh, axis, data, split: SplitBackward | None = None):
+                      rng, *, mesh, axis, data, split: SplitBackward | None = None, keep: Kept | None = None):
     """The mean loss as a ``jax.custom_vjp``: its forward runs the whole table (forwards, the
     per-microbatch loss, the backward ops) and keeps the gradients as residuals; its backward
     only scales them by the incoming cotangent. Without differentiation the primal runs the
@@ -296,7 +374,7 @@ def explicit_pipeline(tab: Schedule, chunk, params_s, loss_fn, loss_params, x_mb
 
     def fwd(params_s, loss_params, x_mb, extras_mb, targets_mb, rng):
         return explicit_grads(tab, chunk, loss_fn, params_s, loss_params, x_mb, extras_mb, targets_mb,
-                              rng, mesh=mesh, axis=axis, data=data, split=split)
+                              rng, mesh=mesh, axis=axis, data=data, split=split, keep=keep)
 
     def bwd(grads, g):
         scaled = jax.tree.map(lambda d: (d * g).astype(d.dtype), grads)

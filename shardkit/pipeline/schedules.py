@@ -115,6 +115,12 @@ class Schedule:
             and ``recv_grad`` from above. ZB-V uses them all; the others only the two first.
         group: (p, v) int32; the global layer group of chunk c on stage s (``c·p + s``; ZB-V:
             ``s`` and ``2p - 1 - s``).
+        res_slot: (ticks, p) int32; the ring slot where an F leaves its chunk's residuals when
+            the pipeline keeps them (``sk.pipeline(keep=...)``), and where the backward op that
+            reads them (B, or BW) finds them; 0 elsewhere.
+        res_ring: that ring's size: the most chunk-microbatches in flight at once on a stage,
+            from F to its B/BW.
+        loss_res_slot, loss_res_ring: the same for the loss's residuals (F on the loss cells).
     """
 
     name: str
@@ -141,6 +147,10 @@ class Schedule:
     recv_act_self: np.ndarray | None = None
     recv_grad_self: np.ndarray | None = None
     group: np.ndarray | None = None
+    res_slot: np.ndarray | None = None
+    res_ring: int = 0
+    loss_res_slot: np.ndarray | None = None
+    loss_res_ring: int = 0
 
     @property
     def ticks(self) -> int:
@@ -169,8 +179,20 @@ class Schedule:
         (p-1)/(6m+p-1) in its half-stage chunk slots (``formula_bubble``)."""
         return formula_bubble(self.name, self.stages, self.microbatches, self.repeats)
 
+    def picture(self, keep: str = "input") -> str:
+        """``str(self)`` with each backward op that recomputes its chunk's forward marked
+        ``*`` (``keep="input"``: every B and BW) or ``~`` (a checkpoint policy: what it did
+        not save); ``keep="all"`` marks none. W never recomputes (it reads what B kept)."""
+        mark = {"input": "*", "all": ""}.get(keep, "~") if isinstance(keep, str) else "~"
+        return self._text(mark)
+
     def __str__(self) -> str:
-        cells = [[_cell(self, t, s) for t in range(self.ticks)] for s in range(self.stages)]
+        return self._text("")
+
+    def _text(self, mark: str) -> str:
+        again = (self.op == B) | (self.op == BW) if self.executed == "explicit" else np.zeros_like(self.op, bool)
+        cells = [[_cell(self, t, s) + (mark if again[t, s] else "") for t in range(self.ticks)]
+                 for s in range(self.stages)]
         width = max(len(c) for row in cells for c in row)
         head = (f"{self.name}: p={self.stages} m={self.microbatches} v={self.repeats}, "
                 f"{self.ticks} ticks, bubble {self.bubble_fraction:.3f} (formula "
@@ -318,10 +340,25 @@ def _table(name: str, p: int, m: int, v: int, rows) -> Schedule:
         w_slots, w_ring = _allocate({key: where[(B, *key)] for key in alive_until}, w_at)
         for (s, i, c), j in w_slots.items():
             w_slot[where[(B, s, i, c)], s] = w_slot[w_at[(s, i, c)], s] = j
+    # Kept residuals (``keep``): from the F that makes them to the B/BW that reads them.
+    f_at = {key: where[(F, *key)] for key in alive_until}
+    on_loss = {key for key, t in f_at.items() if loss[t, key[0]]}
+    res_slot, res_ring = _slots(f_at, last_use, ticks, p)
+    loss_res_slot, loss_res_ring = _slots({k: f_at[k] for k in on_loss}, last_use, ticks, p)
     return _frozen(Schedule(name, p, m, v, op, mb, chunk, loss, act_slot, grad_slot, recv_act,
                             recv_grad, act_ring, grad_ring, tuple(peak), "explicit", w_slot, w_ring,
                             send, recv[("act", UP)], recv[("grad", DOWN)], recv[("act", SELF)],
-                            recv[("grad", SELF)], group))
+                            recv[("grad", SELF)], group, res_slot, res_ring, loss_res_slot, loss_res_ring))
+
+
+def _slots(made: dict, read: dict, ticks: int, p: int) -> tuple[np.ndarray, int]:
+    """A ring from each key's making tick to its reading tick (``_allocate``), as a (ticks, p)
+    table holding the key's slot at both ticks."""
+    slots, ring = _allocate(made, read)
+    table = np.zeros((ticks, p), np.int32)
+    for key, j in slots.items():
+        table[made[key], key[0]] = table[read[key], key[0]] = j
+    return table, ring
 
 
 def _allocate(arrive: dict, last_use: dict) -> tuple[dict, int]:

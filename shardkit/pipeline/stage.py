@@ -134,7 +134,7 @@ def _save_all_but_structural(prim, *_, **__) -> bool:
 
 
 def with_remat(fn, remat, own_remat=False):
-    """``fn`` under the ``remat`` policy (a key of ``REMAT``).
+    """``fn`` under the ``remat`` policy (a key of ``REMAT``, or a ``jax.checkpoint`` policy).
 
     ``remat="none"`` still wraps ``fn`` (saving all but the structural ops) — unless the
     layer checkpoints itself (``own_remat``): an outer checkpoint's policy reaches into a
@@ -146,7 +146,7 @@ def with_remat(fn, remat, own_remat=False):
         return fn if own_remat else jax.checkpoint(fn, policy=_save_all_but_structural)
     if remat == "full":
         return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=REMAT[remat])
+    return jax.checkpoint(fn, policy=remat if callable(remat) else REMAT[remat])
 
 
 def varying(tree, axes):

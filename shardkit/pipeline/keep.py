@@ -1,0 +1,89 @@
+"""What an explicit schedule's F keeps for its chunk-microbatch's backward (``pipeline(keep=)``).
+
+``keep="input"`` keeps the stage input only (it waits in the schedule's activation ring
+anyway): every backward op recomputes its chunk's forward from it, 4/3 of the layers' flops,
+and one microbatch's residuals are alive at a time. ``keep="all"`` keeps every residual of
+the chunk's ``jax.vjp`` (Megatron-LM's 1F1B: no recompute; Narayanan et al. 2021), and a
+``jax.checkpoint`` policy (``keep=jax.checkpoint_policies.dots_saveable``, ``"dots"``) keeps
+that policy's saved set (selective recompute: Korthikanti et al. 2022 keep the matmul
+outputs and recompute the rest). The kept residuals wait in a ring sized from the schedule
+table (``Schedule.res_ring``: the most chunk-microbatches in flight on a stage), the loss's
+in a second one (``Schedule.loss_res_ring``); a zero-bubble B reads them instead of
+recomputing, and its W still reads what B left it (``split``).
+
+A pullback is stored as its residual leaves: ``jax.vjp``'s pullback is a pytree whose leaves
+are the residuals and whose structure (the linearized jaxpr) is static. Leaves that are the
+op's own inputs (the chunk's weights, its stage input, the loss's parameters) are not
+stored: the backward op has them again and puts them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from .stage import REMAT
+
+KEEP = ("input", "all", "dots")
+
+
+def keep_policy(keep) -> Callable | str | None:
+    """The ``with_remat`` setting of the kept forward: ``None`` for ``"input"`` (nothing kept
+    beyond the stage input), ``"none"`` (save everything) for ``"all"``, else the policy."""
+    if isinstance(keep, str):
+        if keep not in KEEP:
+            raise ValueError(f"unknown keep {keep!r}; choose one of {KEEP} or pass a jax.checkpoint "
+                             "policy (e.g. jax.checkpoint_policies.dots_saveable, or "
+                             "jax.checkpoint_policies.save_only_these_names('name', ...))")
+        return None if keep == "input" else "none" if keep == "all" else REMAT[keep]
+    if callable(keep):
+        return keep
+    raise ValueError(f"keep must be one of {KEEP} or a jax.checkpoint policy (a callable), got "
+                     f"{type(keep).__name__} {keep!r}")
+
+
+class Pullbacks:
+    """``jax.vjp`` of one function, its pullback stored as the residual leaves that are not
+    among ``reuse`` (values the backward op has again). The structure is recorded by the
+    trace that makes the residuals and read by the traces that rebuild them."""
+
+    def __init__(self):
+        self._structure = None  # (treedef, ((leaf position, reuse leaf index), ...))
+
+    def vjp(self, fn, primals: tuple, reuse) -> tuple:
+        """``(fn(*primals), stored residual leaves)``."""
+        out, pull = jax.vjp(fn, *primals)
+        leaves, treedef = jax.tree.flatten(pull)
+        again = {id(a): i for i, a in enumerate(jax.tree.leaves(reuse))}
+        self._structure = (treedef, tuple((n, again[id(a)]) for n, a in enumerate(leaves) if id(a) in again))
+        return out, [a for a in leaves if id(a) not in again]
+
+    def shapes(self, fn_of, primals: tuple, context, reuse_at) -> list:
+        """Shapes and dtypes of the stored leaves (for the ring): of ``fn_of(context)``'s
+        ``vjp`` at ``primals``, ``reuse_at`` the positions of the primals the backward op has
+        again. ``context`` (what the op's function closes over) is traced, as in the op."""
+        def stored(primals, context):
+            return self.vjp(fn_of(context), primals, tuple(primals[i] for i in reuse_at))[1]
+
+        return jax.eval_shape(stored, primals, context)
+
+    def pullback(self, stored, reuse):
+        """The pullback again, from what ``vjp`` stored and the same ``reuse`` values."""
+        if self._structure is None:
+            raise RuntimeError("Pullbacks.pullback traced before vjp or shapes")
+        treedef, at = self._structure
+        leaves, again = list(stored), jax.tree.leaves(reuse)
+        for n, i in at:
+            leaves.insert(n, again[i])
+        return jax.tree.unflatten(treedef, leaves)
+
+
+class Kept:
+    """An explicit schedule's kept residuals: the chunk's pullbacks, the loss's, and the loss
+    function under the keep policy (``keep_policy``; the chunk is wrapped by its runner)."""
+
+    def __init__(self, loss_fn: Callable, policy):
+        self.policy = policy
+        self.loss_fn = loss_fn if policy == "none" else jax.checkpoint(loss_fn, policy=policy)
+        self.chunk, self.loss = Pullbacks(), Pullbacks()
