@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .._vma import varying as varying  # re-exported: the schedules import it from here
+
 REMAT = {"none": None, "full": "full", "dots": jax.checkpoint_policies.dots_saveable,
          "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
@@ -147,17 +149,6 @@ def with_remat(fn, remat, own_remat=False):
     if remat == "full":
         return jax.checkpoint(fn)
     return jax.checkpoint(fn, policy=remat if callable(remat) else REMAT[remat])
-
-
-def varying(tree, axes):
-    """Marks values as varying over ``axes`` (scan carries and switch inputs need it)."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-    def cast(a):
-        missing = tuple(x for x in axes if x not in jax.typeof(a).mat.varying)
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(cast, tree)
 
 
 def row_spec(data, lead=1):
