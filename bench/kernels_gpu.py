@@ -31,6 +31,24 @@ import traceback
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before JAX is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (xla, blockwise, reference)")
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--check-seq", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -131,17 +149,7 @@ def table(result) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (xla, blockwise, reference)")
-    p.add_argument("--out-dir", default="bench/results")
-    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--check-seq", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=10)
-    a = p.parse_args(argv)
+    a = parse_args(argv)
     impls = GPU_IMPLS
     if a.dry_run:
         a.seqs, a.batch, a.heads, a.kv_heads, a.head_dim, a.check_seq, a.iters = [256], 1, 2, 1, 32, 128, 2

@@ -24,6 +24,30 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, read before JAX is imported: ``--help`` answers at once."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", nargs="+", default=["h100", "tpu-v5p"])
+    p.add_argument("--mesh", default="data=8", help="mesh axes (data for the batch, tensor for heads)")
+    p.add_argument("--what", nargs="+", default=["attention"], choices=["attention", "loss"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vocab", type=int, default=128256, help="loss: vocabulary (Llama 3's)")
+    p.add_argument("--d-model", type=int, default=4096, help="loss: hidden width")
+    p.add_argument("--loss-seq", type=int, default=8192, help="loss: tokens per sequence")
+    p.add_argument("--loss-chunk", type=int, default=512, help="loss: positions per chunk")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON line")
+    p.add_argument("--out-dir", default=None)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, before JAX starts
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -86,23 +110,7 @@ def loss_rows(mesh, a) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", nargs="+", default=["h100", "tpu-v5p"])
-    p.add_argument("--mesh", default="data=8", help="mesh axes (data for the batch, tensor for heads)")
-    p.add_argument("--what", nargs="+", default=["attention"], choices=["attention", "loss"])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--vocab", type=int, default=128256, help="loss: vocabulary (Llama 3's)")
-    p.add_argument("--d-model", type=int, default=4096, help="loss: hidden width")
-    p.add_argument("--loss-seq", type=int, default=8192, help="loss: tokens per sequence")
-    p.add_argument("--loss-chunk", type=int, default=512, help="loss: positions per chunk")
-    p.add_argument("--json", action="store_true", help="print the rows as one JSON line")
-    p.add_argument("--out-dir", default=None)
-    a = p.parse_args(argv)
+    a = parse_args(argv)
     a.kv_heads = a.kv_heads or a.heads
     rows = []
     for name in a.target:
