@@ -17,6 +17,8 @@ from .rules import LeafLayout, ShardingError, entry_axes, key_to_str, leaf_info,
 # elements than this (a PRNG key, a 10-class head's bias, an optimizer's coefficient vector):
 # its replica is noise next to any weight matrix. Larger ones are errors under Plan(strict=True).
 SMALL_PER_DEVICE = 128
+# sk.moe's default axis: a batch axis the experts are split over, not gathered over.
+EXPERT_AXIS = "expert"
 
 
 def zero_spec(plan, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
@@ -37,9 +39,12 @@ def zero_spec(plan, shape: tuple[int, ...], spec: P) -> tuple[P, str, bool]:
     # a batch axis (fsdp), else on the largest dim. The gradient is a partial sum over every
     # batch axis: with all of them on one dim its reduction is one reduce-scatter, while
     # fsdp on one dim and data on another leaves XLA to all-reduce over both and slice
-    # (twice the wire bytes; issue 36).
+    # (twice the wire bytes; issue 36). Not sk.moe's ``expert`` axis: each expert's gradient is
+    # whole on its expert device (partial over the data axes only), so joining its dim gains
+    # nothing, and under ZeRO-3 the batch-order reorder would put the data axes before
+    # ``expert``, leaving XLA to permute the experts' blocks into sk.moe's shard_map.
     options = [free] + [(a,) for a in sorted(free, key=lambda a: -sizes[a])] if len(free) > 1 else [free]
-    batch = set(plan.batch_axes)
+    batch = set(plan.batch_axes) - {EXPERT_AXIS}
     dims = sorted(range(len(shape)), key=lambda d: (not batch & set(entry_axes(entries[d])), -shape[d]))
     for axes in options:
         n = math.prod(sizes[a] for a in axes)

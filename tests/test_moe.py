@@ -193,6 +193,13 @@ def test_zero_shards_expert_state_over_the_free_data_axes():
     assert rows["0/mu/experts/w1"] == P("expert", None, "data")
     assert rows["0/mu/router"] == P(("data", "expert"))
     assert plan.param_specs(params)["experts"]["w1"] == P("expert")
+    # ZeRO-3 beside fsdp: the data axes join fsdp's dim (issue 36) but never the experts' dim,
+    # where the batch-order reorder (fsdp before expert) made XLA permute the experts' blocks
+    # into sk.moe's shard_map; the router, split over batch axes only, takes their order.
+    plan3 = sk.Plan(sk.make_mesh("fsdp=2,expert=4"), rules=[(r"experts/", ("expert",)), (r".*", ())],
+                    zero=3, batch_axes=("fsdp", "expert"))
+    assert plan3.param_specs(params) == {"experts": {"w1": P("expert", None, "fsdp")},
+                                         "router": P(("fsdp", "expert"))}
 
 
 # ---- bad input ----------------------------------------------------------------------------------
