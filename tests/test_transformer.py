@@ -10,6 +10,7 @@ layout change, regenerate them with
 import json
 import os
 import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -466,8 +467,10 @@ def widened(jaxpr) -> int:
 def test_pipeline_carries_the_compute_dtype_off_cpu_and_the_estimate_follows():
     """The f32 stage-boundary workaround is XLA:CPU's only: the same bf16 pipelined step
     planned for H100s carries bf16, and its estimate charges half the pipe bytes. Matmuls
-    ask for f32 results on XLA:CPU only; on GPU only the attention scores and the logits are
-    f32 (by design: softmax and the loss run in f32)."""
+    ask for f32 results on XLA:CPU only; on GPU only the attention scores, the attention's
+    value product and the logits are f32 (by design: softmax and the loss run in f32, and
+    attention='auto' inside a pipeline stage is sk.attention's blockwise form, whose online
+    softmax accumulates p@v in f32)."""
     from shardkit.cost.simulated import simulated_plan
 
     cfg = TRAIN_CFG
@@ -495,14 +498,25 @@ def test_pipeline_carries_the_compute_dtype_off_cpu_and_the_estimate_follows():
 
     est = {}
     for name, s in (("cpu", step), ("gpu", gstep)):
-        with s.plan.active(), jax.sharding.use_abstract_mesh(s.plan.mesh.abstract_mesh):
+        with s.plan.active(), jax.sharding.use_abstract_mesh(s.plan.mesh.abstract_mesh), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", sk.kernels.KernelFallbackWarning)
             est[name] = sk.cost.estimate_for_step(s, state, batch, pipeline=(4, "gpipe", 1),
                                                   hardware="h100").as_dict()
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), state.params)
             jaxpr = jax.make_jaxpr(s.microbatch_loss(state))(params, batch).jaxpr
             est[name, "moves"], est[name, "widened"] = permuted(jaxpr), widened(jaxpr)
+        est[name, "fallbacks"] = [str(w.message) for w in caught
+                                  if issubclass(w.category, sk.kernels.KernelFallbackWarning)]
     assert est["cpu", "moves"] == {"float32"} and est["gpu", "moves"] == {"bfloat16"}
-    assert est["gpu", "widened"] == 2 and est["cpu", "widened"] == 2 + 8  # q k v o, p@v, 3 MLP
+    # CPU runs the reference attention: no kernel, no fallback. The H100 plan's stages fall
+    # back from Triton to the blockwise form (a shard_map manual over the pipe axis).
+    assert est["cpu", "fallbacks"] == []
+    assert any("inside a shard_map manual over" in m for m in est["gpu", "fallbacks"])
+    # GPU: the blockwise scores and p@v (its f32 online-softmax accumulator), and the logits.
+    # CPU: those two in the reference attention, the logits, and q k v o, 3 MLP (widened for
+    # XLA:CPU's bf16 dots).
+    assert est["gpu", "widened"] == 3 and est["cpu", "widened"] == 3 + 7
     for role in ("pipe-permute", "pipe-reduce"):
         assert est["gpu"][f"collective/{role}"] == est["cpu"][f"collective/{role}"] / 2 > 0
     assert est["gpu"]["collective/grad-reduce"] == est["cpu"]["collective/grad-reduce"]
