@@ -303,15 +303,18 @@ def test_tensor_reductions_follow_the_weights_not_the_widths():
 
 def test_gpu_estimate_counts_collectives_as_xla_gpu_combines_them():
     # The H100 compile of the scanned GPT family on data=4,fsdp=16 ZeRO-1 (bench/cost_ranking.py):
-    # 5 gradient all-reduces (one per layer-scan trip, one for the weights outside the scan, one
-    # for the loss) and 1 gather of the updated shards; at ZeRO-3 on data=64, 6 and 8 (a trip's
+    # one microbatch reduces into ZeRO-1's shard (issue 36), so 5 gradient reduce-scatters (one per
+    # layer-scan trip, one for the weights outside the scan, one for the tied table's head) and
+    # the loss's own all-reduce (no longer merged with all-reduced gradients): 6; 2 gathers, of the
+    # updated shards and of the tied table's gradient back whole for the lookup's scatter-add
+    # (5 and 1 when ZeRO-1 all-reduced its gradients); at ZeRO-3 on data=64, 6 and 8 (a trip's
     # gather forward and backward, the tied table's twice). Each op pays its ring's latencies,
     # which decide the order of small models' layouts. Traced only, on an abstract H100 mesh.
     from shardkit.cost import hardware
     from shardkit.cost.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
     from shardkit.cost.steptime import times
 
-    for mesh, zero, counts in (("data=4,fsdp=16", 1, {"grad-reduce": 5, "param-gather": 1}),
+    for mesh, zero, counts in (("data=4,fsdp=16", 1, {"grad-reduce": 6, "param-gather": 2}),
                                ("data=64", 3, {"grad-reduce": 6, "param-gather": 8})):
         step, state, batch = F.build("gpt", "data=4,fsdp=2" if "fsdp" in mesh else "data=8", zero, rows=256)
         sim = step.with_plan(simulated_plan(step.plan, abstract_mesh(mesh, max_devices=65536, target="h100")))

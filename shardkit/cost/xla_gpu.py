@@ -31,7 +31,7 @@ def data_ops(lv, zero_specs, uses, reading, *, zero: int, microbatches: int, gra
     are all-reduces too (below ZeRO-2, nothing FSDP-sharded); a tied table's two gradients are
     reduced apart, and under ZeRO-3 it is gathered for each. ZeRO-1/2 gathers the updated shards
     once per set of axes a leaf's shard adds (a leaf too small for all the data axes is sharded
-    over some). Checked on the compiles: GPT 5/1 (ZeRO-1 fsdp), 5 (ZeRO-0), 6/8 (ZeRO-3); MLP
+    over some). Checked on the compiles: GPT 6/2 (ZeRO-1/2 fsdp), 5 (ZeRO-0), 6/8 (ZeRO-3); MLP
     1/1, 2/1; GPT-2 2/1, 3/2; the CNN's ZeRO-1 gathers 2 and 3; the MLP with tensor at ZeRO-3
     reduces in 4 ops, modelled 3.
 
@@ -60,7 +60,11 @@ def data_ops(lv, zero_specs, uses, reading, *, zero: int, microbatches: int, gra
     gather_ops = m * ((2 * lv.layers if looped else 0) + (
         max(len(groups), math.ceil(gathered_out / COMBINE_BYTES)) + (tied if zero == 3 else 0) if groups else 0))
     zero12 = {_added_axes(l.spec, z) for l, z, f, zs in zip(lv.leaves, zero_specs, lv.full, lv.zshard) if zs < f}
-    return reduce_ops, gather_ops, max(len(zero12), 1)
+    # ZeRO-1/2 reducing into the shard: a tied table's matmul gradient is reduce-scattered, then
+    # gathered back whole to take the lookup's scatter-add (one more all-gather; GPT at ZeRO-1
+    # and ZeRO-2 on data=4,fsdp=16: 2 gathers).
+    regather = tied if zero in (1, 2) and grads_on_shard(zero, microbatches) and zero12 else 0
+    return reduce_ops, gather_ops, max(len(zero12), 1) + regather
 
 
 def _added_axes(spec, zero_spec) -> tuple[str, ...]:
