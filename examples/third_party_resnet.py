@@ -15,7 +15,8 @@ each plan (``plan.describe``: the rule that placed every array), the step's comp
 apart: flaxmodels' BatchNorm computes the variance as E[x²] − E[x]², which cancels where a
 channel's variance is small next to its mean (the digits' constant borders), so the order in
 which a layout sums the batch changes the result beyond float32 rounding. Measured at batch 32:
-within 1e-5 of data parallel over three steps, 3.6e-3 apart at the fourth; at batch 16 the
+within 1e-5 of data parallel over three steps, 3.6e-3 apart at the fourth (compiled at LLVM
+-O0, as the tests compile, the channel layout is already 1.5e-3 apart at the second); at batch 16 the
 first gradients of data=8 and a single device already differ by 1% (data=4,tensor=2: 7e-6);
 with the variance computed in two passes (E[(x − E[x])²], patched in for the check) every
 layout's first gradients match the single device's to 5e-6 to 7e-6.
