@@ -30,10 +30,25 @@ _GLOO = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expect
                    r"peer ranks is : (\d+)\n")
 
 
+# Two of a process's communicators connecting at once interleave their messages character by
+# character ("[Gloo] Rank 1[Gloo] Rank  is connected to 11 is connected to ..."): a line made of
+# nothing but the message's words, digits and punctuation is such a tangle, and goes too (its
+# peer counts cannot be read back out of it).
+_GLOO_WORDS = re.compile(r"\[Gloo\] Rank|is connected to|Expected number of connected|peer ranks is :|"
+                         r"peer ranks\.|[\d\s.:]")
+
+
+def _gloo_tangle(line: str) -> bool:
+    # a whole, readable message left by _GLOO is one short of its peers: news, kept
+    return (("[Gloo]" in line or line.startswith("Expected number of connected"))
+            and not _GLOO.fullmatch(line) and not _GLOO_WORDS.sub("", line))
+
+
 def without_chatter(text: str) -> str:
     """``text`` without the start-up lines above (whole lines; Gloo's also from inside a line,
-    whose two halves are joined again)."""
+    whose two halves are joined again, or tangled with another of its own messages)."""
     text = _GLOO.sub(lambda m: "" if m[1] == m[2] else m[0], text)
+    text = "".join(line for line in text.splitlines(keepends=True) if not _gloo_tangle(line))
     return _CHATTER.sub("", text)
 
 

@@ -139,3 +139,7 @@ def test_filter_drops_only_the_startup_chatter(capfd):
     gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
     short = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 3\n"
     assert _quiet.without_chatter(f"step 1 loss{gloo} 4.1\n{short}") == f"step 1 loss 4.1\n{short}"
+    # two communicators of one process connecting at once, as a two-process launch printed it
+    tangle = ("[Gloo] Rank 1[Gloo] Rank  is connected to 11 is connected to  peer ranks. 1Expected number of "
+              "connected peer ranks is :  peer ranks. 1\nExpected number of connected peer ranks is : 1\n")
+    assert _quiet.without_chatter(f"{tangle}saved 10\n{short}") == f"saved 10\n{short}"
