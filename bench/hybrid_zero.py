@@ -23,7 +23,9 @@ LAYOUTS = [("data=2,fsdp=2,tensor=2", z) for z in (1, 2, 3)] + [("data=4,fsdp=2"
     ("data=2,tensor=4", z) for z in (1, 2)] + [("data=8", 2)]
 
 
-def mlp_step(mesh_spec: str, zero: int, d: int, f: int, rows: int):
+def mlp_step(mesh_spec: str, zero: int, d: int, f: int, rows: int, layers: int = 2):
+    """``(step, abstract state, batch)`` of the issue's README-style MLP (w1 ("fsdp", "tensor"),
+    w2 ("tensor", "fsdp"), bf16, AdamW) on ``mesh_spec``; tests/target_sweep.py compiles the same."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -43,7 +45,7 @@ def mlp_step(mesh_spec: str, zero: int, d: int, f: int, rows: int):
         return jnp.mean((x - batch["y"]) ** 2)
 
     step = sk.train_step(plan, optax.adamw(3e-4))(loss)
-    state = step.abstract_state(lambda: {f"l{i}": {"w1": jnp.zeros((d, f)), "w2": jnp.zeros((f, d))} for i in range(2)})
+    state = step.abstract_state(lambda: {f"l{i}": {"w1": jnp.zeros((d, f)), "w2": jnp.zeros((f, d))} for i in range(layers)})
     row = jax.ShapeDtypeStruct((rows, d), jnp.float32)
     return step, state, {"x": row, "y": row}
 

@@ -212,28 +212,17 @@ MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS = 256, 1024, 256, 2
 
 
 def hybrid_mlp_step(mesh_spec: str, zero: int):
-    """``(step, abstract state, batch)`` of the README's MLP planned on this process's 8 devices."""
-    import jax
-    import jax.numpy as jnp
-    import optax
+    """``(step, abstract state, batch)`` of the README's MLP planned on this process's 8 devices:
+    bench/hybrid_zero.py's step (one program for the benchmark's table and these checks), at the
+    sweep's smaller widths."""
+    import importlib.util
+    import pathlib
 
-    mesh = sk.make_mesh(mesh_spec)
-    ax = lambda a: a if a in mesh.shape else None  # noqa: E731
-    plan = sk.Plan(mesh, rules=[(r"w1", (ax("fsdp"), ax("tensor"))), (r"w2", (ax("tensor"), ax("fsdp"))), (r".*", ())],
-                   axis_rules={"batch": tuple(a for a in ("data", "fsdp") if a in mesh.shape), "mlp": ax("tensor")},
-                   zero=zero, precision="bf16")
-
-    def loss(params, batch):
-        x = sk.constrain(batch["x"], ("batch", None))
-        for layer in params.values():
-            x = jax.nn.gelu(sk.constrain(x @ layer["w1"], ("batch", "mlp"))) @ layer["w2"]
-        return jnp.mean((x - batch["y"]) ** 2)
-
-    step = sk.train_step(plan, optax.adamw(3e-4))(loss)
-    state = step.abstract_state(lambda: {f"l{i}": {"w1": jnp.zeros((MLP_D, MLP_F)), "w2": jnp.zeros((MLP_F, MLP_D))}
-                                         for i in range(MLP_LAYERS)})
-    row = jax.ShapeDtypeStruct((MLP_ROWS, MLP_D), jnp.float32)
-    return step, state, {"x": row, "y": row}
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "hybrid_zero.py"
+    spec = importlib.util.spec_from_file_location("hybrid_zero", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.mlp_step(mesh_spec, zero, MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS)
 
 
 def compile_hybrid_mlp(target: str) -> dict[tuple[str, int], object]:
