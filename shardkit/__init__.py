@@ -1,14 +1,12 @@
 """shardkit: declare a mesh and per-layer partition specs; get a compiled SPMD train step."""
 
 from . import _quiet as _quiet  # first: imports JAX without the CUDA plugin's start-up chatter
-from . import checkpoint as checkpoint
 from . import cost as cost
 from . import distributed as distributed
 from . import fp8 as fp8
 from . import kernels as kernels
 from . import offload as offload
 from . import viz as viz
-from .checkpoint import Checkpointer as Checkpointer
 from .context import context_attention as context_attention
 from .context import context_shard as context_shard
 from .context import context_unshard as context_unshard
@@ -47,3 +45,18 @@ from .xla import target_platform as target_platform
 from .xla import xla_flags as xla_flags
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Orbax (the checkpoint package) takes seconds to import: a process that never saves or
+    # restores — the deviceless compile children, `shardkit mesh`, `--help` — does not pay them.
+    if name in ("checkpoint", "Checkpointer"):
+        import importlib
+
+        checkpoint = importlib.import_module(".checkpoint", __name__)
+        return checkpoint if name == "checkpoint" else checkpoint.Checkpointer
+    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), "checkpoint", "Checkpointer"])

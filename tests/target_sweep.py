@@ -44,28 +44,30 @@ CASES_8["cp_allgather"] = Case(LAYOUTS["cp"], context_strategy="allgather")
 CASES_8["diloco"] = Case(Layout("replica=2,data=4", zero=1), diloco=True)
 CASES_8["diloco_tp"] = Case(Layout("replica=2,data=2,tensor=2", sequence_parallel=True), diloco=True)
 CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), diloco=True)
-# Layouts whose every code path another case of the same sweep already compiles for that
-# target (a composition of paths compiled separately): run with --extended (conftest.py).
-# zero1 is zero2 without the reduce-scatter, tp is in diloco_tp and hybrid, ep_tp is ep with TP's
-# sums, zero2_16 is zero2's reduce-scatter with hybrid_16's hosts. Each promise `check` makes
-# keeps a default case per target:
-# - tp_sp: diloco_tp is the same data × tensor program with sequence parallelism (every
-#   assertion tp_sp meets, plus the replica's), hybrid the same TP sums and SP gather with FSDP;
-# - fsdp: hybrid gathers weights over its fsdp axis, zero3 over all 8 devices (the same two
-#   assertions: a param gather, params under the optimizer state);
-# - pp_circular: GPipe with repeats; pp_gpipe compiles the GPipe schedule, pp_interleaved the
-#   repeats (stage-major chunks);
-# - pp_zb (H100): ZB-H1 is dp_pp_tp_zb's schedule, with data and tensor axes around it (TPU keeps
-#   pp_zb and moves dp_pp_tp_zb); pp_zb_16 is dp_pp_tp_zb's axes (tensor=4) on hybrid_16's two hosts;
-# - pp_1f1b: pp_zero3 compiles 1F1B on the same mesh (ZeRO-3 for ZeRO-1: the same grad-reduce
-#   and pipe-permute checks), diloco_pp with a replica axis; ZeRO-1 inside a pipeline is in
-#   pp_gpipe and pp_interleaved;
-# - zero2 (TPU): its one ZeRO-2 assertion (reduce-scatter) is XLA:GPU's; on XLA:TPU it checks
-#   what dp does, and ZeRO's sharded state compiles in diloco (ZeRO-1), zero3 and pp_zero3.
-EXTENDED_H100 = {"fsdp_tp", "tp_pp", "dp_pp_tp", "dp_pp_tp_1f1b", "ep_dp", "ep_fsdp", "cp_tp",
-                 "dp_cp_fsdp", "pp_1f1b_16", "ep_dp_16", "zero1", "tp", "ep_tp", "zero2_16",
-                 "tp_sp", "fsdp", "pp_circular", "pp_zb", "pp_zb_16", "pp_1f1b"}
-EXTENDED_TPU = (EXTENDED_H100 - {"pp_zb"}) | {"dp_pp_tp_zb", "zero2"}
+# The default lane compiles one layout per promise `check` makes (the suite's 10 minutes: each
+# deviceless compile costs 8-13 CPU seconds); --extended (conftest.py) compiles every layout.
+# Each promise and the default case that keeps it, per target:
+# - grad-reduce over data-like axes; params under the optimizer state with a param gather
+#   (ZeRO-3, and ZeRO-3 inside a pipeline with its per-step gather bound): pp_zero3;
+# - ZeRO-2's reduce-scatter on XLA:GPU: zero2 (H100; on XLA:TPU the assertion is XLA:GPU's, and
+#   ZeRO's sharded state compiles in pp_zero3);
+# - FSDP's weight gather, TP's row-parallel sums and SP's sequence gather: hybrid_16 on H100 (two
+#   hosts, the outer axis across InfiniBand), hybrid on v5p;
+# - whole weights (no param gather) and EP's token all-to-all with expert weights left in place: ep;
+# - ring attention's K/V permutes: cp; the all-gather strategy: cp_allgather; context inside a
+#   pipeline stage: cp_pp;
+# - nothing over the replica axis inside a DiLoCo interval (with TP and SP): diloco_tp;
+# - a pipeline's microbatch permutes: pp_zero3 (1F1B), and the zero-bubble split backward with
+#   tensor parallelism inside the stages: dp_pp_tp_zb on H100, pp_zb on v5p.
+# Moved to --extended, with the case above that keeps what each checks: dp, zero1, zero3 (ep, cp:
+# whole weights; pp_zero3: ZeRO-3's gather), fsdp, fsdp_tp, tp, tp_sp (hybrid/hybrid_16),
+# pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b, pp_zb (pp_zero3,
+# dp_pp_tp_zb; each schedule's program is checked against the sequential model on CPU in
+# tests/test_pipeline.py), ep_dp, ep_fsdp, ep_tp, ep_pp (ep; EP nested in a pipeline compiles on
+# CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp (cp, hybrid), diloco, diloco_pp (diloco_tp),
+# zero2_16, pp_1f1b_16, pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts).
+KEEP_H100 = {"pp_zero3", "zero2", "hybrid_16", "ep", "cp", "cp_allgather", "cp_pp", "diloco_tp", "dp_pp_tp_zb"}
+KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "cp_allgather", "cp_pp", "diloco_tp", "pp_zb"}
 # Two H100 hosts: the outer axes cross InfiniBand.
 CASES_16 = {
     "hybrid_16": Case(Layout("data=2,fsdp=2,tensor=4", zero=1, sequence_parallel=True)),
@@ -74,6 +76,8 @@ CASES_16 = {
     "pp_zb_16": Case(Layout("data=2,pipe=2,tensor=4", schedule="zb-h1")),
     "ep_dp_16": Case(Layout("data=2,expert=8", zero=1), moe=True),
 }
+EXTENDED_H100 = (set(CASES_8) | set(CASES_16)) - KEEP_H100
+EXTENDED_TPU = set(CASES_8) - KEEP_TPU
 
 
 def require(target: str) -> None:
