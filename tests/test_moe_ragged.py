@@ -1,0 +1,112 @@
+"""sk.moe's dropless ragged dispatch (GPU/TPU targets) against the padded form (the CPU path and
+the reference): the expert function as grouped matmuls, the sort/count/offset/unsort logic on
+CPU with ``ragged_all_to_all`` replaced by an equivalent made of a dense ``all_to_all``, and the
+target programs compiled deviceless for 8 H100s and a v5p-8 (the ragged-all-to-all present,
+sending the routed rows, not the padded form's E/k times them)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import shardkit as sk
+from shardkit import _moe_ragged
+from shardkit._grouped import NotGroupable, grouped_expert
+from test_moe import B, D, E, K, T, assert_close, expert, inputs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+moe_mod = sys.modules["shardkit.moe"]
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """``lax.ragged_all_to_all``'s documented semantics on XLA:CPU: each peer's slice padded to
+    the operand's rows, one dense all_to_all, written at the receiver's offsets."""
+    R = operand.shape[0]
+    rows = jnp.arange(R)[None, :]
+    take = jnp.clip(input_offsets[:, None] + rows, 0, R - 1)
+    chunks = jnp.where((rows < send_sizes[:, None])[..., None], operand[take], 0)  # (n, R, D)
+    got = lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # row i: peer i's slice
+    start = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    dest = jnp.where(rows < recv_sizes[:, None], start[:, None] + rows, output.shape[0])  # past: dropped
+    return output.at[dest.reshape(-1)].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def test_grouped_expert_equals_each_expert_on_its_rows():
+    """The recipe's SwiGLU (einsums, silu, sk.constrain) as ragged_dots: each group of rows
+    through its own expert, empty groups and the rows past the groups included."""
+    from models.transformer.model import swiglu_expert
+
+    rng = np.random.default_rng(1)
+    p = {k: jnp.asarray(rng.normal(size=s).astype(np.float32)) for k, s in
+         (("gate", (4, 8, 16)), ("up", (4, 8, 16)), ("down", (4, 16, 8)))}
+    x = jnp.asarray(rng.normal(size=(20, 8)).astype(np.float32))
+    sizes = jnp.array([3, 0, 7, 5], jnp.int32)
+    fn = jax.jit(lambda p, x: grouped_expert(swiglu_expert, p, x, sizes))
+    text = str(jax.make_jaxpr(fn)(p, x))
+    assert text.count("ragged_dot_general[") == 3, text
+    got = fn(p, x)
+    bounds = np.cumsum([0, *np.asarray(sizes)])
+    want = [swiglu_expert(jax.tree.map(lambda a: a[e], p), x[bounds[e]:bounds[e + 1]]) for e in range(4)]
+    assert_close(got[:15], jnp.concatenate(want))
+    assert not np.any(np.asarray(got[15:]))
+    with pytest.raises(NotGroupable, match=r"applies add to the token rows and an expert weight"):
+        grouped_expert(lambda p, x: x @ p["w"] + p["b"][None], {"w": p["gate"], "b": p["gate"][:, 0]}, x, sizes)
+
+
+def run(mesh_spec, dispatch):
+    x, router, params, r = inputs()
+
+    def f(x, router, params):
+        y, aux = sk.moe(x, x @ router, expert, params, top_k=K, dispatch=dispatch)
+        return jnp.sum(y * r) + aux["load_balance"], (y, aux)
+
+    fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+    if mesh_spec is None:
+        return fn(x, router, params)
+    mesh = sk.make_mesh(mesh_spec)
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"mlp": "tensor"}, drop_missing=True))
+    with plan.active():
+        return fn(x, router, params)
+
+
+@pytest.fixture(scope="module")
+def padded():
+    return run(None, "padded")  # every layout of the padded form equals it (test_moe.py)
+
+
+@pytest.mark.parametrize("mesh_spec", [None, "expert=8", "data=2,expert=4"])
+def test_ragged_dispatch_equals_the_padded_form(mesh_spec, padded, monkeypatch):
+    """Outputs, aux and gradients of the ragged path (traced as for a GPU target, the
+    collective emulated) equal the padded path's: the counts' exchange, the receiver-side
+    offsets, the re-sort by local expert and the way home are all exercised with n > 1."""
+    monkeypatch.setattr(moe_mod, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(_moe_ragged, "ragged_all_to_all", emulated_ragged_all_to_all)
+    got = run(mesh_spec, "auto")
+    assert_close(got, padded)
+
+
+def test_ragged_dispatch_refuses_what_it_cannot_run():
+    x, router, params, _ = inputs()
+    with pytest.raises(ValueError, match=r"dispatch='ragged' is dropless"):
+        sk.moe(x, x @ router, expert, params, capacity_factor=1.0, dispatch="ragged")
+    with pytest.raises(ValueError, match=r"needs a GPU or TPU target \(XLA:CPU has no ragged-all-to-all\)"):
+        with jax.set_mesh(sk.make_mesh("expert=8")):
+            sk.moe(x, x @ router, expert, params, dispatch="ragged")
+    with pytest.raises(ValueError, match=r"dispatch='fast' must be"):
+        sk.moe(x, x @ router, expert, params, dispatch="fast")
+
+
+def test_auto_pads_with_a_warning_when_the_expert_cannot_be_grouped(monkeypatch):
+    x, router, params, _ = inputs()
+    biased = dict(params, b=np.zeros((E, D), np.float32))
+    monkeypatch.setattr(moe_mod, "target_platform", lambda: "tpu")
+    with pytest.warns(sk.RaggedFallbackWarning, match=r"pads every expert's buffer on tpu: .*applies add"):
+        y, _ = sk.moe(x, x @ router, lambda p, h: expert(p, h) + p["b"][None], biased, top_k=K)
+    assert y.shape == (B, T, D)
