@@ -5,8 +5,9 @@ group_sizes_E)`` applies expert ``e`` to the ``group_sizes[e]`` consecutive rows
 holds every device's received rows sorted by expert in one buffer, where a ``vmap`` over experts
 would need a padded ``(E, rows, D)`` buffer again. So the function is traced once for one
 expert's parameter shapes and the buffer's rows, and its program re-evaluated with the stacked
-weights: a matmul of the rows by a weight becomes ``lax.ragged_dot`` (a Mosaic grouped matmul on
-TPU), work on the weights alone (casts, transposes) runs per expert (``vmap``), and work on the
+weights: a matmul of the rows by a weight becomes a grouped matmul (``kernels.grouped``: a
+Mosaic grouped GEMM on TPU and, where it fits, on H100s), work on the weights alone (casts,
+transposes) runs per expert (``vmap``), and work on the
 rows alone (activations, ``sk.constrain``) runs as traced. Anything else that mixes rows with a
 weight (a bias added per expert, a weight used elementwise) is refused with ``NotGroupable``,
 naming the operation; ``sk.moe`` then runs its padded form and says why.
@@ -18,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax import lax
 from jax.extend import core as jcore
+
+from .kernels.grouped import grouped_matmul
 
 _PARAM, _ROW, _CONST = "param", "row", "const"
 
@@ -31,7 +33,7 @@ class NotGroupable(ValueError):
 def grouped_expert(expert_fn: Callable[[Any, jax.Array], jax.Array], params: Any, rows_MxD: jax.Array,
                    group_sizes: jax.Array) -> jax.Array:
     """``expert_fn`` on each expert's group of rows; rows past ``sum(group_sizes)`` give zeros
-    through the matmuls (``ragged_dot``'s convention).
+    through ``lax.ragged_dot`` (and are not to be read: the GPU kernel leaves them unwritten).
 
     Args:
         expert_fn: ``expert_fn(params_of_one_expert, rows_RxD) -> rows_RxDo``.
@@ -42,8 +44,10 @@ def grouped_expert(expert_fn: Callable[[Any, jax.Array], jax.Array], params: Any
     Raises:
         NotGroupable: ``expert_fn`` combines the rows with a weight other than by a matmul.
     """
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-    closed = jax.make_jaxpr(expert_fn)(one, jax.ShapeDtypeStruct(rows_MxD.shape, rows_MxD.dtype))
+    # Traced on values (not shapes) so that, inside a shard_map, the program carries the manual
+    # axes the rows and weights vary over (constants get their casts to varying).
+    one = jax.tree.map(lambda a: a[0], params)
+    closed = jax.make_jaxpr(expert_fn)(one, rows_MxD)
     leaves = jax.tree.leaves(params)
     args = [(_PARAM, a) for a in leaves] + [(_ROW, rows_MxD)]
     (kind, out), = _eval(closed.jaxpr, [(_CONST, c) for c in closed.consts], args, group_sizes)
@@ -105,7 +109,7 @@ def _inner_jaxpr(eqn):
 
 
 def _ragged(eqn, ins, group_sizes):
-    """``rows @ weight`` (either operand order, the weight either way round) as ragged_dot."""
+    """``rows @ weight`` (either operand order, the weight either way round), grouped."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     (k0, a), (k1, b) = ins
     rows_first = k0 == _ROW
@@ -114,6 +118,6 @@ def _ragged(eqn, ins, group_sizes):
         raise NotGroupable(f"expert_fn's matmul {eqn.params['dimension_numbers']} of rows {rows.shape} "
                            f"and an expert weight {w.shape[1:]} is not a (rows, K) x (K, N) product")
     w_ExKxN = w if tuple(w_c) == (0,) else w.swapaxes(1, 2)
-    out = lax.ragged_dot(rows, w_ExKxN, group_sizes, precision=eqn.params["precision"],
+    out = grouped_matmul(rows, w_ExKxN, group_sizes, precision=eqn.params["precision"],
                          preferred_element_type=eqn.params["preferred_element_type"])
     return out if rows_first else out.T

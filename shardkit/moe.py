@@ -173,8 +173,9 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     else:
         tok = P(tok_axes if len(tok_axes) > 1 else tok_axes[0])
         wspecs = jax.tree.map(lambda _: P(axis) if n > 1 else P(), expert_params)
+        # The grouped matmuls' Pallas kernels type no varying axes on their outputs.
         shard = block_shard_map(local, mesh=mesh, axis_names=tok_axes, in_specs=(tok, tok, wspecs),
-                                out_specs=(tok, tok, tok))
+                                out_specs=(tok, tok, tok), check_vma=not ragged)
         y_NxD, idx_NxK, keep_NxK = shard(x_NxD, probs_NxE, expert_params)
     routed_E = jnp.sum(jax.nn.one_hot(idx_NxK, E, dtype=F32), axis=(0, 1))
     aux = {

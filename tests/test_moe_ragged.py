@@ -108,5 +108,6 @@ def test_auto_pads_with_a_warning_when_the_expert_cannot_be_grouped(monkeypatch)
     biased = dict(params, b=np.zeros((E, D), np.float32))
     monkeypatch.setattr(moe_mod, "target_platform", lambda: "tpu")
     with pytest.warns(sk.RaggedFallbackWarning, match=r"pads every expert's buffer on tpu: .*applies add"):
-        y, _ = sk.moe(x, x @ router, lambda p, h: expert(p, h) + p["b"][None], biased, top_k=K)
+        y, _ = jax.eval_shape(lambda: sk.moe(x, x @ router, lambda p, h: expert(p, h) + p["b"][None], biased,
+                                             top_k=K))
     assert y.shape == (B, T, D)

@@ -1,0 +1,116 @@
+"""Grouped matmul (``lax.ragged_dot``'s contract: rows ``(M, K)`` sorted into groups, one
+``(K, N)`` weight per group) run by the best kernel of the target (``sk.target_platform()``).
+
+| platform | kernel |
+|---|---|
+| TPU, rows, K and N multiples of 128, every mesh axis manual | Pallas Megablox (Gale et al. 2023) grouped matmul, ``jax.experimental.pallas.ops.tpu.megablox.gmm``, whose backward is Megablox's too (``gmm`` for the input gradient, ``tgmm`` for the weights') |
+| GPU, 16-bit, K and N multiples of 128, every mesh axis manual | Pallas Mosaic GPU (Hopper) grouped GEMM: ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` forward and input gradient, ``transposed_ragged_dot_mgpu`` weight gradient on a real GPU (deviceless, ``lax.ragged_dot_general``: that kernel sizes its grid by ``jax.devices()[0].core_count``, the CPU's in a deviceless compile) |
+| otherwise (CPU, f32, a split left to the compiler) | ``lax.ragged_dot``: XLA:CPU and XLA:GPU expand it to a masked dense product over all ``G`` groups (``G`` times the routed rows' flops and a ``(G, M, K)`` temporary); XLA:TPU lowers its forward to a Mosaic grouped matmul but its weight gradient densely |
+
+The Pallas kernels are per-device programs the SPMD partitioner cannot split, so they run only
+where no mesh axis above size 1 is left to the compiler (inside ``sk.moe``'s shard_map without a
+``tensor`` axis); otherwise ``lax.ragged_dot`` runs and the trace notes why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from .._vma import vary_like
+from ..plan import note
+from ..xla import target_platform
+
+_BLOCK = 128  # the kernels' block of K and N (block_m = block_n = 128, block_k = 64)
+# The weight gradient: rows (M, K) and cotangents (M, N) contracted over their ragged rows.
+_WEIGHT_GRAD = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def grouped_matmul(lhs_MxK: jax.Array, rhs_GxKxN: jax.Array, group_sizes: jax.Array, *, precision=None,
+                   preferred_element_type=None) -> jax.Array:
+    """``lax.ragged_dot(lhs, rhs, group_sizes)`` by the target's grouped-GEMM kernel (module
+    docstring); rows past ``sum(group_sizes)`` are not to be read (zeros under
+    ``lax.ragged_dot``, unwritten under the GPU kernel)."""
+    kernel, _ = grouped_kernel(lhs_MxK, rhs_GxKxN, preferred_element_type)
+    if kernel == "mosaic_gpu":
+        return _mosaic_gpu(lhs_MxK, rhs_GxKxN, group_sizes)
+    if kernel == "megablox":
+        from jax.experimental.pallas.ops.tpu import megablox
+
+        out_dtype = lhs_MxK.dtype if preferred_element_type is None else preferred_element_type
+        return megablox.gmm(lhs_MxK, rhs_GxKxN, group_sizes, out_dtype, (_BLOCK, _BLOCK, _BLOCK))
+    return lax.ragged_dot(lhs_MxK, rhs_GxKxN, group_sizes, precision=precision,
+                          preferred_element_type=preferred_element_type)
+
+
+def grouped_kernel(lhs, rhs, preferred_element_type=None) -> tuple[str, str]:
+    """``(kernel, why)``: which implementation ``grouped_matmul`` runs for rows ``lhs`` and
+    weights ``rhs`` on the target (``"mosaic_gpu"``, ``"megablox"`` or ``"ragged_dot"``) and, for
+    ``ragged_dot`` on a GPU/TPU target, why the kernel could not take it (also noted in the
+    trace)."""
+    platform = target_platform()
+    if platform not in ("gpu", "tpu"):
+        return "ragged_dot", ""
+    (M, _), (K, N) = lhs.shape, rhs.shape[1:]
+    mesh = jax.sharding.get_abstract_mesh()
+    free = [] if mesh is None or mesh.empty else [
+        a for a, t in zip(mesh.axis_names, mesh.axis_types)
+        if t != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
+    why = None
+    if rhs.dtype != lhs.dtype:
+        why = f"operands of two dtypes, {lhs.dtype} x {rhs.dtype}"
+    elif platform == "gpu" and lhs.dtype not in _HALF:
+        why = f"{lhs.dtype} operands (the Mosaic GPU kernel takes bf16 or f16)"
+    elif platform == "gpu" and preferred_element_type not in (None, lhs.dtype):
+        why = f"a {jnp.dtype(preferred_element_type)} result was asked for"
+    elif platform == "tpu" and M % _BLOCK:
+        why = f"{M} rows, not a multiple of the kernel's block {_BLOCK}"
+    elif K % _BLOCK or N % _BLOCK:
+        why = f"K={K}, N={N} not multiples of the kernel's block {_BLOCK}"
+    elif free:
+        why = f"mesh axes {free} are left to the compiler, which cannot split the kernel"
+    if why:
+        note("grouped_matmul", f"lax.ragged_dot on {platform}: {why}")
+        return "ragged_dot", why
+    return ("mosaic_gpu" if platform == "gpu" else "megablox"), ""
+
+
+def _kernels():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    blocks = dict(block_m=_BLOCK, block_n=_BLOCK, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    return (functools.partial(ragged_dot_mgpu.ragged_dot, **blocks),
+            functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, **blocks))
+
+
+@jax.custom_vjp
+def _mosaic_gpu(lhs_MxK, rhs_GxKxN, group_sizes):
+    dot, _ = _kernels()
+    return vary_like(dot(lhs_MxK, rhs_GxKxN, group_sizes=group_sizes), (lhs_MxK, rhs_GxKxN))
+
+
+def _fwd(lhs_MxK, rhs_GxKxN, group_sizes):
+    return _mosaic_gpu(lhs_MxK, rhs_GxKxN, group_sizes), (lhs_MxK, rhs_GxKxN, group_sizes)
+
+
+def _bwd(res, dy_MxN):
+    lhs_MxK, rhs_GxKxN, group_sizes = res
+    dot, tdot = _kernels()
+    dlhs_MxK = dot(dy_MxN, rhs_GxKxN, group_sizes=group_sizes, transpose_rhs=True)
+    if jax.default_backend() == "gpu":
+        drhs_GxKxN = tdot(lhs_MxK, dy_MxN, group_sizes=group_sizes)
+    else:  # deviceless: the kernel sizes its grid by jax.devices()[0].core_count, the CPU's here
+        drhs_GxKxN = lax.ragged_dot_general(lhs_MxK, dy_MxN, group_sizes, _WEIGHT_GRAD)
+    # A group no row reached may keep its kernel tiles unwritten: zero it.
+    drhs_GxKxN = jnp.where((group_sizes > 0)[:, None, None], drhs_GxKxN, 0).astype(rhs_GxKxN.dtype)
+    zeros = np.zeros(group_sizes.shape, jax.dtypes.float0)  # integer input: no cotangent
+    return vary_like(dlhs_MxK, (lhs_MxK,)), vary_like(drhs_GxKxN, (rhs_GxKxN,)), zeros
+
+
+_mosaic_gpu.defvjp(_fwd, _bwd)
