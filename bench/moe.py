@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="default bench/results/moe.json (moe_dispatch.json with --dispatch)")
     p.add_argument("--dispatch", nargs="+", metavar="TARGET", help="only (d), for these targets (h100, tpu-v5p)")
     p.add_argument("--json", action="store_true", help="(d): print the rows as one JSON line")
+    p.add_argument("--forms", nargs="+", default=["padded", "ragged"], choices=["padded", "ragged"],
+                   help="(d): which dispatch forms to compile")
     for flag, default in (("tokens", 8192), ("experts", 64), ("top-k", 2), ("d-model", 1024), ("d-ff", 4096)):
         p.add_argument(f"--{flag}", type=int, default=default, help="(d) layer size")
     return p.parse_args(argv)
@@ -162,7 +164,7 @@ def dispatch_rows(target: str, a: argparse.Namespace) -> list[dict]:
     x, router = put((a.tokens, D), P("expert")), put((D, E), P())
     w = {"gate": put((E, D, F), P("expert")), "up": put((E, D, F), P("expert")), "down": put((E, F, D), P("expert"))}
     rows = []
-    for dispatch in ("padded", "ragged"):
+    for dispatch in a.forms:
         def loss(x, router, w):
             y, _ = sk.moe(x, x @ router, swiglu_expert, w, top_k=a.top_k, dispatch=dispatch)
             return jnp.sum(y.astype(jnp.float32))

@@ -111,3 +111,43 @@ def test_auto_pads_with_a_warning_when_the_expert_cannot_be_grouped(monkeypatch)
         y, _ = jax.eval_shape(lambda: sk.moe(x, x @ router, lambda p, h: expert(p, h) + p["b"][None], biased,
                                              top_k=K))
     assert y.shape == (B, T, D)
+
+
+# ~27 CPU s (two target compilers in a subprocess): extended. The default lane runs the same
+# dispatch logic on CPU (test_ragged_dispatch_equals_the_padded_form, n = 8 with the collective
+# emulated) and the grouped expert (test_grouped_expert_equals_each_expert_on_its_rows); this
+# checks what XLA:GPU and XLA:TPU make of it.
+@pytest.mark.extended
+@pytest.mark.subprocess
+@pytest.mark.targets
+def test_the_targets_compile_the_ragged_dispatch_deviceless():
+    """One MoE layer's forward+backward on expert=8 compiled for 8 H100s and a v5p-8 (one
+    subprocess, ``bench/moe.py --dispatch``; BENCHMARKS.md has the 8,192-token × 64-expert
+    figures): four ragged-all-to-alls (dispatch and combine, forward and backward) whose routed
+    side holds the N·k routed rows, the padded form's dropless bytes being E/k times that; no
+    dense all-to-all but the counts'; the grouped matmuls in the target's kernels."""
+    from shardkit.cost.formulas import moe_traffic
+    from target_sweep import require
+
+    for target in ("h100", "tpu-v5p"):
+        require(target)
+    tokens, experts, d, f = 1024, 16, 256, 128
+    proc = subprocess.run([sys.executable, "bench/moe.py", "--dispatch", "h100", "tpu-v5p", "--forms", "ragged",
+                           "--json", "--tokens", str(tokens), "--experts", str(experts), "--d-model", str(d),
+                           "--d-ff", str(f)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["target"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    per_device = tokens // 8
+    routed = 4 * per_device * K * d * 2  # bf16 rows, 4 ragged all-to-alls
+    padded = moe_traffic(tokens=per_device, d_model=d, experts=experts, top_k=K, capacity_factor=None,
+                         group_size=None, bytes_per_element=2, axis_size=8)
+    assert padded == routed * experts // K
+    for target, (call, count) in {"h100": ("mosaic_gpu_v2", 6), "tpu-v5p": ("tpu_custom_call", 9)}.items():
+        r = rows[target]
+        assert r["ragged_ops"] == 4 and r["ragged_routed_bytes"] == routed, r
+        # The receive buffers: the static worst case, every peer's rows for this device's experts.
+        assert r["ragged_buffer_bytes"] == 4 * _moe_ragged.receive_rows(per_device, K, experts, 8) * d * 2, r
+        assert r["all_to_all_bytes"] < 1024, r  # only the per-expert counts and offsets
+        # H100: forward and input gradient (the weight gradient's kernel needs a real GPU);
+        # v5p: Megablox's gmm forward and backward and tgmm.
+        assert r["custom_calls"].get(call, 0) >= count, r

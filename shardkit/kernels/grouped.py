@@ -4,7 +4,7 @@
 | platform | kernel |
 |---|---|
 | TPU, rows, K and N multiples of 128, every mesh axis manual | Pallas Megablox (Gale et al. 2023) grouped matmul, ``jax.experimental.pallas.ops.tpu.megablox.gmm``, whose backward is Megablox's too (``gmm`` for the input gradient, ``tgmm`` for the weights') |
-| GPU, 16-bit, K and N multiples of 128, every mesh axis manual | Pallas Mosaic GPU (Hopper) grouped GEMM: ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` forward and input gradient, ``transposed_ragged_dot_mgpu`` weight gradient on a real GPU (deviceless, ``lax.ragged_dot_general``: that kernel sizes its grid by ``jax.devices()[0].core_count``, the CPU's in a deviceless compile) |
+| GPU, 16-bit, K and N multiples of 128, every mesh axis manual | Pallas Mosaic GPU (Hopper) grouped GEMM: ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` forward and input gradient, ``transposed_ragged_dot_mgpu`` weight gradient on a real GPU (deviceless, a masked product per group: that kernel sizes its grid by ``jax.devices()[0].core_count``, the CPU's in a deviceless compile) |
 | otherwise (CPU, f32, a split left to the compiler) | ``lax.ragged_dot``: XLA:CPU and XLA:GPU expand it to a masked dense product over all ``G`` groups (``G`` times the routed rows' flops and a ``(G, M, K)`` temporary); XLA:TPU lowers its forward to a Mosaic grouped matmul but its weight gradient densely |
 
 The Pallas kernels are per-device programs the SPMD partitioner cannot split, so they run only
@@ -26,9 +26,6 @@ from ..plan import note
 from ..xla import target_platform
 
 _BLOCK = 128  # the kernels' block of K and N (block_m = block_n = 128, block_k = 64)
-# The weight gradient: rows (M, K) and cotangents (M, N) contracted over their ragged rows.
-_WEIGHT_GRAD = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -106,7 +103,7 @@ def _bwd(res, dy_MxN):
     if jax.default_backend() == "gpu":
         drhs_GxKxN = tdot(lhs_MxK, dy_MxN, group_sizes=group_sizes)
     else:  # deviceless: the kernel sizes its grid by jax.devices()[0].core_count, the CPU's here
-        drhs_GxKxN = lax.ragged_dot_general(lhs_MxK, dy_MxN, group_sizes, _WEIGHT_GRAD)
+        drhs_GxKxN = _weight_grad_by_group(lhs_MxK, dy_MxN, group_sizes)
     # A group no row reached may keep its kernel tiles unwritten: zero it.
     drhs_GxKxN = jnp.where((group_sizes > 0)[:, None, None], drhs_GxKxN, 0).astype(rhs_GxKxN.dtype)
     zeros = np.zeros(group_sizes.shape, jax.dtypes.float0)  # integer input: no cotangent
@@ -114,3 +111,20 @@ def _bwd(res, dy_MxN):
 
 
 _mosaic_gpu.defvjp(_fwd, _bwd)
+
+
+def _weight_grad_by_group(x_MxK, dy_MxN, group_sizes):
+    """Each group's ``x_g^T dy_g`` as a masked product over all rows, one group at a time: the
+    flops of XLA's dense expansion of ``lax.ragged_dot_general`` (``G · M · K · N · 2``) without
+    its ``(G, M, K)`` temporary."""
+    ends = jnp.cumsum(group_sizes)
+    rows_M = jnp.arange(x_MxK.shape[0])
+
+    def one(bounds):
+        start, end = bounds
+        mine_Mx1 = ((rows_M >= start) & (rows_M < end))[:, None]
+        # Both masked: rows past the groups hold whatever the kernel left there.
+        return jnp.einsum("mk,mn->kn", jnp.where(mine_Mx1, x_MxK, 0), jnp.where(mine_Mx1, dy_MxN, 0),
+                          preferred_element_type=jnp.float32)
+
+    return lax.map(one, (ends - group_sizes, ends))
