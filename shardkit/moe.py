@@ -39,9 +39,18 @@ Buffers and traffic. The all-to-all buffers are static: ``E · S`` rows per devi
 tokens`` rows, so dispatch + combine, forward and backward move ``4 · c · k · tokens · D ·
 bytes · (n-1)/n`` per device (``cost.formulas.moe_traffic``). Dropless pads every expert to
 the worst case (all of a device's tokens): ``E/k`` times the capacity-1 buffers, traffic and
-expert flops. ``lax.ragged_all_to_all`` would send only the routed rows, but XLA:CPU does not
-implement it (jax 0.10.2: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), and the
-user's ``expert_fn`` needs static shapes anyway.
+expert flops. That padded form is the CPU path (XLA:CPU has no ragged-all-to-all: "HLO opcode
+ragged-all-to-all is not supported by XLA:CPU") and the reference of the ragged one.
+
+Dropless on GPU and TPU targets (``dispatch="auto"``, by ``sk.target_platform()``, the
+platform compiled for) sends only the routed rows: assignments sorted by expert, counts
+exchanged with an all_to_all, rows to their experts' devices and back with
+``lax.ragged_all_to_all``, and the experts as grouped matmuls (``_moe_ragged.py``;
+``kernels.grouped``: Megablox on TPU, a Mosaic GPU grouped GEMM on H100s). ``expert_fn`` is
+re-evaluated with the stacked weights (``_grouped.py``): it must touch them only through
+matmuls of the rows. The receive buffer is static, the worst case ``n · tokens · min(k, E/n)``
+rows, but the collectives carry the ``k · tokens`` routed rows (BENCHMARKS.md, "Mixture of
+experts", (d)).
 
 Auxiliary outputs (``aux``): ``load_balance`` = E · Σ_i f_i · P_i (Switch Transformer eq. 4,
 with f_i the share of the N·k assignments routed to expert i and P_i the mean router
