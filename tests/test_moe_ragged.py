@@ -151,3 +151,46 @@ def test_the_targets_compile_the_ragged_dispatch_deviceless():
         # H100: forward and input gradient (the weight gradient's kernel needs a real GPU);
         # v5p: Megablox's gmm forward and backward and tgmm.
         assert r["custom_calls"].get(call, 0) >= count, r
+
+
+@pytest.mark.parametrize("kernel", ["mosaic_gpu", "mosaic_gpu-real", "megablox"])
+def test_grouped_matmul_kernels_equal_ragged_dot(kernel, monkeypatch):
+    """The target kernels' wiring, forward and gradients, against lax.ragged_dot on CPU: the
+    Megablox kernel interpreted; the Mosaic GPU kernels (no CPU interpreter) replaced by their
+    references, which here fill the rows past the groups with NaN as a kernel may leave them
+    (the weight gradient must not read them), with the weight gradient as compiled deviceless
+    and ("-real") on a GPU."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+    from jax.experimental.pallas.ops.tpu import megablox
+    from shardkit.kernels import grouped
+
+    rng = np.random.default_rng(2)
+    dtype = jnp.float32 if kernel == "megablox" else jnp.bfloat16
+    x = jnp.asarray(rng.normal(size=(256, 128)), dtype)
+    w = jnp.asarray(rng.normal(size=(4, 128, 128)) * 0.1, dtype)
+    sizes = jnp.array([100, 0, 60, 40], jnp.int32)  # 56 rows past the groups
+    r = jnp.asarray(rng.normal(size=(200, 128)), jnp.float32)
+    monkeypatch.setattr(grouped, "target_platform", lambda: "tpu" if kernel == "megablox" else "gpu")
+    if kernel == "megablox":
+        gmm = megablox.gmm
+        monkeypatch.setattr(megablox, "gmm", lambda *a: gmm(*a, None, None, False, True))  # interpret
+    else:
+        def dot(lhs, rhs, group_sizes, transpose_rhs=False):
+            out = lax.ragged_dot(lhs, rhs.swapaxes(1, 2) if transpose_rhs else rhs, group_sizes)
+            return jnp.where(jnp.arange(lhs.shape[0])[:, None] < jnp.sum(group_sizes), out, jnp.nan)
+
+        monkeypatch.setattr(grouped, "_kernels", lambda: (dot, transposed_ragged_dot_mgpu.ref_transposed_ragged_dot))
+        monkeypatch.setattr(grouped, "_real_gpu", lambda: kernel.endswith("-real"))
+    assert grouped.grouped_kernel(x, w) == (kernel.split("-")[0], "")
+
+    def loss(mm):  # two in a row, as an expert's: the second reads the first's rows past the groups
+        return lambda x, w: jnp.sum(mm(mm(x, w, sizes), w, sizes)[:200].astype(jnp.float32) * r)
+
+    got = jax.jit(jax.value_and_grad(loss(grouped.grouped_matmul), argnums=(0, 1)))(x, w)
+    want = jax.value_and_grad(loss(lax.ragged_dot), argnums=(0, 1))(x, w)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if a.shape == x.shape:  # the input gradient's rows past the groups are the kernel's
+            a, b = a[:200], b[:200]
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())

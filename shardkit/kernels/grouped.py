@@ -78,6 +78,10 @@ def grouped_kernel(lhs, rhs, preferred_element_type=None) -> tuple[str, str]:
     return ("mosaic_gpu" if platform == "gpu" else "megablox"), ""
 
 
+def _real_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
 def _kernels():
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
@@ -100,7 +104,7 @@ def _bwd(res, dy_MxN):
     lhs_MxK, rhs_GxKxN, group_sizes = res
     dot, tdot = _kernels()
     dlhs_MxK = dot(dy_MxN, rhs_GxKxN, group_sizes=group_sizes, transpose_rhs=True)
-    if jax.default_backend() == "gpu":
+    if _real_gpu():
         drhs_GxKxN = tdot(lhs_MxK, dy_MxN, group_sizes=group_sizes)
     else:  # deviceless: the kernel sizes its grid by jax.devices()[0].core_count, the CPU's here
         drhs_GxKxN = _weight_grad_by_group(lhs_MxK, dy_MxN, group_sizes)
