@@ -86,10 +86,19 @@ def test_ragged_dispatch_equals_the_padded_form(mesh_spec, padded, monkeypatch):
     """Outputs, aux and gradients of the ragged path (traced as for a GPU target, the
     collective emulated) equal the padded path's: the counts' exchange, the receiver-side
     offsets, the re-sort by local expert and the way home are all exercised with n > 1."""
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw["axis_name"])
+        return emulated_ragged_all_to_all(*args, **kw)
+
     monkeypatch.setattr(moe_mod, "target_platform", lambda: "gpu")
-    monkeypatch.setattr(_moe_ragged, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(_moe_ragged, "ragged_all_to_all", spy)
+    monkeypatch.setattr(_moe_ragged, "grouped_expert", lambda *a: calls.append("grouped") or grouped_expert(*a))
     got = run(mesh_spec, "auto")
     assert_close(got, padded)
+    # "auto" took the ragged path: dispatch, experts, combine (the backward is autodiff's).
+    assert calls == (["grouped"] if mesh_spec is None else ["expert", "grouped", "expert"])
 
 
 def test_ragged_dispatch_refuses_what_it_cannot_run():
