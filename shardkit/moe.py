@@ -140,8 +140,8 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
         mesh: defaults to the ambient mesh (``jax.set_mesh``, as inside ``sk.train_step``).
         dispatch: ``"auto"``: dropless on a GPU or TPU target (``sk.target_platform()``) runs
             ``"ragged"`` (only the routed rows travel, ``lax.ragged_all_to_all``, and meet the
-            weights, ``lax.ragged_dot``), everything else ``"padded"`` (the static ``(E, S, D)``
-            buffers); ``"ragged"`` needs ``capacity_factor=None`` and, with an expert axis, a
+            weights, grouped matmuls: ``sk.kernels.grouped_matmul``), everything else
+            ``"padded"`` (the static ``(E, S, D)`` buffers); ``"ragged"`` needs ``capacity_factor=None`` and, with an expert axis, a
             GPU/TPU target; ``expert_fn`` must touch its weights only through matmuls of the
             rows (casts and transposes of the weights are fine), else ``"auto"`` warns
             (``RaggedFallbackWarning``) and pads.
