@@ -72,9 +72,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ._grouped import NotGroupable, grouped_expert
-from ._moe_ragged import ragged_dispatcher
+from ._moe_ragged import ragged_dispatcher, receive_rows
 from .mesh import block_shard_map, vmapped_axes
 from ._axes import claim_axes
+from .kernels.grouped import planning
 from .plan import note
 from .rules import path_str
 from .xla import target_platform
@@ -140,7 +141,8 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
         mesh: defaults to the ambient mesh (``jax.set_mesh``, as inside ``sk.train_step``).
         dispatch: ``"auto"``: dropless on a GPU or TPU target (``sk.target_platform()``) runs
             ``"ragged"`` (only the routed rows travel, ``lax.ragged_all_to_all``, and meet the
-            weights, grouped matmuls: ``sk.kernels.grouped_matmul``), everything else
+            weights, grouped matmuls: ``sk.kernels.grouped_matmul``) over an expert axis, and
+            without one where every grouped matmul gets the target's kernel; everything else
             ``"padded"`` (the static ``(E, S, D)`` buffers); ``"ragged"`` needs ``capacity_factor=None`` and, with an expert axis, a
             GPU/TPU target; ``expert_fn`` must touch its weights only through matmuls of the
             rows (casts and transposes of the weights are fine), else ``"auto"`` warns
@@ -169,7 +171,11 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
     x_NxD = x.reshape(N, x.shape[-1])
     out = _out_dim(expert_fn, expert_params, x_NxD)
-    ragged = _ragged(dispatch, capacity_factor, n, bool(manual), expert_fn, expert_params, x_NxD)
+    n_tok = math.prod(dict(mesh.shape)[a] for a in tok_axes) if tok_axes else 1
+    free = [a for a, s in ({} if mesh is None else dict(mesh.shape)).items()
+            if s > 1 and a not in tok_axes and a not in manual]
+    ragged = _ragged(dispatch, capacity_factor, n, bool(manual), expert_fn, expert_params, x_NxD,
+                     rows=receive_rows(N // n_tok, top_k, E, n) if n > 1 else N // n_tok * top_k, free=free)
     if ragged:
         local = ragged_dispatcher(expert_fn, E, n, top_k, axis, out, renormalize)
     else:
@@ -201,8 +207,12 @@ class RaggedFallbackWarning(UserWarning):
     grouped matmuls (the message names the operation)."""
 
 
-def _ragged(dispatch, capacity_factor, n, nested, expert_fn, expert_params, x_NxD) -> bool:
-    """Whether the ragged dispatch runs (``moe``'s ``dispatch`` argument)."""
+def _ragged(dispatch, capacity_factor, n, nested, expert_fn, expert_params, x_NxD, *, rows: int,
+            free: list[str]) -> bool:
+    """Whether the ragged dispatch runs (``moe``'s ``dispatch`` argument). ``"auto"`` takes it
+    on a GPU/TPU target when an expert axis splits the experts (the routed rows travel, not
+    ``E/k`` times them) or, without one, when every grouped matmul gets the target's kernel
+    (where ``lax.ragged_dot`` would expand densely over the experts, padding is cheaper)."""
     if dispatch not in ("auto", "padded", "ragged"):
         raise ValueError(f"moe: dispatch={dispatch!r} must be 'auto', 'padded' or 'ragged'")
     platform = target_platform()
@@ -216,16 +226,22 @@ def _ragged(dispatch, capacity_factor, n, nested, expert_fn, expert_params, x_Nx
                              "(sk.cost target=) or use dispatch='auto'")
     elif dispatch == "padded" or capacity_factor is not None or nested or platform not in ("gpu", "tpu"):
         return False
-    rows = jax.ShapeDtypeStruct((8, x_NxD.shape[-1]), x_NxD.dtype)
+    buffer = jax.ShapeDtypeStruct((rows, x_NxD.shape[-1]), x_NxD.dtype)
     try:
-        jax.eval_shape(lambda p, r: grouped_expert(expert_fn, p, r, jnp.zeros(
-            jax.tree.leaves(p)[0].shape[0], jnp.int32)), expert_params, rows)
+        with planning(free) as kernels:
+            jax.eval_shape(lambda p, r: grouped_expert(expert_fn, p, r, jnp.zeros(
+                jax.tree.leaves(p)[0].shape[0], jnp.int32)), expert_params, buffer)
     except NotGroupable as err:
         if dispatch == "ragged":
             raise ValueError(f"moe: dispatch='ragged': {err}") from err
         why = f"dropless sk.moe pads every expert's buffer on {platform}: {err}"
         warnings.warn(why, RaggedFallbackWarning, stacklevel=4)
         note("moe_fallback", why)
+        return False
+    dense = [why for kernel, why in kernels if kernel == "ragged_dot"]
+    if dispatch == "auto" and n == 1 and dense:
+        note("moe_fallback", f"dropless sk.moe pads on {platform}: without an expert axis the ragged "
+                             f"form only pays with the grouped-matmul kernel, and {dense[0]}")
         return False
     return True
 

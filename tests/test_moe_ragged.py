@@ -82,9 +82,10 @@ def padded():
 
 
 # expert=8 (n = 8) is extended: data=2,expert=4 runs the same exchange with n = 4 and a data axis.
-@pytest.mark.parametrize("mesh_spec", [None, pytest.param("expert=8", marks=pytest.mark.extended),
-                                       "data=2,expert=4"])
-def test_ragged_dispatch_equals_the_padded_form(mesh_spec, padded, monkeypatch):
+# Without an expert axis "auto" pads unless the target's kernel runs (test below): "ragged" here.
+@pytest.mark.parametrize("mesh_spec,dispatch", [(None, "ragged"), ("data=2,expert=4", "auto"),
+                                                pytest.param("expert=8", "auto", marks=pytest.mark.extended)])
+def test_ragged_dispatch_equals_the_padded_form(mesh_spec, dispatch, padded, monkeypatch):
     """Outputs, aux and gradients of the ragged path (traced as for a GPU target, the
     collective emulated) equal the padded path's: the counts' exchange, the receiver-side
     offsets, the re-sort by local expert and the way home are all exercised with n > 1."""
@@ -97,9 +98,9 @@ def test_ragged_dispatch_equals_the_padded_form(mesh_spec, padded, monkeypatch):
     monkeypatch.setattr(moe_mod, "target_platform", lambda: "gpu")
     monkeypatch.setattr(_moe_ragged, "ragged_all_to_all", spy)
     monkeypatch.setattr(_moe_ragged, "grouped_expert", lambda *a: calls.append("grouped") or grouped_expert(*a))
-    got = run(mesh_spec, "auto")
+    got = run(mesh_spec, dispatch)
     assert_close(got, padded)
-    # "auto" took the ragged path: dispatch, experts, combine (the backward is autodiff's).
+    # the ragged path ran: dispatch, experts, combine (the backward is autodiff's).
     assert calls == (["grouped"] if mesh_spec is None else ["expert", "grouped", "expert"])
 
 
@@ -112,6 +113,24 @@ def test_ragged_dispatch_refuses_what_it_cannot_run():
             sk.moe(x, x @ router, expert, params, dispatch="ragged")
     with pytest.raises(ValueError, match=r"dispatch='fast' must be"):
         sk.moe(x, x @ router, expert, params, dispatch="fast")
+
+
+@pytest.mark.parametrize("dtype,width,ragged", [(jnp.bfloat16, 128, True), (jnp.float32, 128, False),
+                                                (jnp.bfloat16, 96, False)])
+def test_auto_without_an_expert_axis_is_ragged_only_with_the_kernel(dtype, width, ragged, monkeypatch):
+    """On one device (no traffic to save) "auto" takes the ragged form only where the grouped
+    GEMM kernel runs (16-bit, widths multiples of 128): lax.ragged_dot's dense expansion over the
+    experts would cost k times the padded form's flops."""
+    from shardkit.kernels import grouped
+
+    chosen = []
+    monkeypatch.setattr(moe_mod, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(grouped, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(moe_mod, "ragged_dispatcher", lambda *a: chosen.append(a) or _moe_ragged.ragged_dispatcher(*a))
+    x = jax.ShapeDtypeStruct((2, 64, width), dtype)
+    w = {"w1": jax.ShapeDtypeStruct((E, width, 256), dtype), "w2": jax.ShapeDtypeStruct((E, 256, width), dtype)}
+    jax.eval_shape(lambda x, w: sk.moe(x, x[..., :E], expert, w, top_k=K), x, w)
+    assert bool(chosen) == ragged
 
 
 def test_auto_pads_with_a_warning_when_the_expert_cannot_be_grouped(monkeypatch):

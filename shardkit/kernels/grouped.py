@@ -14,6 +14,8 @@ where no mesh axis above size 1 is left to the compiler (inside ``sk.moe``'s sha
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -26,6 +28,8 @@ from ..plan import note
 from ..xla import target_platform
 
 _BLOCK = 128  # the kernels' block of K and N (block_m = block_n = 128, block_k = 64)
+# While ``planning``: the mesh axes to take as left to the compiler, and the choices made.
+_PLANNING = contextvars.ContextVar("grouped_planning", default=None)
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -55,10 +59,14 @@ def grouped_kernel(lhs, rhs, preferred_element_type=None) -> tuple[str, str]:
     if platform not in ("gpu", "tpu"):
         return "ragged_dot", ""
     (M, _), (K, N) = lhs.shape, rhs.shape[1:]
-    mesh = jax.sharding.get_abstract_mesh()
-    free = [] if mesh is None or mesh.empty else [
-        a for a, t in zip(mesh.axis_names, mesh.axis_types)
-        if t != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
+    planning_ = _PLANNING.get()
+    if planning_ is not None:
+        free = list(planning_[0])
+    else:
+        mesh = jax.sharding.get_abstract_mesh()
+        free = [] if mesh is None or mesh.empty else [
+            a for a, t in zip(mesh.axis_names, mesh.axis_types)
+            if t != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
     why = None
     if rhs.dtype != lhs.dtype:
         why = f"operands of two dtypes, {lhs.dtype} x {rhs.dtype}"
@@ -72,10 +80,25 @@ def grouped_kernel(lhs, rhs, preferred_element_type=None) -> tuple[str, str]:
         why = f"K={K}, N={N} not multiples of the kernel's block {_BLOCK}"
     elif free:
         why = f"mesh axes {free} are left to the compiler, which cannot split the kernel"
-    if why:
+    choice = ("ragged_dot", why) if why else ("mosaic_gpu" if platform == "gpu" else "megablox", "")
+    if planning_ is not None:
+        planning_[1].append(choice)
+    elif why:
         note("grouped_matmul", f"lax.ragged_dot on {platform}: {why}")
-        return "ragged_dot", why
-    return ("mosaic_gpu" if platform == "gpu" else "megablox"), ""
+    return choice
+
+
+@contextlib.contextmanager
+def planning(free_axes):
+    """Within it ``grouped_kernel`` takes ``free_axes`` as the mesh axes left to the compiler
+    (for a caller tracing outside the ``shard_map`` the products will run in) and records each
+    ``(kernel, why)`` it answers in the list this yields."""
+    seen: list[tuple[str, str]] = []
+    token = _PLANNING.set((tuple(free_axes), seen))
+    try:
+        yield seen
+    finally:
+        _PLANNING.reset(token)
 
 
 def _real_gpu() -> bool:
