@@ -143,8 +143,8 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
             ``"ragged"`` (only the routed rows travel, ``lax.ragged_all_to_all``, and meet the
             weights, grouped matmuls: ``sk.kernels.grouped_matmul``) over an expert axis, and
             without one where every grouped matmul gets the target's kernel; everything else
-            ``"padded"`` (the static ``(E, S, D)`` buffers); ``"ragged"`` needs ``capacity_factor=None`` and, with an expert axis, a
-            GPU/TPU target; ``expert_fn`` must touch its weights only through matmuls of the
+            ``"padded"`` (the static ``(E, S, D)`` buffers). ``"ragged"`` needs
+            ``capacity_factor=None`` and, with an expert axis, a GPU/TPU target. ``expert_fn`` must touch its weights only through matmuls of the
             rows (casts and transposes of the weights are fine), else ``"auto"`` warns
             (``RaggedFallbackWarning``) and pads.
 

@@ -1,11 +1,19 @@
 """Grouped matmul (``lax.ragged_dot``'s contract: rows ``(M, K)`` sorted into groups, one
-``(K, N)`` weight per group) run by the best kernel of the target (``sk.target_platform()``).
+``(K, N)`` weight per group) run by the best kernel of the target (``sk.target_platform()``):
 
-| platform | kernel |
-|---|---|
-| TPU, rows, K and N multiples of 128, every mesh axis manual | Pallas Megablox (Gale et al. 2023) grouped matmul, ``jax.experimental.pallas.ops.tpu.megablox.gmm``, whose backward is Megablox's too (``gmm`` for the input gradient, ``tgmm`` for the weights') |
-| GPU, 16-bit, K and N multiples of 128, every mesh axis manual | Pallas Mosaic GPU (Hopper) grouped GEMM: ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`` forward and input gradient, ``transposed_ragged_dot_mgpu`` weight gradient on a real GPU (deviceless, a masked product per group: that kernel sizes its grid by ``jax.devices()[0].core_count``, the CPU's in a deviceless compile) |
-| otherwise (CPU, f32, a split left to the compiler) | ``lax.ragged_dot``: XLA:CPU and XLA:GPU expand it to a masked dense product over all ``G`` groups (``G`` times the routed rows' flops and a ``(G, M, K)`` temporary); XLA:TPU lowers its forward to a Mosaic grouped matmul but its weight gradient densely |
+- TPU (rows, K and N multiples of 128): Pallas Megablox (Gale et al. 2023),
+  ``jax.experimental.pallas.ops.tpu.megablox.gmm``, whose backward is Megablox's too (``gmm``
+  for the input gradient, ``tgmm`` for the weights').
+- GPU (16-bit, K and N multiples of 128): the Pallas Mosaic GPU (Hopper) grouped GEMM,
+  ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``, forward and input gradient; the weight
+  gradient by ``transposed_ragged_dot_mgpu`` on a real GPU. That kernel sizes its grid by
+  ``jax.devices()[0].core_count``, which in a deviceless compile is the CPU, so there the weight
+  gradient is a masked product per group (``G · M · K · N · 2`` flops, one group's masked copy
+  of the rows at a time).
+- Otherwise (CPU, f32 on GPU, other widths, a mesh axis left to the compiler):
+  ``lax.ragged_dot``. XLA:CPU and XLA:GPU expand it to a masked dense product over all ``G``
+  groups (``G`` times the routed rows' flops, a ``(G, M, K)`` temporary); XLA:TPU lowers its
+  forward and input gradient to Mosaic grouped matmuls but its weight gradient densely.
 
 The Pallas kernels are per-device programs the SPMD partitioner cannot split, so they run only
 where no mesh axis above size 1 is left to the compiler (inside ``sk.moe``'s shard_map without a
