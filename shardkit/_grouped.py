@@ -93,18 +93,22 @@ def _apply(eqn, ins, kinds, group_sizes):
     if eqn.primitive.name == "dot_general":
         return [(_ROW, _ragged(eqn, ins, group_sizes))]
     inner = _inner_jaxpr(eqn)
-    if inner is not None:  # jit-wrapped helpers (jnp.einsum), custom derivatives: look inside
-        return _eval(inner.jaxpr, [(_CONST, c) for c in inner.consts], ins, group_sizes)
+    if inner is not None:  # jit-wrapped helpers (jnp.einsum), remat, custom derivatives: look inside
+        jaxpr, consts = inner
+        return _eval(jaxpr, [(_CONST, c) for c in consts], ins, group_sizes)
     raise NotGroupable(f"expert_fn applies {eqn.primitive.name} to the token rows and an expert "
                        f"weight together ({eqn.source_info.name_stack or 'top level'}); only matmuls "
                        "of the rows by a weight run grouped")
 
 
 def _inner_jaxpr(eqn):
+    """``(jaxpr, consts)`` of a call-like equation whose inputs are its body's."""
     for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(name)
         if isinstance(j, jcore.ClosedJaxpr):
-            return j
+            return j.jaxpr, j.consts
+        if isinstance(j, jcore.Jaxpr) and len(j.invars) == len(eqn.invars):  # remat's body
+            return j, []
     return None
 
 

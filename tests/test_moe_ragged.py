@@ -51,6 +51,8 @@ def test_grouped_expert_equals_each_expert_on_its_rows():
     fn = jax.jit(lambda p, x: grouped_expert(swiglu_expert, p, x, sizes))
     text = str(jax.make_jaxpr(fn)(p, x))
     assert text.count("ragged_dot_general[") == 3, text
+    remat = jax.jit(lambda p, x: grouped_expert(jax.checkpoint(swiglu_expert), p, x, sizes))
+    assert_close(remat(p, x), fn(p, x))
     got = fn(p, x)
     bounds = np.cumsum([0, *np.asarray(sizes)])
     want = [swiglu_expert(jax.tree.map(lambda a: a[e], p), x[bounds[e]:bounds[e + 1]]) for e in range(4)]
