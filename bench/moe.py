@@ -2,6 +2,7 @@
 and what the router's load-balancing loss does over training.
 
     python bench/moe.py --steps 100      # 8 simulated CPU devices; writes bench/results/moe.json
+    python bench/moe.py --dispatch h100 tpu-v5p   # (d) only, deviceless; writes bench/results/moe_dispatch.json
 
 (a) traffic: the compiled all-to-all bytes of the recipe's train step per device (dispatch +
     combine, forward + backward, every MoE layer) against ``cost.formulas.moe_traffic`` through
@@ -12,7 +13,13 @@ and what the router's load-balancing loss does over training.
 (c) load balance: ``--steps`` steps on ``ep`` (capacity 1.25) with the load-balancing loss at
     weight 0, 0.01 (Switch Transformer's) and 0.1 (``--weights``), reporting on a fixed batch before and after:
     the coefficient of variation of tokens per expert (std/mean over experts, averaged over
-    MoE layers), the busiest expert's share relative to uniform, E·Σf·P, and the drop fraction.
+    MoE layers), the busiest expert's share relative to uniform, E·Σf·P, and the drop fraction;
+(d) dropless dispatch on targets (``--dispatch TARGET...``): one SwiGLU MoE layer's forward +
+    backward (``--tokens`` × ``--experts`` experts, top-``--top-k``, ``--d-model`` →
+    ``--d-ff``, bf16) on ``expert=8`` compiled deviceless for each target, padded vs ragged
+    (``sk.moe(dispatch=...)``): temporaries per device, the dense all-to-all bytes, the
+    ragged-all-to-all operands (the routed rows it may send) and results (the static receive
+    buffer), XLA's dot flops and the kernels' custom calls.
 """
 
 from __future__ import annotations
@@ -35,7 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timed", type=int, default=10, help="timed steps per layout")
     p.add_argument("--weights", type=lambda s: [float(w) for w in s.split(",")], default=[0.0, 0.01, 0.1],
                    help="load-balancing loss weights to train with (comma-separated)")
-    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "moe.json"))
+    p.add_argument("--out", default=None, help="default bench/results/moe.json (moe_dispatch.json with --dispatch)")
+    p.add_argument("--dispatch", nargs="+", metavar="TARGET", help="only (d), for these targets (h100, tpu-v5p)")
+    p.add_argument("--json", action="store_true", help="(d): print the rows as one JSON line")
+    p.add_argument("--forms", nargs="+", default=["padded", "ragged"], choices=["padded", "ragged"],
+                   help="(d): which dispatch forms to compile")
+    for flag, default in (("tokens", 8192), ("experts", 64), ("top-k", 2), ("d-model", 1024), ("d-ff", 4096)):
+        p.add_argument(f"--{flag}", type=int, default=default, help="(d) layer size")
     return p.parse_args(argv)
 
 
@@ -135,8 +148,94 @@ def train_balance(cfg: Config, batches, tokens, steps: int) -> dict:
     return {"before": before, "after": balance(step.model(state), tokens)}
 
 
+def dispatch_rows(target: str, a: argparse.Namespace) -> list[dict]:
+    """(d): one MoE layer's gradients compiled for ``target`` on ``expert=8``, padded and ragged."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from models.transformer.model import swiglu_expert
+    from shardkit.cost import targets
+    from shardkit.cost.hlo import matmul_flops_from_hlo
+
+    mesh, _ = targets.device_mesh(targets.get(target), [("expert", 8)])
+    bf16, E, D, F = jnp.bfloat16, a.experts, a.d_model, a.d_ff
+    put = lambda shape, spec: jax.ShapeDtypeStruct(shape, bf16, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    x, router = put((a.tokens, D), P("expert")), put((D, E), P())
+    w = {"gate": put((E, D, F), P("expert")), "up": put((E, D, F), P("expert")), "down": put((E, F, D), P("expert"))}
+    rows = []
+    for dispatch in a.forms:
+        def loss(x, router, w):
+            y, _ = sk.moe(x, x @ router, swiglu_expert, w, top_k=a.top_k, dispatch=dispatch)
+            return jnp.sum(y.astype(jnp.float32))
+
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(x, router, w).compile()
+        text = compiled.as_text()
+        dense = sum(t.bytes for t in traffic_from_hlo(text, {"expert": 8}) if t.kind == "all-to-all")
+        sent, buffers = ragged_bytes(text)
+        calls = {c: text.count(f'custom_call_target="{c}"') for c in ("mosaic_gpu_v2", "tpu_custom_call")}
+        rows.append({"target": target, "dispatch": dispatch,
+                     "temporaries_mib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 20,
+                     "all_to_all_bytes": dense, "ragged_routed_bytes": sent, "ragged_buffer_bytes": buffers,
+                     "ragged_ops": len(re.findall(r" ragged-all-to-all(?:-start)?\(", text)),
+                     "dot_flops": matmul_flops_from_hlo(text),
+                     "custom_calls": {c: n for c, n in calls.items() if n}})
+    return rows
+
+
+def ragged_bytes(hlo: str) -> tuple[int, int]:
+    """Per device, summed over the program's ragged-all-to-alls: the rows each can carry on its
+    routed side (its smaller buffer: the sorted assignments sent out, or received back home)
+    and its static receive buffers (the larger), in bytes. Async (``-start``) ops list
+    ``((operand, output, offsets...), result)``; sync ones name their operand."""
+    import re
+
+    shape = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+    itemsize = {"bf16": 2, "f16": 2, "f32": 4}
+
+    def size(m):
+        return itemsize[m[0]] * int(np.prod([int(d) for d in m[1].split(",") if d] or [1]))
+
+    defs = dict(re.findall(r"%([\w.\-]+) = ([a-z]+[0-9]*\[[0-9,]*\])", hlo))
+    routed = buffers = 0
+    for line in hlo.splitlines():
+        if m := re.search(r"= \(\((.*?)\), ([^)]*)\) ragged-all-to-all-start\(", line):
+            operand, result = shape.findall(m.group(1))[0], shape.findall(m.group(2))[0]
+        elif m := re.search(r"= (\S+) ragged-all-to-all\(%([\w.\-]+)", line):
+            operand, result = shape.findall(defs[m.group(2)])[0], shape.findall(m.group(1))[0]
+        else:
+            continue
+        routed += min(size(operand), size(result))
+        buffers += max(size(operand), size(result))
+    return routed, buffers
+
+
+def dispatch_table(args) -> int:
+    rows = [r for t in args.dispatch for r in dispatch_rows(t, args)]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"(d) one MoE layer's forward+backward per device, expert=8: {args.tokens} tokens, {args.experts} "
+          f"experts, top-{args.top_k}, SwiGLU {args.d_model}→{args.d_ff}, bf16\n"
+          "| target | dispatch | temporaries (MiB) | all-to-all bytes | ragged-all-to-all routed rows (bytes) | "
+          "ragged receive buffers (bytes) | XLA dot flops | kernel calls |\n|---|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        calls = ", ".join(f"{k}×{v}" for k, v in r["custom_calls"].items()) or "none"
+        print(f"| {r['target']} | {r['dispatch']} | {r['temporaries_mib']:,.0f} | {r['all_to_all_bytes']:,} | "
+              f"{r['ragged_routed_bytes']:,} | {r['ragged_buffer_bytes']:,} | {r['dot_flops']:.3g} | {calls} |")
+    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / "moe_dispatch.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dispatch:
+        return dispatch_table(args)
+    args.out = args.out or str(pathlib.Path(__file__).parent / "results" / "moe.json")
     console = Console(width=150)
     train, _ = data_lib.stdlib_corpus(max_bytes=1 << 22)
     feed = data_lib.Batches(train, BATCH, CFG.seq, seed=0)

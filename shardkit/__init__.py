@@ -22,6 +22,7 @@ from .mesh import make_mesh as make_mesh
 from .mesh import parse_mesh_spec as parse_mesh_spec
 from .mesh import use_cpu_devices as use_cpu_devices
 from .moe import moe as moe
+from .moe import RaggedFallbackWarning as RaggedFallbackWarning
 from .pipeline import pipeline as pipeline
 from .pipeline import pipeline_schedule as pipeline_schedule
 from .pipeline import pipeline_layer_order as pipeline_layer_order

@@ -80,7 +80,7 @@ def vmapping_over(*axes: str) -> Iterator[None]:
         _VMAPPED.reset(token)
 
 
-def block_shard_map(body, *, mesh, axis_names, in_specs, out_specs):
+def block_shard_map(body, *, mesh, axis_names, in_specs, out_specs, check_vma: bool = True):
     """``jax.shard_map`` for a building block manual over ``axis_names`` (its own axis, a
     pipeline's data axes), the rest left to the compiler.
 
@@ -88,11 +88,12 @@ def block_shard_map(body, *, mesh, axis_names, in_specs, out_specs):
     check is off there: jax 0.10.2's batching of the body broadcasts unbatched values without
     casting them to vary over the vmap's axis (nor infers that its outputs do), then rejects
     mixing them. It is a type check only: every block at H=1 under DiLoCo still equals data
-    parallelism (tests/test_diloco.py).
+    parallelism (tests/test_diloco.py). ``check_vma=False`` turns it off for a body that calls
+    Pallas kernels, whose outputs carry no varying axes (``sk.moe``'s grouped matmuls).
     """
     mapped = vmapped_axes()
     return jax.shard_map(body, mesh=mesh, axis_names=set(axis_names) | mapped, in_specs=in_specs,
-                         out_specs=out_specs, check_vma=not mapped)
+                         out_specs=out_specs, check_vma=check_vma and not mapped)
 
 
 def backend_started() -> bool:

@@ -39,9 +39,18 @@ Buffers and traffic. The all-to-all buffers are static: ``E · S`` rows per devi
 tokens`` rows, so dispatch + combine, forward and backward move ``4 · c · k · tokens · D ·
 bytes · (n-1)/n`` per device (``cost.formulas.moe_traffic``). Dropless pads every expert to
 the worst case (all of a device's tokens): ``E/k`` times the capacity-1 buffers, traffic and
-expert flops. ``lax.ragged_all_to_all`` would send only the routed rows, but XLA:CPU does not
-implement it (jax 0.10.2: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), and the
-user's ``expert_fn`` needs static shapes anyway.
+expert flops. That padded form is the CPU path (XLA:CPU has no ragged-all-to-all: "HLO opcode
+ragged-all-to-all is not supported by XLA:CPU") and the reference of the ragged one.
+
+Dropless on GPU and TPU targets (``dispatch="auto"``, by ``sk.target_platform()``, the
+platform compiled for) sends only the routed rows: assignments sorted by expert, counts
+exchanged with an all_to_all, rows to their experts' devices and back with
+``lax.ragged_all_to_all``, and the experts as grouped matmuls (``_moe_ragged.py``;
+``kernels.grouped``: Megablox on TPU, a Mosaic GPU grouped GEMM on H100s). ``expert_fn`` is
+re-evaluated with the stacked weights (``_grouped.py``): it must touch them only through
+matmuls of the rows. The receive buffer is static, the worst case ``n · tokens · min(k, E/n)``
+rows, but the collectives carry the ``k · tokens`` routed rows (BENCHMARKS.md, "Mixture of
+experts", (d)).
 
 Auxiliary outputs (``aux``): ``load_balance`` = E · Σ_i f_i · P_i (Switch Transformer eq. 4,
 with f_i the share of the N·k assignments routed to expert i and P_i the mean router
@@ -53,6 +62,7 @@ Zoph et al. 2022), ``dropped_fraction`` (of the N·k assignments) and ``tokens_p
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -61,10 +71,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ._grouped import NotGroupable, grouped_expert
+from ._moe_ragged import ragged_dispatcher, receive_rows
 from .mesh import block_shard_map, vmapped_axes
 from ._axes import claim_axes
+from .kernels.grouped import planning
 from .plan import note
 from .rules import path_str
+from .xla import target_platform
 
 _DATA_LIKE = ("replica", "data", "fsdp")  # as Plan's default batch axes
 F32 = jnp.float32
@@ -101,7 +115,8 @@ def _placement(mesh, axis: str, batch_axes, manual, E: int, lead: tuple, g: int 
 def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Array], jax.Array],
         expert_params: Any, *, top_k: int = 2, capacity_factor: float | None = None,
         axis: str = "expert", renormalize: bool = True, group_size: int | None = None,
-        batch_axes: str | tuple[str, ...] | None = None, mesh: Any = None) -> tuple[jax.Array, dict]:
+        batch_axes: str | tuple[str, ...] | None = None, mesh: Any = None,
+        dispatch: str = "auto") -> tuple[jax.Array, dict]:
     """Routes each token to its ``top_k`` experts and returns the gate-weighted sum of their outputs.
 
     Args:
@@ -124,6 +139,14 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
             default: the active plan's batch axes, else the mesh's ``replica``/``data``/
             ``fsdp`` (those of size > 1 not already manual); ``()`` keeps them with the compiler.
         mesh: defaults to the ambient mesh (``jax.set_mesh``, as inside ``sk.train_step``).
+        dispatch: ``"auto"``: dropless on a GPU or TPU target (``sk.target_platform()``) runs
+            ``"ragged"`` (only the routed rows travel, ``lax.ragged_all_to_all``, and meet the
+            weights, grouped matmuls: ``sk.kernels.grouped_matmul``) over an expert axis, and
+            without one where every grouped matmul gets the target's kernel; everything else
+            ``"padded"`` (the static ``(E, S, D)`` buffers). ``"ragged"`` needs
+            ``capacity_factor=None`` and, with an expert axis, a GPU/TPU target. ``expert_fn`` must touch its weights only through matmuls of the
+            rows (casts and transposes of the weights are fine), else ``"auto"`` warns
+            (``RaggedFallbackWarning``) and pads.
 
     Returns:
         ``(y, aux)``: ``y`` of ``x``'s leading shape + ``(Do,)`` in ``x``'s dtype; ``aux`` a
@@ -133,7 +156,8 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     Raises:
         ValueError: router logits of the wrong shape, ``top_k`` not in ``1..E``, expert params
             without a leading ``E`` dimension, ``E`` or the tokens not divisible by the mesh
-            axes, a bad ``capacity_factor``/``group_size``, or ``axis`` already manual.
+            axes, a bad ``capacity_factor``/``group_size``/``dispatch``, or ``axis`` already
+            manual.
     """
     lead = x.shape[:-1]
     E = _check_shapes(x, router_logits, expert_params, top_k)
@@ -147,16 +171,26 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
     x_NxD = x.reshape(N, x.shape[-1])
     out = _out_dim(expert_fn, expert_params, x_NxD)
-    local = _dispatcher(expert_fn, E, n, top_k, capacity_factor, g, axis, out, renormalize)
+    n_tok = math.prod(dict(mesh.shape)[a] for a in tok_axes) if tok_axes else 1
+    free = [a for a, s in ({} if mesh is None else dict(mesh.shape)).items()
+            if s > 1 and a not in tok_axes and a not in manual]
+    ragged = _ragged(dispatch, capacity_factor, n, bool(manual), expert_fn, expert_params, x_NxD,
+                     rows=receive_rows(N // n_tok, top_k, E, n) if n > 1 else N // n_tok * top_k, free=free)
+    if ragged:
+        local = ragged_dispatcher(expert_fn, E, n, top_k, axis, out, renormalize)
+    else:
+        local = _dispatcher(expert_fn, E, n, top_k, capacity_factor, g, axis, out, renormalize)
     note("moe", {"experts": E, "top_k": top_k, "axis": axis, "axis_size": n, "token_axes": tok_axes,
-                 "capacity_factor": capacity_factor, "group_size": g, "nested": bool(manual)})
+                 "capacity_factor": capacity_factor, "group_size": g, "nested": bool(manual),
+                 "dispatch": "ragged" if ragged else "padded"})
     if not tok_axes:
         y_NxD, idx_NxK, keep_NxK = local(x_NxD, probs_NxE, expert_params)
     else:
         tok = P(tok_axes if len(tok_axes) > 1 else tok_axes[0])
         wspecs = jax.tree.map(lambda _: P(axis) if n > 1 else P(), expert_params)
+        # The grouped matmuls' Pallas kernels type no varying axes on their outputs.
         shard = block_shard_map(local, mesh=mesh, axis_names=tok_axes, in_specs=(tok, tok, wspecs),
-                                out_specs=(tok, tok, tok))
+                                out_specs=(tok, tok, tok), check_vma=not ragged)
         y_NxD, idx_NxK, keep_NxK = shard(x_NxD, probs_NxE, expert_params)
     routed_E = jnp.sum(jax.nn.one_hot(idx_NxK, E, dtype=F32), axis=(0, 1))
     aux = {
@@ -166,6 +200,50 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
         "tokens_per_expert": routed_E,
     }
     return y_NxD.reshape(lead + (out[0],)), aux
+
+
+class RaggedFallbackWarning(UserWarning):
+    """Dropless ``sk.moe`` on a GPU/TPU target padded its buffers: ``expert_fn`` cannot run as
+    grouped matmuls (the message names the operation)."""
+
+
+def _ragged(dispatch, capacity_factor, n, nested, expert_fn, expert_params, x_NxD, *, rows: int,
+            free: list[str]) -> bool:
+    """Whether the ragged dispatch runs (``moe``'s ``dispatch`` argument). ``"auto"`` takes it
+    on a GPU/TPU target when an expert axis splits the experts (the routed rows travel, not
+    ``E/k`` times them) or, without one, when every grouped matmul gets the target's kernel
+    (where ``lax.ragged_dot`` would expand densely over the experts, padding is cheaper)."""
+    if dispatch not in ("auto", "padded", "ragged"):
+        raise ValueError(f"moe: dispatch={dispatch!r} must be 'auto', 'padded' or 'ragged'")
+    platform = target_platform()
+    if dispatch == "ragged":
+        if capacity_factor is not None:
+            raise ValueError("moe: dispatch='ragged' is dropless; pass capacity_factor=None (or "
+                             "dispatch='padded' to keep the capacity)")
+        if n > 1 and platform not in ("gpu", "tpu"):
+            raise ValueError(f"moe: dispatch='ragged' over an expert axis of size {n} needs a GPU or TPU "
+                             f"target (XLA:{platform.upper()} has no ragged-all-to-all); trace for one "
+                             "(sk.cost target=) or use dispatch='auto'")
+    elif dispatch == "padded" or capacity_factor is not None or nested or platform not in ("gpu", "tpu"):
+        return False
+    buffer = jax.ShapeDtypeStruct((rows, x_NxD.shape[-1]), x_NxD.dtype)
+    try:
+        with planning(free) as kernels:
+            jax.eval_shape(lambda p, r: grouped_expert(expert_fn, p, r, jnp.zeros(
+                jax.tree.leaves(p)[0].shape[0], jnp.int32)), expert_params, buffer)
+    except NotGroupable as err:
+        if dispatch == "ragged":
+            raise ValueError(f"moe: dispatch='ragged': {err}") from err
+        why = f"dropless sk.moe pads every expert's buffer on {platform}: {err}"
+        warnings.warn(why, RaggedFallbackWarning, stacklevel=4)
+        note("moe_fallback", why)
+        return False
+    dense = [why for kernel, why in kernels if kernel == "ragged_dot"]
+    if dispatch == "auto" and n == 1 and dense:
+        note("moe_fallback", f"dropless sk.moe pads on {platform}: without an expert axis the ragged "
+                             f"form only pays with the grouped-matmul kernel, and {dense[0]}")
+        return False
+    return True
 
 
 def expert_capacity(group_size: int, top_k: int, experts: int, capacity_factor: float | None) -> int:

@@ -156,6 +156,11 @@ def check(name: str, case: Case, report, target: str) -> None:
         assert roles["expert-all-to-all"] > 0, roles
         if shape == {"expert": shape["expert"]}:  # pure EP: expert weights stay where they live
             assert axis_bytes(report, "all-gather", "expert") == 0, report.traffic
+        if case.cfg.moe_capacity is None:
+            # Dropless: the routed rows go by ragged-all-to-all (sk.moe's ragged dispatch); the
+            # dense all-to-alls carry only per-expert counts and offsets, no padded buffers.
+            ragged = axis_bytes(report, "ragged-all-to-all", "expert")
+            assert ragged > 0 and axis_bytes(report, "all-to-all", "expert") < ragged / 10, report.traffic
     if shape.get("context", 1) > 1:
         if "pipe" in shape:
             # Nested in a pipeline stage the blockwise attention leaves moving K/V to the
