@@ -134,9 +134,11 @@ def _export(step, state, batch, platform: str = "cpu") -> jax.export.Exported:
 
     fn = jax.jit(flat, in_shardings=([x.sharding for x in state_leaves], [x.sharding for x in batch_leaves]),
                  out_shardings=([x.sharding for x in state_leaves], step.plan.sharding(metrics)))
-    # Pallas Triton kernels (sk.attention on a GPU target) are custom calls jax.export does
-    # not promise to keep stable across versions; the module is compiled at once by this jax.
-    unstable = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    # Pallas Triton kernels (sk.attention on a GPU target) and ragged all-to-alls (sk.moe's
+    # dropless dispatch on a target) are custom calls jax.export does not promise to keep
+    # stable across versions; the module is compiled at once by this very jax.
+    unstable = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+                jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
     with _on(step.plan):
         return jax.export.export(fn, platforms=[platform], disabled_checks=unstable)(state_leaves, batch_leaves)
 
