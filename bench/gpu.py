@@ -93,7 +93,9 @@ def run_gpu_tests(dry: bool, select: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         xml = pathlib.Path(tmp) / "junit.xml"
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+        # one process (-n 0): the suite's two xdist workers would each start JAX (seconds on
+        # CPU) and on a GPU machine would share the one device
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "-p", "no:cacheprovider",
                                *(["-k", select] if select else []), f"--junitxml={xml}",
                                str(ROOT / "tests" / "test_gpu.py")],
                               cwd=ROOT, env=env, capture_output=True, text=True)
