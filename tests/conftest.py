@@ -24,19 +24,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # code is, so they compile at LLVM -O0: about a third less compile time, same programs. Set
 # here, before JAX starts, and inherited by every worker and subprocess of the session.
 _FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
-# One LLVM module per program (XLA:CPU splits it into parallel codegen units by default: on 2
-# cores shared by two workers that costs more than it saves) and XLA:CPU's classic runtime
-# compile the same program — collectives, bytes, flops and buffer assignment identical on the
-# recipe's layouts — in about a quarter fewer CPU seconds (tests/test_context.py: 57 -> 43 CPU
-# s, 2026-11-27). (`--xla_cpu_use_fusion_emitters=false` would save another quarter but changes
-# XLA:CPU's fusions and so its temporaries: the estimate-vs-compiled tests must see the compiler
-# users get.) XLA aborts on a flag it does not know, so these are set only for the jaxlib they
-# were measured with (the test extras pin jax 0.10.2).
+# One LLVM module per program: XLA:CPU splits each program into parallel codegen units by
+# default, which on 2 cores shared by two workers costs more than it saves. The same program
+# (collectives, bytes, flops and buffer assignment identical on the recipe's layouts) in about
+# a fifth fewer CPU seconds (tests/test_context.py: 57 -> 46 CPU s, 2026-11-27).
+# (`--xla_cpu_use_fusion_emitters=false` would save another quarter but changes XLA:CPU's
+# fusions and so its temporaries: the estimate-vs-compiled tests must see the compiler users
+# get.) XLA aborts on a flag it does not know, so this is set only for the jaxlib it was
+# measured with (the test extras pin jax 0.10.2).
 try:
     from importlib.metadata import version as _version
 
     if _version("jaxlib").startswith("0.10."):
-        _FAST_COMPILE += ["--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_thunk_runtime=false"]
+        _FAST_COMPILE += ["--xla_cpu_parallel_codegen_split_count=1"]
 except ImportError:  # pragma: no cover — jaxlib is a dependency of jax
     pass
 os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
@@ -67,6 +67,10 @@ FAST_CASES = {
 # (BENCHMARKS.md, "Test suite time", lists why each is redundant): deselected unless
 # `--extended` is given. The target sweeps mark theirs in tests/target_sweep.py.
 EXTENDED_CASES: dict[str, set[str]] = {
+    # The ResNet recipe's interrupted run resumed on two processes: the same launch, restore and
+    # batch-order path as the transformer case, which stays; the ResNet's own state (BatchNorm
+    # statistics) is restored bit for bit in test_resnet.py::test_checkpoint_resume_is_bit_identical.
+    "test_recipe_data.py::test_interrupted_on_one_process_resumes_on_two": {"resnet"},
     # Three recipe runs (~1 min on 2 cores); the conversions themselves run in the default lane.
     "test_diloco_convert.py::test_recipe_warm_starts_diloco_from_a_dp_checkpoint": {"dp-diloco-dp"},
     # Compositions of paths the sweep checks one by one (dp_pp_tp_zb stays as the composition),
