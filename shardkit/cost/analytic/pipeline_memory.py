@@ -1,7 +1,7 @@
 """What ``sk.pipeline`` holds at its peak on XLA:GPU and XLA:TPU, read off the jaxprs its trace
 note keeps for a target's estimate (``plan.detailed_notes``): one backward op's liveness (the
 chunk's recomputed forward and its VJP), GPipe's per-tick residuals, and what the loss leaves
-for the loss params' gradient matmuls. ``fromstep`` feeds these to ``pipeline``'s formulas;
+for the loss params' gradient matmuls. ``from_step`` feeds these to ``pipeline``'s formulas;
 each function takes its ``_Step`` (the step's leaves, sizes and traced program).
 """
 
@@ -11,10 +11,10 @@ import math
 
 import jax
 
-from .pipeline import pipeline_buffers, pipeline_ticks
-from .program import jaxpr_peak
-from .shapes import tokens_in
-from .stepleaves import itemsize, n_tensor_of
+from .pipeline_cost import pipeline_buffers, pipeline_ticks
+from ..program.reader import jaxpr_peak
+from ..terms import tokens_in
+from .leaf_sizes import itemsize, n_tensor_of
 
 
 def gpipe_backward(s, act_carried: float, g_comp: float) -> float:

@@ -1,5 +1,5 @@
-"""What ``sk.pipeline`` costs per device, for the step estimate (``fromstep``) and the
-analytic model (``formulas``): its schedule's ticks and bubble, the buffers it holds beside the
+"""What ``sk.pipeline`` costs per device, for the step estimate (``from_step``) and the
+analytic model (``from_shape``): its schedule's ticks and bubble, the buffers it holds beside the
 saved residuals, the explicit-backward loop's working set and recompute, and the collectives it
 issues. Everything is read off its trace note (``plan.note("pipeline", ...)``), the schedule
 table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothing is compiled.
@@ -7,7 +7,7 @@ table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothi
 
 from __future__ import annotations
 
-from ..pipeline import schedules as sched
+from ...pipeline import schedules as sched
 
 
 def schedule_table(note: dict) -> sched.Schedule:
@@ -113,7 +113,7 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     At its peak the tick holds either a second copy of the switch's operands (XLA copies a
     loop-carried value into the conditional that updates it, and back) or, inside a backward
     op, ``op_peak`` beside them: the liveness peak of the chunk's recomputed forward and its
-    VJP for one microbatch (``pipememory`` reads it off the jaxpr the trace note keeps: the
+    VJP for one microbatch (``pipeline_memory`` reads it off the jaxpr the trace note keeps: the
     layers' saved inputs, one layer's recomputed intermediates with their cotangents, the
     chunk's weight gradients), the branch's new loss-params accumulator and ``chunk_weights``:
     the chunk's compute-dtype weights once more, as the layer scan's loop carries them (XLA
@@ -165,7 +165,7 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
                      act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
     """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and
     ``counts`` by role: the one formula set both estimators use, fed by a ``ModelShape``
-    (``formulas.estimate``) or by a real step's leaf sums (``fromstep``).
+    (``from_shape.estimate``) or by a real step's leaf sums (``from_step``).
 
     Args:
         pipe: the pipeline's note (stages, microbatches, repeats, schedule; ``data_axes``:

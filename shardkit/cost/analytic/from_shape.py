@@ -1,6 +1,6 @@
 """The cost model fed by a ``ModelShape``: per-device memory, collective bytes and flops of a
 layout (``estimate``), counted from the model's sizes and handed to the per-role formulas in
-``roles`` (which ``fromstep`` feeds from a real step); ``steptime`` turns them into seconds.
+``roles`` (which ``from_step`` feeds from a real step); ``steptime`` turns them into seconds.
 ``sk.cost`` is the public face.
 
 Sources: ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054),
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ..precision import Precision
-from . import hardware as hw_lib
-from .pipeline import (is_explicit, layout_note, pipeline_ticks, pipeline_traffic, recompute_factor,
+from ...precision import Precision
+from .. import hardware as hw_lib
+from .pipeline_cost import (is_explicit, layout_note, pipeline_ticks, pipeline_traffic, recompute_factor,
                        schedule_table)
 from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic, step_temporaries,
                     tensor_traffic, zero_state)
-from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
+from ..terms import ROLES, Estimate, Layout, ModelShape, model_shape
 from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
@@ -253,7 +253,7 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
             col[role] = col.get(role, 0.0) + m * L_dev * nbytes
     if lo.pipe > 1:
         # Activations cross the pipe in the compute dtype (the hardware table holds accelerators;
-        # only XLA:CPU needs f32 there, which ``fromstep`` reads off a real step); sequence
+        # only XLA:CPU needs f32 there, which ``from_step`` reads off a real step); sequence
         # parallelism shards them over ``tensor``.
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
         pipeline_traffic(col, counts, s.pipe_note, stage=s.p_layers, rest=p_dev - s.p_layers, tied=tied,

@@ -172,22 +172,22 @@ class Layout:
         sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
         context: context-parallel axis size (``sk.context_attention``): the sequence is split
             over it, so activations shrink as T/context and each attention layer moves K/V
-            around it (``formulas.context_traffic``); between fsdp and tensor in the mesh.
+            around it (``from_shape.context_traffic``); between fsdp and tensor in the mesh.
         expert: expert-parallel axis size (``sk.moe``): expert weights are split over it and
             the batch too (a data axis for every other weight); each MoE layer moves its
-            tokens to their experts and back (``formulas.moe_traffic``); between fsdp and
+            tokens to their experts and back (``from_shape.moe_traffic``); between fsdp and
             context in the mesh.
         replica, diloco_every: DiLoCo (``sk.DiLoCo``): ``replica`` copies of the layout
             above, outermost in the mesh (across the slow link), each training on 1/replica of
             the batch and syncing over ``replica`` once every ``diloco_every`` steps: one f32
             all-reduce of its shard of the parameters (the outer update's layout), amortised
-            over the interval and fully exposed (``formulas.diloco_terms``).
+            over the interval and fully exposed (``from_shape.diloco_terms``).
         keep_residuals: ``"1f1b"`` / ``"interleaved-1f1b"`` run as Megatron-LM and PyTorch's
             pipelining run them, not as ``sk.pipeline`` does: every in-flight microbatch keeps
             its residuals and the backward does not recompute the forward (no recompute flops,
             no stage-input rings), ZeRO-3/FSDP weights are gathered once per step and kept (no
             resharding after the forward), and the stage's gradients accumulate in one f32
-            buffer (``formulas._memory``). ``sk.pipeline`` keeps the residuals with ``keep="all"``; its
+            buffer (``from_shape._memory``). ``sk.pipeline`` keeps the residuals with ``keep="all"``; its
             weights and gradient buffers are still as the other explicit layouts'.
     """
 

@@ -3,7 +3,7 @@
 Everything here is bookkeeping on specs and abstract shapes (plus one abstract trace of the
 loss for its saved residuals); nothing is compiled. ``sk.cost.estimate_for_step`` is the
 public entry point; ``step.explain()`` compares it with the compiled program. The per-leaf
-accounting is ``stepleaves``; the per-role formulas ``roles`` and ``pipeline``.
+accounting is ``leaf_sizes``; the per-role formulas ``roles`` and ``pipeline``.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import math
 import jax
 import numpy as np
 
-from ..rules import entry_axes
-from . import hardware as hw_lib
-from .shapes import ROLES, Estimate, Layout, tokens_in
+from ...rules import entry_axes
+from .. import hardware as hw_lib
+from ..terms import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
-from .pipememory import backward_op_peak, gpipe_backward, n_tensor_stacked
-from .program import ProgramReading, read_program
+from .pipeline_memory import backward_op_peak, gpipe_backward, n_tensor_stacked
+from ..program.reader import ProgramReading, read_program
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
-from . import xla_gpu
-from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
+from . import gpu_combining
+from .pipeline_cost import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
                        pipeline_traffic, recompute_factor)
-from .stepleaves import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
+from .leaf_sizes import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
                          n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
 
 
@@ -238,7 +238,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         gather_ops = m * sum(u for u, st, c in zip(uses, stored, comp) if st < c) if not pipe else 2 * m * lv.layers
         zero12_ops = 1
         if s.platform == "gpu" and not pipe:  # XLA:GPU combines them
-            reduce_ops, gather_ops, zero12_ops = xla_gpu.data_ops(
+            reduce_ops, gather_ops, zero12_ops = gpu_combining.data_ops(
                 lv, step.layout.zero_specs, uses, reading, zero=zero, microbatches=m, grad_bytes=s.bg, wire=s.wire)
         data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
@@ -248,14 +248,14 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                      bg=s.bg, wire=s.wire, bp=s.bp)
         # Reductions over the rows the rest of the pass reads back (a MoE load-balancing loss's
         # expert counts, BatchNorm's batch statistics): all-reduces of their own, before the
-        # gradients exist, one op per link of their longest chain (``syncs``); grad-reduce in
+        # gradients exist, one op per link of their longest chain (``row_syncs``); grad-reduce in
         # the compile.
         syncs, sync_bytes = reading.row_syncs
         col["grad-reduce"] += m * sync_bytes
         counts["grad-reduce"] += m * syncs
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
     # parallelism the traced program's tensor-split contractions give the reductions; with them,
-    # Megatron's per-use count (``stepleaves.tensor_uses``).
+    # Megatron's per-use count (``leaf_sizes.tensor_uses``).
     fwd, bwd, regions, tables, n_tables = (tensor_uses(plan, lv, lookup, tied, pipe, sp) if (pipe or sp)
                                            else (0.0,) * 5)
     tensor_traffic(col, counts, forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),

@@ -1,4 +1,4 @@
-"""Per-leaf accounting for the step estimate (``fromstep``): what each parameter leaf of a real
+"""Per-leaf accounting for the step estimate (``from_step``): what each parameter leaf of a real
 ``sk.train_step`` occupies on one device under its resolved spec (stored, ZeRO shard, the
 gathered copy a device computes with), the arguments' memory, the residuals the backward keeps,
 and the tensor-parallel uses of the weights (Megatron's per-use count).
@@ -13,9 +13,9 @@ import math
 import jax
 import numpy as np
 
-from ..plan import shard_shape
-from ..rules import entry_axes
-from .pipeline import is_explicit, pipelined_uses
+from ...plan import shard_shape
+from ...rules import entry_axes
+from .pipeline_cost import is_explicit, pipelined_uses
 from .roles import zero_state
 
 

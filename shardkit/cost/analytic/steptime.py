@@ -1,7 +1,7 @@
 """Step time of a layout: collective times over the links a mesh axis spans, and the
 achievable-efficiency model (matmul efficiency below peak, exposed communication, latency,
-memory-bound kernels) that turns flops and collective bytes into seconds. ``formulas.estimate``
-and ``fromstep`` call ``times``.
+memory-bound kernels) that turns flops and collective bytes into seconds. ``from_shape.estimate``
+and ``from_step`` call ``times``.
 
 Sources: ring collective times and link regimes from the JAX scaling book ("How to Scale Your
 Model"); the efficiency constants from published runs (``Efficiency``), checked against other
@@ -15,12 +15,12 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from . import hardware as hw_lib
-from .pipeline import layout_note, pipeline_bubble
+from .. import hardware as hw_lib
+from .pipeline_cost import layout_note, pipeline_bubble
 from .roles import grads_on_shard
 
 if TYPE_CHECKING:
-    from .shapes import Layout, ModelShape
+    from ..terms import Layout, ModelShape
 
 # Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
 # ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
@@ -131,7 +131,7 @@ def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, gl
     (``remat`` "full" or "dots") runs the forward kernels again: 3 or 4 forward passes in all.
     The loss reads and writes f32 logits ~4 times (16·V/t bytes per token, vocabulary-parallel),
     spread over the pipeline stages like the head's flops. Pass the result to
-    ``times(..., memory_seconds=)``; ``formulas.estimate`` does so for every transformer
+    ``times(..., memory_seconds=)``; ``from_shape.estimate`` does so for every transformer
     ``ModelShape`` (its ``gated``, ``flash_attention`` and ``dropout`` say which kernels run).
 
     Args:
