@@ -25,24 +25,21 @@ XLA:GPU (deviceless H100) compile.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import re
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-import shardkit as sk  # noqa: E402
-from shardkit import cost  # noqa: E402
-
 _TIMING = re.compile(r"^export [0-9.]+ s; subprocess")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the analytic part only (no compile)")
+    ap.add_argument("--no-gpu", action="store_true", help="leave out the XLA:GPU (deviceless H100) compile")
+    return ap.parse_args(argv)
 
 
 def _plain(x):
@@ -74,27 +71,29 @@ def report_figures(report) -> dict:
     return d
 
 
-L = cost.Layout
-ANALYTIC_LAYOUTS = [
-    L(data=64, zero=0), L(data=64, zero=1), L(data=64, zero=2), L(data=64, zero=3),
-    L(data=8, fsdp=8, zero=1), L(data=8, fsdp=8, zero=3), L(data=8, tensor=8, zero=1),
-    L(data=8, tensor=8, zero=1, sequence_parallel=True), L(data=16, tensor=4, zero=2, remat="full"),
-    L(data=16, tensor=4, zero=1, remat="dots", microbatches=4),
-    L(data=8, pipe=4, zero=1, microbatches=8), L(data=8, pipe=4, zero=1, microbatches=8, schedule="1f1b"),
-    L(data=8, pipe=4, zero=1, microbatches=8, schedule="circular", repeats=2),
-    L(data=8, pipe=4, zero=1, microbatches=8, schedule="interleaved-1f1b", repeats=2),
-    L(data=8, pipe=4, zero=1, microbatches=8, schedule="zb-h1"),
-    L(data=4, pipe=4, tensor=4, zero=1, microbatches=16, schedule="1f1b", keep_residuals=True),
-    L(data=2, fsdp=2, tensor=2, pipe=8, zero=3, microbatches=8),
-    L(data=16, context=4, zero=1), L(data=16, expert=4, zero=1),
-    L(data=16, tensor=4, zero=1, replica=2, diloco_every=50),
+def analytic_layouts() -> list:
+    L = cost.Layout
+    return [
+        L(data=64, zero=0), L(data=64, zero=1), L(data=64, zero=2), L(data=64, zero=3),
+        L(data=8, fsdp=8, zero=1), L(data=8, fsdp=8, zero=3), L(data=8, tensor=8, zero=1),
+        L(data=8, tensor=8, zero=1, sequence_parallel=True), L(data=16, tensor=4, zero=2, remat="full"),
+        L(data=16, tensor=4, zero=1, remat="dots", microbatches=4),
+        L(data=8, pipe=4, zero=1, microbatches=8), L(data=8, pipe=4, zero=1, microbatches=8, schedule="1f1b"),
+        L(data=8, pipe=4, zero=1, microbatches=8, schedule="circular", repeats=2),
+        L(data=8, pipe=4, zero=1, microbatches=8, schedule="interleaved-1f1b", repeats=2),
+        L(data=8, pipe=4, zero=1, microbatches=8, schedule="zb-h1"),
+        L(data=4, pipe=4, tensor=4, zero=1, microbatches=16, schedule="1f1b", keep_residuals=True),
+        L(data=2, fsdp=2, tensor=2, pipe=8, zero=3, microbatches=8),
+        L(data=16, context=4, zero=1), L(data=16, expert=4, zero=1),
+        L(data=16, tensor=4, zero=1, replica=2, diloco_every=50),
 ]
 
 
 def analytic() -> None:
+    L = cost.Layout
     for model in ("1b", "7b"):
         for hw in ("h100", "tpu-v5p"):
-            for lo in ANALYTIC_LAYOUTS:
+            for lo in analytic_layouts():
                 try:
                     e = cost.estimate(model, lo, hw, global_batch=256)
                 except Exception as err:  # noqa: BLE001 — a refusal is part of the fingerprint
@@ -112,7 +111,7 @@ def analytic() -> None:
     emit("weak_scaling", cost.weak_scaling("1b", L(tensor=8, zero=1), "h100", per_device_batch=2))
 
 
-def compiled() -> None:
+def compiled(gpu: bool) -> None:
     import families as F
     import jax.numpy as jnp
     import optax
@@ -155,14 +154,29 @@ def compiled() -> None:
                                               "mesh": "data=4,fsdp=2,tensor=2", "zero": 3}]
     for i, r in enumerate(sk.cost.simulate_many(jobs, target="cpu", estimate=True)):
         emit(f"simulate_many cpu {i}", report_figures(r))
-    if "--no-gpu" not in sys.argv:  # XLA:GPU deviceless: the estimate re-timed on the compiled figures
+    if gpu:  # XLA:GPU deviceless: the estimate re-timed on the compiled figures
         step, state, batch = F.build("mlp", "data=8", 1)
         jobs = [(step, state, batch, "data=8"), (step, state, batch, "data=4,tensor=2")]
         for i, r in enumerate(sk.cost.simulate_many(jobs, target="h100", estimate=True)):
             emit(f"simulate_many h100 {i}", report_figures(r))
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
+    global jax, sk, cost
+    a = parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.join(here, "..", "tests"), os.path.join(here, "..")]
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import shardkit as sk
+    from shardkit import cost
+
     analytic()
-    if "--quick" not in sys.argv:
-        compiled()
+    if not a.quick:
+        compiled(gpu=not a.no_gpu)
+
+
+if __name__ == "__main__":
+    main()
