@@ -21,9 +21,18 @@ DECODER_SIZES: dict[str, dict] = {
     "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
+# Every collective role, in the order an estimate lists them: the one list; the others below
+# are derived from it.
 ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
          "pipe-relayout", "expert-all-to-all", "replica-reduce", "context-permute", "context-gather",
          "context-reduce")
+# What one step runs, which ``steptime`` times: all but DiLoCo's outer sync (``replica-reduce``
+# runs as its own program every ``diloco_every`` steps, timed apart).
+STEP_ROLES = tuple(r for r in ROLES if r != "replica-reduce")
+# What ``sk.Report.roles()`` reads off a compiled program by the mesh axes a collective spans: a
+# step's roles but ``context-reduce`` (a reduction over ``context`` is the weights' gradients
+# reduced there, read as ``grad-reduce``), and ``other`` for what no role explains.
+COMPILED_ROLES = tuple(r for r in STEP_ROLES if r != "context-reduce") + ("other",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from .. import hardware as hw_lib
 from .pipeline_cost import layout_note, pipeline_bubble
+from ..terms import STEP_ROLES
 from .roles import grads_on_shard
 
 if TYPE_CHECKING:
@@ -234,16 +235,17 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
         on_shard = grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) or lo.fsdp > 1
         grad = (("reduce-scatter" if on_shard else "all-reduce", both, 1.0),)
     gather_axes = both if lo.zero == 3 else ("fsdp",) if lo.fsdp > 1 else ("data",)
-    return {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
-            "tensor-reduce": (("reduce-scatter" if lo.sequence_parallel else "all-reduce", ("tensor",), 1.0),),
-            "tensor-gather": (("all-gather", ("tensor",), 1.0),),
-            "pipe-permute": (("permute", ("pipe",), 1.0),),
-            "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
-            "pipe-relayout": (("all-to-all", ("pipe",), 1.0),),
-            "expert-all-to-all": (("all-to-all", ("expert",), 1.0),),
-            "context-permute": (("permute", ("context",), 1.0),),
-            "context-gather": (("all-gather", ("context",), 1.0),),
-            "context-reduce": (("reduce-scatter", ("context",), 1.0),)}
+    stages = {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
+              "tensor-reduce": (("reduce-scatter" if lo.sequence_parallel else "all-reduce", ("tensor",), 1.0),),
+              "tensor-gather": (("all-gather", ("tensor",), 1.0),),
+              "pipe-permute": (("permute", ("pipe",), 1.0),),
+              "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
+              "pipe-relayout": (("all-to-all", ("pipe",), 1.0),),
+              "expert-all-to-all": (("all-to-all", ("expert",), 1.0),),
+              "context-permute": (("permute", ("context",), 1.0),),
+              "context-gather": (("all-gather", ("context",), 1.0),),
+              "context-reduce": (("reduce-scatter", ("context",), 1.0),)}
+    return {role: stages[role] for role in STEP_ROLES}
 
 
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,

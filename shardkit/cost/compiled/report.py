@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..terms import COMPILED_ROLES
 from .hlo import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic, _shape_bytes,
                   collectives_from_hlo as collectives_from_hlo,
                   matmul_flops_from_hlo as matmul_flops_from_hlo,
@@ -135,14 +136,14 @@ class Report:
         ``expert`` axis), ``other`` (the rest, e.g.
         permutes XLA adds to reorder blocks between two shardings: nothing the estimate
         models, so ``comparison()`` lists it whenever it is not zero)."""
-        out = dict.fromkeys(_ROLES, 0.0)
+        out = dict.fromkeys(COMPILED_ROLES, 0.0)
         for role, t in self._with_roles():
             out[role] += t.operand_bytes if role in ("pipe-reduce", "grad-reduce", "tensor-reduce") else t.bytes
         return out
 
     def role_counts(self) -> dict[str, int]:
         """Executed collectives by role (as ``roles()`` names them), through loops."""
-        out = dict.fromkeys(_ROLES, 0)
+        out = dict.fromkeys(COMPILED_ROLES, 0)
         for role, t in self._with_roles():
             out[role] += t.count
         return out
