@@ -313,6 +313,40 @@ def test_pipeline_override_and_bubble():
     assert more.time["bubble"] < auto.time["bubble"]
 
 
+def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
+    """An ``sk.moe`` block in front of a GPipe pipeline on data=2,pipe=4: its load-balancing
+    loss's expert shares are all-reduced over data on their own (the program's row syncs), in
+    ``grad-reduce`` beside the pipeline's gradient reduction, not overwritten by it."""
+    from shardkit.cost.analytic.from_step import _facts
+
+    E, note = 4, (PM, "gpipe", 1)
+    plan = sk.Plan(sk.make_mesh("data=2,pipe=4"), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(1))
+        return {**_pipe_init(), "moe": {"router": jax.random.normal(k1, (PD, E)) * 0.1,
+                                        "experts": jax.random.normal(k2, (E, PD, PD)) * 0.1}}
+
+    def step_for(balanced: bool):
+        @sk.train_step(plan, optax.adam(1e-3))
+        def step(model, batch):
+            moe = model["moe"]
+            y, aux = sk.moe(batch["x"], batch["x"] @ moe["router"], lambda w, h: jnp.tanh(h @ w), moe["experts"],
+                            top_k=1)
+            loss = sk.pipeline(_pipe_layer, model["layers"], batch["x"] + y, microbatches=PM, schedule="gpipe",
+                               loss_fn=_pipe_head, loss_params=model["head"], targets=batch["t"])
+            return loss + 0.01 * aux["load_balance"] if balanced else loss
+
+        return step, step.abstract_state(init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+
+    plain, balanced = (cost.estimate_for_step(*step_for(b), pipeline=note) for b in (False, True))
+    syncs, sync_bytes = _facts(*step_for(True), note).reading.row_syncs
+    assert syncs == 1 and sync_bytes > 0
+    assert balanced.collectives["grad-reduce"] == plain.collectives["grad-reduce"] + sync_bytes
+    # One more op behind the gradients: its latency is in the step time.
+    assert balanced.time["grad-reduce"] > plain.time["grad-reduce"]
+
+
 # ---- the program reader: reductions over the rows the backward waits for -------------------------
 
 def _syncs(loss):

@@ -216,8 +216,10 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # ZeRO-3/FSDP gathers each layer for the forward and again for the backward.
         # Expert gradients are reduced over the data axes only (each expert lives on one
         # device of the ``expert`` axis).
-        data_traffic(col, counts, reduced=per_step * (p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)),
-                     reduce_ops=per_step * max(L_dev, 1) if lo.pipe == 1 else 2,
+        # A pipeline's gradient reduction is its own formula (``pipeline_traffic``, below).
+        reduced = p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)
+        data_traffic(col, counts, reduced=0.0 if lo.pipe > 1 else per_step * reduced,
+                     reduce_ops=0 if lo.pipe > 1 else per_step * max(L_dev, 1),
                      gathered=(1 if s.keep else 2) * per_step * p_dev if s.sharded else 0.0,
                      gather_ops=(1 if s.keep else 2) * per_step * max(L_dev, 1),
                      zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)

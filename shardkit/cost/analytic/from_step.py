@@ -240,7 +240,11 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         if s.platform == "gpu" and not pipe:  # XLA:GPU combines them
             reduce_ops, gather_ops, zero12_ops = gpu_combining.data_ops(
                 lv, step.layout.zero_specs, uses, reading, zero=zero, microbatches=m, grad_bytes=s.bg, wire=s.wire)
-        data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
+        # A pipeline over data axes reduces the weights' gradients by its own formula
+        # (``pipeline_traffic``, below); the row syncs stay beside them.
+        pipe_reduces = bool(pipe) and n_data > 1
+        data_traffic(col, counts, reduced=0.0 if pipe_reduces else m * reduced,
+                     reduce_ops=0 if pipe_reduces else reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
                      gather_ops=gather_ops,
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,

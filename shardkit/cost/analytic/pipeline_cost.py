@@ -187,7 +187,9 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
     * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
       m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
       input's).
-    * ``grad-reduce`` over the data axes: ``sk.pipeline`` makes the data axes manual and
+    * ``grad-reduce`` over the data axes (the weights' whole reduction: a caller leaves it out of
+      ``roles.data_traffic``; what else the step reduces over data, its row syncs, stays beside
+      it): ``sk.pipeline`` makes the data axes manual and
       reduces the stage weights' gradient once per pipeline call, after the loop, like the
       params outside the stacks (1F1B: the loss params, in the same psum); a tied table twice.
       When the data axes stayed compiler-managed (a pipeline with ``rng``), XLA reduces where
@@ -197,26 +199,26 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
     """
     p, pm, v, sched_ = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1), pipe["schedule"]
     ticks = pipeline_ticks(pipe)
-    col["pipe-permute"] = 2 * ticks * act_mb * step_m
-    counts["pipe-permute"] = 2 * ticks * step_m
+    col["pipe-permute"] += 2 * ticks * act_mb * step_m
+    counts["pipe-permute"] += 2 * ticks * step_m
     if v > 1:
         hops = 1 if p == 2 else 2
-        col["pipe-relayout"] = 2 * stage * wire * hops * step_m
-        counts["pipe-relayout"] = 2 * hops * step_m
+        col["pipe-relayout"] += 2 * stage * wire * hops * step_m
+        counts["pipe-relayout"] += 2 * hops * step_m
     if not is_explicit(pipe):
         col["pipe-permute"] += 2 * pm * act_mb * step_m
         counts["pipe-permute"] += 2 * step_m
-        col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
+        col["pipe-reduce"] += pm * act_mb * step_m * (2 if has_dx else 1)
     else:
-        col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
-    counts["pipe-reduce"] = step_m
+        col["pipe-reduce"] += (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
+    counts["pipe-reduce"] += step_m
     if n_data > 1:
         if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
-            col["grad-reduce"] = (stage + rest + tied) * bg * step_m
-            counts["grad-reduce"] = 2 * step_m
+            col["grad-reduce"] += (stage + rest + tied) * bg * step_m
+            counts["grad-reduce"] += 2 * step_m
         elif is_explicit(pipe):
-            col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
-            counts["grad-reduce"] = (pm + 1) * step_m
+            col["grad-reduce"] += (pm * stage + pm / p * rest) * bg * step_m
+            counts["grad-reduce"] += (pm + 1) * step_m
         else:
-            col["grad-reduce"] = (ticks * stage / v + rest) * bg * step_m
-            counts["grad-reduce"] = (ticks + 1) * step_m
+            col["grad-reduce"] += (ticks * stage / v + rest) * bg * step_m
+            counts["grad-reduce"] += (ticks + 1) * step_m
