@@ -38,7 +38,8 @@ _TIMING = re.compile(r"^export [0-9.]+ s; subprocess")
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the analytic part only (no compile)")
-    ap.add_argument("--no-gpu", action="store_true", help="leave out the XLA:GPU (deviceless H100) compile")
+    ap.add_argument("--no-gpu", action="store_true", help="leave out the XLA:GPU (deviceless H100) compiles")
+    ap.add_argument("--gpu-pipelines", action="store_true", help="only the pipelined layouts compiled for H100s")
     return ap.parse_args(argv)
 
 
@@ -159,6 +160,24 @@ def compiled(gpu: bool) -> None:
         jobs = [(step, state, batch, "data=8"), (step, state, batch, "data=4,tensor=2")]
         for i, r in enumerate(sk.cost.simulate_many(jobs, target="h100", estimate=True)):
             emit(f"simulate_many h100 {i}", report_figures(r))
+        gpu_pipelines()
+
+
+def gpu_pipelines() -> None:
+    """The recipe's pipelined layouts compiled for H100s: the pipeline memory model a GPU or
+    TPU target's estimate reads (the trace note's residuals and backward jaxprs)."""
+    from models.transformer.config import SIZES
+    from models.transformer.plan import layout_step
+    from models.transformer.layouts import LAYOUTS
+
+    cfg = SIZES["test"].replace(d_model=64, heads=4, kv_heads=4, layers=4, seq=32)
+    names = ("pp_gpipe", "pp_1f1b", "dp_pp_tp_zb")
+    jobs = []
+    for name in names:
+        step, state, batch = layout_step(LAYOUTS[name], cfg, global_batch=16, target="h100")
+        jobs.append((step, state, batch, step.plan.mesh))
+    for name, r in zip(names, sk.cost.simulate_many(jobs, target="h100", estimate=True)):
+        emit(f"simulate_many h100 transformer {name}", report_figures(r))
 
 
 def main(argv=None) -> None:
@@ -173,6 +192,8 @@ def main(argv=None) -> None:
     import shardkit as sk
     from shardkit import cost
 
+    if a.gpu_pipelines:
+        return gpu_pipelines()
     analytic()
     if not a.quick:
         compiled(gpu=not a.no_gpu)
