@@ -21,8 +21,8 @@ import numpy as np
 
 from ...precision import Precision
 from .. import hardware as hw_lib
-from .pipeline_cost import (is_explicit, layout_note, pipeline_ticks, pipeline_traffic, recompute_factor,
-                       schedule_table)
+from .pipeline_cost import (idle_tick_flops, is_explicit, layout_note, pipeline_traffic, recompute_factor,
+                            schedule_table)
 from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic, step_temporaries,
                     tensor_traffic, zero_state)
 from ..terms import ROLES, Estimate, Layout, ModelShape, model_shape
@@ -283,13 +283,9 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
         recompute += recompute_factor(s.pipe_note) - 1.0
     flops = busy = model_flops * recompute
     if lo.pipe > 1 and not (s.one_f_one_b or s.keep) and ms.layer_params:
-        # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
-        # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
-        # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
+        # GPipe/circular idle ticks compute too: the layers' share of the flops, ticks/(v·m) times.
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
-        layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
-        extra = pipeline_ticks(s.pipe_note) / (lo.repeats * lo.microbatches) - 1
-        flops = busy * (1 + extra * layer_share)
+        flops = idle_tick_flops(s.pipe_note, busy, max(ms.flops_per_token - head, 0.0) / ms.flops_per_token)
     return flops, busy, model_flops
 
 

@@ -18,13 +18,14 @@ from ...rules import entry_axes
 from .. import hardware as hw_lib
 from ..terms import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
-from .pipeline_memory import backward_op_peak, gpipe_backward, n_tensor_stacked
+from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, microbatch_rows,
+                              saved_bytes)
 from ..program.reader import ProgramReading, read_program
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
-from .pipeline_cost import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
-                       pipeline_traffic, recompute_factor)
+from .pipeline_cost import (idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note,
+                            pipeline_ticks, pipeline_traffic, recompute_factor)
 from .leaf_sizes import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
                          n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
 
@@ -176,11 +177,8 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
     # A step microbatch's activations as the pipeline carries them (f32 on XLA:CPU).
     act_carried = tokens_in(batch) / s.n_data / m * lv.width * wire
     if not gpipe_like and pipe.get("stage_residuals") is not None:
-        lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
-        rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-        k = max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1)
-        stage_res, w_saved = (sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, lv.tensor_dims, sizes)
-                                  for sh, d in pipe.get(key, ())) for key in ("stage_residuals", "w_saved"))
+        rows, k = microbatch_rows(s), chunk_layers(s)
+        stage_res, w_saved = (saved_bytes(s, key, rows, k) for key in ("stage_residuals", "w_saved"))
         # The input's cotangent accumulates in f32 (``explicit._acc_dtype``). The backward op's
         # liveness reading and the copies around the switch are XLA:GPU's and XLA:TPU's habits
         # (measured on their compiles, BENCHMARKS.md issue 25); XLA:CPU keeps issue 24's form,
@@ -191,7 +189,7 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
                                     kept=stage_res if pipe.get("keep", "input") != "input" else 0.0,
                                     op_peak=op_peak, acc_ratio=4 / wire,
-                                    chunk_weights=sum(c for c, q in zip(comp, piped) if q) * bc / pipe.get("repeats", 1))
+                                    chunk_weights=chunk_weights(s))
     elif gpipe_like and s.platform != "cpu" and pipe.get("stage_residuals") is not None:
         # The f32 gradients are made after the pipeline's backward (its scan accumulates them in
         # the compute dtype); a step microbatch accumulator lives throughout.
@@ -303,12 +301,8 @@ def _flops(s: _Step, flops_per_token) -> tuple[float, float, float]:
         fpt = reading.total_flops * s.m / max(tokens, 1)
     staged = sum(c for c, l, q in zip(comp, leaves, piped) if q and len(l.shape) >= 2)  # stage matmuls
     if pipe and not is_explicit(pipe) and matmul:
-        # GPipe/circular ticks run every device's layer group, idle ones too (on garbage the
-        # schedule then discards), so the program executes ticks/(v·m) × the stage's matmuls.
-        # 1F1B's idle/forward/backward switch runs one branch a tick: no extra flops. The step
-        # time is timed on the busy flops; the bubble (``times``) stands for the idle ticks.
-        extra = pipeline_ticks(pipe) / (pipe.get("repeats", 1) * pipe["microbatches"]) - 1
-        flops = busy * (1 + extra * staged / matmul)
+        # GPipe/circular idle ticks compute too: the stage's matmuls, ticks/(v·m) times.
+        flops = idle_tick_flops(pipe, busy, staged, matmul)
     elif pipe and matmul:
         # An explicit schedule's backward recomputes the chunk's forward from its saved input
         # (1F1B, interleaved: 4/3 of the flops; ZB-H1's B and W each: 2x); the loss params

@@ -161,6 +161,16 @@ def pipelined_uses(pipe: dict, layers: int) -> float:
     return pipeline_ticks(pipe) * layers / (p * v) / pm
 
 
+def idle_tick_flops(note: dict, busy: float, part: float, whole: float = 1.0) -> float:
+    """The flops a GPipe/circular pipeline executes for ``busy`` useful ones, ``part / whole``
+    of them its stages': every tick runs every device's layer group, idle ones too (on data
+    the schedule then discards), so the stages' matmuls run ticks/(v·m) times their useful
+    count. (1F1B's switch runs one branch a tick: no extra flops.) The step time is timed on
+    the busy flops; its bubble (``steptime.times``) stands for the idle ticks."""
+    extra = pipeline_ticks(note) / (note.get("repeats", 1) * note["microbatches"]) - 1
+    return busy * (1 + extra * part / whole)
+
+
 def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied: float,
                      act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
     """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and

@@ -27,21 +27,41 @@ def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
     its critical path): the cotangent of each loss-param matmul's output (the logits'), in f32
     — the loss's dtype (measured: the recipe's 62.5 MiB f32 logits gradient alive through
     GPipe's backward on H100)."""
-    pipe, lv, sizes = s.pipe, s.lv, s.sizes
-    lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
-    rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-    k = max(lv.layers // (pipe["stages"] * pipe.get("repeats", 1)), 1)
+    pipe, lv = s.pipe, s.lv
+    rows, k = microbatch_rows(s), chunk_layers(s)
     act_mb = act_carried / pipe["microbatches"]
-    stage_res = sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, lv.tensor_dims, sizes)
-                    for sh, d in pipe["stage_residuals"])
+    stage_res = saved_bytes(s, "stage_residuals", rows, k)
     op = backward_op_peak(s, rows) or 0.0
-    chunk_weights = sum(c for c, q in zip(lv.comp, lv.piped) if q) * s.bc / pipe.get("repeats", 1)
     tokens = tokens_in(s.batch) / s.n_data / s.m
     head = sum(tokens * math.prod(l.shape) / lv.width / (math.prod(l.shape) / c) * 4
                for l, c, q, mm in zip(lv.leaves, lv.comp, lv.piped, s.reading.matmul)
                if mm and not q and len(l.shape) == 2 and lv.width in l.shape)
-    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights
+    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights(s)
             + pipeline_buffers(pipe, act_carried, g_comp) + head)
+
+
+def microbatch_rows(s) -> int:
+    """Rows of one pipeline microbatch on one device (of a step microbatch, over the data axes
+    the pipeline made manual)."""
+    lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
+    return lead // s.pipe["microbatches"] // math.prod(s.sizes[a] for a in s.pipe.get("data_axes", ()))
+
+
+def chunk_layers(s) -> int:
+    """Layers of one chunk: a stage's layers over its ``repeats``."""
+    return max(s.lv.layers // (s.pipe["stages"] * s.pipe.get("repeats", 1)), 1)
+
+
+def saved_bytes(s, key: str, rows: int, k: int) -> float:
+    """Per-device bytes of the values the trace note lists under ``key`` (``stage_residuals``:
+    what a chunk's forward saves for its backward; ``w_saved``: ZB's pending W's)."""
+    return sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, s.lv.tensor_dims, s.sizes)
+               for sh, d in s.pipe.get(key, ()))
+
+
+def chunk_weights(s) -> float:
+    """Bytes of one chunk's weights in the compute dtype (what a layer scan's loop carries)."""
+    return sum(c for c, q in zip(s.lv.comp, s.lv.piped) if q) * s.bc / s.pipe.get("repeats", 1)
 
 
 def n_tensor_stacked(shape, rows: int, k: int, tensor_dims, sizes) -> int:
