@@ -21,8 +21,8 @@ import numpy as np
 
 from ...precision import Precision
 from .. import hardware as hw_lib
-from .pipeline_cost import (idle_tick_flops, is_explicit, layout_note, pipeline_traffic, recompute_factor,
-                            schedule_table)
+from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, layout_note, pipeline_traffic,
+                            recompute_factor, schedule_table)
 from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic, step_temporaries,
                     tensor_traffic, zero_state)
 from ..terms import ROLES, Estimate, Layout, ModelShape, model_shape
@@ -116,7 +116,7 @@ class _Sizes:
     sharded: bool  # weights are gathered where used (ZeRO-3/FSDP)
     L_dev: int  # layers per device (per pipeline stage)
     layer_dev: float  # one layer's weights per device
-    pipe_note: dict | None
+    pipe_note: PipelineNote | None
     one_f_one_b: bool  # an explicit schedule as sk.pipeline runs it: 1F1B, interleaved 1F1B, ZB-H1
     keep: bool  # an explicit schedule as Megatron-LM runs it (``Layout.keep_residuals``)
 

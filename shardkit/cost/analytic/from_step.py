@@ -24,8 +24,8 @@ from ..program.reader import ProgramReading, read_program
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
-from .pipeline_cost import (idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note,
-                            pipeline_ticks, pipeline_traffic, recompute_factor)
+from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers,
+                            pipeline_note, pipeline_ticks, pipeline_traffic, recompute_factor)
 from .leaf_sizes import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
                          n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
 
@@ -49,7 +49,7 @@ class _Step:
     n_data: int
     sp: bool  # sequence parallelism
     ctx: int  # the context axis's size
-    pipe: dict | None
+    pipe: PipelineNote | None
     lv: Leaves
     reading: ProgramReading
 
@@ -74,9 +74,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     mesh, sizes, pipe = step.plan.mesh, s.sizes, s.pipe
     hw = _hardware(hardware, mesh)
     layout = Layout(data=math.prod(sizes[a] for a in ("replica", "data") if a in sizes),
-                    fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=pipe["stages"] if pipe else 1,
-                    zero=s.zero, microbatches=pipe["microbatches"] if pipe else s.m,
-                    schedule=pipe["schedule"] if pipe else "gpipe", repeats=pipe["repeats"] if pipe else 1)
+                    fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=pipe.stages if pipe else 1,
+                    zero=s.zero, microbatches=pipe.microbatches if pipe else s.m,
+                    schedule=pipe.schedule if pipe else "gpipe", repeats=pipe.repeats if pipe else 1)
     t = times(col, counts, busy, hw, layout)
     n_dev = mesh.size
     notes = list(s.reading.notes)
@@ -176,7 +176,7 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
         working = max(working, lv.layer_comp * bg)
     # A step microbatch's activations as the pipeline carries them (f32 on XLA:CPU).
     act_carried = tokens_in(batch) / s.n_data / m * lv.width * wire
-    if not gpipe_like and pipe.get("stage_residuals") is not None:
+    if not gpipe_like and pipe.stage_residuals is not None:
         rows, k = microbatch_rows(s), chunk_layers(s)
         stage_res, w_saved = (saved_bytes(s, key, rows, k) for key in ("stage_residuals", "w_saved"))
         # The input's cotangent accumulates in f32 (``explicit._acc_dtype``). The backward op's
@@ -187,10 +187,10 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
         backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res, k,
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
-                                    kept=stage_res if pipe.get("keep", "input") != "input" else 0.0,
+                                    kept=stage_res if pipe.keep != "input" else 0.0,
                                     op_peak=op_peak, acc_ratio=4 / wire,
                                     chunk_weights=chunk_weights(s))
-    elif gpipe_like and s.platform != "cpu" and pipe.get("stage_residuals") is not None:
+    elif gpipe_like and s.platform != "cpu" and pipe.stage_residuals is not None:
         # The f32 gradients are made after the pipeline's backward (its scan accumulates them in
         # the compute dtype); a step microbatch accumulator lives throughout.
         backward = (mem["grads"] if m > 1 else 0.0) + gpipe_backward(s, act_carried, g_comp)
@@ -276,7 +276,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
     if pipe:
         # Activations cross the stages in the compute dtype, in f32 on XLA:CPU (the
         # transformer recipe carries f32 there: XLA:CPU aborts on a bf16 pipeline input's grad).
-        act_mb = tokens / n_data / m * lv.width * s.wire / pipe["microbatches"]
+        act_mb = tokens / n_data / m * lv.width * s.wire / pipe.microbatches
         piped = lv.piped
         pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
                          rest=sum(c for c, q in zip(comp, piped) if not q),
@@ -309,7 +309,7 @@ def _flops(s: _Step, flops_per_token) -> tuple[float, float, float]:
         # (head) run on the last stage only, and the compiled figure averages the switch's
         # branches over the stages.
         rf = recompute_factor(pipe)
-        flops = busy * rf * (staged + (matmul - staged) / pipe["stages"]) / matmul
+        flops = busy * rf * (staged + (matmul - staged) / pipe.stages) / matmul
         busy *= rf
     return flops, busy, fpt
 

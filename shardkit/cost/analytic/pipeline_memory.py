@@ -29,7 +29,7 @@ def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
     GPipe's backward on H100)."""
     pipe, lv = s.pipe, s.lv
     rows, k = microbatch_rows(s), chunk_layers(s)
-    act_mb = act_carried / pipe["microbatches"]
+    act_mb = act_carried / pipe.microbatches
     stage_res = saved_bytes(s, "stage_residuals", rows, k)
     op = backward_op_peak(s, rows) or 0.0
     tokens = tokens_in(s.batch) / s.n_data / s.m
@@ -44,24 +44,24 @@ def microbatch_rows(s) -> int:
     """Rows of one pipeline microbatch on one device (of a step microbatch, over the data axes
     the pipeline made manual)."""
     lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
-    return lead // s.pipe["microbatches"] // math.prod(s.sizes[a] for a in s.pipe.get("data_axes", ()))
+    return lead // s.pipe.microbatches // math.prod(s.sizes[a] for a in (s.pipe.data_axes or ()))
 
 
 def chunk_layers(s) -> int:
     """Layers of one chunk: a stage's layers over its ``repeats``."""
-    return max(s.lv.layers // (s.pipe["stages"] * s.pipe.get("repeats", 1)), 1)
+    return max(s.lv.layers // (s.pipe.stages * s.pipe.repeats), 1)
 
 
 def saved_bytes(s, key: str, rows: int, k: int) -> float:
     """Per-device bytes of the values the trace note lists under ``key`` (``stage_residuals``:
     what a chunk's forward saves for its backward; ``w_saved``: ZB's pending W's)."""
     return sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, s.lv.tensor_dims, s.sizes)
-               for sh, d in s.pipe.get(key, ()))
+               for sh, d in (getattr(s.pipe, key) or ()))
 
 
 def chunk_weights(s) -> float:
     """Bytes of one chunk's weights in the compute dtype (what a layer scan's loop carries)."""
-    return sum(c for c, q in zip(s.lv.comp, s.lv.piped) if q) * s.bc / s.pipe.get("repeats", 1)
+    return sum(c for c, q in zip(s.lv.comp, s.lv.piped) if q) * s.bc / s.pipe.repeats
 
 
 def n_tensor_stacked(shape, rows: int, k: int, tensor_dims, sizes) -> int:
@@ -80,19 +80,19 @@ def backward_op_peak(s, rows: int) -> float | None:
     model of the un-pipelined estimate (``program.jaxpr_peak``): the layers' saved inputs, one
     layer's recomputed intermediates with their cotangents, the chunk's weight gradients.
     None when the note has no such jaxpr or its weights are not the stage's leaves in order."""
-    closed, lv, sizes, pipe = s.pipe.get("chunk_backward"), s.lv, s.sizes, s.pipe
+    closed, lv, sizes, pipe = s.pipe.chunk_backward, s.lv, s.sizes, s.pipe
     if closed is None:
         return None
     stage = [i for i, q in enumerate(lv.piped) if q]
     n = len(closed.jaxpr.invars) - 2  # the chunk's weights, then its input and output cotangent
     avals = [v.aval for v in closed.jaxpr.invars[:n]]
-    v = pipe.get("repeats", 1)
-    k = lv.leaves[stage[0]].shape[0] // (pipe["stages"] * v) if stage else 0
+    v = pipe.repeats
+    k = lv.leaves[stage[0]].shape[0] // (pipe.stages * v) if stage else 0
     if n != len(stage) or any(tuple(a.shape) != (v, k) + tuple(lv.leaves[i].shape[1:]) for a, i in zip(avals, stage)):
         return None
     # The chunk's weights: the stage leaves' compute layout over the axes the pipeline leaves
     # to the compiler (the pipe split is already in the note's shapes).
-    t_split = [math.prod(lv.leaves[i].shape) / pipe["stages"] / lv.comp[i] for i in stage]
+    t_split = [math.prod(lv.leaves[i].shape) / pipe.stages / lv.comp[i] for i in stage]
 
     def split_of(aval, leaf, manual=frozenset()):
         if leaf is not None:
