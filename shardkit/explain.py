@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 
 from . import offload
-from .cost.beside import add_estimate
 from .cost.compiled.hlo import Collective as Collective, Traffic as Traffic, collectives_from_hlo as collectives_from_hlo
 from .cost.compiled.report import (Report as Report, compiled_memory as compiled_memory,
                           report_from_compiled as report_from_compiled, shard_bytes as shard_bytes)
@@ -41,6 +40,9 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
                                   pipeline=step.trace_notes.get("pipeline"))
     report.compiled_on = (f"this process's mesh {','.join(f'{a}={n}' for a, n in plan.mesh.shape.items())} "
                           f"({plan.mesh.size} {plan.mesh.devices.flat[0].platform} devices)")
+    # Imported here: ``import shardkit`` stays light (the estimate's modules load on first use).
+    from .cost.beside import add_estimate
+
     add_estimate(report, step, state, batch, flops_per_token=flops_per_token)
     offload.annotate(report, plan)
     return report
