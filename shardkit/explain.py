@@ -4,7 +4,7 @@ Memory comes two ways: from the shard sizes of the state (exact bookkeeping) and
 ``memory_analysis()`` of the compiled program (arguments, outputs, temporaries). Collectives are
 read off the post-partitioning HLO and counted as executed: an op inside a ``while`` body (a
 ``lax.scan`` over layers or microbatches) counts ``known_trip_count`` times. The ``Report`` and
-its reading of compiled programs are in ``shardkit/cost/compiled/report.py``.
+its reading of compiled programs are in ``shardkit/cost/compiled/report.py`` and ``executable.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import jax
 
 from . import offload
 from .cost.compiled.hlo import Collective as Collective, Traffic as Traffic, collectives_from_hlo as collectives_from_hlo
-from .cost.compiled.report import (Report as Report, compiled_memory as compiled_memory,
-                          report_from_compiled as report_from_compiled, shard_bytes as shard_bytes)
+from .cost.compiled.executable import (compiled_memory as compiled_memory,
+                                      report_from_compiled as report_from_compiled)
+from .cost.compiled.report import Report as Report, shard_bytes as shard_bytes
 
 
 def explain_step(step, state, batch, *, flops_per_token=None) -> Report:

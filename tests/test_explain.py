@@ -170,7 +170,7 @@ def test_fp8_flops_count_only_ops_whose_operands_are_fp8():
 
 
 def test_a_compiled_convolution_step_has_no_fp8_flops():
-    from shardkit.cost.compiled.report import report_from_compiled
+    from shardkit.cost.compiled.executable import report_from_compiled
 
     def loss(w, x):
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
@@ -201,7 +201,7 @@ def _readme_step(rows: int):
 def test_a_matmul_xla_rewrote_is_said_not_read_as_zero_flops():
     """One batch row per device: XLA rewrites the matmul as multiply + reduce, which the
     flop count cannot read. The report says so and prints no ratio (it printed ``nan``)."""
-    from shardkit.cost.compiled.report import report_from_compiled
+    from shardkit.cost.compiled.executable import report_from_compiled
 
     f = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))
     one, many = (report_from_compiled(f.lower(jnp.ones((512, 256)), jnp.ones((n, 512))).compile(), "t")

@@ -22,7 +22,7 @@ The house, one folder per job, imports pointing down (``docs/cost_house.md``):
   ``leaf_sizes``, ``pipeline_cost``, ``pipeline_memory``, ``gpu_combining``, ``caveats``,
   ``steptime``), reading the program through ``program/``;
 * ``compiled/``: the compiled figures (``targets``, ``child``, ``simulated``, ``hlo``,
-  ``report``, ``bands``), which never import ``analytic/``;
+  ``executable``, ``report``, ``bands``), which never import ``analytic/``;
 * ``beside``: the one join — the estimate set beside a compiled report (``simulate``);
 * ``search/``: ``rank`` (layout search) and ``plan_cli`` (``shardkit plan``).
 """

@@ -22,7 +22,8 @@ import time
 
 import jax
 
-from .report import report_from_compiled, shard_bytes
+from .executable import report_from_compiled
+from .report import shard_bytes
 from . import targets as targets_lib
 
 
