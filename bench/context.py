@@ -9,7 +9,7 @@ context = 1, 2, 4, 8 and each T, and the ratio to context=1; (b) the ``long`` re
 train-step temporaries (compile only) on data=8 vs the CP layouts; (c) tokens/s of the recipe
 per CP layout at T=1024, against the 1-device run in the same process (the 8 devices share the
 host's cores: a check of overheads, not of scaling); (d) the ring's collective-permute bytes
-read from each compiled attention program against ``cost.formulas.context_traffic``.
+read from each compiled attention program against ``cost.analytic.from_shape.context_traffic``.
 Writes bench/results/context.json.
 """
 
@@ -54,8 +54,8 @@ from models.transformer import data as data_lib  # noqa: E402
 from models.transformer.config import SIZES  # noqa: E402
 from models.transformer.layouts import LAYOUTS, Layout, make_plan  # noqa: E402
 from models.transformer.model import PipelineSpec, loss_fn  # noqa: E402
-from shardkit.cost.formulas import context_traffic  # noqa: E402
-from shardkit.cost.hlo import traffic_from_hlo  # noqa: E402
+from shardkit.cost.analytic.from_shape import context_traffic  # noqa: E402
+from shardkit.cost.compiled.hlo import traffic_from_hlo  # noqa: E402
 from shardkit.explain import compiled_memory  # noqa: E402
 
 CP_LAYOUTS = ("cp", "cp_tp", "dp_cp_fsdp", "cp_pp")

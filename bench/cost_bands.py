@@ -9,7 +9,7 @@ modelled" are counted apart (they print a reason, not a number), as are rows the
 does not execute (compiled 0).
 
     python bench/cost_bands.py --target h100                      # measure, print (reuse: --reuse)
-    python bench/cost_bands.py --target h100 --reuse --write-bands    # + write shardkit/cost/bands.py
+    python bench/cost_bands.py --target h100 --reuse --write-bands    # + write shardkit/cost/compiled/bands.py
 
 Compiled figures are cached in bench/results/cost_bands.json (``--reuse`` reads them back).
 """
@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--held-out", default="bert",
                     help="the family kept out of the fitting (HF Flax BERT since issue 24 fixed the model on ResNet-18)")
     ap.add_argument("--reuse", action="store_true", help="read compiled figures back from bench/results")
-    ap.add_argument("--write-bands", action="store_true", help="write the bands into shardkit/cost/bands.py")
+    ap.add_argument("--write-bands", action="store_true", help="write the bands into shardkit/cost/compiled/bands.py")
     ap.add_argument("--reestimate", action="store_true",
                     help="recompute the estimates of the cached layouts (no compile): after a model change")
     return ap.parse_args(argv)
@@ -84,9 +84,9 @@ def measure(family, module, mesh, zero, target) -> dict:
 def reestimate(family, module, mesh, zero, target, rows: dict) -> dict:
     """The cached compiled figures beside a fresh estimate (no compile): for changing the model
     and re-reading its error against the same programs."""
-    from shardkit.cost import simulated, targets
-    from shardkit.cost.fromstep import step_estimate
-    from shardkit.cost.report import Report
+    from shardkit.cost.compiled import simulated, targets
+    from shardkit.cost.analytic.from_step import step_estimate
+    from shardkit.cost.compiled.report import Report
 
     step, state, batch = module.build(family, mesh, zero)
     tgt = targets.get(target)

@@ -129,8 +129,8 @@ def measure(module, family, todo: list[tuple[str, int]], chunk: int = 8):
 def reestimate(module, family, mesh, zero) -> dict:
     """The analytic side only (tracing, no compile): the estimate ``search`` would rank with,
     for the layout as the compile saw it (the plan on an abstract mesh of H100s)."""
-    from shardkit.cost.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
-    from shardkit.cost.fromstep import step_estimate
+    from shardkit.cost.compiled.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
+    from shardkit.cost.analytic.from_step import step_estimate
 
     job = _job(module, family, mesh, zero)
     step = job["step"]

@@ -5,7 +5,7 @@ projection + cross-entropy (``sk.chunked_cross_entropy``), each beside the plain
     PYTHONPATH=. python bench/kernels_memory.py --target h100 tpu-v5p [--out-dir bench/results]
 
 Runs under ``JAX_PLATFORMS=cpu`` (it sets it): the target's compile-only devices come from its
-PJRT plugin (``shardkit.cost.targets.device_mesh``). For each program it reports the compiled
+PJRT plugin (``shardkit.cost.compiled.targets.device_mesh``). For each program it reports the compiled
 temporaries per device (``memory_analysis``), the kernels' custom calls in the compiled HLO,
 and whether any buffer has a (T, T) score shape. Prints a table; ``--json`` prints the rows as
 one JSON line (what tests/test_kernels.py reads); ``--out-dir`` writes ``kernels_memory.json``.
@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import shardkit as sk  # noqa: E402
-from shardkit.cost import targets  # noqa: E402
+from shardkit.cost.compiled import targets  # noqa: E402
 
 CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "tpu_custom_call", "__cudnn$fmha")
 MiB = 2 ** 20

@@ -5,7 +5,7 @@ and what the router's load-balancing loss does over training.
     python bench/moe.py --dispatch h100 tpu-v5p   # (d) only, deviceless; writes bench/results/moe_dispatch.json
 
 (a) traffic: the compiled all-to-all bytes of the recipe's train step per device (dispatch +
-    combine, forward + backward, every MoE layer) against ``cost.formulas.moe_traffic`` through
+    combine, forward + backward, every MoE layer) against ``cost.analytic.from_shape.moe_traffic`` through
     ``cost.estimate``, dropless and with capacity factor 1.25, per EP layout; and whether the
     step all-gathers anything over ``expert`` (pure EP should not: the experts stay put);
 (b) step time: median of timed steps of each EP layout, as a ratio to the same MoE model on
@@ -72,9 +72,9 @@ from models.transformer import data as data_lib  # noqa: E402
 from models.transformer.config import Config  # noqa: E402
 from models.transformer.layouts import LAYOUTS, Layout, make_plan  # noqa: E402
 from models.transformer.model import PipelineSpec, Transformer, moe_loss_fn  # noqa: E402
-from shardkit.cost.formulas import estimate  # noqa: E402
-from shardkit.cost.hlo import traffic_from_hlo  # noqa: E402
-from shardkit.cost.shapes import Layout as CostLayout  # noqa: E402
+from shardkit.cost.analytic.from_shape import estimate  # noqa: E402
+from shardkit.cost.compiled.hlo import traffic_from_hlo  # noqa: E402
+from shardkit.cost.terms import Layout as CostLayout  # noqa: E402
 
 BATCH = 32
 CFG = Config(vocab=256, d_model=64, layers=4, heads=4, seq=64, moe_experts=8, moe_top_k=2, moe_every=1)

@@ -51,7 +51,7 @@ if __name__ == "__main__":
 
 
 from shardkit import cost  # noqa: E402
-from shardkit.cost import steptime  # noqa: E402
+from shardkit.cost.analytic import steptime  # noqa: E402
 
 SOURCES = {
     "megatron21": "Narayanan et al. 2021 (arXiv:2104.04473), Table 1; configs from the authors' "

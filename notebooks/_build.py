@@ -228,7 +228,7 @@ NOTEBOOKS = {
         ("md", "Each compiled layout's report: its peak against the H100's 80 GB, the collectives "
                "XLA:GPU chose (reduce-scatters where XLA:CPU would all-reduce and slice), and the "
                "step time re-timed on the compiled traffic beside the analytic one:"),
-        ("code", 'from shardkit.cost.rank import compiled_flags\n\n'
+        ("code", 'from shardkit.cost.search.rank import compiled_flags\n\n'
                  'def summary(result):\n'
                  '    for e, v in zip(result.estimates, result.verified):\n'
                  '        if v is None:\n'

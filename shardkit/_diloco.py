@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from .cost.steptime import collective_time
+from .cost.analytic.steptime import collective_time
 from .rules import spec_axes
 
 LEVELS = {"int8": 127, "int4": 7}

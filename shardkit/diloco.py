@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _axes
 from ._diloco import COMPRESSIONS, DiLoCo, fragment_map, replica_mean, sent_bytes
-from .cost.hlo import traffic_from_hlo
+from .cost.compiled.hlo import traffic_from_hlo
 from .mesh import vmapping_over
 from .plan import Plan
 from .rules import AxisRules, ShardingError, spec_axes

@@ -4,17 +4,18 @@ Memory comes two ways: from the shard sizes of the state (exact bookkeeping) and
 ``memory_analysis()`` of the compiled program (arguments, outputs, temporaries). Collectives are
 read off the post-partitioning HLO and counted as executed: an op inside a ``while`` body (a
 ``lax.scan`` over layers or microbatches) counts ``known_trip_count`` times. The ``Report`` and
-its reading of compiled programs are in ``shardkit/cost/report.py``.
+its reading of compiled programs are in ``shardkit/cost/compiled/report.py`` and ``executable.py``.
 """
 
 from __future__ import annotations
 
 import jax
 
-from . import cost, offload
-from .cost.hlo import Collective as Collective, Traffic as Traffic, collectives_from_hlo as collectives_from_hlo
-from .cost.report import (Report as Report, compiled_memory as compiled_memory,
-                          report_from_compiled as report_from_compiled, shard_bytes as shard_bytes)
+from . import offload
+from .cost.compiled.hlo import Collective as Collective, Traffic as Traffic, collectives_from_hlo as collectives_from_hlo
+from .cost.compiled.executable import (compiled_memory as compiled_memory,
+                                      report_from_compiled as report_from_compiled)
+from .cost.compiled.report import Report as Report, shard_bytes as shard_bytes
 
 
 def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
@@ -40,8 +41,9 @@ def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
                                   pipeline=step.trace_notes.get("pipeline"))
     report.compiled_on = (f"this process's mesh {','.join(f'{a}={n}' for a, n in plan.mesh.shape.items())} "
                           f"({plan.mesh.size} {plan.mesh.devices.flat[0].platform} devices)")
-    est = cost.estimate_for_step(step, state, batch, flops_per_token=flops_per_token)
-    report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
-    report.notes.extend(est.notes)
+    # Imported here: ``import shardkit`` stays light (the estimate's modules load on first use).
+    from .cost.beside import add_estimate
+
+    add_estimate(report, step, state, batch, flops_per_token=flops_per_token)
     offload.annotate(report, plan)
     return report

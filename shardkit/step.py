@@ -382,7 +382,7 @@ class TrainStep:
         would cost there. ``**simulate`` goes to ``sk.cost.simulate`` (``zero=``,
         ``batch_axes=``, ``timeout=``)."""
         if mesh is not None:
-            from .cost.simulated import simulate as _simulate
+            from .cost.beside import simulate as _simulate
 
             return _simulate(self, state, batch, mesh, flops_per_token=flops_per_token, **simulate)
         if simulate:

@@ -2,7 +2,7 @@
 one-device attention on four meshes (causal and not, grouped-query heads, segment ids, ring
 and all-gather, with and without zig-zag load balancing, inside an ``sk.pipeline`` stage),
 bf16 within a stated bound, the errors, per-device memory at T=4096 and the ring's bytes
-against ``cost.formulas.context_traffic``.
+against ``cost.analytic.from_shape.context_traffic``.
 
 Each mesh compiles ONE program holding all of its cases, to keep the suite's compile time
 small.
@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
-from shardkit.cost.formulas import context_traffic
-from shardkit.cost.hlo import traffic_from_hlo
+from shardkit.cost.analytic.from_shape import context_traffic
+from shardkit.cost.compiled.hlo import traffic_from_hlo
 from shardkit.explain import compiled_memory
 
 B, T, HQ, HKV, DH = 2, 32, 4, 2, 8
@@ -265,7 +265,7 @@ def test_estimate_matches_the_compiled_recipe_step():
     from models.transformer.config import SIZES
     from models.transformer.layouts import LAYOUTS, make_plan
     from models.transformer.model import Transformer, loss_fn
-    from shardkit.cost.shapes import Layout
+    from shardkit.cost.terms import Layout
 
     cfg = SIZES["test"].replace(layers=4, seq=64)
     mesh = sk.make_mesh(LAYOUTS["cp_tp"].mesh)

@@ -211,7 +211,7 @@ def test_transformer_estimate_matches_compiled(name):
                           flops_per_token=flops_per_token(cfg, cfg.seq))
     # Every quantity within 10%: state bytes, peak memory, each collective role, and flops
     # (attention and 1F1B's recomputed forward included) — but the peak of three layouts,
-    # which the general liveness model (``cost/program.py``) puts 10-14% low: XLA allocates
+    # which the general liveness model (``cost/program/reader.py``) puts 10-14% low: XLA allocates
     # the layer scans' stacked buffers (zero-initialised, and copied) long before they are
     # written, which a model that follows the program's order misses.
     low_peak = name in ("dp", "zero1", "tp_sp")
@@ -313,11 +313,45 @@ def test_pipeline_override_and_bubble():
     assert more.time["bubble"] < auto.time["bubble"]
 
 
+def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
+    """An ``sk.moe`` block in front of a GPipe pipeline on data=2,pipe=4: its load-balancing
+    loss's expert shares are all-reduced over data on their own (the program's row syncs), in
+    ``grad-reduce`` beside the pipeline's gradient reduction, not overwritten by it."""
+    from shardkit.cost.analytic.from_step import _facts
+
+    E, note = 4, (PM, "gpipe", 1)
+    plan = sk.Plan(sk.make_mesh("data=2,pipe=4"), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(1))
+        return {**_pipe_init(), "moe": {"router": jax.random.normal(k1, (PD, E)) * 0.1,
+                                        "experts": jax.random.normal(k2, (E, PD, PD)) * 0.1}}
+
+    def step_for(balanced: bool):
+        @sk.train_step(plan, optax.adam(1e-3))
+        def step(model, batch):
+            moe = model["moe"]
+            y, aux = sk.moe(batch["x"], batch["x"] @ moe["router"], lambda w, h: jnp.tanh(h @ w), moe["experts"],
+                            top_k=1)
+            loss = sk.pipeline(_pipe_layer, model["layers"], batch["x"] + y, microbatches=PM, schedule="gpipe",
+                               loss_fn=_pipe_head, loss_params=model["head"], targets=batch["t"])
+            return loss + 0.01 * aux["load_balance"] if balanced else loss
+
+        return step, step.abstract_state(init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+
+    plain, balanced = (cost.estimate_for_step(*step_for(b), pipeline=note) for b in (False, True))
+    syncs, sync_bytes = _facts(*step_for(True), note).reading.row_syncs
+    assert syncs == 1 and sync_bytes > 0
+    assert balanced.collectives["grad-reduce"] == plain.collectives["grad-reduce"] + sync_bytes
+    # One more op behind the gradients: its latency is in the step time.
+    assert balanced.time["grad-reduce"] > plain.time["grad-reduce"]
+
+
 # ---- the program reader: reductions over the rows the backward waits for -------------------------
 
 def _syncs(loss):
     """``ProgramReading.row_syncs`` of ``loss`` on 32 rows split 8 ways over the data axes."""
-    from shardkit.cost.program import read_program
+    from shardkit.cost.program.reader import read_program
 
     params = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
     batch = {"x": jax.ShapeDtypeStruct((32, 16), jnp.float32)}
@@ -375,7 +409,7 @@ def test_scan_counts_are_read_off_the_avals_as_jax_0_11_writes_scans(monkeypatch
     derived from the avals now; the estimate is the same with those params and without."""
     from jax._src import core as jcore
 
-    from shardkit.cost.jaxprwalk import scan_split
+    from shardkit.cost.program.walk import scan_split
 
     def loss(p, batch):
         def layer(carry, w):
@@ -417,8 +451,8 @@ def test_scan_counts_are_read_off_the_avals_as_jax_0_11_writes_scans(monkeypatch
 def test_a_compiled_layout_the_estimate_is_far_under_is_flagged_in_the_table():
     """Notebook 07 showed a compiled H100 peak of 28.9 GB beside 15.3 GB estimated, and a
     step of 75.9 ms beside 45.6 ms, with no flag; the mesh column was cut to "data=8,…"."""
-    from shardkit.cost.bands import underestimate
-    from shardkit.cost.rank import Verified, compiled_flags
+    from shardkit.cost.compiled.bands import underestimate
+    from shardkit.cost.search.rank import Verified, compiled_flags
 
     assert underestimate(15.3, 28.9) == "under-estimate: 47% under the compiled peak; plan with the compiled figure"
     assert underestimate(95.0, 100.0) is None and underestimate(120.0, 100.0) is None and underestimate(1.0, 0.0) is None

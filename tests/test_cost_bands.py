@@ -24,29 +24,45 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
-from shardkit.cost import bands
-from shardkit.cost.report import Report
+from shardkit.cost.compiled import bands
+from shardkit.cost.compiled.report import Report
 
 import families as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_nothing_in_cost_imports_explain():
-    # cost sits below explain (explain re-exports cost.report): an import back is a circle.
-    bad = []
-    for path in (ROOT / "shardkit" / "cost").glob("*.py"):
+def _cost_imports():
+    """``(path, line, module)`` of every import in ``shardkit/cost``, relative ones resolved."""
+    for path in sorted((ROOT / "shardkit" / "cost").rglob("*.py")):
+        package = ".".join(path.relative_to(ROOT).parent.parts)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = {0: "", 1: "shardkit.cost.", 2: "shardkit."}[node.level] + (node.module or "")
-                mods = [base] + [f"{base.rstrip('.')}.{a.name}" if base else a.name for a in node.names]
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                mods = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
-            if any(m == "shardkit.explain" or m.startswith("shardkit.explain.") for m in mods):
-                bad.append(f"{path.name}:{node.lineno}")
+            for m in mods:
+                yield path.relative_to(ROOT / "shardkit" / "cost"), node.lineno, m
+
+
+def test_nothing_in_cost_imports_explain():
+    # cost sits below explain (explain re-exports cost.report): an import back is a circle.
+    bad = [f"{p}:{n}" for p, n, m in _cost_imports() if m == "shardkit.explain" or m.startswith("shardkit.explain.")]
     assert not bad, f"shardkit/cost imports shardkit.explain: {bad}"
+
+
+def test_compiled_figures_and_the_program_reader_never_import_the_analytic_model():
+    # The estimate meets the compiled figures in one place (cost/beside.py); the program reader
+    # imports only its own rules.
+    bad = [f"{p}:{n} imports {m}" for p, n, m in _cost_imports()
+           if (p.parts[0] in ("compiled", "program") and m.startswith("shardkit.cost.analytic"))
+           or (p.parts[0] == "program" and m.startswith("shardkit.cost.") and not m.startswith("shardkit.cost.program"))]
+    assert not bad, "\n".join(bad)
 
 
 def test_band_label_reads_the_measured_table(monkeypatch):
@@ -201,7 +217,7 @@ def test_every_family_prints_no_unflagged_peak_under_the_compiled_one(where, fam
 def test_cudnn_convolutions_count_their_flops():
     # XLA:GPU writes convolutions as cuDNN custom calls (forward, input and filter gradients):
     # each is 2 x forward output x window x input features (they were counted as 0).
-    from shardkit.cost.hlo import matmul_flops_from_hlo
+    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
 
     conv = 'window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$conv'
     hlo = "\n".join([
@@ -222,7 +238,7 @@ def test_strided_convolution_flops_skip_the_dilation_zeros():
     # by the stride; the zeros are not work. By hand, 2 x forward output x 3x3 x input
     # channels per convolution: conv0 14.2M (forward, filter gradient; no input gradient of the
     # images), conv1 (stride 2) 75.5M and conv2 151.0M three times each, the head's 3 dots.
-    from shardkit.cost.program import read_program
+    from shardkit.cost.program.reader import read_program
 
     params, batch = F.cnn_params(), F.cnn_batch()
     reading = read_program(F.cnn_loss, params, batch, split_of=lambda aval, leaf, manual=(): (1, 1),
@@ -245,7 +261,7 @@ def test_convolutions_on_maps_smaller_than_their_window_count_the_swapped_window
     # flaxmodels' ResNet-18 compiled for 8 H100s at 32 rows of 16x16 images (the jaxpr's full
     # windows read 9/4 and 9x that). A strided 1x1 convolution's input gradient on a 1x1 map
     # meets every gradient element (the dilation inserts no zeros there): 1,048,576 each.
-    from shardkit.cost.program import read_program
+    from shardkit.cost.program.reader import read_program
 
     k = 3 if stride == 1 else 1
     params = {"a": jax.ShapeDtypeStruct((k, k, channels, channels), jnp.float32),
@@ -269,7 +285,7 @@ def test_batchnorm_statistics_are_all_reduced_once_per_dependency_depth():
     # 96,044, 25% over the compile's (the extra reductions it counts were not traced).
     pytest.importorskip("flaxmodels")
     import third_party_families as T
-    from shardkit.cost.syncs import row_syncs
+    from shardkit.cost.program.row_syncs import row_syncs
 
     with jax.numpy_rank_promotion("allow"):
         variables, loss, _, batch = T.resnet18(rows=32)
@@ -311,8 +327,8 @@ def test_gpu_estimate_counts_collectives_as_xla_gpu_combines_them():
     # gather forward and backward, the tied table's twice). Each op pays its ring's latencies,
     # which decide the order of small models' layouts. Traced only, on an abstract H100 mesh.
     from shardkit.cost import hardware
-    from shardkit.cost.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
-    from shardkit.cost.steptime import times
+    from shardkit.cost.compiled.simulated import _on, abstract_inputs, abstract_mesh, simulated_plan
+    from shardkit.cost.analytic.steptime import times
 
     for mesh, zero, counts in (("data=4,fsdp=16", 1, {"grad-reduce": 6, "param-gather": 2}),
                                ("data=64", 3, {"grad-reduce": 6, "param-gather": 8})):
@@ -332,7 +348,7 @@ def test_a_scatters_scalar_update_does_not_make_its_result_whole():
     # is not a region whose outputs are the scatter's: read as one, it mapped the (whole)
     # labels onto its inputs and the f32 cotangent counted whole over tensor (the recipe's
     # un-pipelined data=2,fsdp=2,tensor=4 temporaries at 1.65x the H100 compile; 1.13x now).
-    from shardkit.cost.program import read_program
+    from shardkit.cost.program.reader import read_program
     vocab = 4096
 
     def loss(p, batch):

@@ -20,7 +20,7 @@ import pytest
 import shardkit as sk
 from shardkit.diloco import replica_mean
 from shardkit.checkpoint import Checkpointer
-from shardkit.cost.hlo import traffic_from_hlo
+from shardkit.cost.compiled.hlo import traffic_from_hlo
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 sys.path.insert(0, SCRIPTS)
@@ -356,7 +356,8 @@ def test_cost_model_charges_one_sync_per_interval_on_the_slow_link():
     proposes it when asked; on H100 InfiniBand it gains little."""
     import dataclasses
 
-    from shardkit.cost import formulas, hardware, shapes, steptime
+    from shardkit.cost import hardware, terms as shapes
+    from shardkit.cost.analytic import from_shape as formulas, steptime
 
     h100 = hardware.lookup("h100")
     slow = dataclasses.replace(h100, inter_node_bw=1e9)
@@ -443,7 +444,7 @@ def reference_overlapped(steps, every, tau, mix, inner_tx, outer_tx, R):
 def hlo_dependencies(hlo: str, mesh_shape: dict):
     """For the entry computation of ``hlo``: the replica-axis all-reduces, and per instruction
     whether it is (or calls a computation that holds) a matmul, and its operands."""
-    from shardkit.cost.hlo import _axes_of, _device_groups
+    from shardkit.cost.compiled.hlo import _axes_of, _device_groups
 
     comps, current, entry = {}, None, None
     for line in hlo.splitlines():

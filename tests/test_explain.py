@@ -80,7 +80,7 @@ ENTRY %main (g: bf16[1024,2048]) -> bf16[256,2048] {
 
 
 def test_xla_tpus_reduce_scatter_fusion_reads_as_a_reduce_scatter():
-    from shardkit.cost.hlo import traffic_from_hlo
+    from shardkit.cost.compiled.hlo import traffic_from_hlo
 
     (t,) = traffic_from_hlo(TPU_REDUCE_SCATTER, {"data": 2, "fsdp": 2, "tensor": 2})
     assert (t.kind, t.axes, t.count) == ("reduce-scatter", ("data", "fsdp"), 1)
@@ -104,7 +104,7 @@ def test_explain_a_data_parallel_step():
 def test_async_reduce_scatter_counts_its_shard_not_its_operand():
     """XLA:GPU's async reduce-scatter returns ((operand), result): the bytes are the result's
     (the shard), the bytes reduced the operand's — not the operand times the group."""
-    from shardkit.cost.hlo import collectives_from_hlo, traffic_from_hlo
+    from shardkit.cost.compiled.hlo import collectives_from_hlo, traffic_from_hlo
 
     hlo = """ENTRY %main (p: f32[1024,1024]) -> f32[128,1024] {
   %p = f32[1024,1024]{1,0} parameter(0)
@@ -119,7 +119,7 @@ def test_async_reduce_scatter_counts_its_shard_not_its_operand():
 def test_a_loop_without_known_trip_count_runs_to_its_condition_bound():
     """XLA:TPU writes no known_trip_count: a scan's loop runs while i < N, and its body's
     collectives count N times (they counted once, under-reading every TPU program)."""
-    from shardkit.cost.hlo import collectives_from_hlo
+    from shardkit.cost.compiled.hlo import collectives_from_hlo
 
     hlo = """%cond (p: (s32[], f32[8])) -> pred[] {
   %c = s32[]{:T(128)} constant(4)
@@ -162,7 +162,7 @@ def test_fp8_flops_count_only_ops_whose_operands_are_fp8():
     """A bf16 convolution (and XLA:TPU's bf16 dot, written as a convolution) was counted as an
     fp8 GEMM: ``fp8_only`` applied to dot lines only, so a bf16 conv step read "100% in fp8
     GEMMs" and was timed at the fp8 peak. Only the dot of two fp8 operands is one."""
-    from shardkit.cost.hlo import matmul_flops_from_hlo
+    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
 
     conv, gemm = 2 * (8 * 16 * 16 * 64) * 9 * 32, 2 * 16 * 8 * 32
     assert matmul_flops_from_hlo(FP8_HLO) == conv + 3 * gemm  # the fp8, TPU-style and mixed GEMMs
@@ -170,7 +170,7 @@ def test_fp8_flops_count_only_ops_whose_operands_are_fp8():
 
 
 def test_a_compiled_convolution_step_has_no_fp8_flops():
-    from shardkit.cost.report import report_from_compiled
+    from shardkit.cost.compiled.executable import report_from_compiled
 
     def loss(w, x):
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
@@ -201,7 +201,7 @@ def _readme_step(rows: int):
 def test_a_matmul_xla_rewrote_is_said_not_read_as_zero_flops():
     """One batch row per device: XLA rewrites the matmul as multiply + reduce, which the
     flop count cannot read. The report says so and prints no ratio (it printed ``nan``)."""
-    from shardkit.cost.report import report_from_compiled
+    from shardkit.cost.compiled.executable import report_from_compiled
 
     f = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))
     one, many = (report_from_compiled(f.lower(jnp.ones((512, 256)), jnp.ones((n, 512))).compile(), "t")
@@ -214,7 +214,7 @@ def test_a_matmul_xla_rewrote_is_said_not_read_as_zero_flops():
     assert "multiply + reduce" in text and not re.search(r"\bnan\b", text)
     assert [line.split("│")[4].strip() for line in text.splitlines() if line.startswith("│ flops")] == ["-"]
     # A dot's scalar index arithmetic (XLA:CPU's ZeRO-3 loops) carries its name too: not a matmul.
-    from shardkit.cost.hlo import rewritten_matmuls
+    from shardkit.cost.compiled.hlo import rewritten_matmuls
 
     index = 'ENTRY %m (a: s32[]) -> s32[] {\n  ROOT %i = s32[] multiply(%a, %a), metadata={op_name="jit(f)/dot_general"}\n}'
     assert rewritten_matmuls(index) == 0 and rewritten_matmuls(index.replace("s32[]", "f32[4,8]")) == 1
@@ -236,7 +236,7 @@ def test_the_readme_step_on_128_h100s_says_why_its_flops_read_zero():
 
 
 def test_a_gpu_count_no_host_layout_has_is_a_target_error_before_compiling(monkeypatch):
-    from shardkit.cost import simulated
+    from shardkit.cost.compiled import simulated
 
     monkeypatch.setattr(simulated, "run_child", lambda *a, **k: pytest.fail("compiled a mesh of 12 H100s"))
     step, state, batch = _readme_step(48)
@@ -246,15 +246,15 @@ def test_a_gpu_count_no_host_layout_has_is_a_target_error_before_compiling(monke
         step.explain(state, batch, mesh="data=12", target="h100")
     assert "Traceback" not in str(err.value)
     # A TargetError the compiling child raises comes back as one, without the child's traceback.
-    from shardkit.cost.compiler import compile_error
+    from shardkit.cost.compiled.child import compile_error
 
     e = compile_error({"error": "h100: 12 GPUs do not fill hosts of 8", "target_error": True})
     assert isinstance(e, sk.cost.TargetError) and str(e) == "h100: 12 GPUs do not fill hosts of 8"
 
 
 def test_a_caveat_shared_by_several_rows_prints_once_and_a_band_that_bounds_nothing_is_not_printed(monkeypatch):
-    from shardkit.cost import bands
-    from shardkit.cost.report import Report
+    from shardkit.cost.compiled import bands
+    from shardkit.cost.compiled.report import Report
 
     monkeypatch.setitem(bands.BANDS, "h100", {"collective/tensor-reduce": (-0.999, -0.0, 14, 7)})
     monkeypatch.setitem(bands.HELD_OUT, "h100", {"collective/tensor-reduce": (-0.0, -0.0, 2, 1)})
@@ -279,7 +279,7 @@ def test_a_report_renders_once_in_a_notebook_with_plain_text(monkeypatch):
     shown = []
     monkeypatch.setattr(rich.console, "_is_jupyter", lambda: True)  # as inside a kernel
     monkeypatch.setattr(rich.jupyter, "display", lambda *a, **k: shown.append(a))
-    from shardkit.cost.report import Report
+    from shardkit.cost.compiled.report import Report
 
     r = Report("a title", {"peak": 100}, [], 0.0)
     html = r._repr_html_()

@@ -1,13 +1,13 @@
-"""A tensor split reshaped into heads, followed dim by dim (``cost.headsplit``): where it lands,
+"""A tensor split reshaped into heads, followed dim by dim (``cost.program.reader.head_splits``): where it lands,
 and the partial sums a per-head contraction leaves when the heads are fewer than the devices."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from shardkit.cost.headsplit import reshape_dims
-from shardkit.cost.program import read_program
-from shardkit.cost.stepleaves import split_feature_dims
+from shardkit.cost.program.head_splits import reshape_dims
+from shardkit.cost.program.reader import read_program
+from shardkit.cost.analytic.leaf_sizes import split_feature_dims
 
 
 @pytest.mark.parametrize("src,dst,dims,expect", [

@@ -106,7 +106,7 @@ def test_each_platform_gets_its_kernel_and_a_fallback_says_why():
     impl, why = pick((8, 1000, 16, 128), jnp.bfloat16, causal=True, platform="gpu")
     assert impl == "blockwise" and "1000 is not a multiple" in why
     # A fallback traced for a GPU target warns, naming the reason.
-    from shardkit.cost.simulated import abstract_mesh
+    from shardkit.cost.compiled.simulated import abstract_mesh
     am = abstract_mesh("data=8", target="h100")
     q = jax.ShapeDtypeStruct((8, 100, 4, 16), jnp.bfloat16)
     with jax.sharding.use_abstract_mesh(am), pytest.warns(sk.kernels.KernelFallbackWarning,
@@ -193,7 +193,7 @@ def test_the_gpu_bench_dry_run_writes_its_table(tmp_path):
 def test_a_plan_without_batch_or_heads_names_says_how_to_split_the_kernel():
     """A GPU-target trace whose plan maps no ``heads``: the error names the fix (no silent
     replication of the kernel's work)."""
-    from shardkit.cost.simulated import abstract_mesh
+    from shardkit.cost.compiled.simulated import abstract_mesh
 
     am = abstract_mesh("data=8", target="h100")
     plan = sk.Plan(am, rules=sk.PathRules([(r".*", ())]), axis_rules=sk.AxisRules({"batch": "data"}))

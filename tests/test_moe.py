@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import shardkit as sk
-from shardkit.cost.hlo import traffic_from_hlo
+from shardkit.cost.compiled.hlo import traffic_from_hlo
 
 E, D, F, B, T, K = 8, 16, 32, 8, 8, 2
 CAPACITY = 1.0  # C = ceil(1.0 * 2 * 8 / 8) = 2 per expert per sequence: drops ~1/4
@@ -172,7 +172,7 @@ def test_expert_parallel_equals_one_device(mesh_spec, one_device, reference):
     s_capacity = tokens // T * math.ceil(CAPACITY * K * T / E)
     expected = 4 * E * (tokens + s_capacity) * D * 4
     assert sum(t.count for t in a2a) == 8 and sum(t.bytes for t in a2a) == expected
-    from shardkit.cost.formulas import moe_traffic
+    from shardkit.cost.analytic.from_shape import moe_traffic
     assert moe_traffic(tokens=tokens, d_model=D, experts=E, top_k=K, capacity_factor=CAPACITY,
                        group_size=T, bytes_per_element=4, axis_size=n) == 4 * E * s_capacity * D * 4
     if mesh_spec == "expert=8":
@@ -317,8 +317,8 @@ def test_recipe_ep_layouts_match_one_device(name, recipe_reference):
     # The analytic cost model against the compiled program: all-to-all bytes, and the
     # per-device parameter and optimizer-state bytes (expert weights split over `expert`,
     # ZeRO over the data axes they do not use) within 10%.
-    from shardkit.cost.formulas import estimate
-    from shardkit.cost.shapes import Layout as CostLayout
+    from shardkit.cost.analytic.from_shape import estimate
+    from shardkit.cost.terms import Layout as CostLayout
 
     sizes = compiled["mesh"]
     est = estimate(model.cfg, CostLayout(**sizes, zero=LAYOUTS[name].zero), "h100", global_batch=16,

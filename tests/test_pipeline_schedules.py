@@ -126,8 +126,8 @@ def test_schedule_errors():
 
 
 def test_cost_model_reads_the_tables():
-    """cost.pipeline's ticks, bubble and recompute follow the executed table, not 1F1B's."""
-    from shardkit.cost import pipeline as cost
+    """cost.analytic.pipeline_cost's ticks, bubble and recompute follow the executed table, not 1F1B's."""
+    from shardkit.cost.analytic import pipeline_cost as cost
 
     for name, v, bubble in [("1f1b", 1, 3 / 8), ("interleaved-1f1b", 2, 3 / 16), ("zb-h1", 1, 3 / 24)]:
         note = {"stages": 4, "microbatches": 8, "repeats": v, "schedule": name}

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from shardkit import cost
-from shardkit.cost import formulas, steptime
+from shardkit.cost.analytic import from_shape as formulas, steptime
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_published", ROOT / "bench" / "published.py")

@@ -267,7 +267,7 @@ def test_resnet50_shape_and_bf16_convolutions_by_platform():
     its convolutions ask for f32 results on XLA:CPU only (cuDNN accumulates in f32 itself)."""
     import jax.numpy as jnp
 
-    from shardkit.cost.simulated import simulated_plan
+    from shardkit.cost.compiled.simulated import simulated_plan
 
     cfg50 = Config(depth=50, num_classes=1000, stem="imagenet")
     abstract = nnx.eval_shape(lambda: ResNet(cfg50, rngs=nnx.Rngs(0)))

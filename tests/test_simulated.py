@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import shardkit as sk
-from shardkit.cost.simulated import SimulationError, abstract_mesh
+from shardkit.cost.compiled.simulated import SimulationError, abstract_mesh
 
 pytestmark = pytest.mark.subprocess
 
@@ -173,8 +173,8 @@ def test_search_verify_recompiles_and_reranks_the_top_layouts():
 def test_a_compilers_out_of_memory_verdict_is_does_not_fit_with_its_bytes():
     """XLA:TPU refuses, at compile time, a program whose temporaries exceed the chip's HBM: that
     is an answer (the layout does not fit, by how much), not a crash."""
-    from shardkit.cost.compiler import compile_error
-    from shardkit.cost.simulated import DoesNotFit
+    from shardkit.cost.compiled.child import compile_error
+    from shardkit.cost.compiled.simulated import DoesNotFit
 
     err = compile_error({"error": "compiling for the mesh [['fsdp', 256]] (tpu-v5p) failed: JaxRuntimeError: "
                                    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "

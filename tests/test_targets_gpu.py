@@ -98,8 +98,8 @@ def test_pipelines_of_a_remat_full_model_hold_the_unpipelined_temporaries():
 
 @pytest.mark.extended
 def test_each_schedule_holds_its_memory_formula_on_h100():
-    """Issue 25: the step estimate's temporaries (``cost.pipeline.one_f_one_b_loop``, GPipe's
-    ``cost.pipememory.gpipe_backward``: the backward op's liveness read off its jaxpr, the f32
+    """Issue 25: the step estimate's temporaries (``cost.analytic.pipeline_cost.one_f_one_b_loop``, GPipe's
+    ``cost.analytic.pipeline_memory.gpipe_backward``: the backward op's liveness read off its jaxpr, the f32
     accumulators, the copies XLA makes around the switch and the layer scan, the loss head's
     cotangent GPipe keeps) against XLA:GPU's, per schedule, at the recipe's table (c) size.
     Measured: GPipe 0.99, 1F1B 0.96, interleaved 0.94, ZB-H1 1.00, ZB-V 0.94 (the W ring read

@@ -45,7 +45,7 @@ def test_the_slice_and_the_compilers_own_estimate_are_reported(v5p):
 
 
 def test_chip_counts_no_slice_has_and_unknown_targets_are_clear_errors():
-    from shardkit.cost import targets
+    from shardkit.cost.compiled import targets
 
     with pytest.raises(sk.cost.TargetError, match="no TPU slice has 12 chips"):
         targets.tpu_topology(targets.get("tpu-v5p"), 12)

@@ -471,7 +471,7 @@ def test_pipeline_carries_the_compute_dtype_off_cpu_and_the_estimate_follows():
     value product and the logits are f32 (by design: softmax and the loss run in f32, and
     attention='auto' inside a pipeline stage is sk.attention's blockwise form, whose online
     softmax accumulates p@v in f32)."""
-    from shardkit.cost.simulated import simulated_plan
+    from shardkit.cost.compiled.simulated import simulated_plan
 
     cfg = TRAIN_CFG
     mesh = sk.make_mesh("data=2,pipe=2", devices=jax.devices()[:4])

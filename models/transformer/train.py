@@ -480,7 +480,7 @@ def diloco_from(args, shape, cfg: Config):
 def replica_traffic(step, state, batch, compiled) -> float | None:
     """Bytes each device sends per step in collectives spanning the `replica` axis (ring
     formulas, read off the compiled programs; DiLoCo's syncs amortised), or None without one."""
-    from shardkit.cost.hlo import traffic_from_hlo
+    from shardkit.cost.compiled.hlo import traffic_from_hlo
     from shardkit.diloco import sent_bytes
 
     if step.diloco:

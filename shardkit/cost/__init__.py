@@ -9,18 +9,22 @@ Two kinds of figures, always labelled:
   abstract inputs, nothing allocated.
 * **modelled** — one set of per-role formulas (``roles``: ZeRO state, data and tensor-parallel
   traffic, step temporaries, activations, MoE and context traffic), fed either by a
-  ``ModelShape`` (``formulas.estimate``, ``search``: thousands of layouts in seconds) or by a
-  real step's leaf sums and traced program (``fromstep``, ``estimate_for_step``). Step time is only ever modelled: ``steptime`` turns flops and
+  ``ModelShape`` (``from_shape.estimate``, ``search``: thousands of layouts in seconds) or by a
+  real step's leaf sums and traced program (``from_step``, ``estimate_for_step``). Step time is only ever modelled: ``steptime`` turns flops and
   collective bytes into seconds with each accelerator's ``Efficiency`` and link table.
 
-Modules: ``shapes`` (ModelShape, Layout, Estimate), ``roles``, ``formulas``, ``fromstep``,
-``program`` (reading the traced program) with ``xla_cpu`` (what XLA:CPU keeps beyond it) and
-``xla_gpu`` (how XLA:GPU combines the collectives),
-``caveats``, ``pipeline`` (what ``sk.pipeline`` costs), ``steptime``, ``hardware``, ``hlo``
-(reading compiled programs), ``bands`` (the measured error bands and the under-estimate
-flag), ``rank`` (layout search) with ``plan_command`` (``shardkit plan``), ``simulated`` (compiling for meshes that
-are not here) with ``targets`` (the GPU and TPU compilers, deviceless) and ``compiler`` (the
-subprocess that compiles).
+The house, one folder per job, imports pointing down (``docs/cost_house.md``):
+
+* at the top, shared by all: ``terms`` (ModelShape, Layout, Estimate, the collective roles) and
+  ``hardware`` (accelerator figures);
+* ``program/``: reading the traced jaxpr (``reader`` and its rules);
+* ``analytic/``: the modelled figures (``roles``, ``from_shape``, ``from_step``,
+  ``leaf_sizes``, ``pipeline_cost``, ``pipeline_memory``, ``gpu_combining``, ``caveats``,
+  ``steptime``), reading the program through ``program/``;
+* ``compiled/``: the compiled figures (``targets``, ``child``, ``simulated``, ``hlo``,
+  ``executable``, ``report``, ``bands``), which never import ``analytic/``;
+* ``beside``: the one join — the estimate set beside a compiled report (``simulate``);
+* ``search/``: ``rank`` (layout search) and ``plan_cli`` (``shardkit plan``).
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import hardware as hardware
-from .formulas import estimate as estimate
-from .roles import activation_bytes as activation_bytes
-from .shapes import (DECODER_SIZES as DECODER_SIZES, ROLES as ROLES, Estimate as Estimate,
+from .analytic.from_shape import estimate as estimate
+from .analytic.roles import activation_bytes as activation_bytes
+from .terms import (DECODER_SIZES as DECODER_SIZES, ROLES as ROLES, Estimate as Estimate,
                      Layout as Layout, ModelShape as ModelShape, model_shape as model_shape,
                      tokens_in as tokens_in)
-from .steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROOFLINE,
+from .analytic.steptime import (EFFICIENCY as EFFICIENCY, LINKS as LINKS, ROOFLINE as ROOFLINE,
                        Efficiency as Efficiency, collective_time as collective_time,
                        efficiency_for as efficiency_for, register_efficiency as register_efficiency,
                        register_links as register_links, times as times)
@@ -45,7 +49,7 @@ __all__ = ["Efficiency", "Estimate", "Layout", "ModelShape", "estimate", "estima
 hw_lib = hardware
 
 if TYPE_CHECKING:
-    from .rank import SearchResult
+    from .search.rank import SearchResult
 
 
 def estimate_for_step(step, state, batch, *, pipeline: tuple[int, str, int] | None = None,
@@ -75,7 +79,7 @@ def estimate_for_step(step, state, batch, *, pipeline: tuple[int, str, int] | No
     Returns:
         An ``Estimate``; ``.as_dict()`` uses ``Report.comparison``'s quantity names.
     """
-    from .fromstep import step_estimate
+    from .analytic.from_step import step_estimate
 
     return step_estimate(step, state, batch, pipeline=pipeline, hardware=hardware,
                          flops_per_token=flops_per_token)
@@ -113,7 +117,7 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
         A ``SearchResult``: ``.rows`` (ranked dicts), ``.best``, ``.verified``, printable as a
         rich table (analytic and, with ``verify``, compiled columns).
     """
-    from .rank import search as _search
+    from .search.rank import search as _search
 
     return _search(model, devices, hardware, global_batch=global_batch, memory_limit=memory_limit,
                    seq=seq, precision=precision, top=top, **options)
@@ -123,7 +127,7 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
                  per_device_batch: float, devices=(8, 64, 256), **kw) -> list[dict]:
     """Predicted weak-scaling efficiency: tokens/s per device at N devices over that at the
     smallest N, growing the data axis (and the global batch) with N."""
-    from .rank import weak_scaling as _ws
+    from .search.rank import weak_scaling as _ws
 
     return _ws(model, layout, hardware, per_device_batch=per_device_batch, devices=devices, **kw)
 
@@ -131,31 +135,40 @@ def weak_scaling(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "
 def plan_main(argv: list[str], build_for=None) -> int:
     """``shardkit plan``: rank layouts of a bundled recipe size on N accelerators;
     ``build_for(size, global_batch, seq, precision, target)`` gives ``--verify`` the recipe's
-    step builder (``plan_command.plan_main``)."""
-    from .plan_command import plan_main as _main
+    step builder (``plan_cli.plan_main``)."""
+    from .search.plan_cli import plan_main as _main
 
     return _main(argv, build_for=build_for)
 
 
+# Each module of the package by its name (``sk.cost.bands``, ``sk.cost.targets``,
+# ``sk.cost.steptime``), wherever it lives, as the README writes them.
+_SUBPACKAGES = ("compiled", "program", "analytic", "search")
+
+
 def __getattr__(name):
     if name == "SearchResult":
-        from .rank import SearchResult
+        from .search.rank import SearchResult
 
         return SearchResult
     # Imported on first use: a plain ``import shardkit`` stays light, and the compiling
-    # subprocess (``python -m shardkit.cost.compiler``) does not find its module imported twice.
-    if name in ("simulate", "simulate_many", "SimulationError", "DoesNotFit", "abstract_mesh"):
-        from . import simulated
+    # subprocess (``python -m shardkit.cost.compiled.child``) does not find its module imported twice.
+    if name in ("simulate", "simulate_many"):
+        from . import beside
+
+        return getattr(beside, name)
+    if name in ("SimulationError", "DoesNotFit", "abstract_mesh"):
+        from .compiled import simulated
 
         return getattr(simulated, name)
     import importlib
     import importlib.util
 
     if name in ("TARGETS", "TargetError"):
-        return getattr(importlib.import_module(f"{__name__}.targets"), name)
-    # Any module of the package as an attribute (``sk.cost.bands``, ``sk.cost.targets``), as
-    # the README writes them, without importing them all with ``import shardkit``.
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
+        return getattr(importlib.import_module(f"{__name__}.compiled.targets"), name)
+    # Any module of the package as an attribute, without importing them all with ``import shardkit``.
+    if not name.startswith("_"):
+        for where in ("", *(f".{p}" for p in _SUBPACKAGES)):
+            if importlib.util.find_spec(f"{__name__}{where}.{name}") is not None:
+                return importlib.import_module(f"{__name__}{where}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

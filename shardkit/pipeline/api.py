@@ -58,7 +58,7 @@ per-tick slice of its group included — is kept once per tick. A layer that che
 (``jax.checkpoint``, a recipe's ``remat="full"``) is not wrapped again (``stage.with_remat``).
 The explicit schedules trade compute for memory as ``keep=`` says: with ``"input"`` (the
 default) a backward op recomputes its chunk's forward (4/3 of the layers' flops,
-``cost.pipeline.recompute_factor``) and only one microbatch's residuals are alive at a time;
+``cost.analytic.pipeline_cost.recompute_factor``) and only one microbatch's residuals are alive at a time;
 with ``"all"`` or a checkpoint policy each in-flight chunk-microbatch keeps its residuals (or
 the policy's saved set) from its F to its B/BW (``keep``) — but ZB's pending W's, each holding what its W reads
 (``Schedule.pending_w``).
@@ -224,7 +224,7 @@ def _note_for_estimates(info: dict, chunk, split_ops, params_s, x_mb, extras_mb,
                 info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
-    if rng is None and noting(detail=True):  # a GPU/TPU target's estimate (cost.fromstep)
+    if rng is None and noting(detail=True):  # a GPU/TPU target's estimate (cost.analytic.from_step)
         try:
             # One backward op (explicit) or one tick of the transposed scan (GPipe/circular).
             info["chunk_backward"] = chunk_backward(chunk, params_s, x_mb, extras_mb, n_data)

@@ -109,7 +109,7 @@ def chunk_backward(chunk, params_s, x_mb, extras_mb, n_data):
     """For ``explain()``: the jaxpr of what an explicit backward op runs for one microbatch —
     the chunk's forward (its recompute) and its VJP — with the chunk's ``(v, k, ...)`` weights
     first, then the stage input and the output cotangent; shapes as ``stage_residuals``. The
-    estimate reads its working set with the step's liveness model (``cost.program``). Traced
+    estimate reads its working set with the step's liveness model (``cost.program.reader``). Traced
     while the step is traced."""
     def local(a):
         return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))

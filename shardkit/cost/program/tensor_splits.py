@@ -1,7 +1,7 @@
 """The program reader's matmul rules (``program._Reader`` mixes them in): a matmul's flops
 over the devices that share it, and the tensor-parallel reductions its contraction leaves —
 placed by the weights' split dims (Megatron's column- and row-parallel pair) where they are
-known, by ``headsplit`` where a split feature was reshaped into heads, else by sizes — with
+known, by ``head_splits`` where a split feature was reshaped into heads, else by sizes — with
 XLA:GPU's reassociation of two reductions into one."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 
 from jax._src import core as jcore
 
-from . import xla_cpu
-from .jaxprwalk import Pass as _Pass, dot_flops as _dot_flops
+from . import cpu_buffers
+from .walk import Pass as _Pass, dot_flops as _dot_flops
 
 
 class TensorSplits:
@@ -50,7 +50,7 @@ class TensorSplits:
         if self.canonical_dots:
             # An activation is copied for the op; a weight takes the layout the op
             # wants for free (layout assignment picks it).
-            p.inner_peak[i] = sum(self.size_of(u.aval, None) for u in xla_cpu.transposed_operands(e)
+            p.inner_peak[i] = sum(self.size_of(u.aval, None) for u in cpu_buffers.transposed_operands(e)
                                   if self.whole(origin, u) is None)
         p.inner_peak[i] = p.inner_peak.get(i, 0.0) + reduce_copy
         for s in src[:2]:
@@ -59,7 +59,7 @@ class TensorSplits:
                 self.conv[s] += e.primitive.name == "conv_general_dilated"
 
     def _dims(self, u, origin: dict):
-        """An operand's split dims for ``headsplit`` (None: the size rule cannot place them)."""
+        """An operand's split dims for ``head_splits`` (None: the size rule cannot place them)."""
         if isinstance(u, jcore.Literal):
             return {}
         return self.heads.dims(u, self.split(u, origin)[1], self.weight_dims.get(u), u in self.unsplit)
@@ -74,7 +74,7 @@ class TensorSplits:
             self.reducing[v] = (elems, ops)
 
     def _head_matmul(self, p: _Pass, e, origin: dict, src: list) -> bool:
-        """A ``dot_general`` with an operand split over several dims (``headsplit``): its flops,
+        """A ``dot_general`` with an operand split over several dims (``head_splits``): its flops,
         partial sums and gathers by those dims; False where the reader's own rules apply."""
         if (self.heads is None or self.manual or e.primitive.name != "dot_general"
                 or not any(u in self.heads.parts for u in e.invars[:2] if not isinstance(u, jcore.Literal))):

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..pipeline import schedules as sched
+from ...pipeline import schedules as sched
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")

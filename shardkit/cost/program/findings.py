@@ -31,16 +31,16 @@ class ProgramReading:
         shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
         notes: what the reader could not see into.
         row_syncs: (all-reduces over the data axes the pass waits for apart from the
-            gradients' reduction, their bytes): ``syncs.row_syncs``. ``split_followed``: the
+            gradients' reduction, their bytes): ``row_syncs.row_syncs``. ``split_followed``: the
             weights' tensor-split dims placed the reductions inside every ``shard_map`` too.
         moved: per parameter leaf, whether a matmul reading it moves fewer elements than the
-            weight holds, where XLA may gather activations instead of it (``reshard``).
+            weight holds, where XLA may gather activations instead of it (``gather_or_move``).
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
             ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
             activations that is not a layer scan: a time recurrence inside a layer),
             ``"relayout"`` (a slice or concatenation along a dim split over part of the tensor
-            axis: ``headsplit``), ``"head-spill"`` (fewer heads than tensor devices).
+            axis: ``head_splits``), ``"head-spill"`` (fewer heads than tensor devices).
     """
 
     lookup: list[bool]

@@ -1,4 +1,4 @@
-"""The compiling subprocess of ``simulate``: ``python -m shardkit.cost.compiler DIR N``.
+"""The compiling subprocess of ``simulate``: ``python -m shardkit.cost.compiled.child DIR N``.
 
 It receives serialized modules (``jax.export``) and their requests in ``DIR``, makes the
 target's devices (N simulated CPU devices, or a GPU/TPU target's compile-only devices, under
@@ -22,7 +22,8 @@ import time
 
 import jax
 
-from .report import report_from_compiled, shard_bytes
+from .executable import report_from_compiled
+from .report import shard_bytes
 from . import targets as targets_lib
 
 
@@ -58,7 +59,7 @@ def compile_error(out: dict) -> Exception:
 
 
 def run_child(modules: list[bytes], requests: list[dict], *, timeout: float) -> list[dict]:
-    """Runs ``python -m shardkit.cost.compiler`` on serialized modules (one target for all) and
+    """Runs ``python -m shardkit.cost.compiled.child`` on serialized modules (one target for all) and
     returns one JSON summary per module (``{"error": ...}`` for one that failed to compile)."""
     n = max(math.prod(s for _, s in r["mesh"]) for r in requests)
     target = requests[0].get("target", "cpu")
@@ -85,7 +86,7 @@ def run_child(modules: list[bytes], requests: list[dict], *, timeout: float) -> 
                 f.write(module)
             with open(os.path.join(tmp, f"request{i}.json"), "w") as f:
                 json.dump(request, f)
-        cmd = [sys.executable, "-m", "shardkit.cost.compiler", tmp, str(len(requests))]
+        cmd = [sys.executable, "-m", "shardkit.cost.compiled.child", tmp, str(len(requests))]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -137,7 +138,7 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target) -> dict:
     n = math.prod(s for _, s in pairs)
     layout: list[str] = []
     if target.platform == "cpu":
-        from ..mesh import make_mesh
+        from ...mesh import make_mesh
 
         mesh = make_mesh(pairs, devices=jax.devices()[:n])
     else:

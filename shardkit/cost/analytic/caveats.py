@@ -56,7 +56,7 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
         out["collective/tensor-reduce"] = out["flops"] = why
     if not piped and any(g and m for g, m in zip(gathered, reading.moved)):
         # ResNet-18 at 16x16, ZeRO-3 on 8 H100s: grad-reduce and param-gather 0.03x and 0.02x of
-        # the estimate, temporaries 0.1x (``reshard``).
+        # the estimate, temporaries 0.1x (``gather_or_move``).
         why = ("not modelled: some ZeRO-3/FSDP-sharded weights are larger than the activations they "
                "multiply; XLA may gather those activations instead and keep the weight and its gradient "
                "sharded (the figure assumes the weights are gathered)")

@@ -1,4 +1,4 @@
-"""Per-leaf accounting for the step estimate (``fromstep``): what each parameter leaf of a real
+"""Per-leaf accounting for the step estimate (``from_step``): what each parameter leaf of a real
 ``sk.train_step`` occupies on one device under its resolved spec (stored, ZeRO shard, the
 gathered copy a device computes with), the arguments' memory, the residuals the backward keeps,
 and the tensor-parallel uses of the weights (Megatron's per-use count).
@@ -13,9 +13,9 @@ import math
 import jax
 import numpy as np
 
-from ..plan import shard_shape
-from ..rules import entry_axes
-from .pipeline import is_explicit, pipelined_uses
+from ...plan import shard_shape
+from ...rules import entry_axes
+from .pipeline_cost import PipelineNote, is_explicit, pipelined_uses
 from .roles import zero_state
 
 
@@ -45,7 +45,7 @@ def _stack_dim(leaves) -> int:
 
 
 def residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
-                    param_shapes: set[tuple], pipe: dict | None = None,
+                    param_shapes: set[tuple], pipe: PipelineNote | None = None,
                     sp: bool = False) -> tuple[float, float]:
     """Per-device bytes of the residuals the backward pass keeps for one microbatch.
 
@@ -78,12 +78,12 @@ def residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
         in_pipe = pipe is not None and "shard_map" in where
         # Manual data axes stack GPipe/circular's residuals over them too, with a device's rows
         # inside (an explicit schedule's residuals are its gradients, stacked over pipe only).
-        manual = (math.prod(sizes[a] for a in pipe.get("data_axes", ()))
+        manual = (math.prod(sizes[a] for a in (pipe.data_axes or ()))
                   if in_pipe and not is_explicit(pipe) else 1)
-        if in_pipe and shape and shape[0] % (pipe["stages"] * manual) == 0:
-            nbytes /= pipe["stages"] * manual
+        if in_pipe and shape and shape[0] % (pipe.stages * manual) == 0:
+            nbytes /= pipe.stages * manual
             shape = shape[1:]
-            rows = b_mb // pipe["microbatches"]
+            rows = b_mb // pipe.microbatches
             if manual == 1 and rows in shape and n_data > 1:
                 nbytes /= n_data
             share = nbytes / n_tensor_of(shape, rows if manual == 1 else rows // manual, tensor_dims, sizes)
@@ -190,7 +190,7 @@ class Leaves:
         return any(s < c for s, c in zip(self.stored, self.comp))
 
 
-def leaf_sizes(plan, lay, pipe: dict | None) -> Leaves:
+def leaf_sizes(plan, lay, pipe: PipelineNote | None) -> Leaves:
     """The ``Leaves`` of ``lay`` (a step's layout) under ``plan``; ``pipe``: the pipeline's trace
     note, or None."""
     mesh, zero = plan.mesh, plan.zero
@@ -204,7 +204,7 @@ def leaf_sizes(plan, lay, pipe: dict | None) -> Leaves:
     dims = collections.Counter(d for l, s in zip(leaves, stacked) for d in l.shape[int(s):])
     tensor_dims = {l.shape[d] for l in leaves for d, e in enumerate(l.spec)
                    if any(a not in plan.batch_axes for a in entry_axes(e))}
-    piped = [bool(pipe and l.spec and pipe.get("axis", "pipe") in entry_axes(l.spec[0])) for l in leaves]
+    piped = [bool(pipe and l.spec and pipe.axis in entry_axes(l.spec[0])) for l in leaves]
     return Leaves(leaves, full, zshard, comp, zshard if zero == 3 else full, stacked, L,
                   sum(c / L if s else c for c, s in zip(comp, stacked)),
                   dims.most_common(1)[0][0] if dims else 0, tensor_dims, piped)
@@ -232,7 +232,7 @@ def argument_memory(step, state, batch, lv: Leaves) -> dict[str, float]:
     return mem
 
 
-def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: dict | None,
+def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: PipelineNote | None,
                 sp: bool) -> tuple[float, float, float, float, float]:
     """Megatron's per-use count of tensor-parallel reductions, one use per tensor-sharded weight
     (XLA does not merge the q/k/v or gate/up input-gradient reductions): a row-parallel one

@@ -1,6 +1,6 @@
 """The cost model fed by a ``ModelShape``: per-device memory, collective bytes and flops of a
 layout (``estimate``), counted from the model's sizes and handed to the per-role formulas in
-``roles`` (which ``fromstep`` feeds from a real step); ``steptime`` turns them into seconds.
+``roles`` (which ``from_step`` feeds from a real step); ``steptime`` turns them into seconds.
 ``sk.cost`` is the public face.
 
 Sources: ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054),
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ..precision import Precision
-from . import hardware as hw_lib
-from .pipeline import (is_explicit, layout_note, pipeline_ticks, pipeline_traffic, recompute_factor,
-                       schedule_table)
+from ...precision import Precision
+from .. import hardware as hw_lib
+from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, layout_note, pipeline_traffic,
+                            recompute_factor, schedule_table)
 from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic, step_temporaries,
                     tensor_traffic, zero_state)
-from .shapes import ROLES, Estimate, Layout, ModelShape, model_shape
+from ..terms import ROLES, Estimate, Layout, ModelShape, model_shape
 from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
@@ -116,7 +116,7 @@ class _Sizes:
     sharded: bool  # weights are gathered where used (ZeRO-3/FSDP)
     L_dev: int  # layers per device (per pipeline stage)
     layer_dev: float  # one layer's weights per device
-    pipe_note: dict | None
+    pipe_note: PipelineNote | None
     one_f_one_b: bool  # an explicit schedule as sk.pipeline runs it: 1F1B, interleaved 1F1B, ZB-H1
     keep: bool  # an explicit schedule as Megatron-LM runs it (``Layout.keep_residuals``)
 
@@ -216,8 +216,10 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # ZeRO-3/FSDP gathers each layer for the forward and again for the backward.
         # Expert gradients are reduced over the data axes only (each expert lives on one
         # device of the ``expert`` axis).
-        data_traffic(col, counts, reduced=per_step * (p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)),
-                     reduce_ops=per_step * max(L_dev, 1) if lo.pipe == 1 else 2,
+        # A pipeline's gradient reduction is its own formula (``pipeline_traffic``, below).
+        reduced = p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)
+        data_traffic(col, counts, reduced=0.0 if lo.pipe > 1 else per_step * reduced,
+                     reduce_ops=0 if lo.pipe > 1 else per_step * max(L_dev, 1),
                      gathered=(1 if s.keep else 2) * per_step * p_dev if s.sharded else 0.0,
                      gather_ops=(1 if s.keep else 2) * per_step * max(L_dev, 1),
                      zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)
@@ -253,7 +255,7 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
             col[role] = col.get(role, 0.0) + m * L_dev * nbytes
     if lo.pipe > 1:
         # Activations cross the pipe in the compute dtype (the hardware table holds accelerators;
-        # only XLA:CPU needs f32 there, which ``fromstep`` reads off a real step); sequence
+        # only XLA:CPU needs f32 there, which ``from_step`` reads off a real step); sequence
         # parallelism shards them over ``tensor``.
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
         pipeline_traffic(col, counts, s.pipe_note, stage=s.p_layers, rest=p_dev - s.p_layers, tied=tied,
@@ -281,13 +283,9 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
         recompute += recompute_factor(s.pipe_note) - 1.0
     flops = busy = model_flops * recompute
     if lo.pipe > 1 and not (s.one_f_one_b or s.keep) and ms.layer_params:
-        # GPipe/circular idle ticks compute too (on data the schedule discards): the layers run
-        # ticks/(v·m) times their useful flops (1F1B's switch runs one branch per tick). The
-        # time uses the busy flops; ``times``'s bubble stands for the idle ticks.
+        # GPipe/circular idle ticks compute too: the layers' share of the flops, ticks/(v·m) times.
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
-        layer_share = max(ms.flops_per_token - head, 0.0) / ms.flops_per_token
-        extra = pipeline_ticks(s.pipe_note) / (lo.repeats * lo.microbatches) - 1
-        flops = busy * (1 + extra * layer_share)
+        flops = idle_tick_flops(s.pipe_note, busy, max(ms.flops_per_token - head, 0.0) / ms.flops_per_token)
     return flops, busy, model_flops
 
 

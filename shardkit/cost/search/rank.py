@@ -1,6 +1,6 @@
 """Layout search: enumerate meshes, ZeRO stages, microbatches and remat; rank by estimated
 step time (``sk.search``), and weak-scaling predictions (the ``shardkit plan`` command that
-prints them is ``plan_command``)."""
+prints them is ``plan_cli``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 from rich.table import Table
 
-from . import hardware as hw_lib
-from .bands import underestimate
-from .formulas import estimate
-from .shapes import Estimate, Layout, model_shape
-from .steptime import efficiency_for, links, times
+from .. import hardware as hw_lib
+from ..compiled.bands import underestimate
+from ..analytic.from_shape import estimate
+from ..terms import Estimate, Layout, model_shape
+from ..analytic.steptime import efficiency_for, links, times
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -132,7 +132,7 @@ def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_si
     ``fsdp``; ZeRO stages over ``data``; microbatches that divide the batch (≥ stages).
     ``schedules`` may also name ``"interleaved-1f1b"`` (2 chunks per stage, microbatches a
     multiple of the stages) and ``"zb-h1"``; they are not searched by default (as built they
-    recompute more than 1F1B: ``cost.pipeline.recompute_factor``).
+    recompute more than 1F1B: ``cost.analytic.pipeline_cost.recompute_factor``).
     ``replicas`` > 1 adds DiLoCo layouts (``sk.DiLoCo``): that many copies of each layout of
     ``devices / replicas``, outermost, syncing every ``diloco_every`` steps (asked for, never
     by default: DiLoCo trains differently from data parallelism)."""
@@ -250,8 +250,8 @@ def _verify(kept: list[Estimate], same: list[list[str]], k: int, job_for, hw: hw
     those whose compiled peak fits first, by the step time re-timed with their compiled
     traffic; then the layouts not compiled, in the analytic order; then compiled ones that do
     not fit, and those that failed to compile."""
-    from ..rules import ShardingError
-    from .simulated import SimulationError, simulate_many
+    from ...rules import ShardingError
+    from ..compiled.simulated import SimulationError, simulate_many
 
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"verify must be a non-negative integer (layouts to compile), got {k!r}")

@@ -20,8 +20,8 @@ import math
 
 from jax._src import core as jcore
 
-from .jaxprwalk import sub_jaxprs
-from .primitives import MATMUL, SLICE, VIEW
+from .walk import sub_jaxprs
+from .op_kinds import MATMUL, SLICE, VIEW
 
 
 def activations_smaller(jaxpr: jcore.Jaxpr, n_params: int) -> list[bool]:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from jax._src import core as jcore
 
-from .primitives import FUSIBLE, REDUCE, SLICE, VIEW
+from .op_kinds import FUSIBLE, REDUCE, SLICE, VIEW
 
 Dims = dict  # {dim: devices of the tensor axis that share it}; the product divides the axis
 

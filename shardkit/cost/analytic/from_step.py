@@ -3,7 +3,7 @@
 Everything here is bookkeeping on specs and abstract shapes (plus one abstract trace of the
 loss for its saved residuals); nothing is compiled. ``sk.cost.estimate_for_step`` is the
 public entry point; ``step.explain()`` compares it with the compiled program. The per-leaf
-accounting is ``stepleaves``; the per-role formulas ``roles`` and ``pipeline``.
+accounting is ``leaf_sizes``; the per-role formulas ``roles`` and ``pipeline``.
 """
 
 from __future__ import annotations
@@ -14,18 +14,19 @@ import math
 import jax
 import numpy as np
 
-from ..rules import entry_axes
-from . import hardware as hw_lib
-from .shapes import ROLES, Estimate, Layout, tokens_in
+from ...rules import entry_axes
+from .. import hardware as hw_lib
+from ..terms import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
-from .pipememory import backward_op_peak, gpipe_backward, n_tensor_stacked
-from .program import ProgramReading, read_program
+from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, microbatch_rows,
+                              saved_bytes)
+from ..program.reader import ProgramReading, read_program
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
-from . import xla_gpu
-from .pipeline import (is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_note, pipeline_ticks,
-                       pipeline_traffic, recompute_factor)
-from .stepleaves import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
+from . import gpu_combining
+from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers,
+                            pipeline_note, pipeline_ticks, pipeline_traffic, recompute_factor)
+from .leaf_sizes import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
                          n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
 
 
@@ -48,7 +49,7 @@ class _Step:
     n_data: int
     sp: bool  # sequence parallelism
     ctx: int  # the context axis's size
-    pipe: dict | None
+    pipe: PipelineNote | None
     lv: Leaves
     reading: ProgramReading
 
@@ -73,9 +74,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     mesh, sizes, pipe = step.plan.mesh, s.sizes, s.pipe
     hw = _hardware(hardware, mesh)
     layout = Layout(data=math.prod(sizes[a] for a in ("replica", "data") if a in sizes),
-                    fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=pipe["stages"] if pipe else 1,
-                    zero=s.zero, microbatches=pipe["microbatches"] if pipe else s.m,
-                    schedule=pipe["schedule"] if pipe else "gpipe", repeats=pipe["repeats"] if pipe else 1)
+                    fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=pipe.stages if pipe else 1,
+                    zero=s.zero, microbatches=pipe.microbatches if pipe else s.m,
+                    schedule=pipe.schedule if pipe else "gpipe", repeats=pipe.repeats if pipe else 1)
     t = times(col, counts, busy, hw, layout)
     n_dev = mesh.size
     notes = list(s.reading.notes)
@@ -175,12 +176,9 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
         working = max(working, lv.layer_comp * bg)
     # A step microbatch's activations as the pipeline carries them (f32 on XLA:CPU).
     act_carried = tokens_in(batch) / s.n_data / m * lv.width * wire
-    if not gpipe_like and pipe.get("stage_residuals") is not None:
-        lead = jax.tree.leaves(batch)[0].shape[0] // m  # rows of a step microbatch
-        rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-        k = max(L // (pipe["stages"] * pipe.get("repeats", 1)), 1)
-        stage_res, w_saved = (sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, lv.tensor_dims, sizes)
-                                  for sh, d in pipe.get(key, ())) for key in ("stage_residuals", "w_saved"))
+    if not gpipe_like and pipe.stage_residuals is not None:
+        rows, k = microbatch_rows(s), chunk_layers(s)
+        stage_res, w_saved = (saved_bytes(s, key, rows, k) for key in ("stage_residuals", "w_saved"))
         # The input's cotangent accumulates in f32 (``explicit._acc_dtype``). The backward op's
         # liveness reading and the copies around the switch are XLA:GPU's and XLA:TPU's habits
         # (measured on their compiles, BENCHMARKS.md issue 25); XLA:CPU keeps issue 24's form,
@@ -189,10 +187,10 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
         backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res, k,
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
-                                    kept=stage_res if pipe.get("keep", "input") != "input" else 0.0,
+                                    kept=stage_res if pipe.keep != "input" else 0.0,
                                     op_peak=op_peak, acc_ratio=4 / wire,
-                                    chunk_weights=sum(c for c, q in zip(comp, piped) if q) * bc / pipe.get("repeats", 1))
-    elif gpipe_like and s.platform != "cpu" and pipe.get("stage_residuals") is not None:
+                                    chunk_weights=chunk_weights(s))
+    elif gpipe_like and s.platform != "cpu" and pipe.stage_residuals is not None:
         # The f32 gradients are made after the pipeline's backward (its scan accumulates them in
         # the compute dtype); a step microbatch accumulator lives throughout.
         backward = (mem["grads"] if m > 1 else 0.0) + gpipe_backward(s, act_carried, g_comp)
@@ -238,9 +236,13 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
         gather_ops = m * sum(u for u, st, c in zip(uses, stored, comp) if st < c) if not pipe else 2 * m * lv.layers
         zero12_ops = 1
         if s.platform == "gpu" and not pipe:  # XLA:GPU combines them
-            reduce_ops, gather_ops, zero12_ops = xla_gpu.data_ops(
+            reduce_ops, gather_ops, zero12_ops = gpu_combining.data_ops(
                 lv, step.layout.zero_specs, uses, reading, zero=zero, microbatches=m, grad_bytes=s.bg, wire=s.wire)
-        data_traffic(col, counts, reduced=m * reduced, reduce_ops=reduce_ops,
+        # A pipeline over data axes reduces the weights' gradients by its own formula
+        # (``pipeline_traffic``, below); the row syncs stay beside them.
+        pipe_reduces = bool(pipe) and n_data > 1
+        data_traffic(col, counts, reduced=0.0 if pipe_reduces else m * reduced,
+                     reduce_ops=0 if pipe_reduces else reduce_ops,
                      gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
                      gather_ops=gather_ops,
                      zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
@@ -248,14 +250,14 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
                      bg=s.bg, wire=s.wire, bp=s.bp)
         # Reductions over the rows the rest of the pass reads back (a MoE load-balancing loss's
         # expert counts, BatchNorm's batch statistics): all-reduces of their own, before the
-        # gradients exist, one op per link of their longest chain (``syncs``); grad-reduce in
+        # gradients exist, one op per link of their longest chain (``row_syncs``); grad-reduce in
         # the compile.
         syncs, sync_bytes = reading.row_syncs
         col["grad-reduce"] += m * sync_bytes
         counts["grad-reduce"] += m * syncs
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
     # parallelism the traced program's tensor-split contractions give the reductions; with them,
-    # Megatron's per-use count (``stepleaves.tensor_uses``).
+    # Megatron's per-use count (``leaf_sizes.tensor_uses``).
     fwd, bwd, regions, tables, n_tables = (tensor_uses(plan, lv, lookup, tied, pipe, sp) if (pipe or sp)
                                            else (0.0,) * 5)
     tensor_traffic(col, counts, forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),
@@ -274,7 +276,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
     if pipe:
         # Activations cross the stages in the compute dtype, in f32 on XLA:CPU (the
         # transformer recipe carries f32 there: XLA:CPU aborts on a bf16 pipeline input's grad).
-        act_mb = tokens / n_data / m * lv.width * s.wire / pipe["microbatches"]
+        act_mb = tokens / n_data / m * lv.width * s.wire / pipe.microbatches
         piped = lv.piped
         pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
                          rest=sum(c for c, q in zip(comp, piped) if not q),
@@ -299,19 +301,15 @@ def _flops(s: _Step, flops_per_token) -> tuple[float, float, float]:
         fpt = reading.total_flops * s.m / max(tokens, 1)
     staged = sum(c for c, l, q in zip(comp, leaves, piped) if q and len(l.shape) >= 2)  # stage matmuls
     if pipe and not is_explicit(pipe) and matmul:
-        # GPipe/circular ticks run every device's layer group, idle ones too (on garbage the
-        # schedule then discards), so the program executes ticks/(v·m) × the stage's matmuls.
-        # 1F1B's idle/forward/backward switch runs one branch a tick: no extra flops. The step
-        # time is timed on the busy flops; the bubble (``times``) stands for the idle ticks.
-        extra = pipeline_ticks(pipe) / (pipe.get("repeats", 1) * pipe["microbatches"]) - 1
-        flops = busy * (1 + extra * staged / matmul)
+        # GPipe/circular idle ticks compute too: the stage's matmuls, ticks/(v·m) times.
+        flops = idle_tick_flops(pipe, busy, staged, matmul)
     elif pipe and matmul:
         # An explicit schedule's backward recomputes the chunk's forward from its saved input
         # (1F1B, interleaved: 4/3 of the flops; ZB-H1's B and W each: 2x); the loss params
         # (head) run on the last stage only, and the compiled figure averages the switch's
         # branches over the stages.
         rf = recompute_factor(pipe)
-        flops = busy * rf * (staged + (matmul - staged) / pipe["stages"]) / matmul
+        flops = busy * rf * (staged + (matmul - staged) / pipe.stages) / matmul
         busy *= rf
     return flops, busy, fpt
 

@@ -1,6 +1,6 @@
 """How the program reader (``program``) classifies jaxpr primitives: which XLA fuses into
 their consumers, which are views, slices, matmuls, reductions, opaque kernels and collectives.
-One table, read by ``program`` and ``xla_cpu``'s rules, and how a view maps its operand's dims."""
+One table, read by ``program`` and ``cpu_buffers``'s rules, and how a view maps its operand's dims."""
 
 import math
 

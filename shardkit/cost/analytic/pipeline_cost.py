@@ -1,5 +1,5 @@
-"""What ``sk.pipeline`` costs per device, for the step estimate (``fromstep``) and the
-analytic model (``formulas``): its schedule's ticks and bubble, the buffers it holds beside the
+"""What ``sk.pipeline`` costs per device, for the step estimate (``from_step``) and the
+analytic model (``from_shape``): its schedule's ticks and bubble, the buffers it holds beside the
 saved residuals, the explicit-backward loop's working set and recompute, and the collectives it
 issues. Everything is read off its trace note (``plan.note("pipeline", ...)``), the schedule
 table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothing is compiled.
@@ -7,69 +7,121 @@ table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothi
 
 from __future__ import annotations
 
-from ..pipeline import schedules as sched
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ...pipeline import schedules as sched
 
 
-def schedule_table(note: dict) -> sched.Schedule:
+@dataclasses.dataclass(frozen=True)
+class PipelineNote:
+    """What ``sk.pipeline`` did inside a step's loss, as its trace note says
+    (``plan.note("pipeline", ...)``), or what a ``Layout``'s pipeline would do.
+
+    Attributes:
+        stages, microbatches, repeats, schedule: the pipeline's (``sk.pipeline``'s arguments).
+        axis: the mesh axis of the stages.
+        data_axes: the data axes its shard_map made manual (``()``: they stayed with the
+            compiler, a pipeline with ``rng``); None where unknown (an override, a layout),
+            taken as manual.
+        keep: what a chunk's forward keeps for its backward (``"input"``, else a policy).
+        stage_residuals, w_saved: ``(shape, dtype)`` of what a chunk's forward saves and of
+            ZB's pending W's, on a GPU/TPU target's trace (``plan.detailed_notes``), else None.
+        chunk_backward: the jaxpr of one explicit backward op (same condition), else None.
+    """
+
+    stages: int
+    microbatches: int
+    schedule: str = "gpipe"
+    repeats: int = 1
+    axis: str = "pipe"
+    data_axes: tuple[str, ...] | None = None
+    keep: str = "input"
+    stage_residuals: tuple | None = None
+    w_saved: tuple | None = None
+    chunk_backward: Any = None
+
+    @classmethod
+    def of(cls, note: "PipelineNote | Mapping[str, Any]") -> "PipelineNote":
+        """A note as the record (a trace note's dict, or a dict naming some of the fields)."""
+        if isinstance(note, cls):
+            return note
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(note) - fields)
+        if unknown:
+            raise ValueError(f"a pipeline note has no field(s) {unknown}; its fields are {sorted(fields)}")
+        kw = dict(note)
+        if kw.get("data_axes") is not None:
+            kw["data_axes"] = tuple(kw["data_axes"])
+        return cls(**kw)
+
+    @property
+    def manual_data(self) -> bool:
+        """The data axes are manual inside the pipeline (unknown counts as manual)."""
+        return self.data_axes is None or bool(self.data_axes)
+
+
+def schedule_table(note: PipelineNote) -> sched.Schedule:
     """The table ``sk.pipeline`` executes for this note (GPipe/circular: forward + mirror)."""
-    return sched.pipeline_schedule(note["schedule"], note["stages"], note["microbatches"],
-                                   note.get("repeats", 1))
+    return sched.pipeline_schedule(note.schedule, note.stages, note.microbatches, note.repeats)
 
 
-def layout_note(layout) -> dict:
+def layout_note(layout) -> PipelineNote:
     """The trace note a ``cost.Layout``'s pipeline would leave (what the analytic model and the
     step time feed the functions here)."""
-    return {"stages": layout.pipe, "microbatches": layout.microbatches, "repeats": layout.repeats,
-            "schedule": layout.schedule}
+    return PipelineNote(stages=layout.pipe, microbatches=layout.microbatches, repeats=layout.repeats,
+                        schedule=layout.schedule)
 
 
-def is_explicit(note: dict) -> bool:
+def is_explicit(note: PipelineNote) -> bool:
     """The schedule runs its backward inside the pipeline (1F1B, interleaved 1F1B, ZB-H1):
     one ``lax.switch`` branch per tick, stage inputs in rings, the forward recomputed."""
-    return note["schedule"] in sched.EXPLICIT
+    return note.schedule in sched.EXPLICIT
 
 
-def pipeline_ticks(note: dict) -> int:
+def pipeline_ticks(note: PipelineNote | Mapping) -> int:
     """Ticks of the table ``sk.pipeline`` scans: the explicit schedules' whole table, the
     GPipe/circular forward table (autodiff mirrors it)."""
-    p, m, v = note["stages"], note["microbatches"], note.get("repeats", 1)
+    note = PipelineNote.of(note)
     if is_explicit(note):
         return schedule_table(note).ticks
-    return int(sched.forward_table(p, m, v).item.shape[0])
+    return int(sched.forward_table(note.stages, note.microbatches, note.repeats).item.shape[0])
 
 
-def pipeline_bubble(note: dict) -> float:
+def pipeline_bubble(note: PipelineNote | Mapping) -> float:
     """Idle over busy (tick, stage) cells of the executed table: the bubble as a fraction of
     the ideal time, (p-1)/m for GPipe and 1F1B, (p-1)/(v·m) interleaved (Narayanan et al.
     2021), (p-1)/(3m) for ZB-H1 (Qi et al. 2024, unit F = B = W slots)."""
-    f = schedule_table(note).bubble_fraction
+    f = schedule_table(PipelineNote.of(note)).bubble_fraction
     return f / (1.0 - f)
 
 
-def recompute_factor(note: dict) -> float:
+def recompute_factor(note: PipelineNote | Mapping) -> float:
     """Flops of the layers per step over the un-pipelined model's (forward F, backward 2F,
     split B = W = F; Qi et al. 2024). Every explicit schedule recomputes the chunk's forward
     once per microbatch: 1F1B and interleaved 1F1B in the fused backward op; ZB-H1 and ZB-V in
     B, which keeps for W what W reads (``pipeline.split``: W runs only the weight-gradient
     matmuls): 4F/3F. GPipe/circular: 1 (their idle-tick compute is counted apart, from the
     ticks). [issue 25: ZB-H1 was 2.0 when B and W each recomputed the forward.]"""
-    return 4.0 / 3.0 if is_explicit(note) else 1.0
+    return 4.0 / 3.0 if is_explicit(PipelineNote.of(note)) else 1.0
 
 
-def pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
+def pipeline_note(step, state, batch, pipeline, sizes) -> PipelineNote | None:
     """What ``sk.pipeline`` did inside the loss: the explicit ``pipeline=`` override
-    (``(microbatches, schedule, repeats)`` or a dict), else the step's trace note (the step
-    is lowered once here if it has not been traced yet); ``None`` without a pipe axis."""
+    (``(microbatches, schedule, repeats)``, a ``PipelineNote`` or a dict of its fields), else the
+    step's trace note (the step is lowered once here if it has not been traced yet); ``None``
+    without a pipe axis."""
+    if isinstance(pipeline, PipelineNote):
+        return pipeline if pipeline.stages > 1 else None
     if pipeline is not None:
-        if isinstance(pipeline, dict):
+        if isinstance(pipeline, Mapping):
             note = dict(pipeline)
         else:
             pm, schedule, v = (tuple(pipeline) + ("gpipe", 1))[:3]
             note = {"microbatches": pm, "schedule": schedule, "repeats": v}
-        note.setdefault("axis", "pipe")
-        note.setdefault("stages", sizes.get(note["axis"], 1))
-        note.setdefault("repeats", 1)
-        return note if note["stages"] > 1 else None
+        note.setdefault("stages", sizes.get(note.get("axis", "pipe"), 1))
+        return PipelineNote.of(note) if note["stages"] > 1 else None
     if sizes.get("pipe", 1) <= 1 and not step.trace_notes.get("pipeline"):
         return None
     if "pipeline" not in step.trace_notes:
@@ -78,15 +130,15 @@ def pipeline_note(step, state, batch, pipeline, sizes) -> dict | None:
         except Exception:  # noqa: BLE001 - an estimate without the pipeline beats none
             return None
     note = step.trace_notes.get("pipeline")
-    return dict(note) if note and note.get("stages", 1) > 1 else None
+    return PipelineNote.of(note) if note and note.get("stages", 1) > 1 else None
 
 
-def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> float:
+def pipeline_buffers(pipe: PipelineNote, act_elems_x4: float, grad_bytes: float) -> float:
     """Bytes ``sk.pipeline`` holds beside the saved residuals: GPipe/circular the (m + 1)
     output slots and their cotangent; 1F1B the rings of stage inputs and cotangents, and a
     second copy of the gradients (its custom_vjp returns them as residuals, then scales).
     The explicit schedules' ring sizes come from their table."""
-    pm = pipe["microbatches"]
+    pm = pipe.microbatches
     act_mb = act_elems_x4 / pm
     if is_explicit(pipe):
         tab = schedule_table(pipe)
@@ -94,7 +146,7 @@ def pipeline_buffers(pipe: dict, act_elems_x4: float, grad_bytes: float) -> floa
     return 2 * (pm + 1) * act_mb
 
 
-def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_grads: float,
+def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float, rest_grads: float,
                       stage_residuals: float, stage_layers: int, w_saved: float = 0.0,
                       op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0,
                       kept: float = 0.0) -> float:
@@ -113,7 +165,7 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     At its peak the tick holds either a second copy of the switch's operands (XLA copies a
     loop-carried value into the conditional that updates it, and back) or, inside a backward
     op, ``op_peak`` beside them: the liveness peak of the chunk's recomputed forward and its
-    VJP for one microbatch (``pipememory`` reads it off the jaxpr the trace note keeps: the
+    VJP for one microbatch (``pipeline_memory`` reads it off the jaxpr the trace note keeps: the
     layers' saved inputs, one layer's recomputed intermediates with their cotangents, the
     chunk's weight gradients), the branch's new loss-params accumulator and ``chunk_weights``:
     the chunk's compute-dtype weights once more, as the layer scan's loop carries them (XLA
@@ -127,7 +179,7 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     one layer's share of them again in cotangents, a fresh stage gradient and a second copy of
     the accumulators [issue 24's form, which missed the layer's recomputed intermediates: 0.52
     to 0.79 of the compiled temporaries on H100]."""
-    pm = pipe["microbatches"]
+    pm = pipe.microbatches
     act_mb = act_elems_x4 / pm
     tab = schedule_table(pipe)
     if op_peak is not None:
@@ -150,22 +202,32 @@ def one_f_one_b_loop(pipe: dict, act_elems_x4: float, stage_grads: float, rest_g
     return carry + backward_op + w_saved
 
 
-def pipelined_uses(pipe: dict, layers: int) -> float:
+def pipelined_uses(pipe: PipelineNote, layers: int) -> float:
     """Layer applications per device per step, in units of one layer over the whole local
     batch: GPipe/circular run their k = L/(p·v) layers every tick (idle ticks compute too) on
     a 1/m microbatch; the explicit schedules run each of their L/p layers' forward once per
     microbatch (their backward ops' recompute: ``recompute_factor``)."""
-    p, pm, v = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1)
+    p, pm, v = pipe.stages, pipe.microbatches, pipe.repeats
     if is_explicit(pipe):
         return layers / p
     return pipeline_ticks(pipe) * layers / (p * v) / pm
 
 
-def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied: float,
+def idle_tick_flops(note: PipelineNote, busy: float, part: float, whole: float = 1.0) -> float:
+    """The flops a GPipe/circular pipeline executes for ``busy`` useful ones, ``part / whole``
+    of them its stages': every tick runs every device's layer group, idle ones too (on data
+    the schedule then discards), so the stages' matmuls run ticks/(v·m) times their useful
+    count. (1F1B's switch runs one branch a tick: no extra flops.) The step time is timed on
+    the busy flops; its bubble (``steptime.times``) stands for the idle ticks."""
+    extra = pipeline_ticks(note) / (note.repeats * note.microbatches) - 1
+    return busy * (1 + extra * part / whole)
+
+
+def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: float, tied: float,
                      act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
     """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and
     ``counts`` by role: the one formula set both estimators use, fed by a ``ModelShape``
-    (``formulas.estimate``) or by a real step's leaf sums (``fromstep``).
+    (``from_shape.estimate``) or by a real step's leaf sums (``from_step``).
 
     Args:
         pipe: the pipeline's note (stages, microbatches, repeats, schedule; ``data_axes``:
@@ -187,7 +249,9 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
     * ``pipe-reduce``: the psum that broadcasts what lives on one stage: GPipe/circular the
       m outputs (and, backward, the input's cotangent); 1F1B the loss params' gradients (+ the
       input's).
-    * ``grad-reduce`` over the data axes: ``sk.pipeline`` makes the data axes manual and
+    * ``grad-reduce`` over the data axes (the weights' whole reduction: a caller leaves it out of
+      ``roles.data_traffic``; what else the step reduces over data, its row syncs, stays beside
+      it): ``sk.pipeline`` makes the data axes manual and
       reduces the stage weights' gradient once per pipeline call, after the loop, like the
       params outside the stacks (1F1B: the loss params, in the same psum); a tied table twice.
       When the data axes stayed compiler-managed (a pipeline with ``rng``), XLA reduces where
@@ -195,28 +259,28 @@ def pipeline_traffic(col, counts, pipe: dict, *, stage: float, rest: float, tied
       ticks × a layer group), every backward op of 1F1B (m × the stage) — and 1F1B's loss
       params m times on the last stage (m/p per device).
     """
-    p, pm, v, sched_ = pipe["stages"], pipe["microbatches"], pipe.get("repeats", 1), pipe["schedule"]
+    p, pm, v, sched_ = pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule
     ticks = pipeline_ticks(pipe)
-    col["pipe-permute"] = 2 * ticks * act_mb * step_m
-    counts["pipe-permute"] = 2 * ticks * step_m
+    col["pipe-permute"] += 2 * ticks * act_mb * step_m
+    counts["pipe-permute"] += 2 * ticks * step_m
     if v > 1:
         hops = 1 if p == 2 else 2
-        col["pipe-relayout"] = 2 * stage * wire * hops * step_m
-        counts["pipe-relayout"] = 2 * hops * step_m
+        col["pipe-relayout"] += 2 * stage * wire * hops * step_m
+        counts["pipe-relayout"] += 2 * hops * step_m
     if not is_explicit(pipe):
         col["pipe-permute"] += 2 * pm * act_mb * step_m
         counts["pipe-permute"] += 2 * step_m
-        col["pipe-reduce"] = pm * act_mb * step_m * (2 if has_dx else 1)
+        col["pipe-reduce"] += pm * act_mb * step_m * (2 if has_dx else 1)
     else:
-        col["pipe-reduce"] = (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
-    counts["pipe-reduce"] = step_m
+        col["pipe-reduce"] += (rest * bg + (pm * act_mb if has_dx else 0.0)) * step_m
+    counts["pipe-reduce"] += step_m
     if n_data > 1:
-        if pipe.get("data_axes", True):  # manual data axes (an override note has no such key)
-            col["grad-reduce"] = (stage + rest + tied) * bg * step_m
-            counts["grad-reduce"] = 2 * step_m
+        if pipe.manual_data:
+            col["grad-reduce"] += (stage + rest + tied) * bg * step_m
+            counts["grad-reduce"] += 2 * step_m
         elif is_explicit(pipe):
-            col["grad-reduce"] = (pm * stage + pm / p * rest) * bg * step_m
-            counts["grad-reduce"] = (pm + 1) * step_m
+            col["grad-reduce"] += (pm * stage + pm / p * rest) * bg * step_m
+            counts["grad-reduce"] += (pm + 1) * step_m
         else:
-            col["grad-reduce"] = (ticks * stage / v + rest) * bg * step_m
-            counts["grad-reduce"] = (ticks + 1) * step_m
+            col["grad-reduce"] += (ticks * stage / v + rest) * bg * step_m
+            counts["grad-reduce"] += (ticks + 1) * step_m

@@ -4,7 +4,7 @@ combiners merge independent collectives of one kind over the same devices (``All
 executes far fewer ops than it has gradients and gathered weights. Counts matter where latency
 does: each op pays its ring's link latencies (``steptime.collective_time``), which decide the
 order of small models' layouts. Read off H100 compiles of the house GPT, MLP and CNN and of HF
-GPT-2 (``bench/cost_ranking.py``); ``fromstep`` uses it for GPU targets only (``xla_cpu`` has
+GPT-2 (``bench/cost_ranking.py``); ``from_step`` uses it for GPU targets only (``cpu_buffers`` has
 XLA:CPU's habits).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ..rules import entry_axes
+from ...rules import entry_axes
 from .roles import grads_on_shard
 
 # ``kDefaultAllReduceCombineThreshold``, and the same for all-gather and reduce-scatter
@@ -36,8 +36,8 @@ def data_ops(lv, zero_specs, uses, reading, *, zero: int, microbatches: int, gra
     reduces in 4 ops, modelled 3.
 
     Args:
-        lv: the step's ``stepleaves.Leaves``; ``zero_specs``: its layout's ZeRO specs.
-        uses: per leaf, the uses that gather it where it is sharded (``fromstep``).
+        lv: the step's ``leaf_sizes.Leaves``; ``zero_specs``: its layout's ZeRO specs.
+        uses: per leaf, the uses that gather it where it is sharded (``from_step``).
         reading: the ``program.ProgramReading`` (loop uses, lookups, matmuls).
     """
     m, loop, comp, stored = microbatches, reading.loop_use, lv.comp, lv.stored

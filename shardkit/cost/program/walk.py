@@ -1,4 +1,4 @@
-"""The jaxpr walking ``cost.program``'s reader is built on: the nested jaxprs of an equation
+"""The jaxpr walking ``cost.program.reader``'s reader is built on: the nested jaxprs of an equation
 with their trip counts, a ``shard_map`` output that needs no buffer of its own, an equation's
 matmul flops, and the bookkeeping of one liveness pass."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 from jax._src import core as jcore
 
-from .primitives import FUSIBLE as _FUSIBLE, VIEW as _VIEW
+from .op_kinds import FUSIBLE as _FUSIBLE, VIEW as _VIEW
 
 
 def sub_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, list, float]]:

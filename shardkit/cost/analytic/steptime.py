@@ -1,7 +1,7 @@
 """Step time of a layout: collective times over the links a mesh axis spans, and the
 achievable-efficiency model (matmul efficiency below peak, exposed communication, latency,
-memory-bound kernels) that turns flops and collective bytes into seconds. ``formulas.estimate``
-and ``fromstep`` call ``times``.
+memory-bound kernels) that turns flops and collective bytes into seconds. ``from_shape.estimate``
+and ``from_step`` call ``times``.
 
 Sources: ring collective times and link regimes from the JAX scaling book ("How to Scale Your
 Model"); the efficiency constants from published runs (``Efficiency``), checked against other
@@ -15,12 +15,13 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from . import hardware as hw_lib
-from .pipeline import layout_note, pipeline_bubble
+from .. import hardware as hw_lib
+from .pipeline_cost import layout_note, pipeline_bubble
+from ..terms import STEP_ROLES
 from .roles import grads_on_shard
 
 if TYPE_CHECKING:
-    from .shapes import Layout, ModelShape
+    from ..terms import Layout, ModelShape
 
 # Link topology the hardware table does not carry: chips per fast-link domain (NVLink node /
 # ICI slice) and per-collective-step latencies (intra, inter). Extend with ``register_links``.
@@ -131,7 +132,7 @@ def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, gl
     (``remat`` "full" or "dots") runs the forward kernels again: 3 or 4 forward passes in all.
     The loss reads and writes f32 logits ~4 times (16·V/t bytes per token, vocabulary-parallel),
     spread over the pipeline stages like the head's flops. Pass the result to
-    ``times(..., memory_seconds=)``; ``formulas.estimate`` does so for every transformer
+    ``times(..., memory_seconds=)``; ``from_shape.estimate`` does so for every transformer
     ``ModelShape`` (its ``gated``, ``flash_attention`` and ``dropout`` say which kernels run).
 
     Args:
@@ -234,16 +235,17 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
         on_shard = grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) or lo.fsdp > 1
         grad = (("reduce-scatter" if on_shard else "all-reduce", both, 1.0),)
     gather_axes = both if lo.zero == 3 else ("fsdp",) if lo.fsdp > 1 else ("data",)
-    return {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
-            "tensor-reduce": (("reduce-scatter" if lo.sequence_parallel else "all-reduce", ("tensor",), 1.0),),
-            "tensor-gather": (("all-gather", ("tensor",), 1.0),),
-            "pipe-permute": (("permute", ("pipe",), 1.0),),
-            "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
-            "pipe-relayout": (("all-to-all", ("pipe",), 1.0),),
-            "expert-all-to-all": (("all-to-all", ("expert",), 1.0),),
-            "context-permute": (("permute", ("context",), 1.0),),
-            "context-gather": (("all-gather", ("context",), 1.0),),
-            "context-reduce": (("reduce-scatter", ("context",), 1.0),)}
+    stages = {"grad-reduce": grad, "param-gather": (("all-gather", gather_axes, 1.0),),
+              "tensor-reduce": (("reduce-scatter" if lo.sequence_parallel else "all-reduce", ("tensor",), 1.0),),
+              "tensor-gather": (("all-gather", ("tensor",), 1.0),),
+              "pipe-permute": (("permute", ("pipe",), 1.0),),
+              "pipe-reduce": (("all-reduce", ("pipe",), 1.0),),
+              "pipe-relayout": (("all-to-all", ("pipe",), 1.0),),
+              "expert-all-to-all": (("all-to-all", ("expert",), 1.0),),
+              "context-permute": (("permute", ("context",), 1.0),),
+              "context-gather": (("all-gather", ("context",), 1.0),),
+              "context-reduce": (("reduce-scatter", ("context",), 1.0),)}
+    return {role: stages[role] for role in STEP_ROLES}
 
 
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,

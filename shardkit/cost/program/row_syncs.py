@@ -25,8 +25,8 @@ import math
 
 from jax._src import core as jcore
 
-from .jaxprwalk import nbytes, sub_jaxprs
-from .primitives import REDUCE
+from .walk import nbytes, sub_jaxprs
+from .op_kinds import REDUCE
 
 
 class _Walk:

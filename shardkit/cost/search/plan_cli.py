@@ -9,7 +9,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from . import hardware as hw_lib
+from .. import hardware as hw_lib
 from .rank import search, weak_scaling
 
 
@@ -71,7 +71,7 @@ def plan_main(argv: list[str], build_for: Callable | None = None) -> int:
         with open(a.json, "w") as f:
             json.dump({"rows": res.rows[:a.top], "weak_scaling": scaling}, f, indent=1)
     if a.png:
-        from .. import viz
+        from ... import viz
 
         viz.save(viz.compare_layouts(res, top=min(a.top, 12)), a.png)
         console.print(f"saved {a.png}")

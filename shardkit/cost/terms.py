@@ -21,9 +21,18 @@ DECODER_SIZES: dict[str, dict] = {
     "1b": dict(vocab=50304, d_model=2048, layers=16, heads=32, kv_heads=8, d_ff=8192, seq=2048, tie=True),
     "7b": dict(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, d_ff=11008, seq=4096, tie=False),
 }
+# Every collective role, in the order an estimate lists them: the one list; the others below
+# are derived from it.
 ROLES = ("grad-reduce", "param-gather", "tensor-reduce", "tensor-gather", "pipe-permute", "pipe-reduce",
          "pipe-relayout", "expert-all-to-all", "replica-reduce", "context-permute", "context-gather",
          "context-reduce")
+# What one step runs, which ``steptime`` times: all but DiLoCo's outer sync (``replica-reduce``
+# runs as its own program every ``diloco_every`` steps, timed apart).
+STEP_ROLES = tuple(r for r in ROLES if r != "replica-reduce")
+# What ``sk.Report.roles()`` reads off a compiled program by the mesh axes a collective spans: a
+# step's roles but ``context-reduce`` (a reduction over ``context`` is the weights' gradients
+# reduced there, read as ``grad-reduce``), and ``other`` for what no role explains.
+COMPILED_ROLES = tuple(r for r in STEP_ROLES if r != "context-reduce") + ("other",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,22 +181,22 @@ class Layout:
         sequence_parallel: shard the residual stream over ``tensor`` between TP regions.
         context: context-parallel axis size (``sk.context_attention``): the sequence is split
             over it, so activations shrink as T/context and each attention layer moves K/V
-            around it (``formulas.context_traffic``); between fsdp and tensor in the mesh.
+            around it (``from_shape.context_traffic``); between fsdp and tensor in the mesh.
         expert: expert-parallel axis size (``sk.moe``): expert weights are split over it and
             the batch too (a data axis for every other weight); each MoE layer moves its
-            tokens to their experts and back (``formulas.moe_traffic``); between fsdp and
+            tokens to their experts and back (``from_shape.moe_traffic``); between fsdp and
             context in the mesh.
         replica, diloco_every: DiLoCo (``sk.DiLoCo``): ``replica`` copies of the layout
             above, outermost in the mesh (across the slow link), each training on 1/replica of
             the batch and syncing over ``replica`` once every ``diloco_every`` steps: one f32
             all-reduce of its shard of the parameters (the outer update's layout), amortised
-            over the interval and fully exposed (``formulas.diloco_terms``).
+            over the interval and fully exposed (``from_shape.diloco_terms``).
         keep_residuals: ``"1f1b"`` / ``"interleaved-1f1b"`` run as Megatron-LM and PyTorch's
             pipelining run them, not as ``sk.pipeline`` does: every in-flight microbatch keeps
             its residuals and the backward does not recompute the forward (no recompute flops,
             no stage-input rings), ZeRO-3/FSDP weights are gathered once per step and kept (no
             resharding after the forward), and the stage's gradients accumulate in one f32
-            buffer (``formulas._memory``). ``sk.pipeline`` keeps the residuals with ``keep="all"``; its
+            buffer (``from_shape._memory``). ``sk.pipeline`` keeps the residuals with ``keep="all"``; its
             weights and gradient buffers are still as the other explicit layouts'.
     """
 

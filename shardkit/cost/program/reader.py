@@ -22,7 +22,7 @@ tensor-like axes when one of its feature dimensions is a tensor-sharded weight d
 the product keeps is one the weight's spec splits (followed through views: a Conv1D kernel
 used transposed), and whole otherwise (after the all-reduce of a split contraction's partial
 sums); the batch, what a whole table looks up and elementwise math of whole values are whole; a
-split feature reshaped into heads is followed dim by dim (``headsplit``).
+split feature reshaped into heads is followed dim by dim (``head_splits``).
 These are the only guesses: ``ProgramReading.notes`` lists what the
 reader could not see into (a ``while`` of unknown trip count, a custom call).
 
@@ -41,15 +41,15 @@ import jax
 import numpy as np
 from jax._src import core as jcore
 
-from . import xla_cpu
-from .reshard import activations_smaller
-from .syncs import row_syncs
-from .jaxprwalk import Pass as _Pass, elementwise_output as _elementwise_output
-from .jaxprwalk import nbytes as _bytes, scan_split, sub_jaxprs as _sub_jaxprs
-from .headsplit import HeadSplits
-from .reading import ProgramReading as ProgramReading
-from .tensorsplit import TensorSplits
-from .primitives import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
+from . import cpu_buffers
+from .gather_or_move import activations_smaller
+from .row_syncs import row_syncs
+from .walk import Pass as _Pass, elementwise_output as _elementwise_output
+from .walk import nbytes as _bytes, scan_split, sub_jaxprs as _sub_jaxprs
+from .head_splits import HeadSplits
+from .findings import ProgramReading as ProgramReading
+from .tensor_splits import TensorSplits
+from .op_kinds import (COLLECTIVES as _COLLECTIVES, EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL,
                          OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE, VIEW as _VIEW, view_dims)
 
 
@@ -105,7 +105,7 @@ class _Reader(TensorSplits):
         excluded); ``origin`` maps vars to the parameter they view. With ``outputs_live`` the
         jaxpr's outputs stay to the end."""
         p = _Pass(jaxpr, outputs_live,
-                  xla_cpu.materialised_for_reductions(jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
+                  cpu_buffers.materialised_for_reductions(jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
                   if self.canonical_dots else set())
         for i, e in enumerate(jaxpr.eqns):
             name = e.primitive.name
@@ -325,7 +325,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
             manual over none of them the weights keep those dims (None: no shard_map does).
         feature_dims, tensor_axis: with ``weight_dims``, the dims of an activation the size rule
             reads as tensor-split (``shape -> [dims]``) and the tensor axes' size: a split
-            feature reshaped into heads is then followed dim by dim (``headsplit``).
+            feature reshaped into heads is then followed dim by dim (``head_splits``).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)

@@ -1,6 +1,6 @@
 """Per-role formulas: one function per collective role and memory kind, shared by both
-estimators — ``formulas.estimate`` feeds them sums derived from a ``ModelShape`` (``sk.search``),
-``fromstep.step_estimate`` feeds them a real step's leaf sums and traced-program readings
+estimators — ``from_shape.estimate`` feeds them sums derived from a ``ModelShape`` (``sk.search``),
+``from_step.step_estimate`` feeds them a real step's leaf sums and traced-program readings
 (``step.explain()``). A role's rule lives here once; the callers only count.
 
 Sources: ZeRO memory and traffic (Rajbhandari et al. 2020, arXiv:1910.02054); Megatron tensor
@@ -13,7 +13,7 @@ a reduce-scatter of V both count V), a gather its gathered result.
 
 from __future__ import annotations
 
-from .shapes import Layout, ModelShape
+from ..terms import Layout, ModelShape
 
 
 def zero_state(zero: int, *, model: float, shard: float) -> dict[str, float]:
@@ -98,7 +98,7 @@ def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: fl
                  bp: int) -> None:
     """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020), added into
     ``col`` (bytes) and ``counts``: the one formula both estimators use, fed by a
-    ``ModelShape`` (``estimate``) or by a real step's leaf sums (``fromstep``).
+    ``ModelShape`` (``estimate``) or by a real step's leaf sums (``from_step``).
 
     * ``grad-reduce``: every gradient element is reduced once per reduction (``reduced``
       elements in all, over ``reduce_ops`` collectives; counted as bytes reduced, so an
@@ -183,7 +183,7 @@ def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity
     GShard/Switch accounting, Lepikhin et al. 2020; Fedus et al. 2021). Zero without an expert
     axis.
     """
-    from ..moe import expert_capacity
+    from ...moe import expert_capacity
 
     if axis_size <= 1:
         return 0.0

@@ -10,7 +10,7 @@ layout that does not exist yet (``data=64,tensor=8`` on a laptop) the step is co
 2. traced with abstract inputs (``ShapeDtypeStruct``\\ s with the new shardings: nothing is
    allocated) and exported for the target's platform (``jax.export``: ``cuda``, ``tpu``,
    ``cpu``);
-3. a subprocess (``python -m shardkit.cost.compiler``) makes N compile-only devices of the
+3. a subprocess (``python -m shardkit.cost.compiled.child``) makes N compile-only devices of the
    target (a GPU target config or a TPU slice topology; for ``cpu``, N simulated CPU devices),
    compiles the module with the step's donation and reads memory, collectives (through
    loops) and flops off the compiled program (``explain.report_from_compiled``), returning a
@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,17 +36,21 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec a
 
 from .hlo import Collective, Traffic
 from .report import Report, shard_bytes
-from ..mesh import parse_mesh_spec
-from .. import offload
-from ..plan import Plan, detailed_notes
+from ...mesh import parse_mesh_spec
+from ... import offload
+from ...plan import Plan, detailed_notes
 from . import targets as targets_lib
-from .compiler import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
+from .child import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
 
 MAX_DEVICES = 4096
 # Compile-only GPU/TPU devices are descriptions, not threads: far more of them fit.
 MAX_TARGET_DEVICES = 65536
 _CPU = AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu")
-_SAME: Any = object()
+# ``batch_axes=SAME``: the step's own batch axes (re-derived where they were the default).
+SAME: Any = object()
+# What a caller sets beside a report's compiled figures: ``beside(report, step, state, batch,
+# hardware=)`` with the re-planned step and its abstract inputs (``shardkit.cost.beside``).
+Beside = Callable[..., None]
 _CPU_NOTE = ("XLA:CPU's program: its collective choices (all-reduce + slice where GPUs "
              "reduce-scatter) and buffers (16-bit dots run in f32)")
 
@@ -81,11 +86,11 @@ def abstract_mesh(spec, *, max_devices: int = MAX_DEVICES, target="cpu") -> Abst
 
 
 def simulated_plan(plan: Plan, mesh: AbstractMesh, *, zero: int | None = None,
-                   batch_axes=_SAME) -> Plan:
+                   batch_axes=SAME) -> Plan:
     """``plan`` on another mesh: same rules, axis rules, precision and strictness; ``zero`` and
     ``batch_axes`` kept unless given. Batch axes the plan derived by default (the mesh's
     data-like axes) are derived again for the new mesh."""
-    if batch_axes is _SAME:
+    if batch_axes is SAME:
         default = Plan(plan.mesh, rules=plan.rules, axis_rules=plan.axis_rules).batch_axes
         batch_axes = None if plan.batch_axes == default else plan.batch_axes
     return Plan(mesh, rules=plan.rules, axis_rules=plan.axis_rules,
@@ -160,79 +165,30 @@ def _groups(state) -> dict[str, list[int]]:
     return out
 
 
-def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=_SAME,
-             microbatches: int | None = None, estimate: bool = True, flops_per_token: float | None = None,
-             timeout: float = 1800.0, max_devices: int | None = None, target: str = "cpu") -> Report:
-    """Compiles ``step`` for a mesh that is not here and reports what it costs per device.
-
-    ``target`` picks the compiler: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"`` (XLA:GPU with
-    that device's target config, 8 GPUs per host), ``"tpu-v5e"``, ``"tpu-v5p"``,
-    ``"tpu-v6e"`` (XLA:TPU through libtpu, a slice of that many chips), or ``"cpu"`` (N
-    simulated CPU devices). Nothing of the target needs to be present: its compiler runs
-    deviceless in a subprocess (``pip install 'shardkit[cuda12]'`` / ``'shardkit[tpu]'``).
-    The report then holds that compiler's per-device memory against the device's
-    (``Report.fits``), its collectives, the matmul flops, and a step time: XLA:TPU's own
-    estimate where it gives one, else ``steptime.times`` fed with the compiled flops and
-    collectives (and the target's links).
+def simulate(step, state, batch, mesh, *, zero: int | None = None, batch_axes=SAME,
+             microbatches: int | None = None, beside: Beside | None = None, timeout: float = 1800.0,
+             max_devices: int | None = None, target: str = "cpu") -> Report:
+    """The compiled figures of ``shardkit.cost.simulate`` (its arguments, but ``beside``).
 
     Args:
-        step: a ``TrainStep`` after ``step.init`` (or ``abstract_state``).
-        state: its ``TrainState`` (arrays or ``ShapeDtypeStruct``\\ s; only shapes are read).
-        batch: one global batch (arrays or ``ShapeDtypeStruct``\\ s).
-        mesh: the target mesh, ``"data=64,tensor=8"`` (see ``abstract_mesh``).
-        zero: a ZeRO stage for the target layout (default: the step's).
-        batch_axes: the target plan's batch axes (default: the step's, re-derived if default).
-        microbatches: gradient-accumulation steps for the target layout (default: the step's).
-        estimate: also compute the analytic estimate for the target layout.
-        flops_per_token: passed to the estimate.
-        timeout: seconds the compiling subprocess may take.
-        max_devices: see ``abstract_mesh`` (default 4,096 CPU devices, 65,536 GPUs or chips).
-        target: the accelerator to compile for (``sk.cost.targets.TARGETS``).
-
-    Returns:
-        An ``sk.Report`` whose compiled figures come from the target compiler's program
-        (``Report.compiled_on`` says which), with the analytic estimate beside them.
-
-    Raises:
-        ValueError: a malformed mesh spec or too many devices.
-        TargetError: an unknown target, a device count it has no topology for, or its
-            compiler is not installed (the message names the extra).
-        ShardingError: the rules, batch or ZeRO stage do not fit the target mesh.
-        SimulationError: the subprocess failed or timed out (with its stderr); ``DoesNotFit``
-            (a subclass) where the target's compiler refused the program for want of device
-            memory (XLA:TPU does), with the bytes it needed.
+        beside: ``beside(report, step, state, batch, hardware=)`` sets figures beside the
+            compiled ones, the re-planned ``step`` and its abstract inputs at hand
+            (``shardkit.cost.beside``: the analytic estimate); ``hardware`` is the target's
+            accelerator name, None for simulated CPU devices.
     """
     tgt = targets_lib.get(target)
     job = _prepare(step, state, batch, mesh, tgt, zero=zero, batch_axes=batch_axes,
-                   microbatches=microbatches, max_devices=max_devices, detail=estimate)
+                   microbatches=microbatches, max_devices=max_devices, detail=beside is not None)
     out = run_child([job.module], [job.request], timeout=timeout)[0]
     if "error" in out:
         raise compile_error(out)
-    return _assemble(job, out, estimate=estimate, flops_per_token=flops_per_token)
+    return _assemble(job, out, beside=beside)
 
 
-def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_per_token: float | None = None,
+def simulate_many(jobs, *, target: str = "cpu", beside: Beside | None = None,
                   timeout: float = 3600.0) -> list[Report | Exception]:
-    """``simulate`` for several layouts, compiled one after another in one subprocess (one
-    start-up of JAX and the target's compiler instead of one per layout).
-
-    Args:
-        jobs: ``(step, state, batch, mesh)`` tuples, or dicts with those keys and any of
-            ``simulate``'s ``zero``, ``batch_axes``, ``microbatches``.
-        target: as ``simulate``, one for all jobs.
-        estimate, flops_per_token: as ``simulate`` (off by default: the compiled figures).
-        timeout: seconds for the whole subprocess.
-
-    Returns:
-        One entry per job, in order: its ``Report``, or the exception that job raised
-        (``ShardingError`` while planning, ``TargetError`` for a device count the target has
-        no topology for, ``SimulationError`` when its compile failed) — one layout that does
-        not fit does not lose the others.
-
-    Raises:
-        TargetError: as ``simulate``.
-        SimulationError: the subprocess itself died or timed out.
-    """
+    """The compiled figures of ``shardkit.cost.simulate_many`` (its arguments, but ``beside``:
+    as ``simulate``'s)."""
     tgt = targets_lib.get(target)
     targets_lib.require(tgt)
     prepared: list[Any] = []
@@ -240,7 +196,7 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
         kw = dict(job) if isinstance(job, dict) else dict(zip(("step", "state", "batch", "mesh"), job))
         try:
             prepared.append(_prepare(kw.pop("step"), kw.pop("state"), kw.pop("batch"), kw.pop("mesh"), tgt,
-                                     detail=estimate, **kw))
+                                     detail=beside is not None, **kw))
         except Exception as err:  # noqa: BLE001 — a layout that fails to plan or trace is that job's answer
             prepared.append(err)
     ready = [p for p in prepared if isinstance(p, _Job)]
@@ -251,8 +207,7 @@ def simulate_many(jobs, *, target: str = "cpu", estimate: bool = False, flops_pe
             results.append(p)
             continue
         out = next(outs)
-        results.append(compile_error(out) if "error" in out
-                       else _assemble(p, out, estimate=estimate, flops_per_token=flops_per_token))
+        results.append(compile_error(out) if "error" in out else _assemble(p, out, beside=beside))
     return results
 
 
@@ -271,13 +226,13 @@ class _Job:
 
 
 def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | None = None,
-             batch_axes=_SAME, microbatches: int | None = None, max_devices: int | None = None,
+             batch_axes=SAME, microbatches: int | None = None, max_devices: int | None = None,
              detail: bool = False) -> _Job:
     """Re-plans ``step`` on ``mesh`` of ``tgt``'s devices, traces it abstractly and exports it;
     ``detail``: with the trace notes an estimate for a GPU/TPU target reads (``detailed_notes``)."""
     step.layout  # raises before init
     if step.plan.precision.fp8 and tgt.platform != "cpu":
-        from . import hardware
+        from .. import hardware
 
         if not hardware.lookup(tgt.hardware).fp8_flops:
             raise targets_lib.TargetError(
@@ -318,7 +273,7 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
     return _Job(sim, tgt, amesh, abs_state, abs_batch, exported.serialize(), request, t_export)
 
 
-def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | None) -> Report:
+def _assemble(job: _Job, out: dict, *, beside: Beside | None) -> Report:
     """The ``Report`` from the child's summary of one compiled job."""
     sim, tgt, amesh, abs_state, abs_batch = job.sim, job.target, job.amesh, job.state, job.batch
     plan, t_export = sim.plan, job.export_seconds
@@ -360,26 +315,10 @@ def _assemble(job: _Job, out: dict, *, estimate: bool, flops_per_token: float | 
         report.notes.append(f"DiLoCo: the compiled program is the inner step every step runs (the "
                             f"replicas apart over {sim.diloco.axis!r}); the syncs are separate programs run "
                             f"every {sim.diloco.outer.every} steps (step.diloco.traffic), not in these figures")
-        estimate = False  # the analytic model has no DiLoCo term yet
-    if estimate:
-        from .fromstep import step_estimate
-        from .steptime import times
-
-        hw = None if tgt.platform == "cpu" else tgt.hardware
+        beside = None  # the analytic model has no DiLoCo term yet
+    if beside is not None:
         with _on(plan):
-            est = step_estimate(sim, abs_state, abs_batch, flops_per_token=flops_per_token, hardware=hw)
-        report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
-        report.notes.extend(est.notes)
-        if hw is not None:
-            from . import hardware
-
-            chip = hardware.lookup(hw)
-            # fp8 GEMMs run at the chip's fp8 peak: counted as the bf16 flops that take as long.
-            flops = report.matmul_flops - report.fp8_matmul_flops * (1 - chip.peak_flops / chip.fp8_flops) \
-                if report.fp8_matmul_flops and chip.fp8_flops else report.matmul_flops
-            report.step_time = times(report.roles(), report.role_counts(), flops, chip, est.layout)
-            report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops and "
-                                       f"collectives, {hw} links")
+            beside(report, sim, abs_state, abs_batch, hardware=None if tgt.platform == "cpu" else tgt.hardware)
     if out.get("optimal_seconds", 0.0) > 0:  # XLA:TPU answers -2 where it has no estimate
         # XLA:TPU's own figure counts a while body once (a 10-trip matmul loop came out below
         # the 1-trip one), so a scanned or accumulating step is under-timed: shown, not used.

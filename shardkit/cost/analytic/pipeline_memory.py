@@ -1,7 +1,7 @@
 """What ``sk.pipeline`` holds at its peak on XLA:GPU and XLA:TPU, read off the jaxprs its trace
 note keeps for a target's estimate (``plan.detailed_notes``): one backward op's liveness (the
 chunk's recomputed forward and its VJP), GPipe's per-tick residuals, and what the loss leaves
-for the loss params' gradient matmuls. ``fromstep`` feeds these to ``pipeline``'s formulas;
+for the loss params' gradient matmuls. ``from_step`` feeds these to ``pipeline``'s formulas;
 each function takes its ``_Step`` (the step's leaves, sizes and traced program).
 """
 
@@ -11,10 +11,10 @@ import math
 
 import jax
 
-from .pipeline import pipeline_buffers, pipeline_ticks
-from .program import jaxpr_peak
-from .shapes import tokens_in
-from .stepleaves import itemsize, n_tensor_of
+from .pipeline_cost import pipeline_buffers, pipeline_ticks
+from ..program.reader import jaxpr_peak
+from ..terms import tokens_in
+from .leaf_sizes import itemsize, n_tensor_of
 
 
 def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
@@ -27,21 +27,41 @@ def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
     its critical path): the cotangent of each loss-param matmul's output (the logits'), in f32
     — the loss's dtype (measured: the recipe's 62.5 MiB f32 logits gradient alive through
     GPipe's backward on H100)."""
-    pipe, lv, sizes = s.pipe, s.lv, s.sizes
-    lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
-    rows = lead // pipe["microbatches"] // math.prod(sizes[a] for a in pipe.get("data_axes", ()))
-    k = max(lv.layers // (pipe["stages"] * pipe.get("repeats", 1)), 1)
-    act_mb = act_carried / pipe["microbatches"]
-    stage_res = sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, lv.tensor_dims, sizes)
-                    for sh, d in pipe["stage_residuals"])
+    pipe, lv = s.pipe, s.lv
+    rows, k = microbatch_rows(s), chunk_layers(s)
+    act_mb = act_carried / pipe.microbatches
+    stage_res = saved_bytes(s, "stage_residuals", rows, k)
     op = backward_op_peak(s, rows) or 0.0
-    chunk_weights = sum(c for c, q in zip(lv.comp, lv.piped) if q) * s.bc / pipe.get("repeats", 1)
     tokens = tokens_in(s.batch) / s.n_data / s.m
     head = sum(tokens * math.prod(l.shape) / lv.width / (math.prod(l.shape) / c) * 4
                for l, c, q, mm in zip(lv.leaves, lv.comp, lv.piped, s.reading.matmul)
                if mm and not q and len(l.shape) == 2 and lv.width in l.shape)
-    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights
+    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights(s)
             + pipeline_buffers(pipe, act_carried, g_comp) + head)
+
+
+def microbatch_rows(s) -> int:
+    """Rows of one pipeline microbatch on one device (of a step microbatch, over the data axes
+    the pipeline made manual)."""
+    lead = jax.tree.leaves(s.batch)[0].shape[0] // s.m
+    return lead // s.pipe.microbatches // math.prod(s.sizes[a] for a in (s.pipe.data_axes or ()))
+
+
+def chunk_layers(s) -> int:
+    """Layers of one chunk: a stage's layers over its ``repeats``."""
+    return max(s.lv.layers // (s.pipe.stages * s.pipe.repeats), 1)
+
+
+def saved_bytes(s, key: str, rows: int, k: int) -> float:
+    """Per-device bytes of the values the trace note lists under ``key`` (``stage_residuals``:
+    what a chunk's forward saves for its backward; ``w_saved``: ZB's pending W's)."""
+    return sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, s.lv.tensor_dims, s.sizes)
+               for sh, d in (getattr(s.pipe, key) or ()))
+
+
+def chunk_weights(s) -> float:
+    """Bytes of one chunk's weights in the compute dtype (what a layer scan's loop carries)."""
+    return sum(c for c, q in zip(s.lv.comp, s.lv.piped) if q) * s.bc / s.pipe.repeats
 
 
 def n_tensor_stacked(shape, rows: int, k: int, tensor_dims, sizes) -> int:
@@ -60,19 +80,19 @@ def backward_op_peak(s, rows: int) -> float | None:
     model of the un-pipelined estimate (``program.jaxpr_peak``): the layers' saved inputs, one
     layer's recomputed intermediates with their cotangents, the chunk's weight gradients.
     None when the note has no such jaxpr or its weights are not the stage's leaves in order."""
-    closed, lv, sizes, pipe = s.pipe.get("chunk_backward"), s.lv, s.sizes, s.pipe
+    closed, lv, sizes, pipe = s.pipe.chunk_backward, s.lv, s.sizes, s.pipe
     if closed is None:
         return None
     stage = [i for i, q in enumerate(lv.piped) if q]
     n = len(closed.jaxpr.invars) - 2  # the chunk's weights, then its input and output cotangent
     avals = [v.aval for v in closed.jaxpr.invars[:n]]
-    v = pipe.get("repeats", 1)
-    k = lv.leaves[stage[0]].shape[0] // (pipe["stages"] * v) if stage else 0
+    v = pipe.repeats
+    k = lv.leaves[stage[0]].shape[0] // (pipe.stages * v) if stage else 0
     if n != len(stage) or any(tuple(a.shape) != (v, k) + tuple(lv.leaves[i].shape[1:]) for a, i in zip(avals, stage)):
         return None
     # The chunk's weights: the stage leaves' compute layout over the axes the pipeline leaves
     # to the compiler (the pipe split is already in the note's shapes).
-    t_split = [math.prod(lv.leaves[i].shape) / pipe["stages"] / lv.comp[i] for i in stage]
+    t_split = [math.prod(lv.leaves[i].shape) / pipe.stages / lv.comp[i] for i in stage]
 
     def split_of(aval, leaf, manual=frozenset()):
         if leaf is not None:

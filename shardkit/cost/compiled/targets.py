@@ -73,7 +73,7 @@ class Target:
             m = re.search(r"device_memory_size:\s*(\d+)", self.gpu_config())
             if m:
                 return float(m.group(1))
-        from . import hardware
+        from .. import hardware
 
         return hardware.lookup(self.hardware).hbm_bytes
 
