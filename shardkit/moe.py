@@ -37,7 +37,7 @@ grouping changes nothing).
 Buffers and traffic. The all-to-all buffers are static: ``E · S`` rows per device with
 ``S = (tokens per device / group_size) · C``. With capacity factor ``c`` that is ``≈ c · k ·
 tokens`` rows, so dispatch + combine, forward and backward move ``4 · c · k · tokens · D ·
-bytes · (n-1)/n`` per device (``cost.formulas.moe_traffic``). Dropless pads every expert to
+bytes · (n-1)/n`` per device (``cost.analytic.from_shape.moe_traffic``). Dropless pads every expert to
 the worst case (all of a device's tokens): ``E/k`` times the capacity-1 buffers, traffic and
 expert flops. That padded form is the CPU path (XLA:CPU has no ragged-all-to-all: "HLO opcode
 ragged-all-to-all is not supported by XLA:CPU") and the reference of the ragged one.
