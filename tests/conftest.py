@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover — jaxlib is a dependency of jax
 os.environ["XLA_FLAGS"] = " ".join([*os.environ.get("XLA_FLAGS", "").split(),
                                     *(f for f in _FAST_COMPILE if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))])
 
+import shardkit._quiet  # noqa: E402,F401 — imports JAX without the CUDA plugin's start-up lines
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -78,13 +79,25 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # tests/test_pipeline.py checks ZB-H1's split backward against the sequential model.
     # Circular (pp_circular) is GPipe's autodiff path with repeats: pp_gpipe runs the recipe's and
     # its formulas, pp_interleaved the stage-major relayout, tests/test_pipeline.py circular itself.
+    # FSDP × TP (fsdp_tp) runs against one device in test_bf16_layout_close_to_one_device[hybrid]
+    # and test_dropout_layouts_match_one_device[hybrid] (data=2,fsdp=2,tensor=2), GPipe (pp_gpipe)
+    # in test_dropout_layouts_match_one_device[pp_gpipe].
     "test_transformer.py::test_layout_matches_one_device": {"zero1", "dp_pp_tp", "dp_pp_tp_1f1b", "pp_zb",
-                                                            "pp_circular"},
+                                                            "pp_circular", "fsdp_tp", "pp_gpipe"},
+    # The estimate beside XLA:CPU's figures: FSDP, TP and SP are in hybrid (data=2,fsdp=2,tensor=2
+    # with SP), GPipe and interleaved 1F1B in test_pipeline_estimate_matches_compiled (a pytree
+    # model on data=2,pipe=4) beside the recipe's pp_1f1b and dp_pp_tp_zb.
     "test_cost.py::test_transformer_estimate_matches_compiled": {"zero1", "fsdp_tp", "tp_pp", "dp_pp_tp",
-                                                                 "dp_pp_tp_1f1b", "pp_zb", "pp_circular"},
-    # Each ZeRO stage once, over one and over two data axes.
+                                                                 "dp_pp_tp_1f1b", "pp_zb", "pp_circular", "fsdp",
+                                                                 "tp", "tp_sp", "pp_gpipe", "pp_interleaved"},
+    # Each ZeRO stage once: ZeRO-0 over one data axis, ZeRO-3 over two; ZeRO-1's sharded
+    # optimizer state against one device in test_oracle.py and test_step.py.
     "test_resnet.py::test_layouts_match_one_device": {"0-data=2,fsdp=4", "0-data=4,fsdp=2", "1-data=8",
-                                                      "1-data=2,fsdp=4", "3-data=8", "3-data=4,fsdp=2"},
+                                                      "1-data=2,fsdp=4", "3-data=8", "3-data=4,fsdp=2",
+                                                      "1-data=4,fsdp=2"},
+    # Context parallelism with TP or with DP + FSDP against one device: ring attention's exchange is
+    # cp's, and test_context.py checks attention on context=4,tensor=2 and data=2,context=4.
+    "test_transformer.py::test_context_parallel_layouts_match_one_device": {"cp_tp", "dp_cp_fsdp"},
     # EP with a data axis / with FSDP: the same dispatch as ep, the batch split as in ep_tp.
     "test_moe.py::test_recipe_ep_layouts_match_one_device": {"ep_dp", "ep_fsdp"},
     # Accumulation, ZeRO-3 and TP against the oracle are each in another case.
@@ -94,7 +107,10 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # Six deviceless compiles of a 1B model for 256 devices (minutes): the committed notebook's
     # outputs and checks are verified in the default run (test_notebooks_are_committed_executed),
     # and every compile path it uses is in tests/test_targets_*.py.
-    "test_notebooks.py::test_notebook_runs_and_its_figures_hold": {"07_compile_for_the_cluster"},
+    # Notebook 06 ranks 7B layouts on 256 GPUs with sk.search: the same search `shardkit plan`
+    # runs in test_plan_command.py, and its committed outputs are verified as 07's are.
+    "test_notebooks.py::test_notebook_runs_and_its_figures_hold": {"07_compile_for_the_cluster",
+                                                                   "06_layouts_7b_256_gpus"},
 }
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).

@@ -54,9 +54,10 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 # - FSDP's weight gather, TP's row-parallel sums and SP's sequence gather: hybrid_16 on H100 (two
 #   hosts, the outer axis across InfiniBand), hybrid on v5p;
 # - whole weights (no param gather) and EP's token all-to-all with expert weights left in place: ep;
-# - ring attention's K/V permutes: cp; the all-gather strategy: cp_allgather; context inside a
-#   pipeline stage: cp_pp;
-# - nothing over the replica axis inside a DiLoCo interval (with TP and SP): diloco_tp;
+# - ring attention's K/V permutes: cp (the all-gather strategy, cp_allgather, and context inside a
+#   pipeline stage, cp_pp, are checked on XLA:CPU's program in tests/test_context.py);
+# - nothing over the replica axis inside a DiLoCo interval: on XLA:CPU's program in
+#   tests/test_diloco.py (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs);
 # - a pipeline's microbatch permutes: pp_zero3 (1F1B), and the zero-bubble split backward with
 #   tensor parallelism inside the stages: dp_pp_tp_zb on H100, pp_zb on v5p.
 # Moved to --extended, with the case above that keeps what each checks: dp, zero1, zero3 (ep, cp:
@@ -64,10 +65,11 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 # pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b, pp_zb (pp_zero3,
 # dp_pp_tp_zb; each schedule's program is checked against the sequential model on CPU in
 # tests/test_pipeline.py), ep_dp, ep_fsdp, ep_tp, ep_pp (ep; EP nested in a pipeline compiles on
-# CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp (cp, hybrid), diloco, diloco_pp (diloco_tp),
+# CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather, cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp,
 # zero2_16, pp_1f1b_16, pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts).
-KEEP_H100 = {"pp_zero3", "zero2", "hybrid_16", "ep", "cp", "cp_allgather", "cp_pp", "diloco_tp", "dp_pp_tp_zb"}
-KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "cp_allgather", "cp_pp", "diloco_tp", "pp_zb"}
+KEEP_H100 = {"pp_zero3", "zero2", "hybrid_16", "ep", "cp", "dp_pp_tp_zb"}
+KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "pp_zb"}
+
 # Two H100 hosts: the outer axes cross InfiniBand.
 CASES_16 = {
     "hybrid_16": Case(Layout("data=2,fsdp=2,tensor=4", zero=1, sequence_parallel=True)),
@@ -218,6 +220,14 @@ def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES) -> dict[st
 HYBRID_MLP = [(m, z) for m, stages in (("data=2,fsdp=2,tensor=2", (1, 2, 3)), ("data=4,fsdp=2", (1, 2, 3)),
                                       ("data=2,tensor=4", (1, 2))) for z in stages]
 MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS = 256, 1024, 256, 2
+# The default lane: every ZeRO stage on the 3-axis mesh, where the all-reduce was found, and one
+# stage on each 2-axis mesh (the same gradient reduce-scatter and master gather, on fewer axes).
+EXTENDED_HYBRID_MLP = {("data=4,fsdp=2", 1), ("data=4,fsdp=2", 3), ("data=2,tensor=4", 2)}
+
+
+def hybrid_mlp_params() -> list:
+    return [pytest.param(m, z, marks=[pytest.mark.extended] if (m, z) in EXTENDED_HYBRID_MLP else [])
+            for m, z in HYBRID_MLP]
 
 
 def hybrid_mlp_step(mesh_spec: str, zero: int):
@@ -234,10 +244,12 @@ def hybrid_mlp_step(mesh_spec: str, zero: int):
     return bench.mlp_step(mesh_spec, zero, MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS)
 
 
-def compile_hybrid_mlp(target: str) -> dict[tuple[str, int], object]:
-    """Every ``HYBRID_MLP`` layout compiled for ``target`` in one subprocess."""
-    jobs = [(*hybrid_mlp_step(m, z), m) for m, z in HYBRID_MLP]
-    return dict(zip(HYBRID_MLP, sk.cost.simulate_many(jobs, target=target, timeout=1800)))
+def compile_hybrid_mlp(target: str, config) -> dict[tuple[str, int], object]:
+    """The ``HYBRID_MLP`` layouts this run checks (all with --extended), compiled for ``target``
+    in one subprocess."""
+    cases = [c for c in HYBRID_MLP if config.getoption("--extended") or c not in EXTENDED_HYBRID_MLP]
+    jobs = [(*hybrid_mlp_step(m, z), m) for m, z in cases]
+    return dict(zip(cases, sk.cost.simulate_many(jobs, target=target, timeout=1800)))
 
 
 def check_hybrid_mlp(mesh_spec: str, zero: int, report, target: str) -> None:

@@ -43,7 +43,7 @@ def test_third_party_model_trains_under_user_rules(capsys, monkeypatch):
     monkeypatch.setattr(*two_pass_batchnorm())  # ops.batch_norm builds ops.BatchNorm at call time
     # conftest makes implicit rank promotion an error for our code; flaxmodels relies on it
     with jax.numpy_rank_promotion("allow"):
-        losses = example.main(["--layouts", "dp,channels", "--steps", "3", "--explain", "last"])
+        losses = example.main(["--layouts", "dp,channels", "--steps", "2", "--explain", "last"])
     out = capsys.readouterr().out
     # plan.describe names the user's rule for the conv kernels; explain shows compiled figures
     assert r"Conv_\d+/kernel$" in out and "tensor" in out

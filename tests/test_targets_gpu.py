@@ -4,8 +4,8 @@ checked on that program (``target_sweep.check``)."""
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, HYBRID_MLP, check, check_hybrid_mlp, compile_cases,
-                          compile_hybrid_mlp, params, require, schedule_memory_ratios, selected, small_step)
+from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, check, check_hybrid_mlp, compile_cases,
+                          compile_hybrid_mlp, hybrid_mlp_params, params, require, schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 CASES = {**CASES_8, **CASES_16}
@@ -23,12 +23,12 @@ def test_layout_compiles_for_h100_and_keeps_its_promises(name, h100):
 
 
 @pytest.fixture(scope="module")
-def h100_mlp():
+def h100_mlp(request):
     require("h100")
-    return compile_hybrid_mlp("h100")
+    return compile_hybrid_mlp("h100", request.config)
 
 
-@pytest.mark.parametrize("mesh,zero", HYBRID_MLP)
+@pytest.mark.parametrize("mesh,zero", hybrid_mlp_params())
 def test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say(mesh, zero, h100_mlp):
     """Issue 36: on data × fsdp × tensor, data × fsdp and data × tensor the gradients were
     all-reduced over data (ZeRO's data axes on another dim than fsdp's; ZeRO-1's whole

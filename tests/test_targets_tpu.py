@@ -3,8 +3,8 @@ TPU, with what each layout promises checked on that program (``target_sweep.chec
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, EXTENDED_TPU, HYBRID_MLP, check, check_hybrid_mlp, compile_cases, compile_hybrid_mlp,
-                          params, require, schedule_memory_ratios, selected, small_step)
+from target_sweep import (CASES_8, EXTENDED_TPU, check, check_hybrid_mlp, compile_cases, compile_hybrid_mlp,
+                          hybrid_mlp_params, params, require, schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 
@@ -21,12 +21,12 @@ def test_layout_compiles_for_tpu_v5p_and_keeps_its_promises(name, v5p):
 
 
 @pytest.fixture(scope="module")
-def v5p_mlp():
+def v5p_mlp(request):
     require("tpu-v5p")
-    return compile_hybrid_mlp("tpu-v5p")
+    return compile_hybrid_mlp("tpu-v5p", request.config)
 
 
-@pytest.mark.parametrize("mesh,zero", HYBRID_MLP)
+@pytest.mark.parametrize("mesh,zero", hybrid_mlp_params())
 def test_hybrid_meshes_reduce_the_gradients_as_the_zero_formulas_say(mesh, zero, v5p_mlp):
     """Issue 36 on XLA:TPU: one reduce-scatter (its all-reduce-scatter fusion) over the batch
     axes, or over the whole slice its all-reduce (``target_sweep.check_hybrid_mlp``)."""
