@@ -146,7 +146,9 @@ def _collective_ops(hlo: str, branch_weights=None):
             if base not in COLLECTIVES or op.endswith("-done"):
                 continue
             b = _shape_bytes(result)
-            if op.endswith("-start") and result.startswith("("):
+            if base == "ragged-all-to-all":
+                b = _ragged_routed_bytes(op, result, ins.group(3), lines)
+            elif op.endswith("-start") and result.startswith("("):
                 # async start ops return (operands..., results..., contexts): count the results.
                 # An all-gather's result is its largest member, a reduce-scatter's its smallest
                 # (XLA:GPU: ((f32[1024,1024]), f32[128,1024]) — the operand comes first); the
@@ -158,6 +160,25 @@ def _collective_ops(hlo: str, branch_weights=None):
                 root = next((r for r in map(_INSTR.match, lines) if r and r.group(0).lstrip().startswith("ROOT")), None)
                 base, b = "reduce-scatter", _shape_bytes(root.group(1)) if root else b
             yield base, m, b, line
+
+
+def _ragged_routed_bytes(op: str, result: str, operands: str, lines: list[str]) -> int:
+    """A ragged-all-to-all's bytes: the routed side, the smaller of its rows operand and its
+    result (the sorted assignments sent out, or brought back home), not the static receive
+    buffer on the other side, nor (XLA:GPU's async form, ``((rows, output, 4 offset arrays),
+    result)``) the whole operand tuple. How many of those rows carry a token is data-dependent:
+    this is the static bound, the figure ``sk.moe``'s estimate counts too."""
+    if op.endswith("-start") and result.startswith("("):
+        parts = _split_tuple(result)
+        rows, out = _SHAPE.search(parts[0]), parts[1]
+        rows = _shape_bytes(rows.group(0)) if rows else 0
+        return min(rows, _shape_bytes(out))
+    first = _split_tuple(f"({operands}")[0]  # XLA:TPU's sync form names its operands
+    if _SHAPE.search(first) is None:
+        name = first.strip().lstrip("%")
+        first = next((d.group(2) for d in map(_NAMED.match, lines) if d and d.group(1) == name), "")
+    rows = _shape_bytes(first)
+    return min(rows, _shape_bytes(result)) if rows else _shape_bytes(result)
 
 
 def collectives_from_hlo(hlo: str) -> list[Collective]:

@@ -45,7 +45,8 @@ from . import cpu_buffers
 from .gather_or_move import activations_smaller
 from .row_syncs import row_syncs
 from .walk import Pass as _Pass, elementwise_output as _elementwise_output
-from .walk import nbytes as _bytes, scan_split, sub_jaxprs as _sub_jaxprs
+from .walk import (grouped_kernel as _grouped_kernel, nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops,
+                   scan_split, sub_jaxprs as _sub_jaxprs)
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
 from .tensor_splits import TensorSplits
@@ -130,15 +131,21 @@ class _Reader(TensorSplits):
             if self.heads is not None and not self.manual and name not in _MATMUL and not _sub_jaxprs(e):
                 self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
                                                               lambda v: self.split_of(v.aval, None, self.manual)[0]))
+            kernel = _grouped_kernel(e)  # Megablox / Mosaic GPU grouped matmuls: sk.moe's experts
             if name in _MATMUL and not self._head_matmul(p, e, origin, src):
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
             elif name in _COLLECTIVES:
                 self._collective(e)
+            elif name == "ragged_dot_general":
+                self._grouped(p, e, _ragged_dot_flops(e))
+            elif kernel is not None:
+                self._grouped(p, e, kernel[1])
             elif name in _OPAQUE or "custom_call" in name:
                 self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
-            self._nested(p, i, e, origin)
+            if kernel is None:  # a kernel's body holds tiles, not the program's values
+                self._nested(p, i, e, origin)
             self._buffer(p, i, e, origin)
         return p.flops, p.total, self._sweep(p, jaxpr, outputs_live)
 
@@ -148,6 +155,13 @@ class _Reader(TensorSplits):
         xs = e.invars[sum(scan_split(e)):]
         return any(not isinstance(u, jcore.Literal) and u in origin for u in xs)
 
+    def _grouped(self, p: _Pass, e, flops: float) -> None:
+        """A grouped matmul (``sk.moe``'s experts on their routed rows): its flops, a device's
+        share of them as of its result (inside ``sk.moe``'s shard_map, all of them)."""
+        d, t = self.split_of(e.outvars[0].aval, None, self.manual)
+        p.total += flops
+        p.flops += flops / (d * t)
+
     def _collective(self, e) -> None:
         """A collective the program writes itself: its executions and result bytes."""
         axes = e.params.get("axis_name", e.params.get("axes", ()))
@@ -155,8 +169,12 @@ class _Reader(TensorSplits):
         key = (_COLLECTIVES[e.primitive.name], tuple(a for a in axes if isinstance(a, str)))
         got = self.explicit.setdefault(key, [0.0, 0.0])
         got[0] += self._times
-        got[1] += self._times * sum(self.size_of(v.aval, None) for v in e.outvars
-                                    if not isinstance(v, jcore.DropVar))
+        nbytes = sum(self.size_of(v.aval, None) for v in e.outvars if not isinstance(v, jcore.DropVar))
+        if e.primitive.name == "ragged_all_to_all":
+            # The routed side, as hlo.traffic_from_hlo counts it: the smaller of the rows sent
+            # and the buffer they land in (sk.moe's static receive buffer, or the rows home).
+            nbytes = min(nbytes, self.size_of(e.invars[0].aval, None))
+        got[1] += self._times * nbytes
 
     def _nested(self, p: _Pass, i: int, e, origin: dict) -> None:
         """Reads an equation's nested jaxprs (loop bodies through their trip counts, a cond's
