@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 
@@ -146,9 +147,9 @@ def grouped_kernel(eqn) -> tuple[str, float] | None:
     bound ``M`` being the rows the kernel is handed (a receive buffer's worst case)."""
     if eqn.primitive.name not in GROUPED_KERNELS or len(eqn.outvars) != 1:
         return None
-    floats = [v.aval for v in eqn.invars if np.issubdtype(v.aval.dtype, np.floating)]
+    floats = [v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
     out = eqn.outvars[0].aval
-    if len(floats) != 2 or not np.issubdtype(out.dtype, np.floating):
+    if len(floats) != 2 or not jnp.issubdtype(out.dtype, jnp.floating):
         return None
     ranks = sorted(a.ndim for a in floats)
     if ranks == [2, 3] and out.ndim == 2:
