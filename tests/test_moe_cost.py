@@ -47,6 +47,22 @@ def test_compiled_ragged_all_to_alls_count_their_routed_rows_as_expert_all_to_al
     assert roles["expert-all-to-all"] == t.bytes and roles["other"] == 0
 
 
+def test_compiled_flops_count_xla_tpu_grouped_ragged_dots():
+    """XLA:TPU's ragged_dot forward, a Mosaic grouped matmul (custom call) of 256 buffer rows
+    of 32 features into 64 (one local expert), at the flops its cost estimate states; the group
+    bookkeeping call is no matmul."""
+    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
+
+    M, K, N = 256, 32, 64
+    hlo = f"""ENTRY %main (p: bf16[{M},{K}]) -> bf16[{M},{N}] {{
+  %ragged-dot-metadata = (s32[2]{{0:T(128)}}, s32[1]{{0:T(128)}}) custom-call(%bitcast.4), custom_call_target="tpu_custom_call", metadata={{op_name="ragged-dot-metadata"}}, backend_config={{"custom_call_config":{{"cost_estimate":{{"flops":"0","transcendentals":"0"}}}}}}
+  ROOT %ragged-dot-none.2 = bf16[{M},{N}]{{1,0:T(8,128)(2,1)}} custom-call(%a, %b, %c, %d, %e, /*index=5*/%x, %w), custom_call_target="tpu_custom_call", operand_layout_constraints={{s32[1]{{0}}, bf16[{M},{K}]{{1,0}}, bf16[1,{K},{N}]{{2,1,0}}}}, backend_config={{"custom_call_config":{{"body":"bW9k","cost_estimate":{{"flops":"{2 * M * K * N}","transcendentals":"0"}}}}}}
+}}
+"""
+    assert matmul_flops_from_hlo(hlo) == 2 * M * K * N
+    assert matmul_flops_from_hlo(hlo, fp8_only=True) == 0
+
+
 def _dispatch_loss(mesh, M):
     """A device's rows out to the experts' devices into an ``M``-row buffer (sk.moe's ragged
     exchange, offsets fixed), through a grouped matmul, summed; the rows are parameters so
@@ -69,20 +85,22 @@ def _dispatch_loss(mesh, M):
     return loss
 
 
-def test_the_reader_counts_routed_rows_and_ragged_dot_flops():
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "tpu"])
+def test_the_reader_counts_routed_rows_and_ragged_dot_flops(grouped):
     """The jaxpr's ragged-all-to-alls (the dispatch, and its transpose in the backward) by their
     routed rows; ``lax.ragged_dot`` at the dense product XLA:CPU and XLA:GPU run, forward, input
-    and weight gradients (``2·G·M·D·F`` each)."""
+    and weight gradients (``2·G·M·D·F`` each), or as XLA:TPU runs it: forward and input gradient
+    grouped (``2·M·D·F``), the weight gradient dense."""
     mesh = sk.make_mesh("expert=8")
     A, M, D, F, G = 16, 64, 8, 4, 2  # per device: 16 routed rows, a 64-row buffer, 2 experts
     params = {"w": jax.ShapeDtypeStruct((8 * G, D, F), jnp.float32), "x": jax.ShapeDtypeStruct((8 * A, D), jnp.float32)}
     reading = read_program(_dispatch_loss(mesh, M), params, jax.ShapeDtypeStruct((), jnp.float32),
-                           split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2)
+                           split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2, grouped_ragged_dots=grouped)
     n, nbytes = reading.explicit[("all-to-all", ("expert",))]
     # Two ragged exchanges of the 16 rows each (not the 64-row buffer), and the transpose's two
     # all_to_alls of the 8 peers' int32 offsets.
     assert (n, nbytes) == (4, 2 * A * D * 4 + 2 * 8 * 4)
-    assert reading.total_flops == 3 * (2 * G * M * D * F)
+    assert reading.total_flops == (2 if grouped else 2 * G) * (2 * M * D * F) + 2 * G * M * D * F
     assert "kernel" not in reading.unseen
 
 

@@ -204,6 +204,11 @@ _CONV = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+convolution\(\s*%?
 _CUDNN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?(\S+?\])\S*\s"
                     r".*?custom-call\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)"
                     r".*custom_call_target=\"__cudnn\$conv(\w+)\"")
+# XLA:TPU's lax.ragged_dot (forward and input gradient): a Mosaic grouped matmul it names
+# ragged-dot-*, whose flops it writes in its backend config (the rows it is handed times one
+# group's weights; ragged-dot-metadata is the group bookkeeping).
+_TPU_RAGGED_DOT = re.compile(r'^\s*(?:ROOT\s+)?%ragged-dot-(?!metadata)[\w.\-]*\s*=.*custom_call_target="tpu_custom_call"'
+                             r'.*"cost_estimate":\{"flops":"(\d+)"')
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
@@ -304,8 +309,9 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,
                           fp8_only: bool = False) -> float:
-    """Flops of every ``dot`` (2 × result elements × contracted size) and ``convolution`` (2 ×
-    result elements × window × input features per group), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
+    """Flops of every ``dot`` (2 × result elements × contracted size), ``convolution`` (2 ×
+    result elements × window × input features per group) and XLA:TPU ``ragged-dot`` grouped
+    matmul (the flops its kernel's cost estimate states), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
     runs one of its switch's branches, not all of them). ``fp8_only``: only the ops (dots,
     convolutions, cuDNN convolutions alike) whose operands are all fp8 (``f8e4m3fn``,
@@ -322,6 +328,9 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (d := _NAMED.match(line)) is not None:
                 shapes[d.group(1)] = d.group(2)
         for line in lines:
+            if (g := _TPU_RAGGED_DOT.match(line)) is not None:
+                total += 0.0 if fp8_only else m * float(g.group(1))
+                continue
             cv = _CONV.match(line)
             cd = _CUDNN.match(line) if cv is None and "__cudnn$conv" in line else None
             d = _DOT.match(line) if cv is None and cd is None else None

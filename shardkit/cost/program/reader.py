@@ -73,6 +73,7 @@ class _Reader(TensorSplits):
         self.tensor_reduce = 0.0  # elements one device all-reduces over the tensor axes
         self.tensor_reduce_ops = 0.0
         self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
+        self.grouped_ragged_dots = False  # read_program's grouped_ragged_dots
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
         self.conv = [0] * n_params
@@ -139,7 +140,7 @@ class _Reader(TensorSplits):
             elif name in _COLLECTIVES:
                 self._collective(e)
             elif name == "ragged_dot_general":
-                self._grouped(p, e, _ragged_dot_flops(e))
+                self._grouped(p, e, _ragged_dot_flops(e, grouped=self.grouped_ragged_dots))
             elif kernel is not None:
                 self._grouped(p, e, kernel[1])
             elif name in _OPAQUE or "custom_call" in name:
@@ -321,7 +322,7 @@ class _Reader(TensorSplits):
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False, weight_dims: list | None = None,
                  weight_axes: frozenset | None = None, feature_dims: Callable | None = None,
-                 tensor_axis: int = 1) -> ProgramReading:
+                 tensor_axis: int = 1, grouped_ragged_dots: bool = False) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -344,12 +345,16 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         feature_dims, tensor_axis: with ``weight_dims``, the dims of an activation the size rule
             reads as tensor-split (``shape -> [dims]``) and the tensor axes' size: a split
             feature reshaped into heads is then followed dim by dim (``head_splits``).
+        grouped_ragged_dots: XLA:TPU's ``lax.ragged_dot``: its forward and input gradient run
+            as grouped matmuls (each row meets one group's weights), not as the masked dense
+            product over all groups XLA:CPU and XLA:GPU run (``walk.ragged_dot_flops``).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
     jaxpr = closed.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
     reader = _Reader(split_of, n_params, canonical_dots)
+    reader.grouped_ragged_dots = grouped_ragged_dots
     if weight_dims is not None:
         reader.weight_dims = {v: frozenset(d) for v, d in zip(jaxpr.invars[:n_params], weight_dims)}
         reader.weight_axes = weight_axes

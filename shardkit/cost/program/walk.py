@@ -116,19 +116,20 @@ def dot_flops(eqn) -> float:
     return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
 
 
-def ragged_dot_flops(eqn) -> float:
+def ragged_dot_flops(eqn, grouped: bool = False) -> float:
     """A ``ragged_dot_general`` (``lax.ragged_dot``, the grouped matmul where no kernel runs) as
     XLA:CPU and XLA:GPU run it: a masked dense product over all ``G`` groups, ``2·G·M·K·N``
     (``G`` times the routed rows' ``2·M·K·N``); the weight-gradient form, ragged over the
-    contraction, has ``G`` in its result already. XLA:TPU runs the forward and input gradient as
-    Mosaic grouped matmuls, ``G`` times fewer."""
+    contraction, has ``G`` in its result already. ``grouped``: XLA:TPU's, whose forward and
+    input gradient run as Mosaic grouped matmuls (``ragged-dot`` custom calls), ``G`` times
+    fewer; its weight gradient stays dense."""
     rdn = eqn.params["ragged_dot_dimension_numbers"]
     (lc, _), _ = rdn.dot_dimension_numbers
     lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
     flops = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
     if any(d in lc for d in rdn.lhs_ragged_dimensions):
         return flops  # the weights' gradient: (G, K, N) from the rows, each row in one group
-    return flops * eqn.invars[2].aval.shape[-1]  # group_sizes: (..., G)
+    return flops if grouped else flops * eqn.invars[2].aval.shape[-1]  # group_sizes: (..., G)
 
 
 # The grouped-matmul kernels (``shardkit.kernels.grouped``): Megablox's gmm and tgmm (a
