@@ -12,6 +12,7 @@ import pytest
 from jax import lax
 
 import shardkit as sk
+from shardkit.cost.analytic.caveats import step_caveats
 from shardkit.cost.compiled.hlo import traffic_from_hlo
 from shardkit.cost.program.reader import read_program
 from shardkit.cost.program.walk import grouped_kernel
@@ -101,6 +102,9 @@ def test_the_reader_counts_routed_rows_and_ragged_dot_flops(grouped):
     # all_to_alls of the 8 peers' int32 offsets.
     assert (n, nbytes) == (4, 2 * A * D * 4 + 2 * 8 * 4)
     assert reading.total_flops == (2 if grouped else 2 * G) * (2 * M * D * F) + 2 * G * M * D * F
+    # The comparison says the bytes are a bound (the rows that carry a token are data-dependent).
+    caveats = step_caveats(reading, [False, False], [False, False], piped=False, moe=True)
+    assert caveats["collective/expert-all-to-all"].startswith("a bound: sk.moe's dropless ragged-all-to-alls")
     assert "kernel" not in reading.unseen
 
 

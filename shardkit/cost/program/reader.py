@@ -74,6 +74,7 @@ class _Reader(TensorSplits):
         self.tensor_reduce_ops = 0.0
         self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
         self.grouped_ragged_dots = False  # read_program's grouped_ragged_dots
+        self.ragged = False  # a ragged_all_to_all seen (ProgramReading.ragged)
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
         self.conv = [0] * n_params
@@ -175,6 +176,7 @@ class _Reader(TensorSplits):
             # The routed side, as hlo.traffic_from_hlo counts it: the smaller of the rows sent
             # and the buffer they land in (sk.moe's static receive buffer, or the rows home).
             nbytes = min(nbytes, self.size_of(e.invars[0].aval, None))
+            self.ragged = True
         got[1] += self._times * nbytes
 
     def _nested(self, p: _Pass, i: int, e, origin: dict) -> None:
@@ -382,7 +384,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
                           row_syncs(jaxpr, split_of), reader.weight_axes is not None and reader.split_followed,
-                          activations_smaller(jaxpr, n_params))
+                          activations_smaller(jaxpr, n_params), reader.ragged)
 
 
 
