@@ -159,9 +159,13 @@ def grouped_kernel(eqn) -> tuple[str, float] | None:
         name = "tgmm"
     else:
         return None
-    # Of M·K, K·N and M·N (the 3-d array counted per group), the product is (M·K·N)².
-    sizes = [math.prod(a.shape[1:] if a.ndim == 3 else a.shape) for a in (*floats, out)]
-    return name, 2.0 * math.isqrt(math.prod(sizes))
+    # Of M·K, K·N and M·N (the 3-d array counted per group), the product is (M·K·N)²; a kernel
+    # whose shapes do not fit that (another two-operand kernel) is not taken for one.
+    sizes = math.prod(math.prod(a.shape[1:] if a.ndim == 3 else a.shape) for a in (*floats, out))
+    mkn = math.isqrt(sizes)
+    if mkn * mkn != sizes or (name == "gmm" and out.shape[0] not in [a.shape[0] for a in floats if a.ndim == 2]):
+        return None
+    return name, 2.0 * mkn
 
 
 def _swapped_window(eqn) -> float | None:
