@@ -156,7 +156,7 @@ def dispatch_rows(target: str, a: argparse.Namespace) -> list[dict]:
 
     from models.transformer.model import swiglu_expert
     from shardkit.cost import targets
-    from shardkit.cost.hlo import matmul_flops_from_hlo
+    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
 
     mesh, _ = targets.device_mesh(targets.get(target), [("expert", 8)])
     bf16, E, D, F = jnp.bfloat16, a.experts, a.d_model, a.d_ff

@@ -163,6 +163,13 @@ def check(name: str, case: Case, report, target: str) -> None:
             # dense all-to-alls carry only per-expert counts and offsets, no padded buffers.
             ragged = axis_bytes(report, "ragged-all-to-all", "expert")
             assert ragged > 0 and axis_bytes(report, "all-to-all", "expert") < ragged / 10, report.traffic
+            assert roles["expert-all-to-all"] >= ragged, roles  # in its role, not "other"
+            if target.startswith("h") and shape == {"expert": shape["expert"]}:
+                # Counted by the routed rows: 4 · tokens · k · D bf16 per MoE layer, a device's 2
+                # sequences' tokens (XLA:TPU pads a row narrower than its lanes: the test width,
+                # 32, travels as 256).
+                cfg = case.cfg
+                assert ragged == cfg.layers // cfg.moe_every * 4 * 2 * cfg.seq * cfg.moe_top_k * cfg.d_model * 2, ragged
     if shape.get("context", 1) > 1:
         if "pipe" in shape:
             # Nested in a pipeline stage the blockwise attention leaves moving K/V to the

@@ -158,7 +158,7 @@ def test_the_targets_compile_the_ragged_dispatch_deviceless():
     figures): four ragged-all-to-alls (dispatch and combine, forward and backward) whose routed
     side holds the N·k routed rows, the padded form's dropless bytes being E/k times that; no
     dense all-to-all but the counts'; the grouped matmuls in the target's kernels."""
-    from shardkit.cost.formulas import moe_traffic
+    from shardkit.cost.analytic.roles import moe_traffic
     from target_sweep import require
 
     for target in ("h100", "tpu-v5p"):

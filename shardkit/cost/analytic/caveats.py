@@ -64,6 +64,11 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
             out[q] = why
     if not piped:
         out.update(unseen_caveats(reading, data_axes, moe))
+    if reading.ragged:
+        out.setdefault("collective/expert-all-to-all", (
+            "a bound: sk.moe's dropless ragged-all-to-alls counted at their routed side's static size "
+            "(every assignment sent; how many rows leave the device is data-dependent), as the compiled "
+            "figure counts them"))
     return out
 
 

@@ -241,10 +241,13 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
     if lo.expert > 1 and ms.experts:
         # Every MoE layer of every microbatch sends its tokens to their experts and back,
         # forward and backward (sk.moe; inside a pipeline's stages XLA moves them instead).
+        # Dropless, on the GPUs and TPUs this table holds, sk.moe's "auto" dispatch sends only
+        # the routed rows (ragged-all-to-all), except nested in a pipeline's shard_map.
         n_moe = max(ms.layers // ms.moe_every // lo.pipe, 1)
         col["expert-all-to-all"] += m * n_moe * moe_traffic(
             tokens=tokens_mb, d_model=ms.d_model, experts=ms.experts, top_k=ms.top_k,
-            capacity_factor=ms.capacity_factor, group_size=T, bytes_per_element=bc, axis_size=lo.expert)
+            capacity_factor=ms.capacity_factor, group_size=T, bytes_per_element=bc, axis_size=lo.expert,
+            ragged=ms.capacity_factor is None and lo.pipe == 1)
         counts["expert-all-to-all"] += 4 * m * n_moe
     if lo.context > 1 and ms.heads and ms.d_model:
         # Every attention layer of every microbatch runs one ring (sk.context_attention).

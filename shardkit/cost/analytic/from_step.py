@@ -390,4 +390,4 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_di
                             canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims,
                             weight_axes=weight_axes,
                             feature_dims=lambda shape: split_feature_dims(shape, rows, tensor_dims),
-                            tensor_axis=n_tensor)
+                            tensor_axis=n_tensor, grouped_ragged_dots=_platform(step.plan.mesh) == "tpu")

@@ -171,7 +171,7 @@ def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
 
 
 def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
-                group_size: int | None, bytes_per_element: float, axis_size: int) -> float:
+                group_size: int | None, bytes_per_element: float, axis_size: int, ragged: bool = False) -> float:
     """All-to-all bytes per device per step of one ``sk.moe`` layer, counted as ``sk.Report``
     counts them (the buffers each device hands to the all-to-all; ``steptime.collective_time``
     applies the (n−1)/n that leaves the device).
@@ -182,11 +182,21 @@ def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity
     the capacity-1 buffer). Dispatch and combine, forward and backward: four such buffers (the
     GShard/Switch accounting, Lepikhin et al. 2020; Fedus et al. 2021). Zero without an expert
     axis.
+
+    ``ragged``: the dropless dispatch of GPU and TPU targets (``sk.moe(dispatch="auto")``,
+    ``_moe_ragged``): ragged-all-to-alls carry the ``k · tokens`` routed rows, not the padded
+    ``E · tokens``, four times (``4 · tokens · k · D`` elements; how many rows leave the device
+    is data-dependent, this is the bound ``sk.Report`` counts too).
     """
     from ...moe import expert_capacity
 
     if axis_size <= 1:
         return 0.0
+    if ragged:
+        if capacity_factor is not None:
+            raise ValueError(f"moe_traffic: ragged=True is the dropless dispatch; capacity_factor="
+                             f"{capacity_factor!r} must be None")
+        return 4.0 * tokens * top_k * d_model * bytes_per_element
     group = tokens if capacity_factor is None else group_size
     slots = tokens // group * expert_capacity(group, top_k, experts, capacity_factor)
     return 4.0 * experts * slots * d_model * bytes_per_element

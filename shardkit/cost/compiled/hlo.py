@@ -146,7 +146,9 @@ def _collective_ops(hlo: str, branch_weights=None):
             if base not in COLLECTIVES or op.endswith("-done"):
                 continue
             b = _shape_bytes(result)
-            if op.endswith("-start") and result.startswith("("):
+            if base == "ragged-all-to-all":
+                b = _ragged_routed_bytes(op, result, ins.group(3), lines)
+            elif op.endswith("-start") and result.startswith("("):
                 # async start ops return (operands..., results..., contexts): count the results.
                 # An all-gather's result is its largest member, a reduce-scatter's its smallest
                 # (XLA:GPU: ((f32[1024,1024]), f32[128,1024]) — the operand comes first); the
@@ -158,6 +160,25 @@ def _collective_ops(hlo: str, branch_weights=None):
                 root = next((r for r in map(_INSTR.match, lines) if r and r.group(0).lstrip().startswith("ROOT")), None)
                 base, b = "reduce-scatter", _shape_bytes(root.group(1)) if root else b
             yield base, m, b, line
+
+
+def _ragged_routed_bytes(op: str, result: str, operands: str, lines: list[str]) -> int:
+    """A ragged-all-to-all's bytes: the routed side, the smaller of its rows operand and its
+    result (the sorted assignments sent out, or brought back home), not the static receive
+    buffer on the other side, nor (XLA:GPU's async form, ``((rows, output, 4 offset arrays),
+    result)``) the whole operand tuple. How many of those rows carry a token is data-dependent:
+    this is the static bound, the figure ``sk.moe``'s estimate counts too."""
+    if op.endswith("-start") and result.startswith("("):
+        parts = _split_tuple(result)
+        rows, out = _SHAPE.search(parts[0]), parts[1]
+        rows = _shape_bytes(rows.group(0)) if rows else 0
+        return min(rows, _shape_bytes(out))
+    first = _split_tuple(f"({operands}")[0]  # XLA:TPU's sync form names its operands
+    if _SHAPE.search(first) is None:
+        name = first.strip().lstrip("%")
+        first = next((d.group(2) for d in map(_NAMED.match, lines) if d and d.group(1) == name), "")
+    rows = _shape_bytes(first)
+    return min(rows, _shape_bytes(result)) if rows else _shape_bytes(result)
 
 
 def collectives_from_hlo(hlo: str) -> list[Collective]:
@@ -183,6 +204,11 @@ _CONV = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+convolution\(\s*%?
 _CUDNN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?(\S+?\])\S*\s"
                     r".*?custom-call\(\s*%?([\w.\-]+)\S*,\s*%?([\w.\-]+)"
                     r".*custom_call_target=\"__cudnn\$conv(\w+)\"")
+# XLA:TPU's lax.ragged_dot (forward and input gradient): a Mosaic grouped matmul it names
+# ragged-dot-*, whose flops it writes in its backend config (the rows it is handed times one
+# group's weights; ragged-dot-metadata is the group bookkeeping).
+_TPU_RAGGED_DOT = re.compile(r'^\s*(?:ROOT\s+)?%ragged-dot-(?!metadata)[\w.\-]*\s*=.*custom_call_target="tpu_custom_call"'
+                             r'.*"cost_estimate":\{"flops":"(\d+)"')
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
@@ -283,8 +309,9 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,
                           fp8_only: bool = False) -> float:
-    """Flops of every ``dot`` (2 × result elements × contracted size) and ``convolution`` (2 ×
-    result elements × window × input features per group), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
+    """Flops of every ``dot`` (2 × result elements × contracted size), ``convolution`` (2 ×
+    result elements × window × input features per group) and XLA:TPU ``ragged-dot`` grouped
+    matmul (the flops its kernel's cost estimate states), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
     runs one of its switch's branches, not all of them). ``fp8_only``: only the ops (dots,
     convolutions, cuDNN convolutions alike) whose operands are all fp8 (``f8e4m3fn``,
@@ -301,6 +328,9 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (d := _NAMED.match(line)) is not None:
                 shapes[d.group(1)] = d.group(2)
         for line in lines:
+            if (g := _TPU_RAGGED_DOT.match(line)) is not None:
+                total += 0.0 if fp8_only else m * float(g.group(1))
+                continue
             cv = _CONV.match(line)
             cd = _CUDNN.match(line) if cv is None and "__cudnn$conv" in line else None
             d = _DOT.match(line) if cv is None and cd is None else None

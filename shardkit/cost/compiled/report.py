@@ -126,7 +126,8 @@ class Report:
         non-neighbours, i.e. circular's stage-major weight order), ``context-permute`` /
         ``context-gather`` (``sk.context_attention``'s ring / all-gather of K/V over a
         ``context`` axis), ``expert-all-to-all`` (``sk.moe``'s dispatch and combine over an
-        ``expert`` axis), ``other`` (the rest, e.g.
+        ``expert`` axis: all-to-alls, and the dropless dispatch's ragged-all-to-alls by their
+        routed rows, a static bound), ``other`` (the rest, e.g.
         permutes XLA adds to reorder blocks between two shardings: nothing the estimate
         models, so ``comparison()`` lists it whenever it is not zero)."""
         out = dict.fromkeys(COMPILED_ROLES, 0.0)
@@ -146,7 +147,7 @@ class Report:
         for t in self.traffic:
             # A context axis reduces the (replicated) weights' gradients like a data axis.
             data = bool(set(t.axes) & (set(self.data_axes) | {"context"}))
-            if "expert" in t.axes and t.kind == "all-to-all":
+            if "expert" in t.axes and t.kind in ("all-to-all", "ragged-all-to-all"):  # sk.moe padded or dropless
                 yield "expert-all-to-all", t
             elif ("context" in t.axes and not set(t.axes) & set(self.data_axes)
                   and t.kind in ("collective-permute", "all-gather")):

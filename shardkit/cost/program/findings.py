@@ -41,6 +41,8 @@ class ProgramReading:
             activations that is not a layer scan: a time recurrence inside a layer),
             ``"relayout"`` (a slice or concatenation along a dim split over part of the tensor
             axis: ``head_splits``), ``"head-spill"`` (fewer heads than tensor devices).
+        ragged: the program holds ragged-all-to-alls (``sk.moe``'s dropless dispatch), whose
+            ``explicit`` bytes are the static bound of the routed rows (data-dependent).
     """
 
     lookup: list[bool]
@@ -60,3 +62,4 @@ class ProgramReading:
     row_syncs: tuple[int, float] = (0, 0.0)
     split_followed: bool = False
     moved: list[bool] = dataclasses.field(default_factory=list)
+    ragged: bool = False

@@ -45,7 +45,8 @@ from . import cpu_buffers
 from .gather_or_move import activations_smaller
 from .row_syncs import row_syncs
 from .walk import Pass as _Pass, elementwise_output as _elementwise_output
-from .walk import nbytes as _bytes, scan_split, sub_jaxprs as _sub_jaxprs
+from .walk import (grouped_kernel as _grouped_kernel, nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops,
+                   scan_split, sub_jaxprs as _sub_jaxprs)
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
 from .tensor_splits import TensorSplits
@@ -72,6 +73,8 @@ class _Reader(TensorSplits):
         self.tensor_reduce = 0.0  # elements one device all-reduces over the tensor axes
         self.tensor_reduce_ops = 0.0
         self.canonical_dots = canonical_dots  # (aval, param index or None) -> bytes on one device
+        self.grouped_ragged_dots = False  # read_program's grouped_ragged_dots
+        self.ragged = False  # a ragged_all_to_all seen (ProgramReading.ragged)
         self.lookup = [False] * n_params
         self.matmul = [False] * n_params
         self.conv = [0] * n_params
@@ -130,15 +133,21 @@ class _Reader(TensorSplits):
             if self.heads is not None and not self.manual and name not in _MATMUL and not _sub_jaxprs(e):
                 self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
                                                               lambda v: self.split_of(v.aval, None, self.manual)[0]))
+            kernel = _grouped_kernel(e)  # Megablox / Mosaic GPU grouped matmuls: sk.moe's experts
             if name in _MATMUL and not self._head_matmul(p, e, origin, src):
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
             elif name in _COLLECTIVES:
                 self._collective(e)
+            elif name == "ragged_dot_general":
+                self._grouped(p, e, _ragged_dot_flops(e, grouped=self.grouped_ragged_dots))
+            elif kernel is not None:
+                self._grouped(p, e, kernel[1])
             elif name in _OPAQUE or "custom_call" in name:
                 self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
-            self._nested(p, i, e, origin)
+            if kernel is None:  # a kernel's body holds tiles, not the program's values
+                self._nested(p, i, e, origin)
             self._buffer(p, i, e, origin)
         return p.flops, p.total, self._sweep(p, jaxpr, outputs_live)
 
@@ -148,6 +157,13 @@ class _Reader(TensorSplits):
         xs = e.invars[sum(scan_split(e)):]
         return any(not isinstance(u, jcore.Literal) and u in origin for u in xs)
 
+    def _grouped(self, p: _Pass, e, flops: float) -> None:
+        """A grouped matmul (``sk.moe``'s experts on their routed rows): its flops, a device's
+        share of them as of its result (inside ``sk.moe``'s shard_map, all of them)."""
+        d, t = self.split_of(e.outvars[0].aval, None, self.manual)
+        p.total += flops
+        p.flops += flops / (d * t)
+
     def _collective(self, e) -> None:
         """A collective the program writes itself: its executions and result bytes."""
         axes = e.params.get("axis_name", e.params.get("axes", ()))
@@ -155,8 +171,13 @@ class _Reader(TensorSplits):
         key = (_COLLECTIVES[e.primitive.name], tuple(a for a in axes if isinstance(a, str)))
         got = self.explicit.setdefault(key, [0.0, 0.0])
         got[0] += self._times
-        got[1] += self._times * sum(self.size_of(v.aval, None) for v in e.outvars
-                                    if not isinstance(v, jcore.DropVar))
+        nbytes = sum(self.size_of(v.aval, None) for v in e.outvars if not isinstance(v, jcore.DropVar))
+        if e.primitive.name == "ragged_all_to_all":
+            # The routed side, as hlo.traffic_from_hlo counts it: the smaller of the rows sent
+            # and the buffer they land in (sk.moe's static receive buffer, or the rows home).
+            nbytes = min(nbytes, self.size_of(e.invars[0].aval, None))
+            self.ragged = True
+        got[1] += self._times * nbytes
 
     def _nested(self, p: _Pass, i: int, e, origin: dict) -> None:
         """Reads an equation's nested jaxprs (loop bodies through their trip counts, a cond's
@@ -303,7 +324,7 @@ class _Reader(TensorSplits):
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False, weight_dims: list | None = None,
                  weight_axes: frozenset | None = None, feature_dims: Callable | None = None,
-                 tensor_axis: int = 1) -> ProgramReading:
+                 tensor_axis: int = 1, grouped_ragged_dots: bool = False) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -326,12 +347,16 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         feature_dims, tensor_axis: with ``weight_dims``, the dims of an activation the size rule
             reads as tensor-split (``shape -> [dims]``) and the tensor axes' size: a split
             feature reshaped into heads is then followed dim by dim (``head_splits``).
+        grouped_ragged_dots: XLA:TPU's ``lax.ragged_dot``: its forward and input gradient run
+            as grouped matmuls (each row meets one group's weights), not as the masked dense
+            product over all groups XLA:CPU and XLA:GPU run (``walk.ragged_dot_flops``).
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
     jaxpr = closed.jaxpr
     origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
     reader = _Reader(split_of, n_params, canonical_dots)
+    reader.grouped_ragged_dots = grouped_ragged_dots
     if weight_dims is not None:
         reader.weight_dims = {v: frozenset(d) for v, d in zip(jaxpr.invars[:n_params], weight_dims)}
         reader.weight_axes = weight_axes
@@ -359,7 +384,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in reader.explicit.items()}, reader.shard_maps, reader.unseen,
                           row_syncs(jaxpr, split_of), reader.weight_axes is not None and reader.split_followed,
-                          activations_smaller(jaxpr, n_params))
+                          activations_smaller(jaxpr, n_params), reader.ragged)
 
 
 

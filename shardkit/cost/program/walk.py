@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 
@@ -113,6 +114,58 @@ def dot_flops(eqn) -> float:
         lhs_spec, out_spec = (dn.lhs_spec, dn.out_spec) if dn is not None else (tuple(range(lhs.ndim)),) * 2
         window *= math.prod(lhs.shape[a] / out.shape[b] for a, b in zip(lhs_spec[2:], out_spec[2:]))
     return 2.0 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * window
+
+
+def ragged_dot_flops(eqn, grouped: bool = False) -> float:
+    """A ``ragged_dot_general`` (``lax.ragged_dot``, the grouped matmul where no kernel runs) as
+    XLA:CPU and XLA:GPU run it: a masked dense product over all ``G`` groups, ``2·G·M·K·N``
+    (``G`` times the routed rows' ``2·M·K·N``); the weight-gradient form, ragged over the
+    contraction, has ``G`` in its result already. ``grouped``: XLA:TPU's, whose forward and
+    input gradient run as Mosaic grouped matmuls (``ragged-dot`` custom calls), ``G`` times
+    fewer; its weight gradient stays dense."""
+    rdn = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, _), _ = rdn.dot_dimension_numbers
+    lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
+    flops = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+    if any(d in lc for d in rdn.lhs_ragged_dimensions):
+        return flops  # the weights' gradient: (G, K, N) from the rows, each row in one group
+    return flops if grouped else flops * eqn.invars[2].aval.shape[-1]  # group_sizes: (..., G)
+
+
+# The grouped-matmul kernels (``shardkit.kernels.grouped``): Megablox's gmm and tgmm (a
+# ``pallas_call`` on TPU) and Mosaic GPU's ragged_dot / transposed_ragged_dot (an ``mpmd_map``).
+GROUPED_KERNELS = ("pallas_call", "mpmd_map")
+
+
+def grouped_kernel(eqn) -> tuple[str, float] | None:
+    """``(name, flops)`` of a grouped-matmul kernel call, or None for any other kernel.
+
+    Told by its float operands and result (the int operands are group sizes and tile maps):
+    rows ``(M, K)`` by per-group weights ``(G, K, N)`` into ``(M, N)`` ("gmm": Megablox's gmm,
+    Mosaic GPU's ragged_dot), or two row blocks ``(M, K)``, ``(M, N)`` (either may come
+    transposed) into per-group ``(G, K, N)`` ("tgmm": the weights' gradient). Each row meets
+    one group's weights: ``2·M·K·N`` for both (Megablox's own ``CostEstimate``), the static
+    bound ``M`` being the rows the kernel is handed (a receive buffer's worst case)."""
+    if eqn.primitive.name not in GROUPED_KERNELS or len(eqn.outvars) != 1:
+        return None
+    floats = [v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    out = eqn.outvars[0].aval
+    if len(floats) != 2 or not jnp.issubdtype(out.dtype, jnp.floating):
+        return None
+    ranks = sorted(a.ndim for a in floats)
+    if ranks == [2, 3] and out.ndim == 2:
+        name = "gmm"
+    elif ranks == [2, 2] and out.ndim == 3:
+        name = "tgmm"
+    else:
+        return None
+    # Of M·K, K·N and M·N (the 3-d array counted per group), the product is (M·K·N)²; a kernel
+    # whose shapes do not fit that (another two-operand kernel) is not taken for one.
+    sizes = math.prod(math.prod(a.shape[1:] if a.ndim == 3 else a.shape) for a in (*floats, out))
+    mkn = math.isqrt(sizes)
+    if mkn * mkn != sizes or (name == "gmm" and out.shape[0] not in [a.shape[0] for a in floats if a.ndim == 2]):
+        return None
+    return name, 2.0 * mkn
 
 
 def _swapped_window(eqn) -> float | None:
