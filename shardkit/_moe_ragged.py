@@ -38,6 +38,13 @@ def receive_rows(tokens: int, top_k: int, experts: int, axis_size: int) -> int:
     return axis_size * tokens * min(top_k, experts // axis_size)
 
 
+def top_k_gates(probs_NxE: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Each token's ``k`` highest-scoring experts and their gates (renormalised to sum to 1 over
+    the ``k`` when asked): the routing both of ``sk.moe``'s dispatchers start from."""
+    top_NxK, idx_NxK = lax.top_k(probs_NxE, k)
+    return (top_NxK / jnp.sum(top_NxK, axis=-1, keepdims=True) if renormalize else top_NxK), idx_NxK
+
+
 def ragged_dispatcher(expert_fn, E: int, n: int, k: int, axis: str, out, renormalize: bool):
     """The per-device body, with ``moe._dispatcher``'s signature and outputs (nothing drops)."""
     Do, _ = out
@@ -45,8 +52,7 @@ def ragged_dispatcher(expert_fn, E: int, n: int, k: int, axis: str, out, renorma
 
     def local(x_NxD, probs_NxE, params):
         N, D = x_NxD.shape
-        top_NxK, idx_NxK = lax.top_k(probs_NxE, k)
-        gates_NxK = top_NxK / jnp.sum(top_NxK, axis=-1, keepdims=True) if renormalize else top_NxK
+        gates_NxK, idx_NxK = top_k_gates(probs_NxE, k, renormalize)
         e_A = idx_NxK.reshape(N * k)  # assignment a = token a // k, its (a % k)-th choice
         order_A = jnp.argsort(e_A, stable=True)
         x_AxD = x_NxD[order_A // k]  # the routed rows, by expert

@@ -72,7 +72,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ._grouped import NotGroupable, grouped_expert
-from ._moe_ragged import ragged_dispatcher, receive_rows
+from ._moe_ragged import ragged_dispatcher, receive_rows, top_k_gates
 from .mesh import block_shard_map, vmapped_axes
 from ._axes import claim_axes
 from .kernels.grouped import planning
@@ -355,8 +355,7 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize):
 
     def local(x_NxD, probs_NxE, params):
         N, D = x_NxD.shape
-        top_NxK, idx_NxK = lax.top_k(probs_NxE, k)
-        gates_NxK = top_NxK / jnp.sum(top_NxK, axis=-1, keepdims=True) if renormalize else top_NxK
+        gates_NxK, idx_NxK = top_k_gates(probs_NxE, k, renormalize)
         group = N if g is None else g
         G = N // group
         C = expert_capacity(group, k, E, capacity_factor)
