@@ -98,18 +98,15 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # Context parallelism with TP or with DP + FSDP against one device: ring attention's exchange is
     # cp's, and test_context.py checks attention on context=4,tensor=2 and data=2,context=4.
     "test_transformer.py::test_context_parallel_layouts_match_one_device": {"cp_tp", "dp_cp_fsdp"},
-    # EP with a data axis / with FSDP: the same dispatch as ep, the batch split as in ep_tp.
+    # EP with a data axis / with FSDP: the same dispatch as ep; with TP inside the experts (ep_tp)
+    # against one device in test_expert_parallel_equals_one_device[expert=4,tensor=2].
     "test_moe.py::test_recipe_ep_layouts_match_one_device": {"ep_dp", "ep_fsdp", "ep_tp"},
-    # ep_tp's TP inside the experts against one device: test_expert_parallel_equals_one_device[expert=4,tensor=2].
     # Ring attention over all 8 devices: the same ring as data=2,context=4, which stays.
     "test_context.py::test_matches_one_device_attention": {"context=8"},
     # Accumulation, ZeRO-3 and TP against the oracle are each in another case.
     "test_oracle.py::test_fp32_layout_matches_the_oracle": {"data=8-0-4", "fsdp=8-3-4", "data=2,tensor=4-1-2"},
     "test_step.py::test_layout_matches_one_device": {"data=2,tensor=4-0", "data=2,fsdp=4-3",
                                                      "data=2,fsdp=2,tensor=2-0"},
-    # Six deviceless compiles of a 1B model for 256 devices (minutes): the committed notebook's
-    # outputs and checks are verified in the default run (test_notebooks_are_committed_executed),
-    # and every compile path it uses is in tests/test_targets_*.py.
     # ZeRO-2 on XLA:CPU (an all-reduce and a slice: ZeRO-1's gradient traffic with ZeRO-3's
     # sharded gradient buffer) beside the estimate, for the four held-out families: ZeRO-1 and
     # ZeRO-3 on the same mesh stay, and ZeRO-2's estimate beside the compiled figures is held on
@@ -117,6 +114,9 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # target sweeps' reduce-scatter checks.
     "test_cost_families.py::test_estimate_holds_on_unseen_families": {
         f"{f}-data=8-2-None" for f in ("mlp", "cnn", "gpt", "moe")},
+    # Notebook 07: six deviceless compiles of a 1B model for 256 devices (minutes): its committed
+    # outputs and checks are verified in the default run (test_notebooks_are_committed_executed),
+    # and every compile path it uses is in tests/test_targets_*.py.
     # Notebook 06 ranks 7B layouts on 256 GPUs with sk.search: the same search `shardkit plan`
     # runs in test_plan_command.py, and its committed outputs are verified as 07's are.
     "test_notebooks.py::test_notebook_runs_and_its_figures_hold": {"07_compile_for_the_cluster",

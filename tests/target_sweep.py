@@ -58,15 +58,16 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 #   pipeline stage, cp_pp, are checked on XLA:CPU's program in tests/test_context.py);
 # - nothing over the replica axis inside a DiLoCo interval: on XLA:CPU's program in
 #   tests/test_diloco.py (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs);
-# - a pipeline's microbatch permutes: pp_zero3 (1F1B), and the zero-bubble split backward with
-#   tensor parallelism inside the stages: dp_pp_tp_zb on H100, pp_zb on v5p.
+# - a pipeline's microbatch permutes: pp_zero3 (1F1B), and the zero-bubble split backward:
+#   dp_pp_tp_zb on H100 (tensor parallelism inside the stages), pp_zb on v5p (ZB-H1 alone).
 # Moved to --extended, with the case above that keeps what each checks: dp, zero1, zero3 (ep, cp:
 # whole weights; pp_zero3: ZeRO-3's gather), fsdp, fsdp_tp, tp, tp_sp (hybrid/hybrid_16),
 # pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b, pp_zb (pp_zero3,
 # dp_pp_tp_zb; each schedule's program is checked against the sequential model on CPU in
-# tests/test_pipeline.py), ep_dp, ep_fsdp, ep_tp, ep_pp (ep; EP nested in a pipeline compiles on
-# CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather, cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp,
-# zero2_16, pp_1f1b_16, pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts).
+# tests/test_pipeline.py; on v5p dp_pp_tp_zb moves and pp_zb stays), ep_dp, ep_fsdp, ep_tp, ep_pp
+# (ep; EP nested in a pipeline runs on CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather,
+# cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp (tests/test_diloco.py), zero2_16, pp_1f1b_16,
+# pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts).
 KEEP_H100 = {"pp_zero3", "zero2", "hybrid_16", "ep", "cp", "dp_pp_tp_zb"}
 KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "pp_zb"}
 
