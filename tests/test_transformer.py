@@ -202,6 +202,7 @@ def test_flops_formula():
 
 TRAIN_CFG = CFG.replace(layers=4)  # 4 layers: 2 pipeline stages x 2 circular repeats
 STEPS, BATCH = 10, 16
+CP_STEPS = 6  # the context-parallel layouts' steps
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +217,10 @@ def initial():
     return build(TRAIN_CFG)
 
 
-def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=STEPS, rng=False):
+def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=STEPS, rng=False, keep_at=None):
     """Losses of ``steps`` steps and the final params under ``layout``, from ``model``;
-    ``rng``: the loss takes the step's key (dropout)."""
+    ``rng``: the loss takes the step's key (dropout); ``keep_at``: also the params after that
+    many steps (a third element)."""
     mesh = sk.make_mesh(layout.mesh, devices=devices)
     plan = make_plan(mesh, model.cfg, zero=layout.zero, precision=precision,
                      sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel)
@@ -233,17 +235,21 @@ def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=S
     step = sk.train_step(plan, optax.adamw(3e-3, b2=0.95))(loss)
     state = step.init(model)
     batches = data_lib.Batches(corpus[0], BATCH, TRAIN_CFG.seq, seed=0)
-    losses = []
-    for _ in range(steps):
+    losses, kept = [], None
+    for i in range(steps):
         state, metrics = step(state, next(batches))
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params)
+        if i + 1 == keep_at:
+            kept = jax.device_get(state.params)
+    return (np.array(losses), jax.device_get(state.params)) + ((kept,) if keep_at else ())
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, initial):
-    return {p: train(Layout("data=1"), corpus, initial, p, devices=jax.devices()[:1])
-            for p in ("fp32", "bf16")}
+    """One device, fp32 and bf16; the fp32 run also keeps its params after CP_STEPS steps (the
+    context-parallel layouts' reference)."""
+    return {"fp32": train(Layout("data=1"), corpus, initial, devices=jax.devices()[:1], keep_at=CP_STEPS),
+            "bf16": train(Layout("data=1"), corpus, initial, "bf16", devices=jax.devices()[:1])}
 
 
 @pytest.mark.parametrize("name", ["dp", "zero1", "zero3", "fsdp_tp", "tp_sp", "pp_gpipe",
@@ -251,7 +257,7 @@ def reference(corpus, initial):
                                   "pp_interleaved", "dp_pp_tp_zb"])
 def test_layout_matches_one_device(name, corpus, initial, reference):
     losses, params = train(LAYOUTS[name], corpus, initial)
-    ref_losses, ref_params = reference["fp32"]
+    ref_losses, ref_params, _ = reference["fp32"]
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it trains
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
@@ -265,7 +271,7 @@ def test_chunked_loss_matches_one_device(name, corpus, reference):
     (the loss runs in its last stage): the same losses and parameters as the plain loss on
     one device, as every layout above."""
     losses, params = train(LAYOUTS[name], corpus, build(TRAIN_CFG.replace(loss_chunk=5)))
-    ref_losses, ref_params = reference["fp32"]
+    ref_losses, ref_params, _ = reference["fp32"]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
@@ -324,21 +330,14 @@ def test_bf16_layout_close_to_one_device(name, corpus, initial, reference):
     np.testing.assert_allclose(losses, reference["fp32"][0], rtol=5e-3)
 
 
-CP_STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def cp_reference(corpus, initial):
-    return train(Layout("data=1"), corpus, initial, devices=jax.devices()[:1], steps=CP_STEPS)
-
-
 @pytest.mark.parametrize("name", ["cp", "cp_tp", "dp_cp_fsdp", "cp_pp"])
-def test_context_parallel_layouts_match_one_device(name, corpus, initial, cp_reference):
+def test_context_parallel_layouts_match_one_device(name, corpus, initial, reference):
     """6 steps on each context-parallel layout (ring attention over ``context``; with TP, with
     DP + FSDP, inside pipeline stages; the batch and RoPE positions in zig-zag order) equal one
     device: losses to 1e-5 relative (measured <= 2.1e-7 over 10 steps), parameters to 1e-4
     absolute (measured <= 3.4e-6)."""
-    ref_losses, ref_params = cp_reference
+    ref_losses, _, ref_params = reference["fp32"]
+    ref_losses = ref_losses[:CP_STEPS]
     losses, params = train(LAYOUTS[name], corpus, initial, steps=CP_STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
