@@ -239,7 +239,7 @@ def test_constrain_under_vmap_inside_an_all_manual_shard_map():
 
 # ---- the transformer recipe's MoE layers ----------------------------------------------------------
 
-RECIPE_STEPS = 10
+RECIPE_STEPS = 5
 
 
 def recipe_cfg(**changes):
