@@ -19,10 +19,10 @@ and checkpointed with everything else.
 Each amax is a max over the whole tensor, so where the tensor is sharded it is one scalar
 all-reduce. Every scale is read from the histories as they came into the step (the gradient's
 too), so the amaxes feed nothing but the new histories: their all-reduces depend on no other
-one and XLA combines them — one per step for matmuls in straight-line code, one per iteration
-for a layer stack under ``lax.scan`` (a loop body's all-reduce cannot be merged with the next
-iteration's; the layer's amaxes leave it already reduced, as GSPMD gives no per-device view of
-a tensor whose sharding it decides).
+one and XLA combines them — one per step (per microbatch) for matmuls in straight-line code,
+one per iteration for a layer stack under ``lax.scan`` (a loop body's all-reduce cannot be
+merged with the next iteration's; the layer's amaxes leave it already reduced, as GSPMD gives
+no per-device view of a tensor whose sharding it decides).
 
 ``Fp8Dot`` is the NNX module that owns one matmul's three histories. Masters stay f32 and
 everything but the matmuls runs in the compute dtype (``precision="fp8"``: bf16).
@@ -122,7 +122,7 @@ def _fwd(spec, x, kernel, meta):
     # Every scale comes from the histories as they came in (the gradient's too), never from
     # this step's amaxes, which then feed only the new histories: their all-reduces depend on
     # no other one and XLA combines them (the module docstring). Reading the gradient's scale
-    # off the updated histories chained each gradient to the forward's all-reduces: five
+    # off the updated histories chained each gradient to the forward's all-reduces: four
     # all-reduces per layer of the 7B instead of one (BENCHMARKS.md, "fp8 on H100s").
     sg = _scale(meta[2], E5M2)
     # The output is in x's dtype, so is its gradient g; a scalar carries the kernel's dtype.
