@@ -73,6 +73,10 @@ def test_the_step_writes_the_amax_histories_and_takes_their_max_over_microbatche
     step = _step(sk.make_mesh("data=4,tensor=2"), 2)
     state = step.init(lambda: Tiny(nnx.Rngs(0)))
     assert state.opt_state[0].mu["d1"]["meta"].shape == (3, 4)  # a parameter to Optax, never moved
+    # ZeRO shards the weights' update, never a history: its gradient is written in the layer
+    # (loop), where a sharded one would move (the recipe on H100 had in-loop all-reduces).
+    assert step.specs("update")["d1"]["meta"] == jax.sharding.PartitionSpec()
+    assert step.specs("update")["w1"] == jax.sharding.PartitionSpec(None, ("tensor", "data"))
     # The whole batch's gradient, as the step's mean over its microbatches.
     grads = jax.jit(jax.grad(step.microbatch_loss(state)))(state.params, batch)
     norm = np.sqrt(sum(float(jnp.sum(grads[k] ** 2)) for k in ("w1", "w2")))
@@ -128,16 +132,17 @@ def test_fp8_needs_an_fp8_matmul_in_the_model_and_a_target_with_fp8():
 
 @pytest.mark.extended  # two deviceless H100 compiles of the recipe (~30 s on 2 cores)
 def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
-    """``--precision fp8`` compiled by XLA:GPU for 8 H100s: the attention projections and MLP
+    """``--precision fp8`` (remat full) compiled by XLA:GPU for 8 H100s: the attention projections and MLP
     matmuls (forward and both backward GEMMs) have fp8 operands, the rest (attention scores,
-    the output head) stays bf16, and the step-time model runs the fp8 flops at 1,979 TFLOP/s."""
+    the output head) stays bf16, the step-time model runs the fp8 flops at 1,979 TFLOP/s, and
+    the amaxes take one all-reduce per layer."""
     from target_sweep import require
 
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
     require("h100")
-    cfg = SIZES["test"].replace(seq=64, d_model=128, heads=4, kv_heads=4)
+    cfg = SIZES["test"].replace(seq=64, d_model=128, heads=4, kv_heads=4, remat="full")  # as bench/fp8.py
     jobs = [(*abstract_step(cfg, "data=8", global_batch=16, zero=1, precision=p, target="h100"), "data=8")
             for p in ("bf16", "fp8")]
     bf16, fp8 = sk.cost.simulate_many(jobs, target="h100", estimate=True)
@@ -146,6 +151,9 @@ def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
     assert 0.5 < share < 1.0  # the projections and MLP, not the attention scores or the head
     assert fp8.step_time["compute"] < bf16.step_time["compute"]
     assert "in fp8 GEMMs" in str(fp8)
+    # A layer's amaxes in one all-reduce (test_the_amax_all_reduces_are_combined, on XLA:GPU):
+    # the only all-reduces over data that bf16 has not.
+    assert fp8.role_counts()["grad-reduce"] - bf16.role_counts()["grad-reduce"] == cfg.layers
 
 
 class Layers(nnx.Module):
