@@ -13,8 +13,8 @@ The histories are parameters of kind ``Fp8Meta`` (an ``nnx.Param`` with
 with this step's amax in front, computed where the tensor is (the gradient's in the backward
 pass). ``sk.train_step`` writes that value over the parameter instead of handing it to the
 optimizer, takes the max (not the mean) over microbatches, and leaves it out of the gradient
-norm and clipping. So the histories live in ``TrainState.params``, sharded (replicated), donated
-and checkpointed with everything else.
+norm and clipping. So the histories live in ``TrainState.params``, replicated (ZeRO does not
+shard them), donated and checkpointed with everything else.
 
 Each amax is a max over the whole tensor, so where the tensor is sharded it is one scalar
 all-reduce. Every scale is read from the histories as they came into the step (the gradient's
