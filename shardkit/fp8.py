@@ -67,7 +67,8 @@ def _quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def _amax(x: jax.Array) -> jax.Array:
     """``x``'s largest magnitude, f32: a global max, one small all-reduce where ``x`` is sharded."""
-    # In f32 whatever x's dtype (exactly the same max): one all-reduce type, which XLA combines.
+    # In f32 whatever x's dtype (exactly the same max): the step's amaxes are of one type, so
+    # only a dependency could keep XLA from combining their all-reduces.
     return jnp.max(jnp.abs(x.astype(F32)))
 
 
