@@ -132,10 +132,10 @@ def test_fp8_needs_an_fp8_matmul_in_the_model_and_a_target_with_fp8():
 
 @pytest.mark.extended  # two deviceless H100 compiles of the recipe (~30 s on 2 cores)
 def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
-    """``--precision fp8`` (remat full) compiled by XLA:GPU for 8 H100s: the attention projections and MLP
-    matmuls (forward and both backward GEMMs) have fp8 operands, the rest (attention scores,
-    the output head) stays bf16, the step-time model runs the fp8 flops at 1,979 TFLOP/s, and
-    the amaxes take one all-reduce per layer."""
+    """``--precision fp8`` (remat full) compiled by XLA:GPU for 8 H100s: the attention
+    projections and MLP matmuls (forward and both backward GEMMs) have fp8 operands, the rest
+    (attention scores, the output head) stays bf16, the step-time model runs the fp8 flops at
+    1,979 TFLOP/s, and the amaxes take one all-reduce per layer."""
     from target_sweep import require
 
     from models.transformer.config import SIZES
@@ -189,7 +189,8 @@ def test_the_amax_all_reduces_are_combined(layers, scan, want):
     # the new histories (every scale comes from the incoming ones), so XLA combines them: one
     # per step in a Python loop of layers, however deep, one per iteration of a layer scan.
     # The gradient's scale used to be read from the updated histories, which chained each
-    # matmul's gradient to the forward's all-reduces: two per step, two per iteration.
+    # matmul's gradient to the previous matmul's all-reduces: two per step here (one matmul
+    # per iteration has nothing to chain; the recipe's layer of seven had four).
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
     step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
     state = step.init(lambda: Layers(layers, scan, nnx.Rngs(0)))
