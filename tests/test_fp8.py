@@ -189,7 +189,7 @@ def test_the_amax_all_reduces_are_combined(layers, scan, want):
     # the new histories (every scale comes from the incoming ones), so XLA combines them: one
     # per step in a Python loop of layers, however deep, one per iteration of a layer scan.
     # The gradient's scale used to be read from the updated histories, which chained each
-    # matmul's gradient to the previous matmul's all-reduces: two per step here (one matmul
+    # matmul's gradient to the forward amaxes' all-reduces: two per step here (one matmul
     # per iteration has nothing to chain; the recipe's layer of seven had four).
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
     step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
