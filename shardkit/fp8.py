@@ -13,8 +13,16 @@ The histories are parameters of kind ``Fp8Meta`` (an ``nnx.Param`` with
 with this step's amax in front, computed where the tensor is (the gradient's in the backward
 pass). ``sk.train_step`` writes that value over the parameter instead of handing it to the
 optimizer, takes the max (not the mean) over microbatches, and leaves it out of the gradient
-norm and clipping. So the histories live in ``TrainState.params``, sharded (replicated), donated
-and checkpointed with everything else.
+norm and clipping. So the histories live in ``TrainState.params``, replicated (ZeRO does not
+shard them), donated and checkpointed with everything else.
+
+Each amax is a max over the whole tensor, so where the tensor is sharded it is one scalar
+all-reduce. Every scale is read from the histories as they came into the step (the gradient's
+too), so the amaxes feed nothing but the new histories: their all-reduces depend on no other
+one and XLA combines them — one per step (per microbatch) for matmuls in straight-line code,
+one per iteration for a layer stack under ``lax.scan`` (a loop body's all-reduce cannot be
+merged with the next iteration's; the layer's amaxes leave it already reduced, as GSPMD gives
+no per-device view of a tensor whose sharding it decides).
 
 ``Fp8Dot`` is the NNX module that owns one matmul's three histories. Masters stay f32 and
 everything but the matmuls runs in the compute dtype (``precision="fp8"``: bf16).
@@ -57,9 +65,16 @@ def _quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jnp.clip(x.astype(F32) / scale, -fmax, fmax).astype(dtype)
 
 
-def _push(history: jax.Array, x: jax.Array) -> jax.Array:
-    """The history rolled by one step with ``x``'s amax in front."""
-    return jnp.roll(history, 1).at[0].set(jnp.max(jnp.abs(x)).astype(history.dtype))
+def _amax(x: jax.Array) -> jax.Array:
+    """``x``'s largest magnitude, f32: a global max, one small all-reduce where ``x`` is sharded."""
+    # In f32 whatever x's dtype (exactly the same max): the step's amaxes are of one type, so
+    # only a dependency could keep XLA from combining their all-reduces.
+    return jnp.max(jnp.abs(x.astype(F32)))
+
+
+def _push(histories: jax.Array, amaxes: jax.Array) -> jax.Array:
+    """The ``(3, history)`` histories rolled by one step, ``amaxes`` (3,) in front."""
+    return jnp.concatenate([amaxes[:, None].astype(histories.dtype), histories[:, :-1]], axis=1)
 
 
 def _transposed(spec: str) -> tuple[str, str]:
@@ -106,20 +121,24 @@ def _forward(spec, x, kernel, meta):
 
 def _fwd(spec, x, kernel, meta):
     y, (qx, qk, sx, sk, x, kernel, meta) = _forward(spec, x, kernel, meta)
-    new_meta = meta.at[0].set(_push(meta[0], x)).at[1].set(_push(meta[1], kernel))
+    # Every scale comes from the histories as they came in (the gradient's too), never from
+    # this step's amaxes, which then feed only the new histories: their all-reduces depend on
+    # no other one and XLA combines them (the module docstring). Reading the gradient's scale
+    # off the updated histories chained each gradient to the forward's all-reduces: four
+    # all-reduces per layer of the 7B instead of one (BENCHMARKS.md, "fp8 on H100s").
+    sg = _scale(meta[2], E5M2)
     # The output is in x's dtype, so is its gradient g; a scalar carries the kernel's dtype.
-    return y, (qx, qk, sx, sk, new_meta, jnp.zeros((), kernel.dtype))
+    return y, (qx, qk, sx, sk, sg, meta, jnp.stack([_amax(x), _amax(kernel)]), jnp.zeros((), kernel.dtype))
 
 
 def _bwd(spec, res, g):
-    qx, qk, sx, sk, new_meta, k_zero = res
+    qx, qk, sx, sk, sg, meta, amaxes, k_zero = res
     x_dtype, k_dtype = g.dtype, k_zero.dtype
     dx_spec, dk_spec = _transposed(spec)
-    sg = _scale(new_meta[2], E5M2)
     qg = _quantize(g, sg, E5M2)
     dx = _dot(dx_spec, qg, qk, sg * sk, x_dtype)
     dk = _dot(dk_spec, qx, qg, sx * sg, k_dtype)
-    return dx, dk, new_meta.at[2].set(_push(new_meta[2], g))
+    return dx, dk, _push(meta, jnp.concatenate([amaxes, _amax(g)[None]]))
 
 
 fp8_einsum.defvjp(_fwd, _bwd)

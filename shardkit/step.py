@@ -184,8 +184,8 @@ class TrainStep:
                              "rewrite a model's matmuls; use sk.fp8.Fp8Dot where they should run in fp8, or "
                              "precision='bf16'")
         # Parameters the step overwrites with their gradient (sk.fp8's amax histories).
-        self._overwrite = (self._layout.tree([l.path in u.overwrite for l in self._layout.leaves])
-                           if u.overwrite else None)
+        self._overwritten = [l.path in u.overwrite for l in self._layout.leaves]
+        self._overwrite = self._layout.tree(self._overwritten) if u.overwrite else None
         self.plan.state_specs(u.model_state, u.logical)  # validates the model state's rules now
         if self._diloco is not None:
             self._diloco.setup()
@@ -194,7 +194,11 @@ class TrainStep:
         lay, zero = self._layout, self.plan.zero
         base = [l.spec for l in lay.leaves]
         use_zero = {"params": zero >= 3, "grads": zero >= 2, "update": zero >= 1}[kind]
-        return lay.tree(lay.zero_specs if use_zero else base)
+        # ZeRO shards nothing the step overwrites (sk.fp8's histories: a few floats, never
+        # optimized): a sharded history's gradient would move inside the layer loop, where
+        # each matmul reads its scales (tests/test_fp8.py, the recipe on H100).
+        return lay.tree([b if o else z for z, b, o in zip(lay.zero_specs, base, self._overwritten)]
+                        if use_zero else base)
 
     def _param_shardings(self, kind: str = "params"):
         return self.plan.shardings(self._specs(kind))

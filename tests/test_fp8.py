@@ -7,6 +7,8 @@ relative, uniformly spread: a product of two rounded operands is off by sqrt(2/3
 RMS, and a sum of K such products with independent errors is off by 0.051 of the RMS of its
 terms times sqrt(K), i.e. 0.051·|x|·|w| for rows x and columns w. The tests allow 2× that.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,10 @@ def test_the_step_writes_the_amax_histories_and_takes_their_max_over_microbatche
     step = _step(sk.make_mesh("data=4,tensor=2"), 2)
     state = step.init(lambda: Tiny(nnx.Rngs(0)))
     assert state.opt_state[0].mu["d1"]["meta"].shape == (3, 4)  # a parameter to Optax, never moved
+    # ZeRO shards the weights' update, never a history: its gradient is written in the layer
+    # (loop), where a sharded one would move (the recipe on H100 had in-loop all-reduces).
+    assert step.specs("update")["d1"]["meta"] == jax.sharding.PartitionSpec()
+    assert step.specs("update")["w1"] == jax.sharding.PartitionSpec(None, ("tensor", "data"))
     # The whole batch's gradient, as the step's mean over its microbatches.
     grads = jax.jit(jax.grad(step.microbatch_loss(state)))(state.params, batch)
     norm = np.sqrt(sum(float(jnp.sum(grads[k] ** 2)) for k in ("w1", "w2")))
@@ -126,16 +132,17 @@ def test_fp8_needs_an_fp8_matmul_in_the_model_and_a_target_with_fp8():
 
 @pytest.mark.extended  # two deviceless H100 compiles of the recipe (~30 s on 2 cores)
 def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
-    """``--precision fp8`` compiled by XLA:GPU for 8 H100s: the attention projections and MLP
-    matmuls (forward and both backward GEMMs) have fp8 operands, the rest (attention scores,
-    the output head) stays bf16, and the step-time model runs the fp8 flops at 1,979 TFLOP/s."""
+    """``--precision fp8`` (remat full) compiled by XLA:GPU for 8 H100s: the attention
+    projections and MLP matmuls (forward and both backward GEMMs) have fp8 operands, the rest
+    (attention scores, the output head) stays bf16, the step-time model runs the fp8 flops at
+    1,979 TFLOP/s, and the amaxes take one all-reduce per layer."""
     from target_sweep import require
 
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
     require("h100")
-    cfg = SIZES["test"].replace(seq=64, d_model=128, heads=4, kv_heads=4)
+    cfg = SIZES["test"].replace(seq=64, d_model=128, heads=4, kv_heads=4, remat="full")  # as bench/fp8.py
     jobs = [(*abstract_step(cfg, "data=8", global_batch=16, zero=1, precision=p, target="h100"), "data=8")
             for p in ("bf16", "fp8")]
     bf16, fp8 = sk.cost.simulate_many(jobs, target="h100", estimate=True)
@@ -144,3 +151,48 @@ def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
     assert 0.5 < share < 1.0  # the projections and MLP, not the attention scores or the head
     assert fp8.step_time["compute"] < bf16.step_time["compute"]
     assert "in fp8 GEMMs" in str(fp8)
+    # A layer's amaxes in one all-reduce (test_the_amax_all_reduces_are_combined, on XLA:GPU):
+    # the only all-reduces over data that bf16 has not.
+    assert fp8.role_counts()["grad-reduce"] - bf16.role_counts()["grad-reduce"] == cfg.layers
+
+
+class Layers(nnx.Module):
+    """``layers`` fp8 matmuls with stacked weights and histories, run in a Python loop or, as
+    the recipe's layer stack, a rematerialised ``lax.scan``."""
+
+    def __init__(self, layers, scan, rngs):
+        self.scan = scan
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (layers, 16, 16)) / 4)
+        self.meta = sk.fp8.Fp8Meta(jnp.zeros((layers, 3, 4)), out_sharding=(None, None, None), eager_sharding=False)
+
+    def __call__(self, x):
+        layer = lambda x, wm: (jax.nn.gelu(sk.fp8.fp8_einsum("bd,df->bf", x, *wm)), None)  # noqa: E731
+        if self.scan:
+            return jax.lax.scan(jax.checkpoint(layer), x, (self.w[...], self.meta[...]))[0]
+        for w, meta in zip(self.w[...], self.meta[...]):
+            x = layer(x, (w, meta))[0]
+        return x
+
+
+def _amax_all_reduces(hlo: str) -> float:
+    """All-reduces taking a max (the amaxes: nothing else in the step does), through loops."""
+    from shardkit.cost.compiled.hlo import _collective_ops, _walk
+
+    maxes = {name for name, lines in _walk(hlo)[0].items() if any("ROOT" in ln and " maximum(" in ln for ln in lines)}
+    return sum(m for kind, m, _, line in _collective_ops(hlo)
+               if kind == "all-reduce" and re.search(r"to_apply=%?([\w.\-]+)", line).group(1) in maxes)
+
+
+@pytest.mark.parametrize("layers, scan, want", [(2, False, 1), (4, False, 1), (2, True, 2)])
+def test_the_amax_all_reduces_are_combined(layers, scan, want):
+    # Each tensor's amax is a max over the data-sharded batch: an all-reduce. They feed only
+    # the new histories (every scale comes from the incoming ones), so XLA combines them: one
+    # per step in a Python loop of layers, however deep, one per iteration of a layer scan.
+    # The gradient's scale used to be read from the updated histories, which chained each
+    # matmul's gradient to the forward amaxes' all-reduces: two per step here (one matmul
+    # per iteration has nothing to chain; the recipe's layer of seven had four).
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    state = step.init(lambda: Layers(layers, scan, nnx.Rngs(0)))
+    batch = {"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 16), np.float32)}
+    assert _amax_all_reduces(step.lower(state, batch).compile().as_text()) == want
