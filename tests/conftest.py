@@ -46,17 +46,18 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 # XLA:CPU's fusion emitters (MLIR, XLA's default since 0.5) take most of the suite's compile
-# time: a 4-layer recipe step compiles in ~3x fewer CPU seconds with XLA's older LLVM-IR
-# emitters (tests/test_transformer.py's layouts, 2026-11-28). The programs differ only after
-# partitioning, in how XLA:CPU fuses elementwise work: the same collectives, dots and numerics
-# up to the order of fused float ops, but other temporaries. So the tests *run* programs built
-# with the older emitters, and the figures fusion decides - `memory_analysis()` and
-# `cost_analysis()` of a `Lowered.compile()` result, where `step.explain`, `sk.cost` and the
-# tests read them - come from the same lowering compiled once more with XLA's default
-# emitters, as a user's program is: estimates are held to the compiler users get. (`as_text()`,
-# read for collectives and dots, is the program's own: bench/cost_fingerprint.py's figures are
-# identical either way.) Processes the tests start (recipes, simulated meshes) use XLA's
-# defaults. jaxlib 0.10 only (the flag is XLA:CPU's; the test extras pin jax 0.10.2).
+# time: the steps the tests run compile in about a third fewer CPU seconds with XLA's older
+# LLVM-IR emitters (test_step.py, test_oracle.py, test_transformer.py, test_moe.py: 380 -> 266
+# CPU s, 2026-11-28). The programs differ only after partitioning, in how XLA:CPU fuses
+# elementwise work: the same collectives, dots and numerics up to the order of fused float ops,
+# but other temporaries. So the programs the tests *run* - compiled when a jitted function is
+# called - use the older emitters, and every program compiled ahead of time
+# (`Lowered.compile()`: where `step.explain`, `sk.cost`, the recipes' memory line and the tests
+# read `memory_analysis()`, `cost_analysis()` and `as_text()`) is compiled with XLA's default
+# emitters, as a user's program is: estimates are held to the compiler users get
+# (bench/cost_fingerprint.py's 136 CPU cases are identical with and without this). Processes
+# the tests start use XLA's defaults throughout. jaxlib 0.10 only (the flag is XLA:CPU's; the
+# test extras pin jax 0.10.2).
 if jax.__version_info__[:2] == (0, 10):
     from jax._src import compiler as _compiler
     from jax._src import stages as _stages
@@ -64,33 +65,19 @@ if jax.__version_info__[:2] == (0, 10):
     _EMITTERS = "xla_cpu_use_fusion_emitters"
     _compile_options, _lowered_compile = _compiler.get_compile_options, _stages.Lowered.compile
 
-    def _older_emitters(*args, env_options_overrides=None, backend=None, **kwargs):
+    def _older_emitters_when_run(*args, env_options_overrides=None, backend=None, **kwargs):
         overrides = dict(env_options_overrides or {})
         if backend is None or backend.platform == "cpu":  # deviceless GPU/TPU compiles as they are
             overrides.setdefault(_EMITTERS, False)
         return _compile_options(*args, env_options_overrides=overrides, backend=backend, **kwargs)
 
-    def _compile(self, compiler_options=None, **kwargs):
-        compiled = _lowered_compile(self, compiler_options, **kwargs)
-        if _EMITTERS not in (compiler_options or {}) and getattr(self._lowering, "_platforms", None) in (None, ("cpu",)):
-            as_users_get = {**(compiler_options or {}), _EMITTERS: True}
-            compiled.__dict__["_as_users_get"] = lambda: _lowered_compile(self, as_users_get, **kwargs)
-        return compiled
+    def _as_users_get_ahead_of_time(self, compiler_options=None, **kwargs):
+        if getattr(self._lowering, "_platforms", None) in (None, ("cpu",)):
+            compiler_options = {_EMITTERS: True, **(compiler_options or {})}
+        return _lowered_compile(self, compiler_options, **kwargs)
 
-    def _figures_as_users_get(method):
-        def read(self, *args, **kwargs):
-            build = self.__dict__.get("_as_users_get")
-            if build is not None:
-                if "_users_program" not in self.__dict__:
-                    self.__dict__["_users_program"] = build()
-                self = self.__dict__["_users_program"]
-            return method(self, *args, **kwargs)
-        return read
-
-    _compiler.get_compile_options = _older_emitters
-    _stages.Lowered.compile = _compile
-    for _name in ("cost_analysis", "memory_analysis"):
-        setattr(_stages.Compiled, _name, _figures_as_users_get(getattr(_stages.Compiled, _name)))
+    _compiler.get_compile_options = _older_emitters_when_run
+    _stages.Lowered.compile = _as_users_get_ahead_of_time
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
