@@ -45,39 +45,18 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-# XLA:CPU's fusion emitters (MLIR, XLA's default since 0.5) take most of the suite's compile
-# time: the steps the tests run compile in about a third fewer CPU seconds with XLA's older
-# LLVM-IR emitters (test_step.py, test_oracle.py, test_transformer.py, test_moe.py: 380 -> 266
-# CPU s, 2026-11-28). The programs differ only after partitioning, in how XLA:CPU fuses
-# elementwise work: the same collectives, dots and numerics up to the order of fused float ops,
-# but other temporaries. So the programs the tests *run* - compiled when a jitted function is
-# called - use the older emitters, and every program compiled ahead of time
-# (`Lowered.compile()`: where `step.explain`, `sk.cost`, the recipes' memory line and the tests
-# read `memory_analysis()`, `cost_analysis()` and `as_text()`) is compiled with XLA's default
-# emitters, as a user's program is: estimates are held to the compiler users get
-# (bench/cost_fingerprint.py's 136 CPU cases are identical with and without this). Processes
-# the tests start use XLA's defaults throughout. jaxlib 0.10 only (the flag is XLA:CPU's; the
-# test extras pin jax 0.10.2).
-if jax.__version_info__[:2] == (0, 10):
-    from jax._src import compiler as _compiler
-    from jax._src import stages as _stages
+# Programs the tests run compile with XLA:CPU's older emitters, programs compiled ahead of time
+# (every compiled figure read) as users get them: tests/_site/shardkit_test_compile.py, here
+# and, through tests/_site/sitecustomize.py on PYTHONPATH, in every Python process the tests
+# start (recipes, launched processes, notebook kernels, simulated meshes).
+import sys  # noqa: E402
 
-    _EMITTERS = "xla_cpu_use_fusion_emitters"
-    _compile_options, _lowered_compile = _compiler.get_compile_options, _stages.Lowered.compile
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+sys.path.insert(0, _SITE)
+os.environ["PYTHONPATH"] = os.pathsep.join([_SITE, *filter(None, [os.environ.get("PYTHONPATH")])])
+import shardkit_test_compile  # noqa: E402
 
-    def _older_emitters_when_run(*args, env_options_overrides=None, backend=None, **kwargs):
-        overrides = dict(env_options_overrides or {})
-        if backend is None or backend.platform == "cpu":  # deviceless GPU/TPU compiles as they are
-            overrides.setdefault(_EMITTERS, False)
-        return _compile_options(*args, env_options_overrides=overrides, backend=backend, **kwargs)
-
-    def _as_users_get_ahead_of_time(self, compiler_options=None, **kwargs):
-        if getattr(self._lowering, "_platforms", None) in (None, ("cpu",)):
-            compiler_options = {_EMITTERS: True, **(compiler_options or {})}
-        return _lowered_compile(self, compiler_options, **kwargs)
-
-    _compiler.get_compile_options = _older_emitters_when_run
-    _stages.Lowered.compile = _as_users_get_ahead_of_time
+shardkit_test_compile.install()
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
