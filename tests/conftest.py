@@ -121,6 +121,38 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # runs in test_plan_command.py, and its committed outputs are verified as 07's are.
     "test_notebooks.py::test_notebook_runs_and_its_figures_hold": {"07_compile_for_the_cluster",
                                                                    "06_layouts_7b_256_gpus"},
+    # tests/test_pipeline.py. A pipeline is one lax.scan over its schedule's table: the number
+    # of microbatches and stages changes the table (test_pipeline_schedules.py checks every
+    # table without devices), not the program's code path. Each schedule keeps, against the
+    # sequential model, a pipe-only case with m = p and one with m = 2p (gpipe/circular/1f1b:
+    # pipe=4 m=4 and pipe=2 m=4; ZB-H1 and interleaved 1F1B: pipe=4 m=8 and pipe=2 m=2), and
+    # pipe=4 with m = 2p beside a data axis (test_with_data_axis, and for ZB-H1 / interleaved
+    # test_new_schedules_beside_data_and_tensor[data=2,pipe=4-zb-h1-1] and
+    # test_train_step_matches_one_device[data=2,pipe=4-interleaved-1f1b-2-3]).
+    "test_pipeline.py::test_loss_and_grads_match_sequential": {
+        f"{s}-{v}-{mult}-{p}" for s, v in (("gpipe", 1), ("circular", 2), ("1f1b", 1))
+        for mult, p in ((4, 2), (4, 4), (1, 2), (2, 4))},
+    "test_pipeline.py::test_new_schedules_match_sequential": {
+        f"{p}-{mult}-{s}-{v}" for s, v in (("zb-h1", 1), ("interleaved-1f1b", 2))
+        for p, mult in ((2, 4), (4, 4), (2, 2), (4, 1))},
+    # keep="dots" on interleaved 1F1B and ZB-H1: the same policy path as 1F1B's (BW ops) and
+    # ZB-V's (split B/W ops over two chunks), which stay beside every schedule's keep="all".
+    "test_pipeline.py::test_kept_residuals_match_sequential": {"interleaved-1f1b-2-dots", "zb-h1-1-dots"},
+    # TP-sharded stage weights on pipe=4,tensor=2: the same schedules with TP beside a data axis
+    # stay (data=2,pipe=2,tensor=2 for ZB-H1 and interleaved 1F1B); interleaved 1F1B on
+    # data=2,pipe=4 against one device in test_train_step_matches_one_device.
+    "test_pipeline.py::test_new_schedules_beside_data_and_tensor": {
+        "pipe=4,tensor=2-zb-h1-1", "pipe=4,tensor=2-interleaved-1f1b-2", "data=2,pipe=4-interleaved-1f1b-2"},
+    # ZeRO-1 training runs of ZB-H1 and interleaved 1F1B: ZeRO-1 shards the optimizer state,
+    # outside the schedule; circular and 1F1B keep their ZeRO-1 runs on data=2,pipe=4, ZB-H1
+    # and interleaved 1F1B their ZeRO-3 runs, against one device.
+    "test_pipeline.py::test_train_step_matches_one_device": {
+        "data=2,pipe=4-zb-h1-1-1", "data=2,pipe=4-interleaved-1f1b-2-1"},
+    # The explicit executor's one psum over data after its scan, the same code for every explicit
+    # schedule: 1F1B's case stays beside GPipe's and circular's (autodiff's psum).
+    "test_pipeline.py::test_stage_grads_reduced_over_data_once_per_step": {"zb-h1-1", "interleaved-1f1b-2"},
+    # ZeRO-3 weights gathered at the shard_map boundary: ZB-H1 (explicit) and GPipe (autodiff) stay.
+    "test_pipeline.py::test_zero3_stage_weights_gathered_once_per_step": {"1f1b-1", "interleaved-1f1b-2"},
 }
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
