@@ -153,6 +153,9 @@ EXTENDED_CASES: dict[str, set[str]] = {
     "test_pipeline.py::test_stage_grads_reduced_over_data_once_per_step": {"zb-h1-1", "interleaved-1f1b-2"},
     # ZeRO-3 weights gathered at the shard_map boundary: ZB-H1 (explicit) and GPipe (autodiff) stay.
     "test_pipeline.py::test_zero3_stage_weights_gathered_once_per_step": {"1f1b-1", "interleaved-1f1b-2"},
+    # tests/test_diloco.py: 1F1B under DiLoCo's replicas runs the explicit executor that ZB-H1's
+    # case runs (beside GPipe's autodiff one), both of which stay.
+    "test_diloco.py::test_pipelines_run_inside_the_replicas": {"1f1b"},
 }
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
@@ -165,6 +168,12 @@ EXTENDED_TESTS = {
     # test_recipe_resume_skips_a_corrupt_step_and_continues_bit_identically (the same recipe,
     # resumed past a corrupt step) and test_recipe_data.py's resume on two processes.
     "test_transformer.py::test_checkpoint_resume_is_bit_identical",
+    # tests/test_diloco.py: DiLoCo's replica axis across two processes (three Python processes,
+    # ~12 CPU s): the sync is an all-reduce over `replica`, whose programs the in-process DiLoCo
+    # tests check (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs),
+    # and an axis whose groups span both processes trains like one process in
+    # test_distributed.py::test_tensor_and_zero3_axes_across_two_processes_train_like_one.
+    "test_diloco.py::test_replica_axis_across_two_processes_trains_like_one",
 }
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).
