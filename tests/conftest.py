@@ -135,9 +135,15 @@ EXTENDED_CASES: dict[str, set[str]] = {
     "test_pipeline.py::test_new_schedules_match_sequential": {
         f"{p}-{mult}-{s}-{v}" for s, v in (("zb-h1", 1), ("interleaved-1f1b", 2))
         for p, mult in ((2, 4), (4, 4), (2, 2), (4, 1))},
-    # keep="dots" on interleaved 1F1B and ZB-H1: the same policy path as 1F1B's (BW ops) and
-    # ZB-V's (split B/W ops over two chunks), which stay beside every schedule's keep="all".
-    "test_pipeline.py::test_kept_residuals_match_sequential": {"interleaved-1f1b-2-dots", "zb-h1-1-dots"},
+    # keep= on interleaved 1F1B and ZB-H1: the same kept-residual rings as 1F1B's (BW ops) and
+    # ZB-V's (split B/W ops, two chunks), whose keep="all" and policy cases stay.
+    "test_pipeline.py::test_kept_residuals_match_sequential": {
+        "interleaved-1f1b-2-dots", "zb-h1-1-dots", "interleaved-1f1b-2-all", "zb-h1-1-all"},
+    # Circular's stage weights over `tensor`: GPipe's case runs the same autodiff executor with
+    # TP in the stage (circular's repeats stay on pipe-only and data=2,pipe=4 meshes).
+    "test_pipeline.py::test_with_tensor_parallel_stage": {"circular-2"},
+    # The forward-only pipeline with m = 2p: the same scanned program as m = p, which stays.
+    "test_pipeline.py::test_output_matches_sequential": {"2-gpipe-1", "2-circular-2"},
     # TP-sharded stage weights on pipe=4,tensor=2: the same schedules with TP beside a data axis
     # stay (data=2,pipe=2,tensor=2 for ZB-H1 and interleaved 1F1B); interleaved 1F1B on
     # data=2,pipe=4 against one device in test_train_step_matches_one_device.
