@@ -78,14 +78,20 @@ def pipelined_loss(block, schedule: str, repeats: int, mesh, microbatches: int =
 
 
 def train(block, loss, params, head, x, t, steps: int = 2, lr: float = 0.01):
-    """``steps`` of SGD on (params, head); returns the losses and the final params."""
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    losses = []
-    for _ in range(steps):
-        value, (gp, gh) = grad(params, head, x, t)
-        params, head = jax.tree.map(lambda a, g: a - lr * g, (params, head), (gp, gh))
-        losses.append(float(value))
-    return losses, params
+    """``steps`` of SGD on (params, head); returns the losses and the final params. The steps
+    are one compiled program (a scan over them): a step's updated parameters come back sharded
+    as the pipeline left them, so a Python loop would compile the step twice."""
+    def one(carry, _):
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1))(*carry, x, t)
+        return jax.tree.map(lambda a, g: a - lr * g, carry, grads), value
+
+    @jax.jit
+    def run(params, head):
+        (params, _), losses = jax.lax.scan(one, (params, head), length=steps)
+        return losses, params
+
+    losses, params = run(params, head)
+    return [float(v) for v in losses], params
 
 
 def main(argv=None) -> int:

@@ -142,6 +142,47 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # runs in test_plan_command.py, and its committed outputs are verified as 07's are.
     "test_notebooks.py::test_notebook_runs_and_its_figures_hold": {"07_compile_for_the_cluster",
                                                                    "06_layouts_7b_256_gpus"},
+    # tests/test_pipeline.py. A pipeline is one lax.scan over its schedule's table: the number
+    # of microbatches and stages changes the table (test_pipeline_schedules.py checks every
+    # table without devices), not the program's code path. Each schedule keeps, against the
+    # sequential model, a pipe-only case with m = p and one with m = 2p (gpipe/circular/1f1b:
+    # pipe=4 m=4 and pipe=2 m=4; ZB-H1 and interleaved 1F1B: pipe=4 m=8 and pipe=2 m=2), and
+    # pipe=4 with m = 2p beside a data axis (test_with_data_axis, and for ZB-H1 / interleaved
+    # test_new_schedules_beside_data_and_tensor[data=2,pipe=4-zb-h1-1] and
+    # test_train_step_matches_one_device[data=2,pipe=4-interleaved-1f1b-2-3]).
+    "test_pipeline.py::test_loss_and_grads_match_sequential": {
+        f"{s}-{v}-{mult}-{p}" for s, v in (("gpipe", 1), ("circular", 2), ("1f1b", 1))
+        for mult, p in ((4, 2), (4, 4), (1, 2), (2, 4))},
+    "test_pipeline.py::test_new_schedules_match_sequential": {
+        f"{p}-{mult}-{s}-{v}" for s, v in (("zb-h1", 1), ("interleaved-1f1b", 2))
+        for p, mult in ((2, 4), (4, 4), (2, 2), (4, 1))},
+    # keep= on interleaved 1F1B and ZB-H1: the same kept-residual rings as 1F1B's (BW ops) and
+    # ZB-V's (split B/W ops, two chunks), whose keep="all" and policy cases stay.
+    "test_pipeline.py::test_kept_residuals_match_sequential": {
+        "interleaved-1f1b-2-dots", "zb-h1-1-dots", "interleaved-1f1b-2-all", "zb-h1-1-all"},
+    # Circular's stage weights over `tensor`: GPipe's case runs the same autodiff executor with
+    # TP in the stage (circular's repeats stay on pipe-only and data=2,pipe=4 meshes).
+    "test_pipeline.py::test_with_tensor_parallel_stage": {"circular-2"},
+    # The forward-only pipeline with m = 2p: the same scanned program as m = p, which stays.
+    "test_pipeline.py::test_output_matches_sequential": {"2-gpipe-1", "2-circular-2"},
+    # TP-sharded stage weights on pipe=4,tensor=2: the same schedules with TP beside a data axis
+    # stay (data=2,pipe=2,tensor=2 for ZB-H1 and interleaved 1F1B); interleaved 1F1B on
+    # data=2,pipe=4 against one device in test_train_step_matches_one_device.
+    "test_pipeline.py::test_new_schedules_beside_data_and_tensor": {
+        "pipe=4,tensor=2-zb-h1-1", "pipe=4,tensor=2-interleaved-1f1b-2", "data=2,pipe=4-interleaved-1f1b-2"},
+    # ZeRO-1 training runs of ZB-H1 and interleaved 1F1B: ZeRO-1 shards the optimizer state,
+    # outside the schedule; circular and 1F1B keep their ZeRO-1 runs on data=2,pipe=4, ZB-H1
+    # and interleaved 1F1B their ZeRO-3 runs, against one device.
+    "test_pipeline.py::test_train_step_matches_one_device": {
+        "data=2,pipe=4-zb-h1-1-1", "data=2,pipe=4-interleaved-1f1b-2-1"},
+    # The explicit executor's one psum over data after its scan, the same code for every explicit
+    # schedule: 1F1B's case stays beside GPipe's and circular's (autodiff's psum).
+    "test_pipeline.py::test_stage_grads_reduced_over_data_once_per_step": {"zb-h1-1", "interleaved-1f1b-2"},
+    # ZeRO-3 weights gathered at the shard_map boundary: ZB-H1 (explicit) and GPipe (autodiff) stay.
+    "test_pipeline.py::test_zero3_stage_weights_gathered_once_per_step": {"1f1b-1", "interleaved-1f1b-2"},
+    # tests/test_diloco.py: 1F1B under DiLoCo's replicas runs the explicit executor that ZB-H1's
+    # case runs (beside GPipe's autodiff one), both of which stay.
+    "test_diloco.py::test_pipelines_run_inside_the_replicas": {"1f1b"},
 }
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
@@ -154,6 +195,12 @@ EXTENDED_TESTS = {
     # test_recipe_resume_skips_a_corrupt_step_and_continues_bit_identically (the same recipe,
     # resumed past a corrupt step) and test_recipe_data.py's resume on two processes.
     "test_transformer.py::test_checkpoint_resume_is_bit_identical",
+    # tests/test_diloco.py: DiLoCo's replica axis across two processes (three Python processes,
+    # ~12 CPU s): the sync is an all-reduce over `replica`, whose programs the in-process DiLoCo
+    # tests check (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs),
+    # and an axis whose groups span both processes trains like one process in
+    # test_distributed.py::test_tensor_and_zero3_axes_across_two_processes_train_like_one.
+    "test_diloco.py::test_replica_axis_across_two_processes_trains_like_one",
 }
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).

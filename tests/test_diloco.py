@@ -54,13 +54,32 @@ def replica_rows(batch, r, R):
     return {k: v[r * n:(r + 1) * n] for k, v in batch.items()}
 
 
-def inner_step(grad, inner_tx, reps, states, i, R):
+def replica_update(inner_tx):
+    """One inner step of one replica, ``(θ_r, state_r, rows) -> (loss, θ_r, state_r)``, jitted:
+    the reference's steps are then one compiled program, not dozens of eager ops."""
+    @jax.jit
+    def update(rep, state, rows):
+        l, g = jax.value_and_grad(loss_fn)(rep, rows)
+        u, state = inner_tx.update(g, state, rep)
+        return l, optax.apply_updates(rep, u), state
+    return update
+
+
+def outer_update(outer_tx):
+    """θ, the outer state and the replicas -> Δ = θ − mean_r θ_r through the outer optimizer."""
+    @jax.jit
+    def update(theta, outer_state, reps):
+        mean = jax.tree.map(lambda *xs: sum(xs) / len(reps), *reps)
+        u, outer_state = outer_tx.update(jax.tree.map(lambda a, b: a - b, theta, mean), outer_state, theta)
+        return optax.apply_updates(theta, u), outer_state
+    return update
+
+
+def inner_step(update, reps, states, i, R):
     """Step ``i`` of every replica on its rows, in place in ``reps``/``states``; the mean loss."""
     ls = []
     for r in range(R):
-        l, g = grad(reps[r], replica_rows(tiny.batch(i), r, R))
-        u, states[r] = inner_tx.update(g, states[r], reps[r])
-        reps[r] = optax.apply_updates(reps[r], u)
+        l, reps[r], states[r] = update(reps[r], states[r], replica_rows(tiny.batch(i), r, R))
         ls.append(float(l))
     return np.mean(ls)
 
@@ -72,15 +91,12 @@ def reference(steps, every, inner_tx, outer_tx, R):
     outer_state = outer_tx.init(theta)
     reps = [theta] * R
     states = [inner_tx.init(theta) for _ in range(R)]
-    grad = jax.jit(jax.value_and_grad(loss_fn))
+    update, outer = replica_update(inner_tx), outer_update(outer_tx)
     losses = []
     for i in range(steps):
-        losses.append(inner_step(grad, inner_tx, reps, states, i, R))
+        losses.append(inner_step(update, reps, states, i, R))
         if (i + 1) % every == 0:
-            mean = jax.tree.map(lambda *xs: sum(xs) / R, *reps)
-            delta = jax.tree.map(lambda a, b: a - b, theta, mean)
-            u, outer_state = outer_tx.update(delta, outer_state, theta)
-            theta = optax.apply_updates(theta, u)
+            theta, outer_state = outer(theta, outer_state, reps)
             reps = [theta] * R
     return losses, theta, reps
 
@@ -427,16 +443,15 @@ def reference_overlapped(steps, every, tau, mix, inner_tx, outer_tx, R):
     outer_state = outer_tx.init(theta)
     reps = [theta] * R
     states = [inner_tx.init(theta) for _ in range(R)]
-    grad = jax.jit(jax.value_and_grad(loss_fn))
+    update, outer = replica_update(inner_tx), outer_update(outer_tx)
+    merge = jax.jit(lambda rep, theta: jax.tree.map(lambda a, b: mix * a + (1 - mix) * b, rep, theta))
     losses, due = [], None
     for i in range(steps):
-        losses.append(inner_step(grad, inner_tx, reps, states, i, R))
+        losses.append(inner_step(update, reps, states, i, R))
         if due == i + 1:
-            reps = [jax.tree.map(lambda a, b: mix * a + (1 - mix) * b, rep, theta) for rep in reps]
+            reps = [merge(rep, theta) for rep in reps]
         if (i + 1) % every == 0:
-            mean = jax.tree.map(lambda *xs: sum(xs) / R, *reps)
-            u, outer_state = outer_tx.update(jax.tree.map(lambda a, b: a - b, theta, mean), outer_state, theta)
-            theta = optax.apply_updates(theta, u)
+            theta, outer_state = outer(theta, outer_state, reps)
             due = i + 1 + tau
     return losses, theta
 

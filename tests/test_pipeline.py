@@ -1,10 +1,15 @@
 """Pipelines equal the un-pipelined layer stack: loss, gradients and outputs, every schedule.
 
-Shapes are tiny (d=8, batch 16) so the file stays within a couple of minutes on 2 cores; the
-full p x m x schedule cross-product runs on pipe-only meshes, the data / tensor layouts on
-one m each. The new schedules' sweeps (interleaved 1F1B, ZB-H1) keep one case each in the fast
-lane; the schedule tables themselves are checked without devices in test_pipeline_schedules.py.
+Shapes are tiny (d=8, batch 16) and each compile costs about a CPU second, so the file keeps
+one compiled program per thing it checks: the full p x m x schedule cross-product on pipe-only
+meshes runs with ``--extended``; the default lane keeps m = p and m = 2p per schedule
+(tests/conftest.py names what covers each extended case), the data / tensor layouts on one m
+each. The new schedules' sweeps (interleaved 1F1B, ZB-H1) keep one case each in the fast lane;
+the schedule tables themselves are checked without devices in test_pipeline_schedules.py.
+The one-device references are computed once per problem (``sequential_reference``).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +38,10 @@ def head_loss(hp, y_BxD, t_BxO):
     return jnp.mean((y_BxD @ hp["w"] - t_BxO) ** 2)
 
 
+@functools.lru_cache(maxsize=None)
 def make_problem(n_layers, seed=0):
+    """The layers' params, the head, inputs and targets: one problem per (n_layers, seed) for the
+    whole file (built once: each eager op on a new shape is a compile on 8 devices)."""
     k = jax.random.split(jax.random.key(seed), 5)
     params = {"w": jax.random.normal(k[0], (n_layers, D, D)) / np.sqrt(D),
               "b": 0.1 * jax.random.normal(k[1], (n_layers, D))}
@@ -49,6 +57,15 @@ def sequential(params, x):
 
 def sequential_loss(params, head, x, t):
     return head_loss(head, sequential(params, x), t)
+
+
+@functools.lru_cache(maxsize=None)
+def sequential_reference(n_layers, seed=0):
+    """The un-pipelined model's loss and (params, head, x) gradients on ``make_problem``, as numpy:
+    one jitted program per problem, shared by every schedule and layout checked against it."""
+    params, head, x, t = make_problem(n_layers, seed)
+    got = jax.jit(jax.value_and_grad(sequential_loss, argnums=(0, 1, 2)))(params, head, x, t)
+    return jax.tree.map(np.asarray, got)
 
 
 def assert_close(got, want, rtol=RTOL):
@@ -67,7 +84,7 @@ def _at(tree, path):
 def check_against_sequential(mesh, p, m, schedule, v, params_sharding=None):
     n_layers = 2 * p * v
     params, head, x, t = make_problem(n_layers)
-    want_loss, want_grads = jax.value_and_grad(sequential_loss, argnums=(0, 1, 2))(params, head, x, t)
+    want_loss, want_grads = sequential_reference(n_layers)
     if params_sharding is not None:
         params = jax.device_put(params, params_sharding)
 
@@ -112,7 +129,7 @@ def test_kept_residuals_match_sequential(devices, schedule, v, keep):
     """keep= (every residual, or a checkpoint policy's saved set, from F to its B/BW): loss and
     gradients equal the model's; keep="input" is every other test of this file."""
     params, head, x, t = make_problem(4 * v)
-    want = jax.value_and_grad(sequential_loss, argnums=(0, 1, 2))(params, head, x, t)
+    want = sequential_reference(4 * v)
     mesh = make_mesh("pipe=2", devices=devices[:2])
     got = jax.jit(jax.value_and_grad(
         lambda params, head, x: pipeline(layer, params, x, microbatches=4, schedule=schedule, repeats=v, keep=keep,
@@ -190,7 +207,7 @@ def test_output_matches_sequential(devices, schedule, v, mult):
     params, _, x, _ = make_problem(2 * p * v)
     got = jax.jit(lambda params, x: pipeline(layer, params, x, microbatches=mult * p, schedule=schedule,
                                              repeats=v, mesh=mesh))(params, x)
-    assert_close(got, sequential(params, x))
+    assert_close(got, jax.jit(sequential)(params, x))
 
 
 def noisy_layer(lp, h_BxD, *, extras, rng):
@@ -198,42 +215,59 @@ def noisy_layer(lp, h_BxD, *, extras, rng):
     return jnp.where(keep_BxD, layer(lp, h_BxD), 0.0) * extras["mask_B"][:, None]
 
 
+EXTRAS_P, EXTRAS_M, EXTRAS_KEY = 2, 8, 7  # a tick's activations (k layers x 2 rows x D) < one D x D weight
+
+
+def extras_problem():
+    params, head, x, t = make_problem(4)
+    return params, head, x, t, (jnp.arange(B) % 3 != 0).astype(jnp.float32), jax.random.key(EXTRAS_KEY)
+
+
+@functools.lru_cache(maxsize=None)
+def extras_reference():
+    """The per-microbatch loop the pipeline must equal (microbatch i holds rows i, i+m, ...; the
+    key folded with the global layer, then the microbatch): loss and gradients, one jitted
+    program for every schedule."""
+    params, head, x, t, mask, key = extras_problem()
+    m = EXTRAS_M
+
+    def microbatches(a):  # (m, B / m, ...): microbatch i is the rows i, i+m, ... (a[i::m])
+        return a.reshape(B // m, m, *a.shape[1:]).swapaxes(0, 1)
+
+    def reference(params, head, x):
+        def one_microbatch(i, h, mask_b, t_b):
+            for l in range(4):
+                k = jax.random.fold_in(jax.random.fold_in(key, l), i)
+                h = noisy_layer(jax.tree.map(lambda a: a[l], params), h, extras={"mask_B": mask_b}, rng=k)
+            return head_loss(head, h, t_b)
+        return jnp.mean(jax.vmap(one_microbatch)(jnp.arange(m), microbatches(x), microbatches(mask),
+                                                 microbatches(t)))
+
+    return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(params, head, x))
+
+
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), _lane(False, "zb-h1", 1),
                                         _lane(False, "interleaved-1f1b", 2)])
 def test_extras_and_rng(devices, schedule, v):
     """extras are split like x; the key is folded with the global layer, then the microbatch."""
-    p, m = 2, 8  # a tick's activations (k layers x 2 rows x D) stay smaller than one D x D weight
-    mesh = make_mesh(f"pipe={p}", devices=devices[:p])
-    params, head, x, t = make_problem(4)
-    mask = (jnp.arange(B) % 3 != 0).astype(jnp.float32)
-    key = jax.random.key(7)
-
-    def reference(params, head, x):
-        losses = []
-        for i in range(m):  # microbatch i holds rows i, i+m, ...
-            h = x[i::m]
-            for l in range(4):
-                lp = jax.tree.map(lambda a: a[l], params)
-                k = jax.random.fold_in(jax.random.fold_in(key, l), i)
-                h = noisy_layer(lp, h, extras={"mask_B": mask[i::m]}, rng=k)
-            losses.append(head_loss(head, h, t[i::m]))
-        return jnp.mean(jnp.stack(losses))
+    mesh = make_mesh(f"pipe={EXTRAS_P}", devices=devices[:EXTRAS_P])
+    params, head, x, t, mask, key = extras_problem()
 
     def loss(params, head, x):
-        return pipeline(noisy_layer, params, x, microbatches=m, schedule=schedule, repeats=v,
+        return pipeline(noisy_layer, params, x, microbatches=EXTRAS_M, schedule=schedule, repeats=v,
                         loss_fn=head_loss, loss_params=head, targets=t, extras={"mask_B": mask},
                         rng=key, mesh=mesh)
 
-    want = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, head, x)
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, head, x)
-    assert_close(got, want)
+    assert_close(got, extras_reference())
 
 
 @pytest.mark.parametrize("remat,schedule", [("full", "gpipe"), ("dots", "circular")])
 def test_remat(devices, remat, schedule):
     mesh = make_mesh("pipe=2", devices=devices[:2])
     params, head, x, t = make_problem(4)
-    want = jax.value_and_grad(sequential_loss, argnums=(0, 1))(params, head, x, t)
+    want_loss, want_grads = sequential_reference(4)
+    want = (want_loss, want_grads[:2])
     got = jax.jit(jax.value_and_grad(
         lambda params, head: pipeline(layer, params, x, microbatches=2, schedule=schedule, remat=remat,
                                       loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
@@ -259,7 +293,8 @@ def test_a_self_checkpointing_layer_is_not_wrapped_again(devices):
     res = saved_residuals(lambda P_, h: chunk(P_, 0, h, 0, 0, None), stack, x)
     assert sorted(tuple(a.shape) for a, where in res if "argument" not in where) == [(2, D), (2, D, D), (2, B, D)]
     mesh = make_mesh("pipe=2", devices=devices[:2])
-    want = jax.value_and_grad(sequential_loss, argnums=(0, 1))(params, head, x, t)
+    want_loss, want_grads = sequential_reference(4)
+    want = (want_loss, want_grads[:2])
     got = jax.jit(jax.value_and_grad(
         lambda params, head: pipeline(own, params, x, microbatches=2, schedule="circular", repeats=2,
                                       loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
@@ -278,7 +313,7 @@ def test_stage_major_storage(devices, schedule, v):
     assert np.array_equal(sk.pipeline_layer_order(8, p, schedule, v),
                           [0, 1, 6, 7, 2, 3, 4, 5] if schedule == "zb-v" else [0, 1, 4, 5, 2, 3, 6, 7])
     assert_close(sk.pipeline_layers_natural(stored, p, schedule, v), params, rtol=0)
-    want_loss, want_grads = jax.value_and_grad(sequential_loss)(params, head, x, t)
+    want_loss, (want_grads, _, _) = sequential_reference(2 * p * v)
     got_loss, got_grads = jax.jit(jax.value_and_grad(
         lambda w: pipeline(layer, w, x, microbatches=2 * p, schedule=schedule, repeats=v, loss_fn=head_loss,
                            loss_params=head, targets=t, mesh=mesh, layer_order="stage-major")))(stored)
@@ -350,6 +385,12 @@ def _train_losses(mesh_spec, devices, schedule, v, zero, steps=10):
     return np.array(losses)
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device_losses(schedule, v):
+    """The pipe=1 run a schedule's layouts are compared with: the same for each of its layouts."""
+    return _train_losses("pipe=1", jax.devices()[:1], schedule, v, 0)
+
+
 @pytest.mark.parametrize("mesh_spec,schedule,v,zero", [
     ("pipe=4", "1f1b", 1, 0),
     ("data=2,pipe=4", "circular", 2, 1),
@@ -364,7 +405,7 @@ def test_train_step_matches_one_device(devices, mesh_spec, schedule, v, zero):
     """10 SGD steps through sk.train_step (mesh found via jax.set_mesh) equal a pipe=1 run."""
     n = 8 if "data" in mesh_spec else 4
     got = _train_losses(mesh_spec, devices[:n], schedule, v, zero)
-    want = _train_losses("pipe=1", devices[:1], schedule, v, 0)
+    want = _one_device_losses(schedule, v)
     assert got[-1] < got[0]
     np.testing.assert_allclose(got, want, rtol=RTOL)
 
@@ -402,7 +443,7 @@ def test_stage_grads_reduced_over_data_once_per_step(devices, schedule, v):
     assert ticks * stage_bytes / v > 3 * reduced  # the per-tick figure this test rules out
     # The loss still equals the un-pipelined model's.
     _, metrics = step(state, batch)
-    np.testing.assert_allclose(float(metrics["loss"]), float(sequential_loss(params, head, x, t)), rtol=RTOL)
+    np.testing.assert_allclose(float(metrics["loss"]), float(sequential_reference(4 * 2 * v)[0]), rtol=RTOL)
 
 
 @pytest.mark.parametrize("schedule,v", [("zb-h1", 1), _lane(False, "gpipe", 1), _lane(False, "1f1b", 1),
@@ -423,7 +464,7 @@ def test_zero3_stage_weights_gathered_once_per_step(devices, schedule, v):
 
 def test_constrain_inside_a_stage_skips_the_manual_pipe_axis(devices):
     """sk.constrain in a stage function (inside the pipe shard_map) constrains only the
-    compiler-managed axes and leaves the result unchanged."""
+    compiler-managed axes and leaves the result unchanged: the un-pipelined model's loss."""
     mesh = make_mesh("data=2,pipe=4", devices=devices[:8])
     plan = sk.Plan(mesh, rules=[(r"layers", ("pipe",)), (r".*", ())], axis_rules={"batch": ("data", "pipe")})
     params, head, x, t = make_problem(8, seed=1)
@@ -431,19 +472,14 @@ def test_constrain_inside_a_stage_skips_the_manual_pipe_axis(devices):
     def constrained_layer(lp, h_BxD):
         return layer(lp, sk.constrain(h_BxD, ("batch", None)))
 
-    def loss(stage_fn):
-        def f(model, batch):
-            return pipeline(stage_fn, model["layers"], batch["x"], microbatches=4, schedule="gpipe",
-                            loss_fn=head_loss, loss_params=model["head"], targets=batch["t"])
-        return f
+    def loss(model, batch):
+        return pipeline(constrained_layer, model["layers"], batch["x"], microbatches=4, schedule="gpipe",
+                        loss_fn=head_loss, loss_params=model["head"], targets=batch["t"])
 
-    out = []
-    for fn in (constrained_layer, layer):
-        step = sk.train_step(plan, optax.sgd(0.1))(loss(fn))
-        state = step.init({"layers": params, "head": head})
-        state, m = step(state, {"x": x, "t": t})
-        out.append(float(m["loss"]))
-    np.testing.assert_allclose(out[0], out[1], rtol=RTOL)
+    step = sk.train_step(plan, optax.sgd(0.1))(loss)
+    state = step.init({"layers": params, "head": head})
+    state, m = step(state, {"x": x, "t": t})
+    np.testing.assert_allclose(float(m["loss"]), float(sequential_reference(8, seed=1)[0]), rtol=RTOL)
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2)])
@@ -469,8 +505,8 @@ def test_weights_are_not_saved_per_tick(devices, schedule, v):
     per_tick = [a.str_short() for a, _ in saved_residuals(loss, params)
                 if a.ndim and a.shape[0] == p * ticks and a.size // a.shape[0] >= D * D]
     assert not per_tick, per_tick
-    want = jax.grad(lambda params: jnp.sum(jax.lax.scan(
-        lambda h, lp: (reshaping_layer(lp, h), None), x, params)[0] ** 2))(params)
+    want = jax.jit(jax.grad(lambda params: jnp.sum(jax.lax.scan(
+        lambda h, lp: (reshaping_layer(lp, h), None), x, params)[0] ** 2)))(params)
     assert_close(jax.jit(jax.grad(loss))(params), want)
 
 
