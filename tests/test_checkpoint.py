@@ -567,16 +567,34 @@ def test_two_processes_checksum_their_shards_and_fall_back_together(tmp_path):
     layout; after a flip in a chunk process 1 wrote, both processes fall back to step 1."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ckpt, go, err = tmp_path / "ckpt", tmp_path / "restore-now", tmp_path / "stderr.txt"
+    # One job for both halves (one start-up of three interpreters): it saves, waits for `go`
+    # while this test verifies and damages the steps, then restores on both processes.
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen(["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch",
+                                 "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
+                                 os.path.join(SCRIPTS, "ckpt_mp.py"), "--save", str(ckpt), "--wait-for", str(go),
+                                 "--restore", str(ckpt)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=root, env=env)
+    try:
+        saved = set()
+        for line in proc.stdout:
+            saved |= {p for p in (0, 1) if line.startswith(f"[{p}] saved process {p}")}
+            if saved == {0, 1}:
+                break
+        assert saved == {0, 1}, err.read_text()[-3000:]
+        _verify_and_damage(ckpt)
+    finally:
+        go.touch()
+        out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    for p in (0, 1):
+        assert f"restored 1 skipped [2] verified True position 1 process {p}" in out, out
 
-    def launch(*args):
-        res = subprocess.run(["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch",
-                              "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
-                              os.path.join(SCRIPTS, "ckpt_mp.py"), *args],
-                             capture_output=True, text=True, cwd=root, env=env)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return res.stdout
 
-    launch("--save", str(tmp_path))
+def _verify_and_damage(tmp_path):
+    """The two-process save restored here on another layout, verified; then a flip in a chunk
+    process 1 wrote, named by its block on the saved layout."""
     plan, step = tiny.make_step("data=8", zero=0)
     ckpt = Checkpointer(tmp_path)
     ckpt.restore(plan, like=step.abstract_state(init_wide))
@@ -589,9 +607,6 @@ def test_two_processes_checksum_their_shards_and_fall_back_together(tmp_path):
     plan8, step8 = tiny.make_step("fsdp=8", zero=3)  # the saved layout: the damaged block is named
     with pytest.raises(CorruptCheckpointError, match=r"params/w1: checksum mismatch in block \[14:16,0:512\]"):
         Checkpointer(tmp_path).restore(plan8, like=step8.abstract_state(init_wide))
-    out = launch("--restore", str(tmp_path))
-    for p in (0, 1):
-        assert f"restored 1 skipped [2] verified True position 1 process {p}" in out, out
 
 
 @pytest.mark.slow
