@@ -2,8 +2,9 @@
 data sources and the entry point's errors.
 
 One narrow ResNet-10 (one basic block per stage, widths 16..128, 16x16 digits; 8x8 for the
-command line's accuracy run) serves every test: it is built once, because compiling the parameter initialisers (threefry) is the slowest
-part on CPU, and it has every kind of layer ResNet-18 has at half the compile time.
+command line's accuracy run) serves every test: it is built once, because compiling the
+parameter initialisers (threefry) is the slowest part on CPU, and it has every kind of layer
+ResNet-18 has at half the compile time.
 """
 
 import json
