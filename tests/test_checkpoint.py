@@ -242,7 +242,7 @@ def test_kill_9_while_saving_keeps_previous_checkpoint(tmp_path, moment, dp):
 
 
 def test_sigterm_checkpoints_exits_0_and_resumes_bit_identically(tmp_path, dp):
-    _, step, _ = dp
+    plan, step, _ = dp
     script = os.path.join(SCRIPTS, "train_preempt.py")
     n = 12
     proc = _spawn(script, "--dir", str(tmp_path), "--steps", "40", "--every", "100", "--delay", "0.1")
@@ -253,12 +253,12 @@ def test_sigterm_checkpoints_exits_0_and_resumes_bit_identically(tmp_path, dp):
     assert proc.returncode == 0, first
     stopped = int(next(line for line in out.splitlines() if line.startswith("preempted")).split()[1])
     assert 4 <= stopped < n, out
-    assert Checkpointer(tmp_path).all_steps() == [stopped]
-    res = subprocess.run(["timeout", "120", sys.executable, script, "--dir", str(tmp_path), "--steps", str(n),
-                          "--every", "100", "--resume"], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert f"resumed {stopped}" in res.stdout
-    losses = [line.split()[2] for line in (first + res.stdout.splitlines()) if line.startswith("loss")]
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps() == [stopped] and ckpt.extra() == {"data_position": stopped}
+    # Resumed here, with the script's step (the fixture's: data=8, ZeRO-0), from what the
+    # preempted process saved: no second interpreter needed to read a checkpoint back.
+    _, resumed = train(step, ckpt.restore(plan, like=step.init(tiny.init_params, seed=0)), stopped, n - stopped)
+    losses = [line.split()[2] for line in first if line.startswith("loss")] + [float(x).hex() for x in resumed]
     _, reference = train(step, step.init(tiny.init_params, seed=0), 0, n)
     assert losses == [float(x).hex() for x in reference]
 
@@ -567,16 +567,34 @@ def test_two_processes_checksum_their_shards_and_fall_back_together(tmp_path):
     layout; after a flip in a chunk process 1 wrote, both processes fall back to step 1."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ckpt, go, err = tmp_path / "ckpt", tmp_path / "restore-now", tmp_path / "stderr.txt"
+    # One job for both halves (one start-up of three interpreters): it saves, waits for `go`
+    # while this test verifies and damages the steps, then restores on both processes.
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen(["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch",
+                                 "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
+                                 os.path.join(SCRIPTS, "ckpt_mp.py"), "--save", str(ckpt), "--wait-for", str(go),
+                                 "--restore", str(ckpt)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=root, env=env)
+    try:
+        saved = set()
+        for line in proc.stdout:
+            saved |= {p for p in (0, 1) if line.startswith(f"[{p}] saved process {p}")}
+            if saved == {0, 1}:
+                break
+        assert saved == {0, 1}, err.read_text()[-3000:]
+        _verify_and_damage(ckpt)
+    finally:
+        go.touch()
+        out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    for p in (0, 1):
+        assert f"restored 1 skipped [2] verified True position 1 process {p}" in out, out
 
-    def launch(*args):
-        res = subprocess.run(["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch",
-                              "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
-                              os.path.join(SCRIPTS, "ckpt_mp.py"), *args],
-                             capture_output=True, text=True, cwd=root, env=env)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return res.stdout
 
-    launch("--save", str(tmp_path))
+def _verify_and_damage(tmp_path):
+    """The two-process save restored here on another layout, verified; then a flip in a chunk
+    process 1 wrote, named by its block on the saved layout."""
     plan, step = tiny.make_step("data=8", zero=0)
     ckpt = Checkpointer(tmp_path)
     ckpt.restore(plan, like=step.abstract_state(init_wide))
@@ -589,9 +607,6 @@ def test_two_processes_checksum_their_shards_and_fall_back_together(tmp_path):
     plan8, step8 = tiny.make_step("fsdp=8", zero=3)  # the saved layout: the damaged block is named
     with pytest.raises(CorruptCheckpointError, match=r"params/w1: checksum mismatch in block \[14:16,0:512\]"):
         Checkpointer(tmp_path).restore(plan8, like=step8.abstract_state(init_wide))
-    out = launch("--restore", str(tmp_path))
-    for p in (0, 1):
-        assert f"restored 1 skipped [2] verified True position 1 process {p}" in out, out
 
 
 @pytest.mark.slow

@@ -51,6 +51,28 @@ def test_resnet_config_errors_are_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "optimizer = 'lamb': must be one of sgd, adamw" in err
 
 
+def _traced_steps(directory) -> set[str]:
+    """The step numbers the Perfetto trace under ``directory`` marks as ``train`` steps."""
+    perfetto = json.loads(gzip.decompress(next(directory.glob("plugins/profile/*/perfetto_trace.json.gz")).read_bytes()))
+    events = perfetto["traceEvents"] if isinstance(perfetto, dict) else perfetto
+    return {str(e.get("args", {}).get("step_num")) for e in events if e.get("name") == "train"}
+
+
+def test_a_window_the_run_ends_inside_is_closed_with_it(tmp_path):
+    """--profile-steps 1:9 on a 3-step run: the recipe's ``profiler.close()`` stops the trace
+    after the last step, waiting for its outputs, and the trace marks steps 1 and 2."""
+    import jax.numpy as jnp
+
+    from models.common.metrics import Profiler
+
+    profiler, x = Profiler("1:9", str(tmp_path)), jnp.zeros(4)
+    for i in range(3):
+        with profiler.step(i, x):
+            x = x + i
+    profiler.close(x)
+    assert _traced_steps(tmp_path) == {"1", "2"}
+
+
 @pytest.mark.slow
 def test_a_run_with_everything_and_its_reproduction(tmp_path):
     """One 4-step run with a SentencePiece tokenizer, TensorBoard, a profiler window and a
@@ -59,7 +81,10 @@ def test_a_run_with_everything_and_its_reproduction(tmp_path):
     - tokens: the vocab follows the tokenizer (500 → 512 padded): the first loss is about
       ln 512 ≈ 6.2 nats, not ln 256; the text was tokenised once into two token files;
     - TensorBoard holds every step's loss, equal to the JSON lines, and the validation loss;
-      the trace of steps 2-3 marks exactly those steps;
+      the trace of steps 1-2 marks exactly those steps (a window that closes before the
+      run's last step: one ending with the run would also trace the final evaluation's and
+      checkpoint's compiles, 25 of the test's CPU seconds; closing at the end is checked by
+      test_a_window_the_run_ends_inside_is_closed_with_it);
     - the reproduction gives the same losses bit for bit and the same resolved config but
       for the paths changed.
     """
@@ -78,7 +103,7 @@ def test_a_run_with_everything_and_its_reproduction(tmp_path):
                  "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--steps", "4",
                  "--mesh", "data=4,tensor=2", "--lr", "5e-3", "--decay", "linear", "--warmup-steps", "1",
                  "--eval-every", "0", "--quiet", "--checkpoint-dir", str(a), "--metrics-out", str(tmp_path / "a.jsonl"),
-                 "--tensorboard", str(tmp_path / "tb"), "--profile-steps", "2:4"]) == 0
+                 "--tensorboard", str(tmp_path / "tb"), "--profile-steps", "1:3"]) == 0
     records = [json.loads(line) for line in open(tmp_path / "a.jsonl")]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 4 and abs(losses[0] - np.log(512)) < 0.3
@@ -89,10 +114,7 @@ def test_a_run_with_everything_and_its_reproduction(tmp_path):
     assert [s for s, _ in scalars["val_loss"]] == [3] and [s for s, _ in scalars["mfu"]] == [0, 1, 2, 3]
     traces = list((tmp_path / "tb").glob("plugins/profile/*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
-    perfetto = json.loads(gzip.decompress(next((tmp_path / "tb").glob("plugins/profile/*/perfetto_trace.json.gz"))
-                                          .read_bytes()))
-    events = perfetto["traceEvents"] if isinstance(perfetto, dict) else perfetto
-    assert {str(e.get("args", {}).get("step_num")) for e in events if e.get("name") == "train"} == {"2", "3"}
+    assert _traced_steps(tmp_path / "tb") == {"1", "2"}
 
     assert main(["--config", str(a / "config.toml"), "--checkpoint-dir", str(b), "--tensorboard", str(tmp_path / "tb2"),
                  "--metrics-out", str(tmp_path / "b.jsonl")]) == 0

@@ -3,12 +3,15 @@ for checkpoint integrity across hosts (run it under ``shardkit launch``).
 
 ``--save DIR`` trains 2 steps and saves steps 1 and 2 (each process checksums only the shards
 it holds). ``--restore DIR`` resumes with ``fallback=True`` on every process; each prints
-``restored <step> skipped <steps> verified <bool> process <i>``.
+``restored <step> skipped <steps> verified <bool> process <i>``. With both, ``--wait-for FILE``
+holds every process between the two until FILE exists (the test damages the saved steps
+meanwhile): one job, one start-up, for both halves.
 """
 
 import argparse
 import os
 import sys
+import time
 
 import shardkit as sk
 from shardkit import distributed
@@ -17,6 +20,7 @@ from shardkit.checkpoint import Checkpointer
 p = argparse.ArgumentParser()
 p.add_argument("--save", default=None)
 p.add_argument("--restore", default=None)
+p.add_argument("--wait-for", default=None)
 a = p.parse_args()
 
 if distributed.initialize(timeout_s=60, heartbeat_timeout_s=10) is None:
@@ -41,6 +45,8 @@ if a.save:
             state, _ = step(state, tiny.batch(i, rows))
             ckpt.save(state, extra={"data_position": i + 1})
     print(f"saved process {jax.process_index()}", flush=True)
+while a.wait_for and not os.path.exists(a.wait_for):
+    time.sleep(0.1)
 if a.restore:
     ckpt = Checkpointer(a.restore)
     state, extra = ckpt.resume(plan, like=step.abstract_state(init), fallback=True)
