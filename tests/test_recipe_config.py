@@ -73,6 +73,22 @@ def test_a_window_the_run_ends_inside_is_closed_with_it(tmp_path):
     assert _traced_steps(tmp_path) == {"1", "2"}
 
 
+def test_a_window_ending_with_the_run_stops_after_its_last_step(tmp_path):
+    """--profile-steps 1:3 on a 3-step run: the trace stops right after step 2's outputs
+    are computed (``Profiler.after``), before the run's final evaluation and checkpoint."""
+    import jax.numpy as jnp
+
+    from models.common.metrics import Profiler
+
+    profiler, x = Profiler("1:3", str(tmp_path)), jnp.zeros(4)
+    for i in range(3):
+        with profiler.step(i, x):
+            x = x + i
+        profiler.after(i, x)
+    assert not profiler._active  # stopped before anything that follows the loop
+    assert _traced_steps(tmp_path) == {"1", "2"}
+
+
 @pytest.mark.slow
 def test_a_run_with_everything_and_its_reproduction(tmp_path):
     """One 4-step run with a SentencePiece tokenizer, TensorBoard, a profiler window and a

@@ -131,6 +131,13 @@ class Profiler:
             return jax.profiler.StepTraceAnnotation("train", step_num=i)
         return _nothing()
 
+    def after(self, i: int, outputs=None) -> None:
+        """After step ``i``: a window whose last step this was stops here, once ``outputs``
+        are computed, not at the next ``step`` (which a run ending with the window never
+        calls: its final evaluation's and checkpoint's compiles would land in the trace)."""
+        if self._active and i + 1 == self.stop:
+            self._finish(outputs)
+
     def close(self, last=None) -> None:
         """Stops a trace still open (the run ended inside the window)."""
         if self._active:

@@ -403,6 +403,7 @@ def _run(args) -> int:
                 t = time.perf_counter()
                 with profiler.step(i):
                     state, metrics = step(state, batch)
+                profiler.after(i, metrics)
                 last_loss = float(metrics["loss"])  # waits for the step
                 dt = time.perf_counter() - t
                 timings.append(dt)
