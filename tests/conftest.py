@@ -142,8 +142,10 @@ EXTENDED_CASES.setdefault("test_cost.py::test_pytree_model_estimate_matches_comp
 # keeps ZeRO-1 on data=2,fsdp=2,tensor=2 (its optimizer state sharded over data, the masters
 # gathered), and ZeRO-1 on pure data with no traffic the estimate cannot explain is held on the
 # pytree model (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-1-1]).
+# ZeRO-3 on data=8 for the MoE family: its ZeRO-3 on fsdp=2,expert=4 (the sharded state, the
+# weights gathered over the batch axes) stays, and ZeRO-3 on data=8 for the three other families.
 EXTENDED_CASES.setdefault("test_cost_families.py::test_estimate_holds_on_unseen_families", set()).update(
-    f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe"))
+    [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"])
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
     # A checkpoint saved by one process resumed by two, training as one: the transformer
