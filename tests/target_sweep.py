@@ -4,8 +4,8 @@ with ``target=``), and what each layout promises about the program its compiler 
 Used by ``test_targets_gpu.py`` (H100: one host of 8, two hosts of 8) and
 ``test_targets_tpu.py`` (a TPU v5p slice of 8 chips). Each file compiles its whole sweep, and
 the README MLP's hybrid meshes, in one subprocess (a module fixture, ``compile_sweep``), then
-one test per layout checks the promises, so a failure names its layout. Without the compilers (``pip install -e '.[test]'`` brings them) the files
-skip with the install line.
+one test per layout checks the promises, so a failure names its layout. Without the compilers
+(``pip install -e '.[test]'`` brings them) the files skip with the install line.
 """
 from __future__ import annotations
 
@@ -49,11 +49,10 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 # Each promise and the default case that keeps it, per target:
 # - grad-reduce over data-like axes; params under the optimizer state with a param gather
 #   (ZeRO-3, and ZeRO-3 inside a pipeline with its per-step gather bound): pp_zero3;
-# - ZeRO-2's reduce-scatter on XLA:GPU: the README MLP's ZeRO-2 on data=2,fsdp=2,tensor=2 and on
-#   data=4,fsdp=2 (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
-#   one reduce-scatter over the batch axes, its bytes as ZeRO's formula, no all-reduce over
-#   data), which moved the recipe's zero2 (data=8) to --extended (on XLA:TPU the assertion is
-#   XLA:GPU's, and ZeRO's sharded state compiles in pp_zero3);
+# - ZeRO-2's reduce-scatter on XLA:GPU: on H100 the README MLP's ZeRO-2 on data=2,fsdp=2,tensor=2
+#   and on data=4,fsdp=2 (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
+#   one reduce-scatter over the batch axes, its bytes as ZeRO's formula, no all-reduce over data;
+#   on XLA:TPU the assertion is XLA:GPU's, and ZeRO's sharded state compiles in pp_zero3);
 # - FSDP's weight gather, TP's row-parallel sums and SP's sequence gather: hybrid_16 on H100 (two
 #   hosts, the outer axis across InfiniBand), hybrid on v5p;
 # - whole weights (no param gather) and EP's token all-to-all with expert weights left in place: ep;
