@@ -129,8 +129,8 @@ EXTENDED_CASES: dict[str, set[str]] = {
     "test_step.py::test_layout_matches_one_device": {"data=2,tensor=4-0", "data=2,fsdp=4-3",
                                                      "data=2,fsdp=2,tensor=2-0"},
     # ZeRO-2 on XLA:CPU (an all-reduce and a slice: ZeRO-1's gradient traffic with ZeRO-3's
-    # sharded gradient buffer) beside the estimate, for the four held-out families: ZeRO-1 and
-    # ZeRO-3 on the same mesh stay, and ZeRO-2's estimate beside the compiled figures is held on
+    # sharded gradient buffer) beside the estimate, for the four held-out families: ZeRO-3 on the
+    # same mesh stays (ZeRO-1: below), and ZeRO-2's estimate beside the compiled figures is held on
     # the pytree model (test_cost.py::test_pytree_model_estimate_matches_compiled) and by the
     # target sweeps' reduce-scatter checks.
     "test_cost_families.py::test_estimate_holds_on_unseen_families": {
@@ -184,6 +184,30 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # case runs (beside GPipe's autodiff one), both of which stay.
     "test_diloco.py::test_pipelines_run_inside_the_replicas": {"1f1b"},
 }
+# tests/test_cost.py (issue 34 item 15), each with the default case that keeps its promise:
+# - the recipe transformer's estimate on dp and zero3 (data=8): DP's and ZeRO-3's estimate beside
+#   XLA:CPU's figures on the pytree model (test_pytree_model_estimate_matches_compiled[data=8-0-1],
+#   [data=8-3-1]: state bytes, peak, every collective role, flops), and the transformer's data-axis
+#   gradient reduction and FSDP weight gather in its hybrid case (data=2,fsdp=2,tensor=2, peak at
+#   10% where dp's is held at 15%);
+# - on pp_1f1b (ZeRO-1, 1F1B): test_pipeline_estimate_matches_compiled[data=2,pipe=4-1f1b-1-1]
+#   (ZeRO-1 under 1F1B: state bytes, peak, every pipeline collective, the switch branches' flops),
+#   and the transformer in a pipeline stage in its dp_pp_tp_zb case;
+# - the pipelines without a data axis (pipe=4, GPipe and 1F1B): their data=2,pipe=4 twins check the
+#   same permutes, pipe psums, state bytes, peak and flops, plus the gradient reduction over data;
+# - the pytree model's TP without ZeRO (data=4,tensor=2, ZeRO-0): data=4,tensor=2 under ZeRO-1
+#   runs the same tensor-parallel sums, data=8 ZeRO-0 the plain all-reduce.
+EXTENDED_CASES.setdefault("test_cost.py::test_transformer_estimate_matches_compiled", set()).update({"dp", "zero3", "pp_1f1b"})
+EXTENDED_CASES.setdefault("test_cost.py::test_pipeline_estimate_matches_compiled", set()).update({"pipe=4-gpipe-1-0", "pipe=4-1f1b-1-0"})
+EXTENDED_CASES.setdefault("test_cost.py::test_pytree_model_estimate_matches_compiled", set()).update({"data=4,tensor=2-0-1"})
+# tests/test_cost_families.py (issue 34 item 15): ZeRO-1 on data=8 for each family. Each family
+# keeps ZeRO-1 on data=2,fsdp=2,tensor=2 (its optimizer state sharded over data, the masters
+# gathered), and ZeRO-1 on pure data with no traffic the estimate cannot explain is held on the
+# pytree model (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-1-1]).
+# ZeRO-3 on data=8 for the MoE family: its ZeRO-3 on fsdp=2,expert=4 (the sharded state, the
+# weights gathered over the batch axes) stays, and ZeRO-3 on data=8 for the three other families.
+EXTENDED_CASES.setdefault("test_cost_families.py::test_estimate_holds_on_unseen_families", set()).update(
+    [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"])
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
     # A checkpoint saved by one process resumed by two, training as one: the transformer

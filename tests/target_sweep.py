@@ -2,10 +2,10 @@
 with ``target=``), and what each layout promises about the program its compiler emits.
 
 Used by ``test_targets_gpu.py`` (H100: one host of 8, two hosts of 8) and
-``test_targets_tpu.py`` (a TPU v5p slice of 8 chips). Each file compiles its whole sweep in one
-subprocess (a module fixture), then one test per layout checks the promises, so a failure
-names its layout. Without the compilers (``pip install -e '.[test]'`` brings them) the files
-skip with the install line.
+``test_targets_tpu.py`` (a TPU v5p slice of 8 chips). Each file compiles its whole sweep, and
+the README MLP's hybrid meshes, in one subprocess (a module fixture, ``compile_sweep``), then
+one test per layout checks the promises, so a failure names its layout. Without the compilers
+(``pip install -e '.[test]'`` brings them) the files skip with the install line.
 """
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 # Each promise and the default case that keeps it, per target:
 # - grad-reduce over data-like axes; params under the optimizer state with a param gather
 #   (ZeRO-3, and ZeRO-3 inside a pipeline with its per-step gather bound): pp_zero3;
-# - ZeRO-2's reduce-scatter on XLA:GPU: zero2 (H100; on XLA:TPU the assertion is XLA:GPU's, and
-#   ZeRO's sharded state compiles in pp_zero3);
+# - ZeRO-2's reduce-scatter on XLA:GPU: on H100 the README MLP's ZeRO-2 on data=2,fsdp=2,tensor=2
+#   and on data=4,fsdp=2 (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
+#   one reduce-scatter over the batch axes, its bytes as ZeRO's formula, no all-reduce over data;
+#   on XLA:TPU the assertion is XLA:GPU's, and ZeRO's sharded state compiles in pp_zero3);
 # - FSDP's weight gather, TP's row-parallel sums and SP's sequence gather: hybrid_16 on H100 (two
 #   hosts, the outer axis across InfiniBand), hybrid on v5p;
 # - whole weights (no param gather) and EP's token all-to-all with expert weights left in place: ep;
@@ -60,7 +62,8 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 #   tests/test_diloco.py (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs);
 # - a pipeline's microbatch permutes: pp_zero3 (1F1B), and the zero-bubble split backward:
 #   dp_pp_tp_zb on H100 (tensor parallelism inside the stages), pp_zb on v5p (ZB-H1 alone).
-# Moved to --extended, with the case above that keeps what each checks: dp, zero1, zero3 (ep, cp:
+# Moved to --extended, with the case above that keeps what each checks: zero2 (the README MLP's
+# ZeRO-2 on H100, above), dp, zero1, zero3 (ep, cp:
 # whole weights; pp_zero3: ZeRO-3's gather), fsdp, fsdp_tp, tp, tp_sp (hybrid/hybrid_16),
 # pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b, pp_zb (pp_zero3,
 # dp_pp_tp_zb; each schedule's program is checked against the sequential model on CPU in
@@ -68,7 +71,7 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 # (ep; EP nested in a pipeline runs on CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather,
 # cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp (tests/test_diloco.py), zero2_16, pp_1f1b_16,
 # pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts).
-KEEP_H100 = {"pp_zero3", "zero2", "hybrid_16", "ep", "cp", "dp_pp_tp_zb"}
+KEEP_H100 = {"pp_zero3", "hybrid_16", "ep", "cp", "dp_pp_tp_zb"}
 KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "pp_zb"}
 
 # Two H100 hosts: the outer axes cross InfiniBand.
@@ -100,15 +103,21 @@ def params(cases: dict[str, Case], extended: set[str]) -> list:
             for name in sorted(cases)]
 
 
-def compile_cases(cases: dict[str, Case], target: str) -> dict[str, object]:
-    """Every case compiled for ``target`` in one subprocess: name -> ``Report`` or exception."""
-    jobs = []
-    for case in cases.values():
-        devices = sk.cost.abstract_mesh(case.layout.mesh).size
-        outer = sk.DiLoCo(axis="replica", every=50) if case.diloco else None
-        step, state, batch = layout_step(case.layout, case.cfg, global_batch=2 * devices, target=target, outer=outer)
-        jobs.append({"step": step, "state": state, "batch": batch, "mesh": case.layout.mesh})
-    return dict(zip(cases, sk.cost.simulate_many(jobs, target=target, timeout=1800)))
+def _layout_job(case: Case, target: str) -> dict:
+    devices = sk.cost.abstract_mesh(case.layout.mesh).size
+    outer = sk.DiLoCo(axis="replica", every=50) if case.diloco else None
+    step, state, batch = layout_step(case.layout, case.cfg, global_batch=2 * devices, target=target, outer=outer)
+    return {"step": step, "state": state, "batch": batch, "mesh": case.layout.mesh}
+
+
+def compile_sweep(cases: dict[str, Case], target: str, config) -> tuple[dict[str, object], dict[tuple[str, int], object]]:
+    """The ``cases`` and the README MLP's ``hybrid_mlp_cases`` compiled for ``target`` in one
+    subprocess (one start of JAX and the target's compiler per test file): the layouts' reports
+    (or exceptions) by name, the MLP's by ``(mesh, zero)``."""
+    mlp = hybrid_mlp_cases(config)
+    jobs = [_layout_job(c, target) for c in cases.values()] + [(*hybrid_mlp_step(m, z), m) for m, z in mlp]
+    reports = sk.cost.simulate_many(jobs, target=target, timeout=1800)
+    return dict(zip(cases, reports[:len(cases)])), dict(zip(mlp, reports[len(cases):]))
 
 
 def axis_bytes(report, kind: str, axis: str) -> float:
@@ -252,12 +261,9 @@ def hybrid_mlp_step(mesh_spec: str, zero: int):
     return bench.mlp_step(mesh_spec, zero, MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS)
 
 
-def compile_hybrid_mlp(target: str, config) -> dict[tuple[str, int], object]:
-    """The ``HYBRID_MLP`` layouts this run checks (all with --extended), compiled for ``target``
-    in one subprocess."""
-    cases = [c for c in HYBRID_MLP if config.getoption("--extended") or c not in EXTENDED_HYBRID_MLP]
-    jobs = [(*hybrid_mlp_step(m, z), m) for m, z in cases]
-    return dict(zip(cases, sk.cost.simulate_many(jobs, target=target, timeout=1800)))
+def hybrid_mlp_cases(config) -> list[tuple[str, int]]:
+    """The ``HYBRID_MLP`` layouts this run checks (all with --extended)."""
+    return [c for c in HYBRID_MLP if config.getoption("--extended") or c not in EXTENDED_HYBRID_MLP]
 
 
 def check_hybrid_mlp(mesh_spec: str, zero: int, report, target: str) -> None:

@@ -1,20 +1,28 @@
 """Every recipe layout compiled by XLA:GPU for H100s without a GPU (one host of 8, and two
 hosts of 8 for the layouts whose outer axes cross hosts), with what each layout promises
 checked on that program (``target_sweep.check``)."""
+import os
+
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, check, check_hybrid_mlp, compile_cases,
-                          compile_hybrid_mlp, hybrid_mlp_params, params, require, schedule_memory_ratios, selected, small_step)
+from target_sweep import (CASES_8, CASES_16, EXTENDED_H100, check, check_hybrid_mlp, compile_sweep,
+                          hybrid_mlp_params, params, require, schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 CASES = {**CASES_8, **CASES_16}
 
 
 @pytest.fixture(scope="module")
-def h100(request):
+def sweep(request):
+    """The layouts and the README MLP's hybrid meshes, compiled in one subprocess."""
     require("h100")
-    return compile_cases(selected(CASES, EXTENDED_H100, request.config), "h100")
+    return compile_sweep(selected(CASES, EXTENDED_H100, request.config), "h100", request.config)
+
+
+@pytest.fixture(scope="module")
+def h100(sweep):
+    return sweep[0]
 
 
 @pytest.mark.parametrize("name", params(CASES, EXTENDED_H100))
@@ -23,9 +31,8 @@ def test_layout_compiles_for_h100_and_keeps_its_promises(name, h100):
 
 
 @pytest.fixture(scope="module")
-def h100_mlp(request):
-    require("h100")
-    return compile_hybrid_mlp("h100", request.config)
+def h100_mlp(sweep):
+    return sweep[1]
 
 
 @pytest.mark.parametrize("mesh,zero", hybrid_mlp_params())
@@ -37,6 +44,10 @@ def test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say(mes
 
 
 def test_two_hosts_put_the_outer_axes_across_infiniband(h100):
+    from shardkit.cost.compiled.child import _kernel_cache
+
+    # The sweep's compiles shared one XLA:GPU kernel cache, written by the child.
+    assert os.path.getsize(_kernel_cache("h100")) > 0
     report = h100["hybrid_16"]
     assert "2 host(s) × 8 NVIDIA H100 80GB HBM3; axes across hosts: data" in " ".join(report.notes)
     assert report.device_memory == 84942979072  # the H100 SXM's memory as its driver reports it

@@ -3,16 +3,22 @@ TPU, with what each layout promises checked on that program (``target_sweep.chec
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, EXTENDED_TPU, check, check_hybrid_mlp, compile_cases, compile_hybrid_mlp,
+from target_sweep import (CASES_8, EXTENDED_TPU, check, check_hybrid_mlp, compile_sweep,
                           hybrid_mlp_params, params, require, schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 
 
 @pytest.fixture(scope="module")
-def v5p(request):
+def sweep(request):
+    """The layouts and the README MLP's hybrid meshes, compiled in one subprocess."""
     require("tpu-v5p")
-    return compile_cases(selected(CASES_8, EXTENDED_TPU, request.config), "tpu-v5p")
+    return compile_sweep(selected(CASES_8, EXTENDED_TPU, request.config), "tpu-v5p", request.config)
+
+
+@pytest.fixture(scope="module")
+def v5p(sweep):
+    return sweep[0]
 
 
 @pytest.mark.parametrize("name", params(CASES_8, EXTENDED_TPU))
@@ -21,9 +27,8 @@ def test_layout_compiles_for_tpu_v5p_and_keeps_its_promises(name, v5p):
 
 
 @pytest.fixture(scope="module")
-def v5p_mlp(request):
-    require("tpu-v5p")
-    return compile_hybrid_mlp("tpu-v5p", request.config)
+def v5p_mlp(sweep):
+    return sweep[1]
 
 
 @pytest.mark.parametrize("mesh,zero", hybrid_mlp_params())
