@@ -42,6 +42,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import cpu_buffers
+from .flash import flash_flops, flash_scope
 from .gather_or_move import activations_smaller
 from .row_syncs import row_syncs
 from .walk import Pass as _Pass, elementwise_output as _elementwise_output
@@ -85,6 +86,8 @@ class _Reader(TensorSplits):
         self.unseen: dict[str, str] = {}
         self._times = 1.0
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
+        self.flash: str | None = None  # the sk.attention flash scope of the region being read
+        self.manual_devices = 1  # devices a shard_map being read splits over (its manual axes')
 
     def size_of(self, aval, leaf, var=None) -> float:
         d, t = self.split_of(aval, leaf, self.manual)
@@ -134,7 +137,13 @@ class _Reader(TensorSplits):
                 self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
                                                               lambda v: self.split_of(v.aval, None, self.manual)[0]))
             kernel = _grouped_kernel(e)  # Megablox / Mosaic GPU grouped matmuls: sk.moe's experts
-            if name in _MATMUL and not self._head_matmul(p, e, origin, src):
+            flash = flash_flops(e, flash_scope(e, self.flash))  # sk.attention's Pallas flash kernels
+            if flash is not None:
+                kernel = ("flash", flash)
+                # Per device already (sk.attention runs it in a shard_map manual over the rest).
+                p.flops += flash
+                p.total += flash * self.manual_devices
+            elif name in _MATMUL and not self._head_matmul(p, e, origin, src):
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
@@ -142,9 +151,9 @@ class _Reader(TensorSplits):
                 self._collective(e)
             elif name == "ragged_dot_general":
                 self._grouped(p, e, _ragged_dot_flops(e, grouped=self.grouped_ragged_dots))
-            elif kernel is not None:
+            elif kernel is not None and kernel[0] != "flash":
                 self._grouped(p, e, kernel[1])
-            elif name in _OPAQUE or "custom_call" in name:
+            elif kernel is None and (name in _OPAQUE or "custom_call" in name):
                 self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
             if kernel is None:  # a kernel's body holds tiles, not the program's values
                 self._nested(p, i, e, origin)
@@ -214,10 +223,13 @@ class _Reader(TensorSplits):
                                                      "recurrence inside a layer, not a layer scan)")
             loop = name in ("scan", "while")
             self.in_loop += loop
-            outer_manual = self.manual
+            outer_manual, outer_devices, outer_flash = self.manual, self.manual_devices, self.flash
+            self.flash = flash_scope(e, self.flash)
             if name == "shard_map":  # inside, values are local over these axes
                 self.shard_maps += 1
-                self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
+                new = frozenset(e.params.get("newly_manual_axes", ()))
+                self.manual = self.manual | new
+                self.manual_devices *= math.prod(dict(e.params["mesh"].shape).get(a, 1) for a in new)
                 self.split_followed &= self.weight_axes is not None and not self.manual & self.weight_axes
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
@@ -232,7 +244,7 @@ class _Reader(TensorSplits):
                 kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
                 whole_out = kept if whole_out is None else whole_out & kept
             self.in_loop -= loop
-            self.manual = outer_manual
+            self.manual, self.manual_devices, self.flash = outer_manual, outer_devices, outer_flash
             self._times = outer_times
             p.flops += f * times
             p.total += t * times
