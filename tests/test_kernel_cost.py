@@ -1,0 +1,65 @@
+"""The program reader on ``sk.attention``'s Pallas flash kernels (``cost.program.flash``): their
+flops counted as flash attention's, no (T, T) buffer, no "not modelled" caveat — and another
+Pallas kernel still flagged. Traced for H100 and v5p targets on this CPU host (no compile);
+the compiled comparison is BENCHMARKS.md's ("Kernels" section)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+from shardkit.cost.analytic.caveats import unseen_caveats
+from shardkit.cost.compiled.simulated import abstract_mesh
+from shardkit.cost.program.reader import read_program
+
+B, T, H, Q = 8, 1024, 4, 64  # one sequence a device over data=8; 8 kernel blocks of 128
+
+
+def _read(target, fn):
+    x = jax.ShapeDtypeStruct((B, T, H, Q), jnp.bfloat16)
+
+    def split_of(aval, leaf, manual=frozenset()):  # the batch over data, unless already local
+        return (8 if aval.shape and aval.shape[0] == B and "data" not in manual else 1), 1
+
+    with jax.sharding.use_abstract_mesh(abstract_mesh("data=8", target=target)):
+        return read_program(fn, (x, x, x), jax.ShapeDtypeStruct((B,), jnp.int32), split_of=split_of, n_params=3)
+
+
+def _attention(implementation):
+    def fn(params, batch):
+        q, k, v = params
+        out = sk.attention(q, k, v, causal=True, spec=P("data"), implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32))
+    return fn
+
+
+# Matmuls of 2·T·H·Q·T (one device's sequence) each: the forward's QKᵀ and PV, the backward
+# recomputing QKᵀ and dO·Vᵀ then one a gradient — Triton in one call (2 + 3), Mosaic in a dK/dV
+# call (2 + 2) and a dQ call (2 + 1); causal: 36 of the 8 x 8 blocks.
+@pytest.mark.parametrize("target,matmuls", [("h100", 2 + 5), ("tpu-v5p", 2 + 4 + 3)])
+def test_the_reader_counts_flash_kernels_as_attention(target, matmuls):
+    flash, plain = _read(target, _attention("auto")), _read(target, _attention("reference"))
+    assert flash.flops == pytest.approx(matmuls * 2 * T * H * Q * T * 36 / 64)
+    assert flash.total_flops == pytest.approx(8 * flash.flops)  # 8 devices' shares
+    # The plain form's six full T x T matmuls, read off its dots: the convention is one.
+    assert plain.flops == pytest.approx(6 * 2 * T * H * Q * T)
+    assert "kernel" not in flash.unseen and not unseen_caveats(flash, ("data",))
+    # No (T, T) buffer: the plain form keeps f32 scores of every head (16 MiB a device here).
+    scores = H * T * T * 4
+    assert plain.peak > scores > flash.peak
+
+
+def test_another_pallas_kernel_is_still_not_modelled():
+    def double(x_ref, o_ref):
+        o_ref[...] = 2 * x_ref[...]
+
+    def fn(params, batch):
+        q = jax.lax.stop_gradient(params[0][0, :8, 0, :8].astype(jnp.float32))  # no VJP: forward only
+        out = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype))(q)
+        return jnp.sum(out) + jnp.sum(params[0].astype(jnp.float32))
+
+    reading = _read("h100", fn)
+    assert "kernel" in reading.unseen
+    assert "not modelled" in unseen_caveats(reading, ("data",))["flops"]
