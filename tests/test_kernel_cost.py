@@ -63,3 +63,27 @@ def test_another_pallas_kernel_is_still_not_modelled():
     reading = _read("h100", fn)
     assert "kernel" in reading.unseen
     assert "not modelled" in unseen_caveats(reading, ("data",))["flops"]
+
+
+def test_a_recipe_config_is_estimated_with_the_kernels_it_runs():
+    """``sk.cost.estimate`` from a recipe ``Config``: ``attention="auto"`` runs flash on GPU and
+    TPU targets (no score term in the activations), the auto ``loss_chunk`` the chunked loss
+    (one chunk's logits cotangent and the f32 (V, D) accumulator, not the whole f32 logits)."""
+    import dataclasses
+
+    from models.transformer.config import SIZES
+    from shardkit.cost.analytic.from_shape import loss_bytes
+
+    cfg = SIZES["7b"]
+    plain = dataclasses.replace(cfg, attention="reference", loss_chunk=0)
+    ms, ms_plain = sk.cost.model_shape(cfg), sk.cost.model_shape(plain)
+    assert (ms.flash_attention, ms.loss_chunk) == (True, 512)
+    assert (ms_plain.flash_attention, ms_plain.loss_chunk) == (False, 0)
+    lo = sk.cost.Layout(data=8, zero=3, remat="none")
+    b, s, h, a, L = 1, cfg.seq, cfg.d_model, cfg.heads, cfg.layers
+    assert loss_bytes(ms, lo, b, 2) == (b * 512 * 2 + h * 4) * cfg.vocab
+    assert loss_bytes(ms_plain, lo, b, 2) == 2 * b * s * cfg.vocab * 4
+    est, est_plain = (sk.cost.estimate(m, lo, "h100", global_batch=8) for m in (ms, ms_plain))
+    scores = L * s * b * h * 5 * a * s / h * 2 / 2  # Korthikanti's 5as/h a layer, 16-bit
+    assert est_plain.memory["activations"] - est.memory["activations"] == pytest.approx(
+        scores + loss_bytes(ms_plain, lo, b, 2) - loss_bytes(ms, lo, b, 2))
