@@ -7,7 +7,9 @@ its architecture — instead of assuming a transformer. Three readings:
 * **uses**: a parameter consumed by a ``gather`` is a lookup table (no matmul flops), by a
   ``dot_general``/``conv`` a matmul weight; a tied table is both.
 * **flops**: 2·M·N·K per ``dot_general`` (2 × output × kernel window × input features per
-  group for a convolution), through ``scan`` trip counts and into every nested jaxpr.
+  group for a convolution), through ``scan`` trip counts and into every nested jaxpr; the
+  matmuls inside ``sk.attention``'s Pallas flash kernels and ``sk.moe``'s grouped ones too
+  (``flash``, ``walk.grouped_kernel``).
 * **liveness**: a simulation of the buffers the forward + backward pass holds, in program
   order, with XLA's fusion rule of thumb: elementwise ops (and broadcasts, reshapes,
   transposes, casts) fuse into their consumers and are never materialised unless a
