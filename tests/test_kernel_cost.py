@@ -87,3 +87,20 @@ def test_a_recipe_config_is_estimated_with_the_kernels_it_runs():
     scores = L * s * b * h * 5 * a * s / h * 2 / 2  # Korthikanti's 5as/h a layer, 16-bit
     assert est_plain.memory["activations"] - est.memory["activations"] == pytest.approx(
         scores + loss_bytes(ms_plain, lo, b, 2) - loss_bytes(ms, lo, b, 2))
+
+
+def test_the_chunked_loss_is_not_taken_for_a_recurrence():
+    """``sk.chunked_cross_entropy``'s scans over token chunks (forward and backward) are one
+    loss's chunks: no "recurrence" caveat (which marks memory "not modelled"), and the
+    matmuls of every chunk counted: forward logits, the backward's recomputed logits and
+    its two gradient products, 4 x 2·T·V·D a sequence."""
+    D, V, rows, seq = 64, 512, 8, 256
+
+    def fn(params, batch):
+        return sk.chunked_cross_entropy(params[0], params[1], batch, chunk=64)
+
+    x, w = jax.ShapeDtypeStruct((rows, seq, D), jnp.float32), jax.ShapeDtypeStruct((V, D), jnp.float32)
+    reading = read_program(fn, (x, w), jax.ShapeDtypeStruct((rows, seq), jnp.int32),
+                           split_of=lambda aval, leaf, manual=frozenset(): (1, 1), n_params=2)
+    assert "recurrence" not in reading.unseen
+    assert reading.flops == pytest.approx(4 * 2 * rows * seq * V * D)

@@ -22,6 +22,10 @@ one call on (B, T, H, Q) queries against S keys, a matmul being ``2·B·H·T·S�
 Causal kernels skip the key blocks wholly above the diagonal and compute the diagonal ones
 whole: ``(n + 1) / 2n`` of the matmuls for ``n`` blocks of 128 (both kernels' default block).
 
+``sk.chunked_cross_entropy`` is named too (``kernels.loss.CHUNKED_LOSS_SCOPE``): its scans over
+token chunks keep nothing per step but a log-sum-exp, and are read as the chunks of one loss,
+not as a recurrence inside a layer (``ProgramReading.unseen``'s ``"recurrence"``).
+
 Memory needs nothing here: the reader sizes a ``pallas_call``'s results as any op's (the output
 and the log-sum-exp residual: O(B·H·T·Q), Mosaic's l and m at 128 f32 lanes a row), and the
 (T, T) scores never leave the chip.
@@ -35,24 +39,32 @@ import re
 import jax.numpy as jnp
 
 from ...kernels.attention import _BLOCK, FLASH_SCOPE  # the kernels' sequence block
+from ...kernels.loss import CHUNKED_LOSS_SCOPE
 
 _SCOPE = re.compile(FLASH_SCOPE + r"_(triton|mosaic)_(causal|full)")
 _SEQ_DIM = {"triton": 1, "mosaic": 2}  # (B, T, H, Q) and (B, H, T, Q)
 
 
-def flash_scope(eqn, enclosing: str | None) -> str | None:
-    """The flash scope ``eqn`` runs in: its own name stack's, else ``enclosing`` (the scope
-    of the equations the reader descended through to it), else None."""
-    m = _SCOPE.search(str(eqn.source_info.name_stack))
-    return m.group(0) if m else enclosing
+def scopes(eqn, enclosing: str) -> str:
+    """The name stacks along the path to ``eqn``: ``enclosing`` (those of the equations the
+    reader descended through) and its own (a nested jaxpr's equations carry theirs relative
+    to the equation holding it)."""
+    return f"{enclosing}/{eqn.source_info.name_stack}"
 
 
-def flash_flops(eqn, scope: str | None) -> float | None:
+def chunked_loss(stack: str) -> bool:
+    """Whether ``stack`` (``scopes``) is inside ``sk.chunked_cross_entropy``: its scans walk
+    token chunks of one loss (nothing saved per step but a log-sum-exp), not a recurrence."""
+    return CHUNKED_LOSS_SCOPE in stack
+
+
+def flash_flops(eqn, stack: str) -> float | None:
     """The flops of one flash kernel call (see the module docstring), or None where ``eqn`` is
-    not one (not a ``pallas_call``, or outside every flash scope)."""
-    if eqn.primitive.name != "pallas_call" or scope is None:
+    not one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``scopes``'s)."""
+    scope = _SCOPE.search(stack) if eqn.primitive.name == "pallas_call" else None
+    if scope is None:
         return None
-    kernel, mask = _SCOPE.search(scope).groups()
+    kernel, mask = scope.groups()
     q, k = eqn.invars[0].aval, eqn.invars[1].aval
     same = lambda a: a.shape == q.shape and jnp.issubdtype(a.dtype, jnp.floating)  # noqa: E731
     n_in = sum(same(v.aval) for v in eqn.invars)

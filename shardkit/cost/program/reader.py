@@ -44,7 +44,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import cpu_buffers
-from .flash import flash_flops, flash_scope
+from .flash import chunked_loss, flash_flops, scopes
 from .gather_or_move import activations_smaller
 from .row_syncs import row_syncs
 from .walk import Pass as _Pass, elementwise_output as _elementwise_output
@@ -88,7 +88,7 @@ class _Reader(TensorSplits):
         self.unseen: dict[str, str] = {}
         self._times = 1.0
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
-        self.flash: str | None = None  # the sk.attention flash scope of the region being read
+        self.stack = ""  # the name stacks of the equations holding the jaxpr being read (``flash``)
         self.manual_devices = 1  # devices a shard_map being read splits over (its manual axes')
 
     def size_of(self, aval, leaf, var=None) -> float:
@@ -139,7 +139,7 @@ class _Reader(TensorSplits):
                 self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
                                                               lambda v: self.split_of(v.aval, None, self.manual)[0]))
             kernel = _grouped_kernel(e)  # Megablox / Mosaic GPU grouped matmuls: sk.moe's experts
-            flash = flash_flops(e, flash_scope(e, self.flash))  # sk.attention's Pallas flash kernels
+            flash = flash_flops(e, scopes(e, self.stack))  # sk.attention's Pallas flash kernels
             if flash is not None:
                 kernel = ("flash", flash)
                 # Per device already (sk.attention runs it in a shard_map manual over the rest).
@@ -220,13 +220,14 @@ class _Reader(TensorSplits):
                 self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
                 self.unseen.setdefault("while", "a while loop of unknown trip count (its body counted once)")
                 times = 1.0
-            if name == "scan" and times > 1 and not self.manual and not self._scans_weights(e, origin):
+            if (name == "scan" and times > 1 and not self.manual and not self._scans_weights(e, origin)
+                    and not chunked_loss(scopes(e, self.stack))):  # sk.chunked_cross_entropy's chunks
                 self.unseen.setdefault("recurrence", f"a scan of {times:.0f} steps over activations (a "
                                                      "recurrence inside a layer, not a layer scan)")
             loop = name in ("scan", "while")
             self.in_loop += loop
-            outer_manual, outer_devices, outer_flash = self.manual, self.manual_devices, self.flash
-            self.flash = flash_scope(e, self.flash)
+            outer_manual, outer_devices, outer_stack = self.manual, self.manual_devices, self.stack
+            self.stack = scopes(e, self.stack)
             if name == "shard_map":  # inside, values are local over these axes
                 self.shard_maps += 1
                 new = frozenset(e.params.get("newly_manual_axes", ()))
@@ -246,7 +247,7 @@ class _Reader(TensorSplits):
                 kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
                 whole_out = kept if whole_out is None else whole_out & kept
             self.in_loop -= loop
-            self.manual, self.manual_devices, self.flash = outer_manual, outer_devices, outer_flash
+            self.manual, self.manual_devices, self.stack = outer_manual, outer_devices, outer_stack
             self._times = outer_times
             p.flops += f * times
             p.total += t * times
