@@ -37,7 +37,7 @@ def _gpt(attention: str, *, d=1024, heads=16, layers=2, vocab=8192, seq=2048):
 
         def ln(x, g):
             mu = jnp.mean(x, -1, keepdims=True)
-            return (x - mu) * lax.rsqrt(jnp.mean((x - mu) ** 2, -1, keepdims=True) + 1e-5) * g
+            return (x - mu) * lax.rsqrt(jnp.mean((x - mu) ** 2, -1, keepdims=True) + 1e-5) * g[None, None]
 
         def layer(x, w):
             h = ln(x, w["ln1"])
@@ -59,11 +59,6 @@ def _gpt(attention: str, *, d=1024, heads=16, layers=2, vocab=8192, seq=2048):
 
 
 def jobs(target: str, layers: int, models=("recipe", "gpt")):
-    import jax
-    import numpy as np
-    import optax
-
-    import shardkit as sk
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
@@ -74,15 +69,28 @@ def jobs(target: str, layers: int, models=("recipe", "gpt")):
                                            global_batch=8, target=target)
         out.append((f"recipe 1b x{layers} layers, attention={attention}, loss_chunk={chunk}", step, state, batch))
     for attention in ("auto", "reference") if "gpt" in models else ():
-        loss, params, seq, vocab = _gpt(attention, layers=layers)
-        amesh = sk.cost.abstract_mesh("data=8", target=target)
-        plan = sk.Plan(amesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"batch": "data", "heads": "tensor"},
-                                                                          drop_missing=True))
-        step = sk.train_step(plan, optax.adamw(1e-3))(loss)
-        state = step.abstract_state(lambda: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params))
-        batch = {k: jax.ShapeDtypeStruct((8, seq), np.int32) for k in ("tokens", "labels")}
-        out.append((f"GPT-2-style x{layers} (f32), sk.attention {attention}", step, state, batch))
+        out.append((f"GPT-2-style x{layers} (f32), sk.attention {attention}",
+                    *gpt_step(target, attention, layers=layers)))
     return out
+
+
+def gpt_step(target: str, attention: str, **sizes):
+    """``(step, abstract state, abstract batch)`` of the GPT-2-style block (``_gpt``'s sizes)
+    on ``data=8`` devices of ``target``, one sequence a device, AdamW."""
+    import jax
+    import numpy as np
+    import optax
+
+    import shardkit as sk
+
+    loss, params, seq, vocab = _gpt(attention, **sizes)
+    amesh = sk.cost.abstract_mesh("data=8", target=target)
+    plan = sk.Plan(amesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"batch": "data", "heads": "tensor"},
+                                                                      drop_missing=True))
+    step = sk.train_step(plan, optax.adamw(1e-3))(loss)
+    state = step.abstract_state(lambda: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params))
+    batch = {k: jax.ShapeDtypeStruct((8, seq), np.int32) for k in ("tokens", "labels")}
+    return step, state, batch
 
 
 def main(argv=None) -> list[dict]:

@@ -104,3 +104,32 @@ def test_the_chunked_loss_is_not_taken_for_a_recurrence():
                            split_of=lambda aval, leaf, manual=frozenset(): (1, 1), n_params=2)
     assert "recurrence" not in reading.unseen
     assert reading.flops == pytest.approx(4 * 2 * rows * seq * V * D)
+
+
+# Compiles deviceless for 8 H100s (about a minute): the reader's rules are covered in the
+# default lane by test_the_reader_counts_flash_kernels_as_attention; this checks them against
+# XLA:GPU's program on a model they were not written against (bench/kernel_cost.py's GPT-2 block).
+@pytest.mark.extended
+@pytest.mark.targets
+def test_a_flash_step_estimate_against_its_h100_compile():
+    import importlib.util
+    import pathlib
+
+    from target_sweep import require
+
+    require("h100")
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel_cost.py"
+    spec = importlib.util.spec_from_file_location("kernel_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    d, heads, seq, layers = 256, 4, 512, 1
+    step, state, batch = bench.gpt_step("h100", "auto", d=d, heads=heads, layers=layers, vocab=1024, seq=seq)
+    rows = {r["quantity"]: r for r in sk.cost.simulate(step, state, batch, "data=8", target="h100",
+                                                        estimate=True).comparison()}
+    # XLA:GPU counts no flops for the Triton custom call: the estimate is the compiled figure
+    # plus the kernels' 7 matmuls, causal over 4 blocks (10 of 16).
+    kernel = layers * 7 * 2 * seq * d * seq * 10 / 16
+    assert rows["flops"]["estimate"] == pytest.approx(rows["flops"]["compiled"] + kernel, rel=1e-3)
+    for q in ("memory/temporaries", "memory/peak"):
+        assert rows[q]["caveat"] is None or not rows[q]["caveat"].startswith("not modelled"), rows[q]
+        assert 0.8 < rows[q]["estimate"] / rows[q]["compiled"] < 1.2, rows[q]
