@@ -60,10 +60,13 @@ def test_pipeline_bubble_is_megatrons():
 
 
 def test_activation_memory_korthikanti():
-    ms = cost.model_shape("7b")
+    ms = dataclasses.replace(cost.model_shape("7b"), flash_attention=False)  # the paper's: scores kept
     b, s, h, a = 1, ms.seq, ms.d_model, ms.heads
     none = cost.activation_bytes(ms, cost.Layout(), b, s, 2)
     assert none == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    # A flash kernel (sk.attention on GPU/TPU) never writes the scores: the 5as/h term goes.
+    flash = cost.activation_bytes(dataclasses.replace(ms, flash_attention=True), cost.Layout(), b, s, 2)
+    assert flash == pytest.approx(s * b * h * 34)
     full = cost.activation_bytes(ms, cost.Layout(remat="full"), b, s, 2)
     assert full == pytest.approx(2 * s * b * h)
     sp = cost.activation_bytes(ms, cost.Layout(tensor=8, sequence_parallel=True), b, s, 2)

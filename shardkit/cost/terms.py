@@ -67,6 +67,11 @@ class ModelShape:
             ``moe_every``-th layer is one, capacity factor (``None``: dropless).
         expert_params: parameters inside the experts (all layers); split over the ``expert``
             axis, and not reduced over it (``flops_per_token`` counts active experts only).
+        loss_chunk: the loss runs in chunks of this many positions per sequence
+            (``sk.chunked_cross_entropy``): one chunk's logits and the f32 (vocab, d_model)
+            gradient accumulator are alive, never the whole (tokens, vocab) f32 logits; 0: the
+            plain loss. A recipe ``Config``'s ``loss_chunk=-1`` (auto) resolves as the recipe
+            does on a GPU/TPU target (``models.transformer.model.loss_chunk``).
         activations: how a layer's saved activations are counted (``roles.activation_bytes``):
             ``"korthikanti"``, Korthikanti et al.'s Table 2 for Megatron's GPT layer (GELU MLP
             of 4h, one K/V head per head, dropout, scores saved); or ``"xla"``, the tensors
@@ -101,6 +106,7 @@ class ModelShape:
     capacity_factor: float | None = None
     expert_params: float = 0.0
     activations: str = "korthikanti"
+    loss_chunk: int = 0
 
     @property
     def matmul_params(self) -> float:
@@ -145,6 +151,7 @@ def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
     Q = get("head_dim") or D // H
     tie = get("tie", get("tie_embeddings", True))
     T = seq or get("seq")
+    kernels = _kernels(get("attention", "auto"), get("loss_chunk", 0) or 0, T, V)
     per_layer = 2 * D * H * Q + 2 * D * K * Q + 3 * D * F + 2 * D
     rest = V * D * (1 if tie else 2) + D
     # Training flops per token: 6 x matmul weights + attention 12·L·H·Q·T (PaLM, app. B).
@@ -159,9 +166,20 @@ def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
         moe = dict(experts=E, top_k=k, moe_every=every, capacity_factor=get("moe_capacity"),
                    expert_params=float(n_moe * E * 3 * D * F))
         return ModelShape(name, float(per_layer_total + rest), fpt, L, float(per_layer_total), D, H, F, V,
-                          T, embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, **moe)
+                          T, embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, **moe, **kernels)
     return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
-                      embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K)
+                      embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, **kernels)
+
+
+def _kernels(attention: str, loss_chunk: int, T: int, V: int) -> dict:
+    """The kernels a recipe ``Config`` runs on the GPU/TPU targets the hardware table holds:
+    ``attention`` "reference" and "xla" keep the (T, T) scores, every other choice runs
+    ``sk.attention`` (a flash kernel, or its blockwise fallback: neither writes them);
+    ``loss_chunk`` -1 (auto) is the recipe's rule on those targets: chunks of 512 where one
+    sequence's f32 logits pass 64 MiB."""
+    if loss_chunk < 0:
+        loss_chunk = 512 if T * V * 4 > 64 * 2**20 and T > 512 else 0
+    return dict(flash_attention=attention not in ("reference", "xla"), loss_chunk=loss_chunk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window:
         raise ValueError(f"sk.attention: implementation={impl!r} has no sliding window; use "
                          "'auto' (falls back to the blockwise form) or 'blockwise'")
     kernel = _triton if impl == "triton" else _mosaic
-    return _per_device(lambda q, k, v: kernel(q, k, v, causal, scale), q, k, v, spec)
+
+    def marked(q, k, v):
+        with jax.named_scope(flash_scope(impl, causal)):
+            return kernel(q, k, v, causal, scale)
+
+    return _per_device(marked, q, k, v, spec)
 
 
 def _triton(q, k, v, causal, scale):
@@ -204,3 +209,15 @@ def _check(q, k, v, window, implementation):
                          "and head_dim, and query heads a multiple of kv heads")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"sk.attention: window={window!r} must be a positive int (or None)")
+
+
+FLASH_SCOPE = "sk_flash_attention"
+
+
+def flash_scope(kernel: str, causal: bool) -> str:
+    """The named scope a Pallas flash kernel call runs in: ``FLASH_SCOPE``, the kernel
+    (``triton``: (B, T, H, Q) operands; ``mosaic``: (B, H, T, Q)), ``causal`` or ``full``.
+    Every ``pallas_call`` of the call, forward and backward, carries it in the name stacks
+    along its path in the jaxpr, so the program reader (``cost.program.flash``) counts their
+    flops and buffers as flash attention's, whatever jax names its kernels."""
+    return f"{FLASH_SCOPE}_{kernel}_{'causal' if causal else 'full'}"

@@ -74,6 +74,9 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
 
 # What each thing the program reader cannot see leaves unmodelled (``ProgramReading.unseen``).
 _UNSEEN = {
+    # A custom call or Pallas kernel other than those the reader models (sk.attention's Triton and
+    # Mosaic flash kernels: ``program.flash``; sk.moe's grouped matmuls): cuDNN's attention on a
+    # real GPU, a user's own kernel.
     "kernel": ("flops", "memory/temporaries", "memory/peak"),
     "while": ("flops",),
     # A recurrence keeps its carries per step for the backward, and XLA decides how to lay

@@ -167,8 +167,7 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         act *= stage / s.L_dev * in_flight(lo) / lo.repeats
     elif lo.pipe > 1:
         act *= lo.microbatches
-    if ms.vocab:  # f32 logits and their softmax for one microbatch
-        act += 2 * b * T * ms.vocab * 4 / lo.tensor / lo.context
+    act += loss_bytes(ms, lo, b, bc)
     mem = {"params": s.state["params"] * s.bp, "opt_state": 2 * s.state["opt_state"] * s.bo}  # Adam: 2 moments
     grads = s.state["grads"] * max(bg, 4 if lo.microbatches > 1 else bg)
     mem["grads"] = grads
@@ -290,6 +289,21 @@ def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[fl
         head = 6.0 * ms.d_model * ms.vocab if ms.vocab else 6.0 * (ms.params - ms.layer_params)
         flops = idle_tick_flops(s.pipe_note, busy, max(ms.flops_per_token - head, 0.0) / ms.flops_per_token)
     return flops, busy, model_flops
+
+
+def loss_bytes(ms: ModelShape, lo: Layout, b: int, bc: int) -> float:
+    """The loss's working bytes for one microbatch of ``b`` sequences: the plain loss's whole f32
+    logits and their softmax, or ``sk.chunked_cross_entropy``'s (``ModelShape.loss_chunk``) one
+    chunk's logits cotangent in the compute dtype and the f32 (vocab, d_model) accumulator of the
+    output matrix's gradient (its floor). The vocabulary is split over ``tensor``, the tokens over
+    ``context``. Against XLA:GPU's H100 compiles of the loss at Llama 3's vocabulary (BENCHMARKS.md,
+    "Kernels"): chunks of 256 to 1024 at 0.97 of the compiled temporaries."""
+    if not ms.vocab:
+        return 0.0
+    if not ms.loss_chunk:
+        return 2 * b * ms.seq * ms.vocab * 4 / lo.tensor / lo.context
+    chunk = min(ms.loss_chunk, ms.seq) / lo.context  # strided chunks: a context split splits each
+    return (b * chunk * bc + ms.d_model * 4) * ms.vocab / lo.tensor
 
 
 def in_flight(layout: Layout) -> int:

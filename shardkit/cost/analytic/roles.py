@@ -121,13 +121,18 @@ def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: fl
 
 def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:
     """Saved activation bytes of one layer for one microbatch (Korthikanti et al. 2022,
-    Table 2; the constants assume 16-bit activations, scaled to ``bc`` bytes)."""
+    Table 2; the constants assume 16-bit activations, scaled to ``bc`` bytes), without the
+    attention scores' term under ``ModelShape.flash_attention``."""
     if ms.act_bytes_per_token is not None:
         return ms.act_bytes_per_token * b * s / lo.tensor
     h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
     if not h:
         return 0.0
     sbh = s * b * h
+    # The attention scores' 5as/h (scores, softmax, dropout mask: Korthikanti's "5as/h"), which a
+    # flash kernel never writes to memory (its log-sum-exp residual, 4 bytes a head and token, is
+    # below the formula's grain): sk.attention's on GPU and TPU targets.
+    sc = 0 if ms.flash_attention else 5 * a * s / h
     if ms.activations == "xla" and lo.remat == "none":
         return _xla_layer_bytes(ms, lo, s) * b * bc / 2
     if ms.activations not in ("korthikanti", "xla"):
@@ -137,11 +142,11 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     elif lo.remat == "dots":  # selective recompute: attention scores are recomputed
         per = sbh * 34 / t
     elif lo.sequence_parallel and t > 1:
-        per = sbh / t * (34 + 5 * a * s / h)
+        per = sbh / t * (34 + sc)
     elif t > 1:
-        per = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        per = sbh * (10 + 24 / t + sc / t)
     else:
-        per = sbh * (34 + 5 * a * s / h)
+        per = sbh * (34 + sc)
     return per * bc / 2
 
 

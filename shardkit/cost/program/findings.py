@@ -36,7 +36,8 @@ class ProgramReading:
         moved: per parameter leaf, whether a matmul reading it moves fewer elements than the
             weight holds, where XLA may gather activations instead of it (``gather_or_move``).
         unseen: what the program holds that the model cannot see, ``{kind: description}``:
-            ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers),
+            ``"kernel"`` (a custom call or Pallas kernel: opaque flops and buffers; not
+            ``sk.attention``'s flash kernels, ``program.flash``, nor ``sk.moe``'s grouped matmuls),
             ``"while"`` (a loop without a trip count), ``"recurrence"`` (a scan over
             activations that is not a layer scan: a time recurrence inside a layer),
             ``"relayout"`` (a slice or concatenation along a dim split over part of the tensor

@@ -7,7 +7,9 @@ its architecture — instead of assuming a transformer. Three readings:
 * **uses**: a parameter consumed by a ``gather`` is a lookup table (no matmul flops), by a
   ``dot_general``/``conv`` a matmul weight; a tied table is both.
 * **flops**: 2·M·N·K per ``dot_general`` (2 × output × kernel window × input features per
-  group for a convolution), through ``scan`` trip counts and into every nested jaxpr.
+  group for a convolution), through ``scan`` trip counts and into every nested jaxpr; the
+  matmuls inside ``sk.attention``'s Pallas flash kernels and ``sk.moe``'s grouped ones too
+  (``flash``, ``walk.grouped_kernel``).
 * **liveness**: a simulation of the buffers the forward + backward pass holds, in program
   order, with XLA's fusion rule of thumb: elementwise ops (and broadcasts, reshapes,
   transposes, casts) fuse into their consumers and are never materialised unless a
@@ -42,6 +44,7 @@ import numpy as np
 from jax._src import core as jcore
 
 from . import cpu_buffers
+from .flash import chunked_loss, flash_flops, scopes
 from .gather_or_move import activations_smaller
 from .row_syncs import row_syncs
 from .walk import Pass as _Pass, elementwise_output as _elementwise_output
@@ -85,6 +88,8 @@ class _Reader(TensorSplits):
         self.unseen: dict[str, str] = {}
         self._times = 1.0
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
+        self.stack = ""  # the name stacks of the equations holding the jaxpr being read (``flash``)
+        self.manual_devices = 1  # devices a shard_map being read splits over (its manual axes')
 
     def size_of(self, aval, leaf, var=None) -> float:
         d, t = self.split_of(aval, leaf, self.manual)
@@ -134,7 +139,13 @@ class _Reader(TensorSplits):
                 self._reduced(e.outvars[0], self.heads.follow(e, lambda u: self._dims(u, origin), self._times,
                                                               lambda v: self.split_of(v.aval, None, self.manual)[0]))
             kernel = _grouped_kernel(e)  # Megablox / Mosaic GPU grouped matmuls: sk.moe's experts
-            if name in _MATMUL and not self._head_matmul(p, e, origin, src):
+            flash = flash_flops(e, scopes(e, self.stack))  # sk.attention's Pallas flash kernels
+            if flash is not None:
+                kernel = ("flash", flash)
+                # Per device already (sk.attention runs it in a shard_map manual over the rest).
+                p.flops += flash
+                p.total += flash * self.manual_devices
+            elif name in _MATMUL and not self._head_matmul(p, e, origin, src):
                 self._matmul(p, i, e, origin, src)
             elif name == "gather" and src and src[0] is not None:
                 self.lookup[src[0]] = True
@@ -142,9 +153,9 @@ class _Reader(TensorSplits):
                 self._collective(e)
             elif name == "ragged_dot_general":
                 self._grouped(p, e, _ragged_dot_flops(e, grouped=self.grouped_ragged_dots))
-            elif kernel is not None:
+            elif kernel is not None and kernel[0] != "flash":
                 self._grouped(p, e, kernel[1])
-            elif name in _OPAQUE or "custom_call" in name:
+            elif kernel is None and (name in _OPAQUE or "custom_call" in name):
                 self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
             if kernel is None:  # a kernel's body holds tiles, not the program's values
                 self._nested(p, i, e, origin)
@@ -209,15 +220,19 @@ class _Reader(TensorSplits):
                 self.notes.append(f"a while loop of unknown trip count: its flops count once ({name})")
                 self.unseen.setdefault("while", "a while loop of unknown trip count (its body counted once)")
                 times = 1.0
-            if name == "scan" and times > 1 and not self.manual and not self._scans_weights(e, origin):
+            if (name == "scan" and times > 1 and not self.manual and not self._scans_weights(e, origin)
+                    and not chunked_loss(scopes(e, self.stack))):  # sk.chunked_cross_entropy's chunks
                 self.unseen.setdefault("recurrence", f"a scan of {times:.0f} steps over activations (a "
                                                      "recurrence inside a layer, not a layer scan)")
             loop = name in ("scan", "while")
             self.in_loop += loop
-            outer_manual = self.manual
+            outer_manual, outer_devices, outer_stack = self.manual, self.manual_devices, self.stack
+            self.stack = scopes(e, self.stack)
             if name == "shard_map":  # inside, values are local over these axes
                 self.shard_maps += 1
-                self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
+                new = frozenset(e.params.get("newly_manual_axes", ()))
+                self.manual = self.manual | new
+                self.manual_devices *= math.prod(dict(e.params["mesh"].shape).get(a, 1) for a in new)
                 self.split_followed &= self.weight_axes is not None and not self.manual & self.weight_axes
             outer_times, self._times = self._times, self._times * times
             f, t, pk = self.run(sub, inner_origin, outputs_live=False)
@@ -232,7 +247,7 @@ class _Reader(TensorSplits):
                 kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
                 whole_out = kept if whole_out is None else whole_out & kept
             self.in_loop -= loop
-            self.manual = outer_manual
+            self.manual, self.manual_devices, self.stack = outer_manual, outer_devices, outer_stack
             self._times = outer_times
             p.flops += f * times
             p.total += t * times
