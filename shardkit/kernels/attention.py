@@ -33,6 +33,10 @@ from .blockwise import blockwise_attention, reference_attention
 
 IMPLEMENTATIONS = ("auto", "cudnn", "triton", "mosaic", "blockwise", "reference")
 _BLOCK = 128  # the Pallas kernels' sequence block (both default to 128)
+# Triton's backward holds four (block, head_dim) tiles in shared memory: f32 × head_dim 128 asked
+# for 262,144 bytes in a deviceless H100 compile and XLA refused it (the H100's limit per block
+# is 232,448: 227 KiB).
+_TRITON_TILES, _GPU_SHARED_BYTES = 4, 232_448
 
 
 class KernelFallbackWarning(UserWarning):
@@ -58,13 +62,13 @@ def attention_implementation(q_shape: tuple[int, ...], dtype, *, causal: bool,
         # f32 kernel: a real GPU in 16-bit gets it, a deviceless compile Triton's.
         if half and jax.default_backend() == "gpu":
             return Choice("cudnn")
-        return _fits("triton", T, Q, window)
+        return _fits("triton", T, Q, window, jnp.dtype(dtype).itemsize)
     if platform == "tpu":
-        return _fits("mosaic", T, Q, window)
+        return _fits("mosaic", T, Q, window, jnp.dtype(dtype).itemsize)
     return Choice("blockwise")
 
 
-def _fits(kernel: str, T: int, Q: int, window: int | None) -> Choice:
+def _fits(kernel: str, T: int, Q: int, window: int | None, itemsize: int) -> Choice:
     manual = _manual_axes()
     if manual:
         # jax 0.10.2: the Pallas kernels' custom VJPs return gradients without the manual axes'
@@ -79,6 +83,10 @@ def _fits(kernel: str, T: int, Q: int, window: int | None) -> Choice:
                                    f"block of {_BLOCK}")
     if kernel == "triton" and not 16 <= Q <= 256:
         return Choice("blockwise", f"head_dim {Q} is outside the triton kernel's 16..256")
+    if kernel == "triton" and _TRITON_TILES * _BLOCK * Q * itemsize > _GPU_SHARED_BYTES:
+        return Choice("blockwise", f"head_dim {Q} at {itemsize} bytes per element needs "
+                                   f"{_TRITON_TILES * _BLOCK * Q * itemsize:,} bytes of shared memory in the "
+                                   f"triton kernel's backward, over the GPU's {_GPU_SHARED_BYTES:,}")
     return Choice(kernel)
 
 
