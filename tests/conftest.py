@@ -51,10 +51,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # start (recipes, launched processes, notebook kernels, simulated meshes).
 import sys  # noqa: E402
 
-_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
-sys.path.insert(0, _SITE)
-os.environ["PYTHONPATH"] = os.pathsep.join([_SITE, *filter(None, [os.environ.get("PYTHONPATH")])])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site"))
 import shardkit_test_compile  # noqa: E402
+
+os.environ["PYTHONPATH"] = os.pathsep.join([shardkit_test_compile.SITE,
+                                            *filter(None, [os.environ.get("PYTHONPATH")])])
 
 shardkit_test_compile.install()
 jax.config.update("jax_numpy_rank_promotion", "raise")

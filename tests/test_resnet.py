@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 
 import shardkit as sk
 from models.resnet import data
@@ -114,7 +115,7 @@ def test_digits_accuracy_through_cli(tmp_path):
                                               if f.split("=")[0] not in ("--xla_backend_optimization_level",
                                                                          "--xla_llvm_disable_expensive_passes")),
                PYTHONPATH=os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                          if p and not p.endswith(os.sep + "_site")))
+                                          if p and p != shardkit_test_compile.SITE))
     res = subprocess.run([sys.executable, "-m", "models.resnet", "--depth", "10", "--steps", "100", "--batch", "64",
                           "--image-size", "8", "--shift", "0", "--width", "0.25", "--eval-every", "50",
                           "--metrics-out", str(out), "--zero", "1"],

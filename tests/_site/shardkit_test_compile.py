@@ -25,7 +25,10 @@ import importlib.abc
 import importlib.machinery
 import sys
 
+import os
+
 _EMITTERS = "xla_cpu_use_fusion_emitters"
+SITE = os.path.dirname(os.path.abspath(__file__))  # the folder conftest puts on PYTHONPATH
 
 
 def install() -> None:
