@@ -193,6 +193,24 @@ def test_readable_with_plain_orbax(tmp_path, dp):
     assert out.extra == {"data_position": 2}
 
 
+def test_a_first_save_compiles_one_checksum_program_per_leaf_layout(tmp_path, caplog):
+    """Nothing compiled per device or per leaf: replicated arrays below MIN_REPLICA_SLICE_BYTES
+    are written by one replica (Orbax's replica-parallel write compiled a slice program per
+    device and shape), and the checksums compile one program per distinct leaf layout, which
+    the optimizer's moments share with the parameters (one program per tree compiled every
+    leaf again for each new tree)."""
+    import re
+
+    _, step = tiny.make_step("data=8", zero=0)
+    state = step.init(lambda k: tiny.init_params(k, d_hid=24), seed=0)  # a width no other test uses
+    layouts = {(x.sharding.spec, x.shape, x.dtype) for x in jax.tree.leaves(state) if isinstance(x, jax.Array)}
+    with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+        Checkpointer(tmp_path, async_save=False).save(state)
+    compiled = re.findall(r"Compiling jit\((\w+)\)", caplog.text)
+    assert "slice" not in compiled, compiled
+    assert 1 <= compiled.count("checksum_blocks") <= len(layouts) < len(jax.tree.leaves(state)), compiled
+
+
 def test_preemption_guard_flag_and_handler_restored():
     before = signal.getsignal(signal.SIGTERM)
     with PreemptionGuard() as guard:
@@ -345,7 +363,7 @@ def copy(saved, tmp_path):
 
 
 def _chunk(item_dir, key: bytes) -> tuple[str, int, int]:
-    """(file, offset, length) of one stored chunk, e.g. ``b"params.w1/3.0"``, from the step's index."""
+    """(file, offset, length) of one stored chunk, e.g. ``b"params.w1/0.0"``, from the step's index."""
     from shardkit.checkpoint.damage import _location
 
     base = ts.KvStore.open({"driver": "file", "path": f"{item_dir}/"}).result()
@@ -402,8 +420,8 @@ def _assert_falls_back_to_step_1(plan, like, directory, states, caplog, leaf):
 
 
 @pytest.mark.parametrize("key, where", [
-    (b"params.w1/3.0", "start"), (b"params.w1/3.0", "middle"), (b"params.w1/3.0", "end"),
-    (b"opt_state.0.mu.w2/0.0", "middle"), (b"opt_state.0.nu.w1/7.0", "end"), (b"params.w2/5.0", "middle")])
+    (b"params.w1/0.0", "start"), (b"params.w1/0.0", "middle"), (b"params.w1/0.0", "end"),
+    (b"opt_state.0.mu.w2/0.0", "middle"), (b"opt_state.0.nu.w1/0.0", "end"), (b"params.w2/0.0", "middle")])
 def test_bit_flips_name_the_array_and_fallback_restores_exactly(copy, caplog, key, where):
     plan, like, directory, states = copy
     path, offset, length = _chunk(directory / "2" / "state", key)
@@ -430,7 +448,7 @@ def test_flip_in_the_index_is_caught_by_its_crc(copy, caplog):
 
 def test_truncated_chunk_file(copy, caplog):
     plan, like, directory, states = copy
-    path, offset, length = _chunk(directory / "2" / "state", b"params.w1/3.0")
+    path, offset, length = _chunk(directory / "2" / "state", b"params.w1/0.0")
     os.truncate(path, offset + length // 2)
     error = _assert_falls_back_to_step_1(plan, like, directory, states, caplog, "params/w1")
     assert dict(error.problems)["params/w1"].startswith("truncated")
@@ -479,7 +497,7 @@ def test_missing_checksum_record_and_tampered_extra(copy, caplog):
 def test_every_step_corrupt_lists_each(copy):
     plan, like, directory, _ = copy
     for s in (1, 2):
-        path, offset, length = _chunk(directory / str(s) / "state", b"params.w2/1.0")
+        path, offset, length = _chunk(directory / str(s) / "state", b"params.w2/0.0")
         _flip(path, offset + length // 2)
     with pytest.raises(CheckpointError, match=r"(?s)no intact checkpoint.*step 2: params/w2: .*step 1: params/w2: "):
         Checkpointer(directory).restore(plan, like=like, fallback=True)

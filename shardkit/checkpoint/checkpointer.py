@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -40,6 +41,39 @@ class RestoreInfo:
     step: int
     verified: bool
     skipped: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()
+
+
+# Orbax splits the write of a replicated array across its replicas ("replica-parallel", its
+# default off GPUs): each device copies one slice to the host through a compiled slice program,
+# one per device and array shape (~50 ms of compile each, the first time), so that the hosts
+# write in parallel. Below a few MiB per slice the copies take far less than those programs:
+# such arrays are written from one replica, as on GPUs. Large arrays keep the split.
+MIN_REPLICA_SLICE_BYTES = 4 << 20
+
+
+def _state_type_handlers():
+    """Orbax's standard type handlers, the ``jax.Array`` one with ``MIN_REPLICA_SLICE_BYTES``
+    (on a copy: Orbax's process-wide registry, which a user's own Orbax code reads, is left as
+    it is). Orbax 0.12 exposes the threshold only as an ``ArrayHandler`` constructor argument,
+    and its default handler's other settings (its array-metadata store) only on the instance."""
+    get = ocp.type_handlers.get_type_handler
+    array = copy.copy(get(jax.Array))
+    if not hasattr(array, "_min_slice_bytes_for_replica_parallel"):
+        raise ImportError("this Orbax version's ArrayHandler has no min_slice_bytes_for_replica_parallel: "
+                          "shardkit needs orbax-checkpoint 0.12")
+    array._min_slice_bytes_for_replica_parallel = MIN_REPLICA_SLICE_BYTES
+    kinds = [int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER)]
+    return ocp.type_handlers.create_type_handler_registry(*[(t, get(t)) for t in kinds], (jax.Array, array))
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """Orbax's standard handler (the same files; plain Orbax reads them), writing replicated
+    arrays as ``_state_type_handlers`` says. Its constructor takes no type-handler registry, so
+    the PyTree handler it wraps is made again with one."""
+
+    def __init__(self):
+        super().__init__()
+        self._impl = ocp.PyTreeCheckpointHandler(use_ocdbt=True, type_handler_registry=_state_type_handlers())
 
 
 class _KeepIntact:
@@ -113,9 +147,14 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_KeepIntact(self.keep, self._corrupt), create=create,
             cleanup_tmp_directories=create, enable_async_checkpointing=self.async_save)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler(),
-                    RECORD_ITEM: ocp.JsonCheckpointHandler()}
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        registry = ocp.DefaultCheckpointHandlerRegistry()
+        for item, handler, save, restore in (
+                ("state", _StateHandler(), ocp.args.StandardSave, ocp.args.StandardRestore),
+                ("extra", ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore),
+                (RECORD_ITEM, ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore)):
+            registry.add(item, save, handler)
+            registry.add(item, restore, handler)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._writer = create
         return self._mngr
 

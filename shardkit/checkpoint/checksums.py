@@ -158,34 +158,34 @@ def _combine(layout, rows: np.ndarray) -> _Digest:
 _digest_fns: dict[Any, Any] = {}
 
 
-def _sharded_digest_fn(mesh, specs: tuple, shapes: tuple):
-    """One program for a group of arrays on ``mesh``: each device hashes its block of each
-    array if it holds the first copy of that block on its process (a block replicated on 8
-    devices of a host is hashed once there), and returns its sums: ``uint32[devices, n, 2]``."""
-    key = (mesh, specs, shapes)
+def _sharded_digest_fn(mesh, spec, shape: tuple):
+    """One program per (mesh, spec, shape): each device hashes its block of the array if it
+    holds the first copy of that block on its process (a block replicated on 8 devices of a
+    host is hashed once there), and returns its sums: ``uint32[devices, 2]``.
+
+    One small program per distinct leaf layout, not one per tree: a model's parameters and its
+    optimizer's moments share layouts, so they share programs, as does the restore's check of
+    the same tree; one program over a whole tree compiled every leaf again for each new tree
+    (1.3 s for 48 leaves of 2 layouts on 8 CPU devices, against 2 programs of ~0.1 s)."""
+    key = (mesh, spec, shape)
     if key in _digest_fns:
         return _digest_fns[key]
-    masks = [np.array([here for _, _, here, _ in _block_layout(mesh, spec, shape)]).reshape(mesh.devices.shape)
-             for spec, shape in zip(specs, shapes)]
+    mask = np.array([here for _, _, here, _ in _block_layout(mesh, spec, shape)]).reshape(mesh.devices.shape)
 
-    def body(*blocks):
+    def checksum_blocks(x):
+        starts = []
+        for dim_axes, size in zip(_spec_axes(spec, len(shape)), x.shape):
+            index = jnp.int32(0)
+            for ax in dim_axes:
+                index = index * mesh.shape[ax] + lax.axis_index(ax)
+            starts.append(index * size)
+        digest = functools.partial(_leaf_digest, x, starts, shape)
+        if mask.all():
+            return digest()[None]
         at = tuple(lax.axis_index(ax) for ax in mesh.axis_names)
-        sums = []
-        for x, spec, shape, mask in zip(blocks, specs, shapes, masks):
-            starts = []
-            for dim_axes, size in zip(_spec_axes(spec, len(shape)), x.shape):
-                index = jnp.int32(0)
-                for ax in dim_axes:
-                    index = index * mesh.shape[ax] + lax.axis_index(ax)
-                starts.append(index * size)
-            digest = functools.partial(_leaf_digest, x, starts, shape)
-            if mask.all():
-                sums.append(digest())
-            else:
-                sums.append(lax.cond(jnp.asarray(mask)[at], digest, lambda: jnp.zeros(2, jnp.uint32)))
-        return jnp.stack(sums)[None]
+        return lax.cond(jnp.asarray(mask)[at], digest, lambda: jnp.zeros(2, jnp.uint32))[None]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(tuple(mesh.axis_names)),
+    fn = jax.jit(jax.shard_map(checksum_blocks, mesh=mesh, in_specs=spec, out_specs=P(tuple(mesh.axis_names)),
                                check_vma=False))
     _digest_fns[key] = fn
     return fn
@@ -193,14 +193,14 @@ def _sharded_digest_fn(mesh, specs: tuple, shapes: tuple):
 
 def _plain_digest_fn():
     if None not in _digest_fns:
-        _digest_fns[None] = jax.jit(lambda xs: jnp.stack([_leaf_digest(x) for x in xs]))
+        _digest_fns[None] = jax.jit(_leaf_digest)
     return _digest_fns[None]
 
 
 def _digests(tree) -> dict[str, _Digest | None]:
     out: dict[str, _Digest | None] = {}
-    sharded: dict[Any, list[tuple[str, Any]]] = {}
-    other: dict[Any, list[tuple[str, Any]]] = {}
+    sharded: list[tuple[str, Any]] = []
+    other: list[tuple[str, Any]] = []
     for name, x in leaf_paths(tree).items():
         if _bits(getattr(x, "dtype", None)) is None:
             out[name] = None
@@ -212,28 +212,22 @@ def _digests(tree) -> dict[str, _Digest | None]:
             x = jax.device_put(x, s.with_memory_kind("device"))
             s = x.sharding
         if isinstance(s, NamedSharding) and _evenly_sharded(x):
-            sharded.setdefault(s.mesh, []).append((name, x))
+            sharded.append((name, x))
         else:  # numpy leaves, single-device or uneven shardings: one sum, placed by XLA
-            other.setdefault(frozenset(s.device_set) if s is not None else None, []).append((name, x))
-    pending = []
-    for mesh, members in sharded.items():
-        specs, shapes = tuple(x.sharding.spec for _, x in members), tuple(tuple(x.shape) for _, x in members)
-        pending.append((mesh, members, specs, shapes, _sharded_digest_fn(mesh, specs, shapes)(*[x for _, x in members])))
-    plain = [(members, _plain_digest_fn()([x for _, x in members])) for members in other.values()]
-    for mesh, members, specs, shapes, rows in pending:
-        if rows.is_fully_addressable:
-            rows = np.asarray(rows)
-        else:  # a few bytes per device and array: every process sees every device's sums
-            from jax.experimental import multihost_utils
+            other.append((name, x))
+    # every program dispatched before any result is read: the devices hash all leaves at once
+    rows = [_sharded_digest_fn(x.sharding.mesh, x.sharding.spec, tuple(x.shape))(x) for _, x in sharded]
+    sums = [_plain_digest_fn()(x) for _, x in other]
+    if any(not r.is_fully_addressable for r in rows):
+        # a few bytes per device and array: every process sees every device's sums
+        from jax.experimental import multihost_utils
 
-            barrier("checkpoint-checksums")  # after each process's own compile and digest
-            rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
-        for i, ((name, _), spec, shape) in enumerate(zip(members, specs, shapes)):
-            out[name] = _combine(_block_layout(mesh, spec, shape), rows[:, i])
-    for members, sums in plain:
-        if not sums.is_fully_addressable:
-            sums = sums.addressable_data(0)
-        out.update((name, _Digest(_hex(v))) for (name, _), v in zip(members, np.asarray(sums)))
+        barrier("checkpoint-checksums")  # after each process's own compiles and digests
+        rows = multihost_utils.process_allgather(rows, tiled=True)
+    for (name, x), r in zip(sharded, rows):
+        out[name] = _combine(_block_layout(x.sharding.mesh, x.sharding.spec, tuple(x.shape)), np.asarray(r))
+    for (name, _), v in zip(other, sums):
+        out[name] = _Digest(_hex(np.asarray(v if v.is_fully_addressable else v.addressable_data(0))))
     return out
 
 
