@@ -163,7 +163,6 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     m, v = microbatches, (2 if schedule == "zb-v" else repeats)
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
-    _check_compiler_axes(mesh, axis, data, schedule)
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                                extras, targets, rng)
     k = L // (p * v)
@@ -269,24 +268,6 @@ def _check_vmapped(mesh, axis: str, data) -> None:
             "axis to the stages' sharding constraints, where it is manual. Use the pipeline with data "
             f"axes only inside the replicas (e.g. replica=2,{axis}=2,data=2), or tensor parallelism "
             "without a pipe axis (replica=2,data=2,tensor=2)")
-
-
-def _check_compiler_axes(mesh, axis: str, data, schedule: str) -> None:
-    """The explicit schedules' loop (a ``lax.switch`` per tick inside the shard_map that is
-    manual over the pipe and data axes) with two or more compiler-owned axes of size > 1
-    (e.g. ``context`` and ``tensor``, ``tensor`` and ``expert``) aborts the process in XLA's
-    SPMD partitioner (jax 0.10.2, XLA:CPU, XLA:GPU: "Check failed: partition_group_list..."), or
-    compiles into a program that deadlocks (``docs/upstream/xla_partitioner_two_auto_axes.py``,
-    plain JAX). One such axis compiles, and GPipe/circular compile with several: refuse before tracing."""
-    auto = _compiler_axes(mesh, axis, data)
-    if schedule in EXPLICIT and len(auto) > 1:
-        raise ValueError(
-            f"schedule {schedule!r} with the compiler-owned axes {auto} (sizes "
-            f"{[mesh.shape[a] for a in auto]}) beside {axis!r} is not supported with jax {jax.__version__}: "
-            "XLA's partitioner aborts on the explicit schedules' loop with two or more such axes. Use "
-            "schedule='gpipe' or 'circular' on this mesh, or keep one of those axes (fold the other "
-            "into data/fsdp, e.g. a larger tensor axis instead of tensor x context). Reproducer: "
-            "docs/upstream/xla_partitioner_two_auto_axes.py")
 
 
 def _check_keep(keep, schedule: str, remat: str):
