@@ -48,6 +48,16 @@ The gradients then stay local in the loop and are reduced over data once, after 
   over the microbatch rows (as MSE / cross-entropy means are): the global loss is then the
   mean of the local ones, and the backward seeds every local loss with ``1 / (m · n_data)``.
 
+Several compiler-owned axes beside the pipe axis (``pipe × context × tensor``, ``pipe × expert
+× tensor``) compile with every schedule. XLA's partitioner (jax 0.10.2) aborts on a *gather*
+there whose operand is split over two of them (``docs/upstream/
+xla_partitioner_gather_two_auto_axes.py``): shardkit's own blocks avoid it
+(``sk.kernels.cross_entropy`` picks the label's logit without one; ``sk.moe`` nested in a stage
+keeps its slot buffers whole). Keep a stage's activations constrained (``sk.constrain``, as the
+recipe's layers are): left free, XLA may move them between the two axes with a
+collective-permute inside the explicit schedules' per-stage branch, which the other stages never
+reach, and the program hangs (``docs/upstream/xla_partitioner_two_auto_axes.py``).
+
 Dropout-like layers (``rng``) keep the data axes compiler-managed (the old behaviour and the
 old traffic): a key drawn on a device's rows only would not reproduce the un-sharded masks.
 
