@@ -332,9 +332,19 @@ def test_recipe_ep_layouts_match_one_device(name, recipe_reference):
         assert est.memory[kind] == pytest.approx(compiled[kind], rel=0.1), kind
 
 
+@pytest.fixture(scope="module")
+def every_layer_moe_reference():
+    """An MoE in every layer (4 layer groups: 2 stages x 2 chunks for interleaved 1F1B and ZB-V),
+    the router losses off as under a pipeline, and its one-device losses."""
+    from models.transformer.layouts import Layout
+
+    model = recipe_model(recipe_cfg(moe_every=1, moe_aux_weight=0.0, moe_z_weight=0.0))
+    return model, recipe_train(Layout("data=1"), model, devices=jax.devices()[:1])[0]
+
+
 @pytest.mark.extended  # default lane: test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
-def test_recipe_pipe_expert_tensor_matches_one_device(schedule, recipe_reference):
+def test_recipe_pipe_expert_tensor_matches_one_device(schedule, every_layer_moe_reference):
     """MoE with TP inside the experts, in every explicit pipeline schedule (pipe=2,expert=2,
     tensor=2: two compiler-owned axes beside the pipe axis, refused before issue 37; sk.moe
     nested there keeps its slot buffers whole, as XLA's partitioner aborts on the combine's
@@ -343,7 +353,7 @@ def test_recipe_pipe_expert_tensor_matches_one_device(schedule, recipe_reference
 
     from models.transformer.layouts import LAYOUTS
 
-    model, (ref, _, _) = recipe_reference
+    model, ref = every_layer_moe_reference
     layout = dataclasses.replace(LAYOUTS["ep_tp_pp"], schedule=schedule,
                                  repeats=2 if schedule == "interleaved-1f1b" else 1)
     losses, _, _ = recipe_train(layout, model)
