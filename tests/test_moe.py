@@ -246,8 +246,8 @@ def recipe_cfg(**changes):
     from models.transformer.config import SIZES
 
     # 4 layers, MoE every 2nd (dense + MoE stacks), capacity that drops ~1/4 of assignments.
-    return SIZES["test"].replace(layers=4, moe_experts=8, moe_top_k=2, moe_every=2, moe_capacity=1.0,
-                                 **changes)
+    return SIZES["test"].replace(**{"layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
+                                    "moe_capacity": 1.0, **changes})
 
 
 def recipe_model(cfg):
