@@ -87,7 +87,9 @@ CASES_16 = {
     "cp_tp_pp_16": Case(Layout("data=2,pipe=2,context=2,tensor=2", schedule="1f1b")),
 }
 EXTENDED_H100 = (set(CASES_8) | set(CASES_16)) - KEEP_H100
-EXTENDED_TPU = set(CASES_8) - KEEP_TPU
+# A 16-chip v5p slice for the 4D layout (extended, as on H100).
+CASES_TPU = {**CASES_8, "cp_tp_pp_16": CASES_16["cp_tp_pp_16"]}
+EXTENDED_TPU = set(CASES_TPU) - KEEP_TPU
 
 
 def require(target: str) -> None:
