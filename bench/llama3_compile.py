@@ -18,9 +18,10 @@ with ``ModelShape.activations="xla"``) counts each same layout.
 
 Reduced against the published runs: the attention is ``flash_like`` (cuDNN's kernel cannot be
 traced here), ``sk.pipeline``'s executor stands for the paper's, 128 layers for 126, and the
-128K row (context=16) is not compiled: XLA's SPMD partitioner aborts on pipe x context x tensor
-(``--pipeline interleaved-1f1b,16,8,128,8,3,16 --seq 131072``; also at data=1): sk.pipeline's
-explicit schedules over pipe x context x tensor abort it at 8 CPU devices too (GPipe does not).
+128K row (context=16) is not in the default run: XLA's SPMD partitioner aborted on pipe x context
+x tensor (``--pipeline interleaved-1f1b,16,8,128,8,3,16 --seq 131072``), on a gather in the loss
+that the recipe no longer emits (``sk.kernels.cross_entropy``, issue 37); that command is the
+way to compile it.
 
     python bench/llama3_compile.py              # both parts, ~5 min on 2 shared cores
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context]]]

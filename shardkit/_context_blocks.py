@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from ._vma import vary_like
@@ -30,6 +31,14 @@ class _Config:
             return d * Tl + jnp.arange(Tl)
         C = Tl // 2
         return jnp.concatenate([d * C + jnp.arange(C), (2 * self.c - 1 - d) * C + jnp.arange(C)])
+
+    def all_positions(self, Tl) -> np.ndarray:
+        """Every device's ``positions`` in device order, ``(c·Tl,)``: a constant (numpy), so
+        the compiler slices it per device with no communication (built from iotas and a
+        concatenate, XLA:TPU permuted its pieces between devices)."""
+        C = Tl // 2 if self.zigzag else Tl
+        starts = ([(d, 2 * self.c - 1 - d) for d in range(self.c)] if self.zigzag else [(d,) for d in range(self.c)])
+        return np.concatenate([b * C + np.arange(C) for blocks in starts for b in blocks]).astype(np.int32)
 
     def branch(self, i, j):
         """Index into ``_branches(self)`` of the part of the (my queries i, K/V block j) pair
@@ -131,7 +140,7 @@ def _compiler_blockwise(cfg: _Config, q, k, v, seg):
 
     # Built inside fwd and bwd: a custom VJP's rules may not close over traced values.
     def positions():
-        return jnp.concatenate([cfg.positions(d, Tl) for d in range(c)])
+        return jnp.asarray(cfg.all_positions(Tl))
 
     def xs_of(k, v, seg, pos):
         return (blocks(k), blocks(v), pos.reshape(c, Tl)) + ((blocks(seg),) if cfg.has_seg else ())

@@ -179,7 +179,8 @@ def moe(x: jax.Array, router_logits: jax.Array, expert_fn: Callable[[Any, jax.Ar
     if ragged:
         local = ragged_dispatcher(expert_fn, E, n, top_k, axis, out, renormalize)
     else:
-        local = _dispatcher(expert_fn, E, n, top_k, capacity_factor, g, axis, out, renormalize)
+        local = _dispatcher(expert_fn, E, n, top_k, capacity_factor, g, axis, out, renormalize,
+                            whole=mesh if manual and len(free) > 1 else None)
     note("moe", {"experts": E, "top_k": top_k, "axis": axis, "axis_size": n, "token_axes": tok_axes,
                  "capacity_factor": capacity_factor, "group_size": g, "nested": bool(manual),
                  "dispatch": "ragged" if ragged else "padded"})
@@ -346,12 +347,22 @@ def _out_dim(expert_fn, expert_params, x_NxD) -> tuple[int, Any]:
     return y.shape[1], y.dtype
 
 
-def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize):
+def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize, whole=None):
     """The per-device body: top-k, dispatch into ``(E, S, D)`` slots, all-to-all, experts,
     back. Top-k runs here, on a device's own tokens: XLA gathers a batch-sharded operand of
-    its TopK."""
+    its TopK. ``whole``: the mesh, when the body runs under the compiler inside another
+    shard_map (``_placement``) with two or more compiler-owned axes: the slot buffers are
+    then kept whole on every device (a sharding constraint; XLA gathers them over the
+    expert axis), because XLA's partitioner aborts on the gather of a token's rows from a
+    buffer split over the expert axis with its indices split too, inside a manual region
+    with another compiler-owned axis beside it (jax 0.10.2, ``spmd_partitioner_util.cc:497``:
+    ``sk.pipeline`` over pipe × expert × tensor; ``docs/upstream/``)."""
     Do, _ = out
     E_loc = E // n
+    if whole is None:
+        keep_whole = lambda a: a  # noqa: E731
+    else:
+        keep_whole = lambda a: lax.with_sharding_constraint(a, jax.sharding.NamedSharding(whole, P()))  # noqa: E731
 
     def local(x_NxD, probs_NxE, params):
         N, D = x_NxD.shape
@@ -371,7 +382,7 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize):
         slot_NxK = jnp.where(keep_NxK, slot_NxK, E * S)  # out of range: dropped
         rows_NxKxD = jnp.broadcast_to(x_NxD[:, None, :], (N, k, D))
         buf_EsxD = jnp.zeros((E * S, D), x_NxD.dtype)
-        buf_EsxD = buf_EsxD.at[slot_NxK].add(rows_NxKxD, mode="drop")
+        buf_EsxD = keep_whole(buf_EsxD.at[slot_NxK].add(rows_NxKxD, mode="drop"))
         buf_ExSxD = buf_EsxD.reshape(E, S, D)
         if n > 1:  # device j receives its E/n experts' slots from every device: (n·E_loc, S, D)
             buf_ExSxD = lax.all_to_all(buf_ExSxD, axis, 0, 0, tiled=True)
@@ -380,7 +391,7 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize):
         y_ExSxDo = jnp.swapaxes(y_loc.reshape(E_loc, n, S, Do), 0, 1).reshape(E, S, Do)
         if n > 1:  # back to the tokens' devices, in global expert order
             y_ExSxDo = lax.all_to_all(y_ExSxDo, axis, 0, 0, tiled=True)
-        picked_NxKxDo = y_ExSxDo.reshape(E * S, Do).at[slot_NxK].get(mode="fill", fill_value=0)
+        picked_NxKxDo = keep_whole(y_ExSxDo.reshape(E * S, Do)).at[slot_NxK].get(mode="fill", fill_value=0)
         w_NxK = jnp.where(keep_NxK, gates_NxK, 0.0)
         y_NxDo = jnp.einsum("nk,nkd->nd", w_NxK, picked_NxKxDo.astype(F32))
         return y_NxDo.astype(x_NxD.dtype), idx_NxK, keep_NxK

@@ -70,7 +70,9 @@ CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), 
 # tests/test_pipeline.py; on v5p dp_pp_tp_zb moves and pp_zb stays), ep_dp, ep_fsdp, ep_tp, ep_pp
 # (ep; EP nested in a pipeline runs on CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather,
 # cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp (tests/test_diloco.py), zero2_16, pp_1f1b_16,
-# pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts).
+# pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts), cp_tp_pp, ep_tp_pp, cp_tp_pp_16 (two
+# compiler-owned axes beside an explicit schedule: pp_zero3 for the schedule, cp and ep for
+# the axes; on CPU tests/test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes).
 KEEP_H100 = {"pp_zero3", "hybrid_16", "ep", "cp", "dp_pp_tp_zb"}
 KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "pp_zb"}
 
@@ -81,9 +83,13 @@ CASES_16 = {
     "pp_1f1b_16": Case(Layout("data=2,pipe=2,tensor=4", schedule="1f1b")),
     "pp_zb_16": Case(Layout("data=2,pipe=2,tensor=4", schedule="zb-h1")),
     "ep_dp_16": Case(Layout("data=2,expert=8", zero=1), moe=True),
+    # The 4D layout of long context (Llama 3's 128K row, scaled down): issue 37.
+    "cp_tp_pp_16": Case(Layout("data=2,pipe=2,context=2,tensor=2", schedule="1f1b")),
 }
 EXTENDED_H100 = (set(CASES_8) | set(CASES_16)) - KEEP_H100
-EXTENDED_TPU = set(CASES_8) - KEEP_TPU
+# A 16-chip v5p slice for the 4D layout (extended, as on H100).
+CASES_TPU = {**CASES_8, "cp_tp_pp_16": CASES_16["cp_tp_pp_16"]}
+EXTENDED_TPU = set(CASES_TPU) - KEEP_TPU
 
 
 def require(target: str) -> None:

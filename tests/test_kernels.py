@@ -206,6 +206,27 @@ def test_chunked_cross_entropy_equals_the_plain_loss(mesh, chunk):
         sk.chunked_cross_entropy(x, w, t, chunk=0)
 
 
+def test_cross_entropy_picks_the_label_without_a_gather():
+    """``sk.kernels.cross_entropy``: optax's values bit for bit and the same gradient (the
+    label's logit as a masked sum: one term, zeros), with no gather in the program (the gather
+    XLA's partitioner aborts on inside a pipeline stage, docs/upstream/); bad labels refused."""
+    import optax
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(3, 5, 11)).astype(np.float32)
+    labels = rng.integers(0, 11, (3, 5)).astype(np.int32)
+    ours = jax.value_and_grad(lambda z: jnp.sum(sk.kernels.cross_entropy(z, labels)))
+    want = jax.value_and_grad(lambda z: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(z, labels)))
+    both = jax.jit(lambda z: (sk.kernels.cross_entropy(z, labels),
+                              optax.softmax_cross_entropy_with_integer_labels(z, labels), ours(z), want(z)))
+    got, expected, got_grad, want_grad = both(logits)
+    np.testing.assert_array_equal(got, expected)
+    _close(got_grad, want_grad, tol=1e-6)
+    assert "gather(" not in jax.jit(ours).lower(logits).as_text(dialect="hlo")
+    with pytest.raises(ValueError, match=r"integer labels \(\.\.\.\); got logits \(3, 5, 11\).*labels \(3, 4\)"):
+        sk.kernels.cross_entropy(logits, labels[:, :4])
+
+
 @pytest.mark.slow
 def test_the_gpu_bench_dry_run_writes_its_table(tmp_path):
     """``bench/kernels_gpu.py --dry-run``: the GPU bench's code at tiny sizes on CPU, so the

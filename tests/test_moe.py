@@ -1,7 +1,8 @@
 """sk.moe: a dense oracle (every token through its top-k experts, weighted by its gates, no
 dispatch) against the block on one device and four expert-parallel layouts, dropless and with
-a capacity that drops; the all-to-all traffic; ZeRO over expert weights; bad input; and
-``sk.constrain`` inside a building block whose shard_map makes every axis manual."""
+a capacity that drops; the all-to-all traffic; ZeRO over expert weights; bad input;
+``sk.constrain`` inside a building block whose shard_map makes every axis manual; and the
+block nested in a pipeline's stages beside two compiler-owned axes."""
 
 import math
 
@@ -237,6 +238,36 @@ def test_constrain_under_vmap_inside_an_all_manual_shard_map():
     np.testing.assert_array_equal(y, 2 * x)
 
 
+def test_nested_in_a_pipeline_beside_expert_and_tensor():
+    """sk.moe in the stages of a 1F1B pipeline on pipe=2,expert=2,tensor=2 (both compiler-owned
+    inside the stages; XLA's partitioner aborted on the combine's gather there before the slot
+    buffers were kept whole): loss and gradients equal the un-pipelined stack on one device."""
+    x, router, params, _ = inputs()
+    layers = {"router": np.stack([router, router[::-1]]), **{k: np.stack([v, v[:, ::-1]]) for k, v in params.items()}}
+    t = np.ones((B, T, D), np.float32)
+
+    def layer(lp, h):  # the tokens split over `expert` too, as the recipe's batch is
+        h, experts = sk.constrain(h, ("batch", None, None)), {k: lp[k] for k in params}
+        return h + sk.moe(h, h @ lp["router"], expert, experts, top_k=K, capacity_factor=CAPACITY)[0]
+
+    def mse(_, y, t):
+        return jnp.mean((y - t) ** 2)
+
+    def stacked(layers, x):
+        for i in range(2):
+            x = layer(jax.tree.map(lambda a, i=i: a[i], layers), x)
+        return mse(None, x, t)
+
+    mesh = sk.make_mesh("pipe=2,expert=2,tensor=2")
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"mlp": "tensor", "batch": "expert"}))
+    spec = {"router": P("pipe"), "w1": P("pipe", "expert", None, "tensor"), "w2": P("pipe", "expert", "tensor")}
+    piped = jax.value_and_grad(lambda layers, x: sk.pipeline(layer, layers, x, microbatches=2, schedule="1f1b",
+                                                             loss_fn=mse, loss_params=(), targets=t))
+    with plan.active():
+        got = jax.jit(piped)({k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in layers.items()}, x)
+    assert_close(got, jax.jit(jax.value_and_grad(stacked))(layers, x))
+
+
 # ---- the transformer recipe's MoE layers ----------------------------------------------------------
 
 RECIPE_STEPS = 5
@@ -246,8 +277,8 @@ def recipe_cfg(**changes):
     from models.transformer.config import SIZES
 
     # 4 layers, MoE every 2nd (dense + MoE stacks), capacity that drops ~1/4 of assignments.
-    return SIZES["test"].replace(layers=4, moe_experts=8, moe_top_k=2, moe_every=2, moe_capacity=1.0,
-                                 **changes)
+    return SIZES["test"].replace(**{"layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
+                                    "moe_capacity": 1.0, **changes})
 
 
 def recipe_model(cfg):
@@ -272,7 +303,7 @@ def recipe_train(layout, model, devices=None):
 
     mesh = sk.make_mesh(layout.mesh, devices=devices)
     plan = make_plan(mesh, model.cfg, zero=layout.zero)
-    pipe = PipelineSpec(4, layout.schedule) if "pipe" in mesh.shape else None
+    pipe = PipelineSpec(4, layout.schedule, layout.repeats) if "pipe" in mesh.shape else None
     step = sk.train_step(plan, optax.adamw(3e-3, b2=0.95))(lambda m, b: moe_loss_fn(m, b, pipe))
     state = step.init(model)
     batches = data_lib.Batches(data_lib.stdlib_corpus(max_bytes=1 << 20)[0], 16, model.cfg.seq, seed=0)
@@ -330,6 +361,34 @@ def test_recipe_ep_layouts_match_one_device(name, recipe_reference):
     assert a2a > 0 and est.collectives["expert-all-to-all"] == pytest.approx(a2a, rel=0.1)
     for kind in ("params", "opt_state"):
         assert est.memory[kind] == pytest.approx(compiled[kind], rel=0.1), kind
+
+
+@pytest.fixture(scope="module")
+def every_layer_moe_reference():
+    """An MoE in every layer (4 layer groups: 2 stages x 2 chunks for interleaved 1F1B and ZB-V),
+    the router losses off as under a pipeline, and its one-device losses."""
+    from models.transformer.layouts import Layout
+
+    model = recipe_model(recipe_cfg(moe_every=1, moe_aux_weight=0.0, moe_z_weight=0.0))
+    return model, recipe_train(Layout("data=1"), model, devices=jax.devices()[:1])[0]
+
+
+@pytest.mark.extended  # default lane: test_nested_in_a_pipeline_beside_expert_and_tensor (1F1B)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_recipe_pipe_expert_tensor_matches_one_device(schedule, every_layer_moe_reference):
+    """MoE with TP inside the experts, in every explicit pipeline schedule (pipe=2,expert=2,
+    tensor=2: two compiler-owned axes beside the pipe axis, refused before issue 37; sk.moe
+    nested there keeps its slot buffers whole, as XLA's partitioner aborts on the combine's
+    gather otherwise): the same losses as one device."""
+    import dataclasses
+
+    from models.transformer.layouts import LAYOUTS
+
+    model, ref = every_layer_moe_reference
+    layout = dataclasses.replace(LAYOUTS["ep_tp_pp"], schedule=schedule,
+                                 repeats=2 if schedule == "interleaved-1f1b" else 1)
+    losses, _, _ = recipe_train(layout, model)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=schedule)
 
 
 def test_recipe_moe_config_counts_and_errors():

@@ -1,9 +1,10 @@
 """Every recipe layout compiled by XLA:TPU (libtpu) for a TPU v5p slice of 8 chips without a
-TPU, with what each layout promises checked on that program (``target_sweep.check``)."""
+TPU (and the 4D layout on 16 chips, extended), with what each layout promises checked on that
+program (``target_sweep.check``)."""
 import pytest
 
 import shardkit as sk
-from target_sweep import (CASES_8, EXTENDED_TPU, check, check_hybrid_mlp, compile_sweep,
+from target_sweep import (CASES_TPU, EXTENDED_TPU, check, check_hybrid_mlp, compile_sweep,
                           hybrid_mlp_params, params, require, schedule_memory_ratios, selected, small_step)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.targets]
 def sweep(request):
     """The layouts and the README MLP's hybrid meshes, compiled in one subprocess."""
     require("tpu-v5p")
-    return compile_sweep(selected(CASES_8, EXTENDED_TPU, request.config), "tpu-v5p", request.config)
+    return compile_sweep(selected(CASES_TPU, EXTENDED_TPU, request.config), "tpu-v5p", request.config)
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +22,9 @@ def v5p(sweep):
     return sweep[0]
 
 
-@pytest.mark.parametrize("name", params(CASES_8, EXTENDED_TPU))
+@pytest.mark.parametrize("name", params(CASES_TPU, EXTENDED_TPU))
 def test_layout_compiles_for_tpu_v5p_and_keeps_its_promises(name, v5p):
-    check(name, CASES_8[name], v5p[name], "tpu-v5p")
+    check(name, CASES_TPU[name], v5p[name], "tpu-v5p")
 
 
 @pytest.fixture(scope="module")

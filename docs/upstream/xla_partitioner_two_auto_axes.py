@@ -15,12 +15,17 @@ reach, and XLA aborts the process:
     cross_module, op_id=1}` of 40 seconds exceeded. Exiting to ensure a consistent program
     state. Expected 8 threads to join the rendezvous, but only 4 of them arrived on time.
 
-With one auto axis ("--one": pipe=2, tensor=4) the same program compiles and runs. shardkit's
-explicit pipeline schedules (1F1B, ZB) build this program; the recipe's stage, which also
-splits its activations over "context", instead aborts XLA's partitioner while compiling
-("Check failed: ... num_replica_groups() * num_devices_per_group() == ...",
-spmd_partitioner_util.cc:497) on XLA:CPU and XLA:GPU; that is why ``sk.pipeline`` refuses two
-compiler-owned axes beside ``pipe`` with an explicit schedule. Plain JAX, no shardkit.
+With one auto axis ("--one": pipe=2, tensor=4) the same program compiles and runs. Why it
+hangs: with two auto axes the partitioner reshards the stage's operands between "context" and
+"tensor" with collective-permutes inside the switch's forward and backward branches (each
+names all 8 devices in its source-target pairs); a stage that takes another branch at that tick
+never reaches them. With one auto axis the branches hold only all-reduces and all-gathers whose
+groups stay inside a stage. shardkit's explicit pipeline schedules (1F1B, ZB) build this
+program; its recipe's stages constrain their activations (batch, sequence over "context",
+heads over "tensor"), and their compiled branches hold no collective-permute (XLA:CPU and
+XLA:GPU, pipe=2,context=2,tensor=2 and data=2,pipe=2,context=2,tensor=2, 2026-11-28). The
+abort XLA's partitioner met on that recipe was a gather:
+``docs/upstream/xla_partitioner_gather_two_auto_axes.py``. Plain JAX, no shardkit.
 """
 
 import os

@@ -130,6 +130,10 @@ LAYOUTS: dict[str, Layout] = {
     "cp_tp": Layout("context=4,tensor=2"),
     "dp_cp_fsdp": Layout("data=2,context=2,fsdp=2"),
     "cp_pp": Layout("context=2,pipe=2,data=2"),
+    # Two compiler-owned axes beside an explicit pipeline schedule (the 4D layout of long
+    # context, and MoE with TP inside a pipeline).
+    "cp_tp_pp": Layout("pipe=2,context=2,tensor=2", schedule="1f1b"),
+    "ep_tp_pp": Layout("pipe=2,expert=2,tensor=2", schedule="1f1b"),
 }
 
 

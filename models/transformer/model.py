@@ -23,7 +23,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 import shardkit as sk
@@ -447,7 +446,10 @@ def head_logits(head: dict, x_BxTxD: jax.Array, eps: float) -> jax.Array:
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
+    # sk.kernels.cross_entropy picks the target's logit without a gather: XLA's partitioner
+    # aborts on that gather inside a pipeline stage whose logits are split over two
+    # compiler-owned axes (context or expert, and tensor).
+    return sk.kernels.cross_entropy(logits_BxTxV, targets_BxT).mean()
 
 
 def loss_chunk(cfg: Config, T: int) -> int:

@@ -11,4 +11,5 @@ from .blockwise import blockwise_attention as blockwise_attention
 from .blockwise import reference_attention as reference_attention
 from .grouped import grouped_matmul as grouped_matmul
 from .loss import chunked_cross_entropy as chunked_cross_entropy
+from .loss import cross_entropy as cross_entropy
 from .loss import reference_cross_entropy as reference_cross_entropy

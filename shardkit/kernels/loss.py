@@ -25,11 +25,48 @@ from .._vma import vary_like  # scan carries typed like the inputs inside a shar
 F32 = jnp.float32
 
 
+def label_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """``logits[..., labels]`` along the last axis, as a masked sum instead of a gather.
+
+    The same values, bit for bit (one term is the logit, the rest are zeros), and the same
+    gradient. Why not ``take_along_axis``: a gather from logits split over two compiler-owned
+    mesh axes (the sequence over ``context`` or the batch over ``expert``, the vocabulary over
+    ``tensor``) inside a ``shard_map`` manual over another axis (``sk.pipeline``'s stages)
+    aborts XLA's SPMD partitioner (jax 0.10.2: ``spmd_partitioner_util.cc:497``;
+    ``docs/upstream/xla_partitioner_gather_two_auto_axes.py``). A masked sum is elementwise
+    work and a reduction over the vocabulary, which the partitioner splits as it splits the
+    log-sum-exp.
+    """
+    hit = lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1) == labels[..., None]
+    return jnp.sum(jnp.where(hit, logits, jnp.zeros((), logits.dtype)), axis=-1)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Softmax cross-entropy per position, ``logsumexp(logits) - logits[labels]`` over the last
+    axis (``optax.softmax_cross_entropy_with_integer_labels``'s values), with the label's logit
+    picked by ``label_logits``: no gather, so it partitions inside ``sk.pipeline``'s stages on
+    any mesh.
+
+    Args:
+        logits: ``(..., V)`` floats.
+        labels: ``(...)`` integers in ``[0, V)``.
+
+    Returns:
+        ``(...)`` losses in the logits' dtype.
+
+    Raises:
+        ValueError: ``labels`` not shaped like ``logits`` without its last axis, or not integers.
+    """
+    if labels.shape != logits.shape[:-1] or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"cross_entropy: logits (..., V) and integer labels (...); got logits "
+                         f"{tuple(logits.shape)} {logits.dtype}, labels {tuple(labels.shape)} {labels.dtype}")
+    return jax.nn.logsumexp(logits, axis=-1) - label_logits(logits, labels)
+
+
 def reference_cross_entropy(x_BxTxD: jax.Array, w_VxD: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     """The plain form: whole float32 logits, then the mean softmax cross-entropy."""
     logits = jnp.einsum("btd,vd->btv", x_BxTxD, w_VxD, preferred_element_type=F32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.mean(lse - jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0])
+    return jnp.mean(cross_entropy(logits, targets_BxT))
 
 
 def chunked_cross_entropy(x_BxTxD: jax.Array, w_VxD: jax.Array, targets_BxT: jax.Array, *,
@@ -80,7 +117,7 @@ def chunked_cross_entropy(x_BxTxD: jax.Array, w_VxD: jax.Array, targets_BxT: jax
             xc, tc, ok = xs
             logits = logits_of(xc, w)
             lse = jax.nn.logsumexp(logits, axis=-1)
-            picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+            picked = label_logits(logits, tc)
             return total + jnp.sum(jnp.where(ok, lse - picked, 0.0)), lse
 
         total0 = vary_like(jnp.zeros((), F32), (x, w))

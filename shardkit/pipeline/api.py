@@ -48,6 +48,16 @@ The gradients then stay local in the loop and are reduced over data once, after 
   over the microbatch rows (as MSE / cross-entropy means are): the global loss is then the
   mean of the local ones, and the backward seeds every local loss with ``1 / (m · n_data)``.
 
+Several compiler-owned axes beside the pipe axis (``pipe × context × tensor``, ``pipe × expert
+× tensor``) compile with every schedule. XLA's partitioner (jax 0.10.2) aborts on a *gather*
+there whose operand is split over two of them (``docs/upstream/
+xla_partitioner_gather_two_auto_axes.py``): shardkit's own blocks avoid it
+(``sk.kernels.cross_entropy`` picks the label's logit without one; ``sk.moe`` nested in a stage
+keeps its slot buffers whole). Keep a stage's activations constrained (``sk.constrain``, as the
+recipe's layers are): left free, XLA may move them between the two axes with a
+collective-permute inside the explicit schedules' per-stage branch, which the other stages never
+reach, and the program hangs (``docs/upstream/xla_partitioner_two_auto_axes.py``).
+
 Dropout-like layers (``rng``) keep the data axes compiler-managed (the old behaviour and the
 old traffic): a key drawn on a device's rows only would not reproduce the un-sharded masks.
 
@@ -163,7 +173,6 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     m, v = microbatches, (2 if schedule == "zb-v" else repeats)
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
-    _check_compiler_axes(mesh, axis, data, schedule)
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
                                extras, targets, rng)
     k = L // (p * v)
@@ -269,24 +278,6 @@ def _check_vmapped(mesh, axis: str, data) -> None:
             "axis to the stages' sharding constraints, where it is manual. Use the pipeline with data "
             f"axes only inside the replicas (e.g. replica=2,{axis}=2,data=2), or tensor parallelism "
             "without a pipe axis (replica=2,data=2,tensor=2)")
-
-
-def _check_compiler_axes(mesh, axis: str, data, schedule: str) -> None:
-    """The explicit schedules' loop (a ``lax.switch`` per tick inside the shard_map that is
-    manual over the pipe and data axes) with two or more compiler-owned axes of size > 1
-    (e.g. ``context`` and ``tensor``, ``tensor`` and ``expert``) aborts the process in XLA's
-    SPMD partitioner (jax 0.10.2, XLA:CPU, XLA:GPU: "Check failed: partition_group_list..."), or
-    compiles into a program that deadlocks (``docs/upstream/xla_partitioner_two_auto_axes.py``,
-    plain JAX). One such axis compiles, and GPipe/circular compile with several: refuse before tracing."""
-    auto = _compiler_axes(mesh, axis, data)
-    if schedule in EXPLICIT and len(auto) > 1:
-        raise ValueError(
-            f"schedule {schedule!r} with the compiler-owned axes {auto} (sizes "
-            f"{[mesh.shape[a] for a in auto]}) beside {axis!r} is not supported with jax {jax.__version__}: "
-            "XLA's partitioner aborts on the explicit schedules' loop with two or more such axes. Use "
-            "schedule='gpipe' or 'circular' on this mesh, or keep one of those axes (fold the other "
-            "into data/fsdp, e.g. a larger tensor axis instead of tensor x context). Reproducer: "
-            "docs/upstream/xla_partitioner_two_auto_axes.py")
 
 
 def _check_keep(keep, schedule: str, remat: str):
