@@ -207,8 +207,16 @@ EXTENDED_CASES.setdefault("test_cost.py::test_pytree_model_estimate_matches_comp
 # pytree model (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-1-1]).
 # ZeRO-3 on data=8 for the MoE family: its ZeRO-3 on fsdp=2,expert=4 (the sharded state, the
 # weights gathered over the batch axes) stays, and ZeRO-3 on data=8 for the three other families.
+# Plain DP (ZeRO-0 on data=8) for each family: the family's program read on a batch split over
+# data is held by its ZeRO-3 case on the same mesh (mlp, cnn, gpt: data=8-3; moe: the batch over
+# data and fsdp beside tensor in data=2,fsdp=2,tensor=2-1, with its load-balancing row syncs), and
+# DP's gradient all-reduce beside XLA:CPU's on the pytree model
+# (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-0-1]). The MLP's hybrid at 256
+# rows: the reduction rule held at 8x the batch stays on tensor=8 (mlp-tensor=8-0-256, where it
+# was found), and the hybrid keeps its 32-row case.
 EXTENDED_CASES.setdefault("test_cost_families.py::test_estimate_holds_on_unseen_families", set()).update(
-    [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"])
+    [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"]
+    + [f"{f}-data=8-0-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["mlp-data=2,fsdp=2,tensor=2-1-256"])
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
     # A checkpoint saved by one process resumed by two, training as one: the transformer

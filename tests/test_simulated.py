@@ -33,12 +33,30 @@ def batch_of(rows: int):
     return {"x": np.ones((rows, D), np.float32), "y": np.ones((rows, D), np.float32)}
 
 
-@pytest.mark.parametrize("mesh,zero,microbatches", [("data=4,tensor=2", 1, 1), ("data=8,tensor=1", 3, 2)])
-def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches):
-    step, state = mlp_step(mesh, zero, microbatches)
-    batch = batch_of(32)
+THIS_MESH = [("data=4,tensor=2", 1, 1), ("data=8,tensor=1", 3, 2)]
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    """The MLP's steps on ``THIS_MESH`` and on 64 devices (ZeRO-3 over data, ZeRO-1 beside
+    tensor), compiled with the estimate in ONE subprocess (``sk.cost.simulate_many``: each start
+    of JAX costs seconds): ``{key: (step, state, batch, report)}``; ``step.explain(mesh=)``, the
+    same compile in its own subprocess, runs in test_a_pipelined_step_compiles_on_a_simulated_mesh."""
+    jobs = {}
+    for mesh, zero, microbatches in THIS_MESH:
+        step, state = mlp_step(mesh, zero, microbatches)
+        jobs[mesh] = dict(step=step, state=state, batch=batch_of(32), mesh=mesh)
+    step, state = mlp_step("data=4,tensor=2", zero=1)
+    for mesh, zero in (("data=64,tensor=1", 3), ("data=16,tensor=4", 1)):
+        jobs[mesh] = dict(step=step, state=state, batch=batch_of(128), mesh=mesh, zero=zero)
+    reports = sk.cost.simulate_many(list(jobs.values()), estimate=True)
+    return {k: (j["step"], j["state"], j["batch"], r) for (k, j), r in zip(jobs.items(), reports)}
+
+
+@pytest.mark.parametrize("mesh,zero,microbatches", THIS_MESH)
+def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches, simulated):
+    step, state, batch, there = simulated[mesh]
     here = step.explain(state, batch)
-    there = step.explain(state, batch, mesh=mesh)
     assert there.memory == here.memory
     assert there.collectives == here.collectives
     assert sorted(map(repr, there.traffic)) == sorted(map(repr, here.traffic))
@@ -48,13 +66,8 @@ def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches
     assert "simulated mesh" in there.compiled_on and "this process" in here.compiled_on
 
 
-def test_64_devices_zero3_and_zero1_state_bytes_follow_zero():
-    step, state = mlp_step("data=4,tensor=2", zero=1)
-    batch = batch_of(128)
-    # Both meshes compiled in one subprocess (one start of JAX for the two).
-    r3, r1 = sk.cost.simulate_many([dict(step=step, state=state, batch=batch, mesh="data=64,tensor=1", zero=3),
-                                    dict(step=step, state=state, batch=batch, mesh="data=16,tensor=4", zero=1)],
-                                   estimate=True)
+def test_64_devices_zero3_and_zero1_state_bytes_follow_zero(simulated):
+    r3, r1 = simulated["data=64,tensor=1"][3], simulated["data=16,tensor=4"][3]
     # ZeRO-3 (Rajbhandari et al. 2020): params 4Ψ/N, Adam moments 8Ψ/N (+ its int32 count),
     # gradients 4Ψ/N; the batch is split over 64 devices.
     assert r3.memory["params"] == 4 * PSI // 64
