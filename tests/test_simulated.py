@@ -50,6 +50,9 @@ def simulated():
     for mesh, zero in (("data=64,tensor=1", 3), ("data=16,tensor=4", 1)):
         jobs[mesh] = dict(step=step, state=state, batch=batch_of(128), mesh=mesh, zero=zero)
     reports = sk.cost.simulate_many(list(jobs.values()), estimate=True)
+    for r in reports:
+        if isinstance(r, Exception):
+            raise r
     return {k: (j["step"], j["state"], j["batch"], r) for (k, j), r in zip(jobs.items(), reports)}
 
 
