@@ -39,9 +39,10 @@ THIS_MESH = [("data=4,tensor=2", 1, 1), ("data=8,tensor=1", 3, 2)]
 @pytest.fixture(scope="module")
 def simulated():
     """The MLP's steps on ``THIS_MESH`` and on 64 devices (ZeRO-3 over data, ZeRO-1 beside
-    tensor), compiled with the estimate in ONE subprocess (``sk.cost.simulate_many``: each start
-    of JAX costs seconds): ``{key: (step, state, batch, report)}``; ``step.explain(mesh=)``, the
-    same compile in its own subprocess, runs in test_a_pipelined_step_compiles_on_a_simulated_mesh."""
+    tensor) and ``pipelined_step`` on data=16,pipe=4, compiled with the estimate in ONE
+    subprocess (``sk.cost.simulate_many``: each start of JAX costs seconds), as
+    ``step.explain(mesh=)`` compiles one (``sk.cost.simulate``, which it calls, runs alone in
+    test_a_plan_on_an_abstract_mesh_builds_without_devices): ``{key: (step, state, batch, report)}``."""
     jobs = {}
     for mesh, zero, microbatches in THIS_MESH:
         step, state = mlp_step(mesh, zero, microbatches)
@@ -49,6 +50,8 @@ def simulated():
     step, state = mlp_step("data=4,tensor=2", zero=1)
     for mesh, zero in (("data=64,tensor=1", 3), ("data=16,tensor=4", 1)):
         jobs[mesh] = dict(step=step, state=state, batch=batch_of(128), mesh=mesh, zero=zero)
+    step, state, batch = pipelined_step()
+    jobs["data=16,pipe=4"] = dict(step=step, state=state, batch=batch, mesh="data=16,pipe=4")
     reports = sk.cost.simulate_many(list(jobs.values()), estimate=True)
     for r in reports:
         if isinstance(r, Exception):
@@ -107,22 +110,28 @@ def test_bad_mesh_specs_and_too_many_devices_are_clear_errors():
         sk.cost.simulate(step, state, batch, "data=8,tensor=1", timeout=0.01)
 
 
-def test_a_pipelined_step_compiles_on_a_simulated_mesh():
-    L, W, m = 4, 32, 4
+PIPE_L, PIPE_W = 4, 32
 
+
+def pipelined_step():
+    """A GPipe step over ``pipe`` (4 layers of PIPE_W, 4 microbatches) planned on data=4,pipe=2."""
     def loss(p, b):
         def stage(w, x):
             return jnp.tanh(x @ w)
-        y = sk.pipeline(lambda w, x: stage(w["w"], x), {"w": p["layers"]}, b["x"], microbatches=m)
+        y = sk.pipeline(lambda w, x: stage(w["w"], x), {"w": p["layers"]}, b["x"], microbatches=4)
         return jnp.mean(y ** 2)
 
     plan = sk.Plan(sk.make_mesh("data=4,pipe=2"), rules=[(r"layers", ("pipe",))], zero=1)
     step = sk.train_step(plan, optax.sgd(0.1))(loss)
-    state = step.init({"layers": jnp.ones((L, W, W)) * 0.1})
-    batch = {"x": np.ones((128, W), np.float32)}
-    there = step.explain(state, batch, mesh="data=16,pipe=4")
+    state = step.init({"layers": jnp.ones((PIPE_L, PIPE_W, PIPE_W)) * 0.1})
+    return step, state, {"x": np.ones((128, PIPE_W), np.float32)}
+
+
+def test_a_pipelined_step_compiles_on_a_simulated_mesh(simulated):
+    there = simulated["data=16,pipe=4"][3]
     assert there.pipe_axis == "pipe" and there.roles()["pipe-permute"] > 0
-    assert there.memory["params"] == L * W * W * 4 // 4  # f32 layers over 4 stages (ZeRO-1 keeps whole params)
+    # f32 layers over 4 stages (ZeRO-1 keeps whole params)
+    assert there.memory["params"] == PIPE_L * PIPE_W * PIPE_W * 4 // 4
     assert there.estimate is not None and there.estimate["memory/params"] == there.memory["params"]
 
 
