@@ -213,10 +213,13 @@ EXTENDED_CASES.setdefault("test_cost.py::test_pytree_model_estimate_matches_comp
 # DP's gradient all-reduce beside XLA:CPU's on the pytree model
 # (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-0-1]). The MLP's hybrid at 256
 # rows: the reduction rule held at 8x the batch stays on tensor=8 (mlp-tensor=8-0-256, where it
-# was found), and the hybrid keeps its 32-row case.
+# was found), and the hybrid keeps its 32-row case. The MoE family's EP beside a data axis
+# (data=2,expert=4, ZeRO-1): its token dispatch over expert with the gradients reduced over another
+# batch axis is fsdp=2,expert=4's (ZeRO-3), its ZeRO-1 state data=2,fsdp=2,tensor=2's.
 EXTENDED_CASES.setdefault("test_cost_families.py::test_estimate_holds_on_unseen_families", set()).update(
     [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"]
-    + [f"{f}-data=8-0-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["mlp-data=2,fsdp=2,tensor=2-1-256"])
+    + [f"{f}-data=8-0-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["mlp-data=2,fsdp=2,tensor=2-1-256",
+                                                                     "moe-data=2,expert=4-1-None"])
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
     # A checkpoint saved by one process resumed by two, training as one: the transformer
