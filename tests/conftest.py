@@ -237,6 +237,13 @@ EXTENDED_TESTS = {
     # and an axis whose groups span both processes trains like one process in
     # test_distributed.py::test_tensor_and_zero3_axes_across_two_processes_train_like_one.
     "test_diloco.py::test_replica_axis_across_two_processes_trains_like_one",
+    # The README's step.explain(mesh=, target="h100") on a step planned on this process's CPU
+    # devices (one more XLA:GPU subprocess): test_cost_bands.py::
+    # test_house_family_on_h100_prints_bands_and_an_honest_peak makes that call and checks the
+    # same (H100's program fits, ZeRO-3's gathers and reduce-scatters, the estimate, the step time
+    # from the step-time model with H100 figures); two hosts of 8 (16 GPUs) compile in
+    # test_targets_gpu.py's hybrid_16 and its A100 and B200 cases.
+    "test_targets_gpu.py::test_explain_with_a_target_compiles_this_step_for_it",
 }
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).
