@@ -52,8 +52,8 @@ CASES_8["pp_zero3_zb_tp"] = Case(Layout("data=2,pipe=2,tensor=2", zero=3, schedu
 # Each promise and the default case that keeps it, per target:
 # - grad-reduce over data-like axes; params under the optimizer state with a param gather
 #   (ZeRO-3, and ZeRO-3 inside a pipeline with its per-step gather bound): pp_zero3_zb_tp;
-# - ZeRO-2's reduce-scatter on XLA:GPU: on H100 the README MLP's ZeRO-2 on data=2,fsdp=2,tensor=2
-#   and on data=4,fsdp=2 (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
+# - ZeRO-2's reduce-scatter on XLA:GPU: on H100 the README MLP's ZeRO-2 on data=4,fsdp=2
+#   (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
 #   one reduce-scatter over the batch axes, its bytes as ZeRO's formula, no all-reduce over data;
 #   on XLA:TPU the assertion is XLA:GPU's, and ZeRO's sharded state compiles in pp_zero3_zb_tp);
 # - FSDP's weight gather, TP's row-parallel sums and SP's sequence gather: hybrid_16 on H100 (two
@@ -248,9 +248,13 @@ def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES) -> dict[st
 HYBRID_MLP = [(m, z) for m, stages in (("data=2,fsdp=2,tensor=2", (1, 2, 3)), ("data=4,fsdp=2", (1, 2, 3)),
                                       ("data=2,tensor=4", (1, 2))) for z in stages]
 MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS = 256, 1024, 256, 2
-# The default lane: every ZeRO stage on the 3-axis mesh, where the all-reduce was found, and one
-# stage on each 2-axis mesh (the same gradient reduce-scatter and master gather, on fewer axes).
-EXTENDED_HYBRID_MLP = {("data=4,fsdp=2", 1), ("data=4,fsdp=2", 3), ("data=2,tensor=4", 2)}
+# The default lane: ZeRO-1 and ZeRO-3 on the 3-axis mesh, where the all-reduce was found (ZeRO-1's
+# whole gradient; ZeRO-3's weights split over data and fsdp), and one stage on each 2-axis mesh
+# (the same gradient reduce-scatter and master gather, on fewer axes). ZeRO-2 on the 3-axis mesh:
+# its reduce-scatter over the batch axes and its master gather are ZeRO-1's there (the sharded
+# gradient buffer is the only difference), and ZeRO-2 itself stays on data=4,fsdp=2.
+EXTENDED_HYBRID_MLP = {("data=4,fsdp=2", 1), ("data=4,fsdp=2", 3), ("data=2,tensor=4", 2),
+                       ("data=2,fsdp=2,tensor=2", 2)}
 
 
 def hybrid_mlp_params() -> list:
