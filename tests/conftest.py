@@ -207,8 +207,19 @@ EXTENDED_CASES.setdefault("test_cost.py::test_pytree_model_estimate_matches_comp
 # pytree model (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-1-1]).
 # ZeRO-3 on data=8 for the MoE family: its ZeRO-3 on fsdp=2,expert=4 (the sharded state, the
 # weights gathered over the batch axes) stays, and ZeRO-3 on data=8 for the three other families.
+# Plain DP (ZeRO-0 on data=8) for each family: the family's program read on a batch split over
+# data is held by its ZeRO-3 case on the same mesh (mlp, cnn, gpt: data=8-3; moe: the batch over
+# data and fsdp beside tensor in data=2,fsdp=2,tensor=2-1, with its load-balancing row syncs), and
+# DP's gradient all-reduce beside XLA:CPU's on the pytree model
+# (test_cost.py::test_pytree_model_estimate_matches_compiled[data=8-0-1]). The MLP's hybrid at 256
+# rows: the reduction rule held at 8x the batch stays on tensor=8 (mlp-tensor=8-0-256, where it
+# was found), and the hybrid keeps its 32-row case. The MoE family's EP beside a data axis
+# (data=2,expert=4, ZeRO-1): its token dispatch over expert with the gradients reduced over another
+# batch axis is fsdp=2,expert=4's (ZeRO-3), its ZeRO-1 state data=2,fsdp=2,tensor=2's.
 EXTENDED_CASES.setdefault("test_cost_families.py::test_estimate_holds_on_unseen_families", set()).update(
-    [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"])
+    [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"]
+    + [f"{f}-data=8-0-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["mlp-data=2,fsdp=2,tensor=2-1-256",
+                                                                     "moe-data=2,expert=4-1-None"])
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
     # A checkpoint saved by one process resumed by two, training as one: the transformer
@@ -226,6 +237,13 @@ EXTENDED_TESTS = {
     # and an axis whose groups span both processes trains like one process in
     # test_distributed.py::test_tensor_and_zero3_axes_across_two_processes_train_like_one.
     "test_diloco.py::test_replica_axis_across_two_processes_trains_like_one",
+    # The README's step.explain(mesh=, target="h100") on a step planned on this process's CPU
+    # devices (one more XLA:GPU subprocess): test_cost_bands.py::
+    # test_house_family_on_h100_prints_bands_and_an_honest_peak makes that call and checks the
+    # same (H100's program fits, ZeRO-3's gathers and reduce-scatters, the estimate, the step time
+    # from the step-time model with H100 figures); two hosts of 8 (16 GPUs) compile in
+    # test_targets_gpu.py's hybrid_16 and its A100 and B200 cases.
+    "test_targets_gpu.py::test_explain_with_a_target_compiles_this_step_for_it",
 }
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).

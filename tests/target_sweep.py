@@ -44,37 +44,48 @@ CASES_8["cp_allgather"] = Case(LAYOUTS["cp"], context_strategy="allgather")
 CASES_8["diloco"] = Case(Layout("replica=2,data=4", zero=1), diloco=True)
 CASES_8["diloco_tp"] = Case(Layout("replica=2,data=2,tensor=2", sequence_parallel=True), diloco=True)
 CASES_8["diloco_pp"] = Case(Layout("replica=2,pipe=2,data=2", schedule="1f1b"), diloco=True)
+# ZeRO-3 inside a zero-bubble pipeline with tensor-parallel stages: the default lane's one
+# pipeline per target (below).
+CASES_8["pp_zero3_zb_tp"] = Case(Layout("data=2,pipe=2,tensor=2", zero=3, schedule="zb-h1"))
 # The default lane compiles one layout per promise `check` makes (the suite's 10 minutes: each
-# deviceless compile costs 8-13 CPU seconds); --extended (conftest.py) compiles every layout.
+# deviceless compile costs 8-15 CPU seconds); --extended (conftest.py) compiles every layout.
 # Each promise and the default case that keeps it, per target:
 # - grad-reduce over data-like axes; params under the optimizer state with a param gather
-#   (ZeRO-3, and ZeRO-3 inside a pipeline with its per-step gather bound): pp_zero3;
-# - ZeRO-2's reduce-scatter on XLA:GPU: on H100 the README MLP's ZeRO-2 on data=2,fsdp=2,tensor=2
-#   and on data=4,fsdp=2 (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
+#   (ZeRO-3, and ZeRO-3 inside a pipeline with its per-step gather bound): pp_zero3_zb_tp;
+# - ZeRO-2's reduce-scatter on XLA:GPU: on H100 the README MLP's ZeRO-2 on data=4,fsdp=2
+#   (test_hybrid_meshes_reduce_scatter_the_gradients_as_the_zero_formulas_say:
 #   one reduce-scatter over the batch axes, its bytes as ZeRO's formula, no all-reduce over data;
-#   on XLA:TPU the assertion is XLA:GPU's, and ZeRO's sharded state compiles in pp_zero3);
+#   on XLA:TPU the assertion is XLA:GPU's, and ZeRO's sharded state compiles in pp_zero3_zb_tp);
 # - FSDP's weight gather, TP's row-parallel sums and SP's sequence gather: hybrid_16 on H100 (two
-#   hosts, the outer axis across InfiniBand), hybrid on v5p;
+#   hosts, the outer axis across InfiniBand). On v5p hybrid moves to --extended: XLA:TPU's FSDP
+#   gathers are held to the ZeRO formulas on the README MLP's data=2,fsdp=2,tensor=2 (below), its
+#   row-parallel sums in pp_zero3_zb_tp's tensor-parallel stages; SP's gather is H100's, and
+#   XLA:CPU's beside the estimate (test_cost.py::test_transformer_estimate_matches_compiled[hybrid]);
 # - whole weights (no param gather) and EP's token all-to-all with expert weights left in place: ep;
-# - ring attention's K/V permutes: cp (the all-gather strategy, cp_allgather, and context inside a
-#   pipeline stage, cp_pp, are checked on XLA:CPU's program in tests/test_context.py);
+# - ring attention's K/V permutes: cp on H100 (the all-gather strategy, cp_allgather, and context
+#   inside a pipeline stage, cp_pp, are checked on XLA:CPU's program in tests/test_context.py). On
+#   v5p cp moves to --extended: at the sweep's sequence of 16 every target traces the same
+#   blockwise ring, a shard_map of explicit collective-permutes that no compiler turns into
+#   another collective (XLA:GPU's cp keeps them, and XLA:CPU's in test_context.py);
 # - nothing over the replica axis inside a DiLoCo interval: on XLA:CPU's program in
 #   tests/test_diloco.py (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs);
-# - a pipeline's microbatch permutes: pp_zero3 (1F1B), and the zero-bubble split backward:
-#   dp_pp_tp_zb on H100 (tensor parallelism inside the stages), pp_zb on v5p (ZB-H1 alone).
+# - a pipeline's microbatch permutes and the zero-bubble split backward with tensor parallelism
+#   inside the stages, under ZeRO-3: pp_zero3_zb_tp (data=2,pipe=2,tensor=2, ZB-H1; one compile
+#   where pp_zero3 and dp_pp_tp_zb / pp_zb took two).
 # Moved to --extended, with the case above that keeps what each checks: zero2 (the README MLP's
 # ZeRO-2 on H100, above), dp, zero1, zero3 (ep, cp:
-# whole weights; pp_zero3: ZeRO-3's gather), fsdp, fsdp_tp, tp, tp_sp (hybrid/hybrid_16),
-# pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b, pp_zb (pp_zero3,
-# dp_pp_tp_zb; each schedule's program is checked against the sequential model on CPU in
-# tests/test_pipeline.py; on v5p dp_pp_tp_zb moves and pp_zb stays), ep_dp, ep_fsdp, ep_tp, ep_pp
+# whole weights; pp_zero3_zb_tp: ZeRO-3's gather), fsdp, fsdp_tp, tp, tp_sp (hybrid/hybrid_16),
+# pp_zero3, pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b,
+# dp_pp_tp_zb, pp_zb (pp_zero3_zb_tp: ZeRO-3 in a pipeline, ZB-H1 with TP in the stages; each
+# schedule's program is checked against the sequential model on CPU in tests/test_pipeline.py),
+# ep_dp, ep_fsdp, ep_tp, ep_pp
 # (ep; EP nested in a pipeline runs on CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather,
 # cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp (tests/test_diloco.py), zero2_16, pp_1f1b_16,
 # pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts), cp_tp_pp, ep_tp_pp, cp_tp_pp_16 (two
-# compiler-owned axes beside an explicit schedule: pp_zero3 for the schedule, cp and ep for
+# compiler-owned axes beside an explicit schedule: pp_zero3_zb_tp for the schedule, cp and ep for
 # the axes; on CPU tests/test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes).
-KEEP_H100 = {"pp_zero3", "hybrid_16", "ep", "cp", "dp_pp_tp_zb"}
-KEEP_TPU = {"pp_zero3", "hybrid", "ep", "cp", "pp_zb"}
+KEEP_H100 = {"pp_zero3_zb_tp", "hybrid_16", "ep", "cp"}
+KEEP_TPU = {"pp_zero3_zb_tp", "ep"}
 
 # Two H100 hosts: the outer axes cross InfiniBand.
 CASES_16 = {
@@ -243,9 +254,13 @@ def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES) -> dict[st
 HYBRID_MLP = [(m, z) for m, stages in (("data=2,fsdp=2,tensor=2", (1, 2, 3)), ("data=4,fsdp=2", (1, 2, 3)),
                                       ("data=2,tensor=4", (1, 2))) for z in stages]
 MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS = 256, 1024, 256, 2
-# The default lane: every ZeRO stage on the 3-axis mesh, where the all-reduce was found, and one
-# stage on each 2-axis mesh (the same gradient reduce-scatter and master gather, on fewer axes).
-EXTENDED_HYBRID_MLP = {("data=4,fsdp=2", 1), ("data=4,fsdp=2", 3), ("data=2,tensor=4", 2)}
+# The default lane: ZeRO-1 and ZeRO-3 on the 3-axis mesh, where the all-reduce was found (ZeRO-1's
+# whole gradient; ZeRO-3's weights split over data and fsdp), and one stage on each 2-axis mesh
+# (the same gradient reduce-scatter and master gather, on fewer axes). ZeRO-2 on the 3-axis mesh:
+# its reduce-scatter over the batch axes and its master gather are ZeRO-1's there (the sharded
+# gradient buffer is the only difference), and ZeRO-2 itself stays on data=4,fsdp=2.
+EXTENDED_HYBRID_MLP = {("data=4,fsdp=2", 1), ("data=4,fsdp=2", 3), ("data=2,tensor=4", 2),
+                       ("data=2,fsdp=2,tensor=2", 2)}
 
 
 def hybrid_mlp_params() -> list:

@@ -182,7 +182,7 @@ def test_pytree_model_estimate_matches_compiled(mesh, zero, m):
     plan = sk.Plan(sk.make_mesh(mesh), rules=TP_RULES + [(".*", ())] if tp else [(".*", ())],
                    axis_rules={"batch": "data", "mlp": "tensor" if tp else None}, zero=zero)
     step = sk.train_step(plan, optax.adam(1e-3), microbatches=m)(_mlp_loss)
-    state = step.init(_mlp_init)
+    state = step.abstract_state(_mlp_init)  # explain() compiles from shapes: no init program
     report = step.explain(state, {"x": jnp.ones((B, D))})
     assert report.estimate is not None
     _check(report, EXACT + COLLECTIVES + ("memory/peak",))
@@ -208,7 +208,7 @@ def test_transformer_estimate_matches_compiled(name):
                      vocab_parallel=lo.vocab_parallel)
     pipe = PipelineSpec(4, lo.schedule, lo.repeats) if "pipe" in lo.mesh else None
     step = sk.train_step(plan, optax.adam(1e-3))(lambda model, batch: loss_fn(model, batch, pipe))
-    state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # compiled from shapes
     tokens = jnp.zeros((16, cfg.seq), jnp.int32)
     report = step.explain(state, {"inputs": tokens, "targets": tokens},
                           flops_per_token=flops_per_token(cfg, cfg.seq))
@@ -240,7 +240,7 @@ def test_analytic_pipeline_estimate_matches_the_step_estimate(name):
     plan = make_plan(mesh, cfg, zero=lo.zero, vocab_parallel=lo.vocab_parallel)
     pipe = PipelineSpec(4, lo.schedule, lo.repeats)
     step = sk.train_step(plan, optax.adam(1e-3))(lambda model, batch: loss_fn(model, batch, pipe))
-    state = step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # traced, never run
     tokens = jnp.zeros((16, cfg.seq), jnp.int32)
     by_step = cost.estimate_for_step(step, state, {"inputs": tokens, "targets": tokens},
                                      pipeline=(4, lo.schedule, lo.repeats))
@@ -284,7 +284,7 @@ def _pipe_step(mesh, schedule, v, zero):
         return sk.pipeline(_pipe_layer, model["layers"], batch["x"], microbatches=PM, schedule=schedule,
                            repeats=v, loss_fn=_pipe_head, loss_params=model["head"], targets=batch["t"])
 
-    return step, step.init(_pipe_init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+    return step, step.abstract_state(_pipe_init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
 
 
 PIPE_LAYOUTS = [("pipe=4", "gpipe", 1, 0), ("data=2,pipe=4", "gpipe", 1, 1),

@@ -33,12 +33,36 @@ def batch_of(rows: int):
     return {"x": np.ones((rows, D), np.float32), "y": np.ones((rows, D), np.float32)}
 
 
-@pytest.mark.parametrize("mesh,zero,microbatches", [("data=4,tensor=2", 1, 1), ("data=8,tensor=1", 3, 2)])
-def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches):
-    step, state = mlp_step(mesh, zero, microbatches)
-    batch = batch_of(32)
+THIS_MESH = [("data=4,tensor=2", 1, 1), ("data=8,tensor=1", 3, 2)]
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    """The MLP's steps on ``THIS_MESH`` and on 64 devices (ZeRO-3 over data, ZeRO-1 beside
+    tensor) and ``pipelined_step`` on data=16,pipe=4, compiled with the estimate in ONE
+    subprocess (``sk.cost.simulate_many``: each start of JAX costs seconds), as
+    ``step.explain(mesh=)`` compiles one (``sk.cost.simulate``, which it calls, runs alone in
+    test_a_plan_on_an_abstract_mesh_builds_without_devices): ``{key: (step, state, batch, report)}``."""
+    jobs = {}
+    for mesh, zero, microbatches in THIS_MESH:
+        step, state = mlp_step(mesh, zero, microbatches)
+        jobs[mesh] = dict(step=step, state=state, batch=batch_of(32), mesh=mesh)
+    step, state = mlp_step("data=4,tensor=2", zero=1)
+    for mesh, zero in (("data=64,tensor=1", 3), ("data=16,tensor=4", 1)):
+        jobs[mesh] = dict(step=step, state=state, batch=batch_of(128), mesh=mesh, zero=zero)
+    step, state, batch = pipelined_step()
+    jobs["data=16,pipe=4"] = dict(step=step, state=state, batch=batch, mesh="data=16,pipe=4")
+    reports = sk.cost.simulate_many(list(jobs.values()), estimate=True)
+    for r in reports:
+        if isinstance(r, Exception):
+            raise r
+    return {k: (j["step"], j["state"], j["batch"], r) for (k, j), r in zip(jobs.items(), reports)}
+
+
+@pytest.mark.parametrize("mesh,zero,microbatches", THIS_MESH)
+def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches, simulated):
+    step, state, batch, there = simulated[mesh]
     here = step.explain(state, batch)
-    there = step.explain(state, batch, mesh=mesh)
     assert there.memory == here.memory
     assert there.collectives == here.collectives
     assert sorted(map(repr, there.traffic)) == sorted(map(repr, here.traffic))
@@ -48,13 +72,8 @@ def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches
     assert "simulated mesh" in there.compiled_on and "this process" in here.compiled_on
 
 
-def test_64_devices_zero3_and_zero1_state_bytes_follow_zero():
-    step, state = mlp_step("data=4,tensor=2", zero=1)
-    batch = batch_of(128)
-    # Both meshes compiled in one subprocess (one start of JAX for the two).
-    r3, r1 = sk.cost.simulate_many([dict(step=step, state=state, batch=batch, mesh="data=64,tensor=1", zero=3),
-                                    dict(step=step, state=state, batch=batch, mesh="data=16,tensor=4", zero=1)],
-                                   estimate=True)
+def test_64_devices_zero3_and_zero1_state_bytes_follow_zero(simulated):
+    r3, r1 = simulated["data=64,tensor=1"][3], simulated["data=16,tensor=4"][3]
     # ZeRO-3 (Rajbhandari et al. 2020): params 4Ψ/N, Adam moments 8Ψ/N (+ its int32 count),
     # gradients 4Ψ/N; the batch is split over 64 devices.
     assert r3.memory["params"] == 4 * PSI // 64
@@ -91,22 +110,28 @@ def test_bad_mesh_specs_and_too_many_devices_are_clear_errors():
         sk.cost.simulate(step, state, batch, "data=8,tensor=1", timeout=0.01)
 
 
-def test_a_pipelined_step_compiles_on_a_simulated_mesh():
-    L, W, m = 4, 32, 4
+PIPE_L, PIPE_W = 4, 32
 
+
+def pipelined_step():
+    """A GPipe step over ``pipe`` (4 layers of PIPE_W, 4 microbatches) planned on data=4,pipe=2."""
     def loss(p, b):
         def stage(w, x):
             return jnp.tanh(x @ w)
-        y = sk.pipeline(lambda w, x: stage(w["w"], x), {"w": p["layers"]}, b["x"], microbatches=m)
+        y = sk.pipeline(lambda w, x: stage(w["w"], x), {"w": p["layers"]}, b["x"], microbatches=4)
         return jnp.mean(y ** 2)
 
     plan = sk.Plan(sk.make_mesh("data=4,pipe=2"), rules=[(r"layers", ("pipe",))], zero=1)
     step = sk.train_step(plan, optax.sgd(0.1))(loss)
-    state = step.init({"layers": jnp.ones((L, W, W)) * 0.1})
-    batch = {"x": np.ones((128, W), np.float32)}
-    there = step.explain(state, batch, mesh="data=16,pipe=4")
+    state = step.init({"layers": jnp.ones((PIPE_L, PIPE_W, PIPE_W)) * 0.1})
+    return step, state, {"x": np.ones((128, PIPE_W), np.float32)}
+
+
+def test_a_pipelined_step_compiles_on_a_simulated_mesh(simulated):
+    there = simulated["data=16,pipe=4"][3]
     assert there.pipe_axis == "pipe" and there.roles()["pipe-permute"] > 0
-    assert there.memory["params"] == L * W * W * 4 // 4  # f32 layers over 4 stages (ZeRO-1 keeps whole params)
+    # f32 layers over 4 stages (ZeRO-1 keeps whole params)
+    assert there.memory["params"] == PIPE_L * PIPE_W * PIPE_W * 4 // 4
     assert there.estimate is not None and there.estimate["memory/params"] == there.memory["params"]
 
 

@@ -40,7 +40,7 @@ def test_hybrid_meshes_reduce_the_gradients_as_the_zero_formulas_say(mesh, zero,
 
 
 def test_the_slice_and_the_compilers_own_estimate_are_reported(v5p):
-    report = v5p["hybrid"]
+    report = v5p["pp_zero3_zb_tp"]  # data=2,pipe=2,tensor=2: the 8 chips of a 2x2x2 slice
     assert "v5p:2x2x2: mesh axes laid onto the torus" in " ".join(report.notes)
     assert report.fits and report.device_memory == sk.cost.hardware.lookup("tpu-v5p").hbm_bytes
     # XLA:TPU's own time estimate counts a loop body once (or is -2: none): shown, not used.

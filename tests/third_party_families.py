@@ -53,7 +53,8 @@ def _xent(logits, labels):
 
 # ---- flaxmodels ResNet-18 ----------------------------------------------------------------------
 
-def resnet18(rows=32, size=16, classes=10):
+def resnet18(rows=32, size=16, classes=10, abstract=False):
+    """``abstract``: the variables as shapes (``jax.eval_shape``), for a caller that only traces."""
     import flaxmodels
     import jax
 
@@ -62,7 +63,8 @@ def resnet18(rows=32, size=16, classes=10):
     batch = {"image": r.standard_normal((rows, size, size, 3)).astype(np.float32),
              "label": r.integers(0, classes, (rows,)).astype(np.int32)}
     with jax.numpy_rank_promotion("allow"):
-        variables = jax.jit(lambda: model.init(jax.random.key(0), batch["image"][:1], train=False))()
+        init = lambda: model.init(jax.random.key(0), batch["image"][:1], train=False)  # noqa: E731
+        variables = jax.eval_shape(init) if abstract else jax.jit(init)()
 
     def loss(variables, batch):
         logits, updates = model.apply(variables, batch["image"], train=True, mutable=["batch_stats"])
