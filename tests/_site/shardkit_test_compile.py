@@ -12,7 +12,9 @@ called - use the older emitters, and every program compiled ahead of time
 tests read ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``) is compiled with XLA's
 default emitters, as a user's program is: estimates are held to the compiler users get
 (bench/cost_fingerprint.py's 136 CPU cases are identical with and without this). Deviceless
-GPU and TPU compiles are left as they are. jaxlib 0.10 only (the flag is XLA:CPU's, and the
+GPU and TPU compiles are left as they are by this patch (tests/conftest.py's
+``XLA_FLAGS``, which every child inherits, do reach them: LLVM -O0 for the kernels' machine code;
+the figures the tests read come from HLO and buffer assignment, before LLVM). jaxlib 0.10 only (the flag is XLA:CPU's, and the
 hooks are JAX internals; the test extras pin jax 0.10.2): elsewhere nothing changes.
 
 tests/conftest.py installs it in the pytest workers; ``sitecustomize.py`` beside this file
