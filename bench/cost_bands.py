@@ -87,16 +87,16 @@ def sources(which: str = "all") -> dict:
     return out
 
 
-def save(key: str, got: dict) -> None:
-    """One layout's figures into the cache file, under a lock and merged with what is there:
-    sweeps of two targets may run at once."""
+def save(layouts: dict) -> None:
+    """Layouts' figures (key -> figures) into the cache file, under a lock and merged with what
+    is there: sweeps of two targets may run at once."""
     import fcntl
 
     RESULTS.parent.mkdir(exist_ok=True)
     with open(RESULTS.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        cache[key] = got
+        cache.update(layouts)
         RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
 
 
@@ -193,10 +193,9 @@ def main(argv=None) -> None:
                 console.print(f"[red]{key}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             console.print(f"{key}: {cache[key]['seconds']:.1f} s")
-            save(key, cache[key])
+            save({key: cache[key]})
     if args.reestimate:
-        for key, got in cache.items():
-            save(key, got)
+        save({k: v for k, v in cache.items() if k.endswith("|" + args.target)})
     held = args.held_out
     fitted = bands(cache, args.target, lambda f: f != held and f in fams)
     held_band = bands(cache, args.target, lambda f: f == held)
