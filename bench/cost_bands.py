@@ -2,7 +2,8 @@
 
 Builds every model family (``tests/families.py``: MLP with a lookup, CNN, scanned GPT, MoE;
 ``tests/third_party_families.py``: models installed from pip, where installed) on each of its
-layouts, compiles the step for the target deviceless (``step.explain(..., mesh=, target=)``) and
+layouts and the hybrid ones (``HYBRID_LAYOUTS``: ZeRO-1..3 on data x fsdp x tensor and data x
+fsdp, ZeRO-1/2 on data x tensor), compiles the step for the target deviceless (``step.explain(..., mesh=, target=)``) and
 reads ``estimate / compiled`` per quantity. A quantity's band is the range of ``ratio - 1`` over
 the families fitted; the held-out family's band is printed apart. Rows the estimate marks "not
 modelled" are counted apart (they print a reason, not a number), as are rows the program
@@ -10,6 +11,7 @@ does not execute (compiled 0).
 
     python bench/cost_bands.py --target h100                      # measure, print (reuse: --reuse)
     python bench/cost_bands.py --target h100 --reuse --write-bands    # + write shardkit/cost/compiled/bands.py
+    python bench/cost_bands.py --target tpu-v5p --layouts hybrid     # 8 v5p chips (XLA:TPU via libtpu)
 
 Compiled figures are cached in bench/results/cost_bands.json (``--reuse`` reads them back).
 """
@@ -35,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--families", default="", help="comma-separated subset (default: all installed)")
     ap.add_argument("--held-out", default="bert",
                     help="the family kept out of the fitting (HF Flax BERT since issue 24 fixed the model on ResNet-18)")
+    ap.add_argument("--layouts", default="all", choices=("all", "hybrid", "base"),
+                    help="the families' own layouts (base), the hybrid ones (hybrid), or both")
     ap.add_argument("--reuse", action="store_true", help="read compiled figures back from bench/results")
     ap.add_argument("--write-bands", action="store_true", help="write the bands into shardkit/cost/compiled/bands.py")
     ap.add_argument("--reestimate", action="store_true",
@@ -58,19 +62,42 @@ import families as house  # noqa: E402
 QUANTITIES = ("memory/temporaries", "memory/peak", "collective/grad-reduce", "collective/param-gather",
               "collective/tensor-reduce", "collective/tensor-gather", "collective/expert-all-to-all", "flops")
 RESULTS = ROOT / "bench" / "results" / "cost_bands.json"
-BANDS_PY = ROOT / "shardkit" / "cost" / "bands.py"
+BANDS_PY = ROOT / "shardkit" / "cost" / "compiled" / "bands.py"
+# Hybrid meshes, where the data axes share a weight's dims with fsdp and tensor (issue 36): every
+# family runs them on top of its own layouts (the 3-axis ZeRO-1 one is among those already).
+HYBRID_LAYOUTS = [("data=2,fsdp=2,tensor=2", z) for z in (1, 2, 3)] + [("data=4,fsdp=2", z) for z in (1, 2, 3)] + [
+    ("data=2,tensor=4", z) for z in (1, 2)]
 
 
-def sources() -> dict:
-    """family -> (module with ``build``, its layouts)."""
-    out = {f: (house, house.LAYOUTS + (house.EXPERT_LAYOUTS if f == "moe" else [])) for f in house.FAMILIES}
+def sources(which: str = "all") -> dict:
+    """family -> (module with ``build``, its layouts): its own (``which="base"``), the hybrid
+    ones (``"hybrid"``) or both (``"all"``)."""
+    def pick(own):
+        if which != "all":
+            return list(HYBRID_LAYOUTS if which == "hybrid" else own)
+        return own + [lo for lo in HYBRID_LAYOUTS if lo not in own]
+
+    out = {f: (house, pick(house.LAYOUTS + (house.EXPERT_LAYOUTS if f == "moe" else []))) for f in house.FAMILIES}
     try:
         import third_party_families as third
     except ImportError:
         return out
     for f in third.available():
-        out[f] = (third, third.LAYOUTS)
+        out[f] = (third, pick(third.LAYOUTS))
     return out
+
+
+def save(layouts: dict) -> None:
+    """Layouts' figures (key -> figures) into the cache file, under a lock and merged with what
+    is there: sweeps of two targets may run at once."""
+    import fcntl
+
+    RESULTS.parent.mkdir(exist_ok=True)
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        cache.update(layouts)
+        RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
 
 
 def measure(family, module, mesh, zero, target) -> dict:
@@ -148,7 +175,7 @@ def _read_tables(text):
 def main(argv=None) -> None:
     args = parse_args(argv)
     cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    fams = sources()
+    fams = sources(args.layouts)
     wanted = [f for f in fams if not args.families or f in args.families.split(",")]
     console = Console(width=160)
     for family in wanted:
@@ -166,10 +193,9 @@ def main(argv=None) -> None:
                 console.print(f"[red]{key}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             console.print(f"{key}: {cache[key]['seconds']:.1f} s")
-            RESULTS.parent.mkdir(exist_ok=True)
-            RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            save({key: cache[key]})
     if args.reestimate:
-        RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        save({k: v for k, v in cache.items() if k.endswith("|" + args.target)})
     held = args.held_out
     fitted = bands(cache, args.target, lambda f: f != held and f in fams)
     held_band = bands(cache, args.target, lambda f: f == held)
