@@ -84,7 +84,8 @@ def run_oracle(capacity):
         y, aux = oracle(x, router, params, keep)
         return objective(y, aux, r), (y, aux)
 
-    (_, (y, aux)), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, router, params)
+    # One jitted program (run op by op, the oracle compiled ~70 small programs per mode).
+    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, router, params)
     return y, aux, grads
 
 
@@ -104,8 +105,8 @@ def both_modes(x, router, params, r):
 def run_layout(mesh_spec):
     x, router, params, r = inputs()
     if mesh_spec is None:
-        fn = jax.jit(both_modes)
-        return fn(x, router, params, r), fn.lower(x, router, params, r).compile().as_text()
+        compiled = jax.jit(both_modes).lower(x, router, params, r).compile()
+        return compiled(x, router, params, r), compiled.as_text()
     mesh = sk.make_mesh(mesh_spec)
     tok = P(tuple(a for a in mesh.axis_names if a != "tensor"))
     wspec = {"w1": P("expert", "fsdp" if "fsdp" in mesh.shape else None, "tensor" if "tensor" in mesh.shape else None),
@@ -114,11 +115,9 @@ def run_layout(mesh_spec):
     args = (jax.device_put(x, NamedSharding(mesh, tok)), router,
             {k: jax.device_put(v, NamedSharding(mesh, wspec[k])) for k, v in params.items()},
             jax.device_put(r, NamedSharding(mesh, tok)))
-    with plan.active():
-        fn = jax.jit(both_modes)
-        out = fn(*args)
-        hlo = fn.lower(*args).compile().as_text()
-    return out, hlo
+    with plan.active():  # one compile: the program that runs is the one whose HLO is read
+        compiled = jax.jit(both_modes).lower(*args).compile()
+        return compiled(*args), compiled.as_text()
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +264,7 @@ def recipe_model(cfg):
     return model
 
 
-def recipe_train(layout, model, devices=None):
+def recipe_train(layout, model, devices=None, compiled=True):
     from models.transformer import data as data_lib
     from models.transformer.layouts import make_plan
     from models.transformer.model import PipelineSpec, moe_loss_fn
@@ -282,6 +281,8 @@ def recipe_train(layout, model, devices=None):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         aux = metrics["aux"]
+    if not compiled:  # the reference and ep_pp compare losses only: no second lowering
+        return np.array(losses), aux, None
     from shardkit.explain import shard_bytes
 
     # The compiled program (read back from the compilation cache) and the state's shard bytes,
@@ -298,7 +299,7 @@ def recipe_reference():
     from models.transformer.layouts import Layout
 
     model = recipe_model(recipe_cfg(moe_aux_weight=0.0, moe_z_weight=0.0))
-    return model, recipe_train(Layout("data=1"), model, devices=jax.devices()[:1])
+    return model, recipe_train(Layout("data=1"), model, devices=jax.devices()[:1], compiled=False)
 
 
 @pytest.mark.parametrize("name", ["ep"] + [pytest.param(n, marks=pytest.mark.slow)
@@ -307,7 +308,7 @@ def test_recipe_ep_layouts_match_one_device(name, recipe_reference):
     from models.transformer.layouts import LAYOUTS
 
     model, (ref, ref_aux, _) = recipe_reference
-    losses, aux, compiled = recipe_train(LAYOUTS[name], model)
+    losses, aux, compiled = recipe_train(LAYOUTS[name], model, compiled=name != "ep_pp")
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     if name == "ep_pp":  # the pipeline's stages return no router statistics
         return
