@@ -209,6 +209,14 @@ EXTENDED_CASES.setdefault("test_cost.py::test_pytree_model_estimate_matches_comp
 # weights gathered over the batch axes) stays, and ZeRO-3 on data=8 for the three other families.
 EXTENDED_CASES.setdefault("test_cost_families.py::test_estimate_holds_on_unseen_families", set()).update(
     [f"{f}-data=8-1-None" for f in ("mlp", "cnn", "gpt", "moe")] + ["moe-data=8-3-None"])
+# tests/test_step.py (issue 34 item 15): layouts trained against one device whose mesh and ZeRO
+# stage also train against the Optax oracle (an fp32 one-device AdamW with clipping, a stricter
+# reference: loss, grad norm, params and optimizer state) in test_oracle.py::
+# test_fp32_layout_matches_the_oracle: data=8 ZeRO-0/2/3 ([data=8-0-1], [data=8-2-4],
+# [data=8-3-2]), data=2,fsdp=2,tensor=2 ZeRO-1/2 ([...-1-1], [...-2-4]), data=4,fsdp=2 ZeRO-2
+# ([data=4,fsdp=2-2-1]).
+EXTENDED_CASES.setdefault("test_step.py::test_layout_matches_one_device", set()).update(
+    {"data=8-0", "data=8-2", "data=8-3", "data=2,fsdp=2,tensor=2-1", "data=2,fsdp=2,tensor=2-2", "data=4,fsdp=2-2"})
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
     # A checkpoint saved by one process resumed by two, training as one: the transformer
