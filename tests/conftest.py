@@ -252,6 +252,12 @@ EXTENDED_TESTS.add("test_checkpoint.py::test_sigterm_checkpoints_exits_0_and_res
 # test_compressed_outer_gradient_is_within_its_bound_and_smaller; the bad flags are refused in
 # test_transformer_recipe_refuses_bad_diloco_flags.
 EXTENDED_TESTS.add("test_diloco.py::test_transformer_recipe_trains_with_streaming_diloco")
+# tests/test_distributed.py (issue 34 item 15): the coordinator killed (SIGKILL: its sockets close,
+# the survivor measured to stop in 0.1 s). The frozen coordinator (SIGSTOP: sockets open, nothing
+# answers) stays: there the survivor has only the heartbeat to go by, the mechanism that bounds
+# both cases (a closed socket only makes it faster), with the same bound asserted.
+EXTENDED_CASES.setdefault("test_distributed.py::test_coordinator_death_ends_the_survivor_within_the_heartbeat_bound",
+                          set()).add("coordinator-killed")
 # Whole tests that take more than ~10 s on 2 cores (recipe runs through their command line,
 # resumes, searches over thousands of layouts).
 SLOW_TESTS = {
