@@ -178,18 +178,10 @@ def oracle_step(params, opt_state, batch, tx, microbatches, clip, compute="fp32"
         scaler.adjust(finite)
     if scaler and not finite:
         return params, opt_state, record
-    params, opt_state = _clip_and_update(tx, clip, g, opt_state, params)
-    return params, opt_state, record
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _clip_and_update(tx, clip, g, opt_state, params):
-    """Optax's clip and update, one program per optimizer (op by op, the first run compiled
-    every elementwise op of every leaf shape: ~90 small programs)."""
     if clip is not None:
         g, _ = optax.clip_by_global_norm(clip).update(g, optax.EmptyState())
     updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    return optax.apply_updates(params, updates), opt_state, record
 
 
 def oracle_run(batches, tx, microbatches, clip, compute="fp32", scaler=None):
