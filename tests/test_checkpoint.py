@@ -240,14 +240,43 @@ def _wait_for(proc, prefix):
     raise AssertionError(f"process ended before printing {prefix!r}; output: {lines}")
 
 
-@pytest.mark.parametrize("moment", ["created", "writing", "committing"])
-def test_kill_9_while_saving_keeps_previous_checkpoint(tmp_path, moment, dp):
-    plan, step, _ = dp
-    proc = _spawn(os.path.join(SCRIPTS, "save_and_die.py"), "--dir", str(tmp_path), "--moment", moment)
-    _wait_for(proc, f"at {moment}")
-    assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(tmp_path))
-    proc.kill()  # SIGKILL
+KILL_MOMENTS = ("created", "writing", "committing")
+
+
+@pytest.fixture(scope="module")
+def stopped_saves(tmp_path_factory):
+    """One interpreter for the three moments: tests/scripts/save_and_die.py forks a process per
+    moment (before JAX starts), each stopped mid-save of step 2 in its own directory."""
+    dirs = {m: tmp_path_factory.mktemp(f"kill9-{m}") for m in KILL_MOMENTS}
+    args = [a for m in KILL_MOMENTS for a in ("--dir", str(dirs[m]), "--moment", m)]
+    proc = _spawn(os.path.join(SCRIPTS, "save_and_die.py"), *args, limit=300)
+    seen = {}
+
+    def wait_for(word, key):
+        """The rest of the line ``<word> <key> ...`` the script printed (read on as needed)."""
+        while (word, key) not in seen:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            first, _, rest = line.strip().partition(" ")
+            seen[(first, rest.split(" ", 1)[0])] = rest
+        assert (word, key) in seen, f"the script ended before printing {word} {key}; it printed {seen}"
+        return seen[(word, key)]
+
+    yield dirs, wait_for
+    proc.kill()  # the children see it go and end
     proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("moment", KILL_MOMENTS)
+def test_kill_9_while_saving_keeps_previous_checkpoint(stopped_saves, moment, dp):
+    plan, step, _ = dp
+    dirs, wait_for = stopped_saves
+    tmp_path = dirs[moment]
+    pid = int(wait_for("at", moment).split()[1])
+    assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(tmp_path))
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for("reaped", str(pid)).split()[1] == "SIGKILL"  # dead (and reaped) before we look
 
     ckpt = Checkpointer(tmp_path)
     assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]

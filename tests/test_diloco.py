@@ -411,22 +411,31 @@ def test_cost_model_charges_one_sync_per_interval_on_the_slow_link():
     assert compiled == modelled == 800  # 800 f32 parameters, ZeRO-1 over data=4
 
 
+RECIPE_SMALL = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--cpu-devices",
+                "0"]
+
+
 @pytest.mark.slow
-def test_transformer_recipe_trains_with_streaming_diloco(tmp_path, capsys):
+def test_transformer_recipe_trains_with_streaming_diloco(tmp_path):
     """The recipe's --diloco-* flags: Streaming DiLoCo (2 fragments = the 2 stacked layers cut in
-    halves, found by their logical 'layers' axis) with int8 exchanges trains and reports its
-    replica-axis bytes; bad flag combinations exit 2 naming the flag."""
+    halves, found by their logical 'layers' axis) with int8 exchanges trains, syncing every step,
+    and reports its replica-axis bytes."""
     from models.transformer import train
 
-    small = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--cpu-devices", "0",
-             "--quiet", "--eval-batches", "1"]
     out = tmp_path / "m.jsonl"
     assert train.main(["--mesh", "replica=2,data=4", "--steps", "4", "--eval-every", "4", "--diloco-every", "2",
-                       "--diloco-fragments", "2", "--diloco-compress", "int8", "--metrics-out", str(out), *small]) == 0
+                       "--diloco-fragments", "2", "--diloco-compress", "int8", "--metrics-out", str(out),
+                       *RECIPE_SMALL, "--quiet", "--eval-batches", "1"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     sent = next(r["replica_bytes_per_step"] for r in rows if "replica_bytes_per_step" in r)
     assert 0 < sent and all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
-    capsys.readouterr()
+
+
+def test_transformer_recipe_refuses_bad_diloco_flags(capsys):
+    """Bad --diloco-* combinations exit 2 naming the flag, before anything compiles."""
+    from models.transformer import train
+
+    small = [*RECIPE_SMALL, "--quiet", "--eval-batches", "1"]
     assert train.main(["--mesh", "data=8", "--diloco-every", "2", *small]) == 2
     assert "--mesh: --diloco-every needs a `replica` axis" in capsys.readouterr().err
     assert train.main(["--mesh", "replica=2,data=4", "--diloco-every", "4", "--diloco-fragments", "3", *small]) == 2
@@ -540,7 +549,7 @@ def test_overlapped_streaming_matches_reference_and_runs_beside_the_inner_step()
         sk.DiLoCo(mix=0.5)
 
 
-def test_transformer_recipe_reports_the_model_it_trains(capsys):
+def test_transformer_recipe_reports_the_model_it_trains(tmp_path, capsys):
     """Issue 34 item 6: before the first sync the recipe's validation loss is that of the
     replicas' averaged parameters (θ_outer is still the initial model), the parameter count is
     the model's (not times the replicas), and the compile time is that of DiLoCo's programs."""
@@ -549,11 +558,19 @@ def test_transformer_recipe_reports_the_model_it_trains(capsys):
     from models.transformer import train
     from models.transformer.model import Transformer
 
-    flags = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "8", "--cpu-devices", "0",
-             "--eval-batches", "2", "--mesh", "replica=2,data=4", "--diloco-every", "50", "--steps", "4",
-             "--eval-every", "4", "--lr", "1e-2"]
+    # Streaming (2 fragments of the 2 stacked layers) with int8 exchanges: fragment 0 syncs after
+    # step 50 and fragment 1 after step 25, so none does in these 4 steps, while every program of
+    # the recipe's --diloco-* flags is built and compiled (test_transformer_recipe_trains_with_
+    # streaming_diloco, --extended, runs the syncs too).
+    metrics = tmp_path / "m.jsonl"
+    flags = [*RECIPE_SMALL, "--eval-batches", "2", "--mesh", "replica=2,data=4", "--diloco-every", "50",
+             "--diloco-fragments", "2", "--diloco-compress", "int8", "--steps", "4", "--eval-every", "4",
+             "--lr", "1e-2", "--metrics-out", str(metrics)]
     assert train.main(flags) == 0
     out = capsys.readouterr().out
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert next(r["replica_bytes_per_step"] for r in rows if "replica_bytes_per_step" in r) > 0
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
     cfg = train.model_config(train.parser().parse_args(flags))
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

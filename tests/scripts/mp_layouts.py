@@ -2,8 +2,9 @@
 ZeRO-3 spanning two processes. Imported by the test (its 1-process x 8-device reference) and run
 as a 2-process job (``shardkit launch --processes 2 --devices-per-process 4``).
 
-As a job, every process trains each layout of ``LAYOUTS`` for ``--steps`` steps in turn, loading
-only the rows ``distributed.local_rows`` gives it, and prints one line per layout:
+As a job, every process trains each layout of ``LAYOUTS`` (or those named by ``--layout``) for
+``--steps`` steps in turn, loading only the rows ``distributed.local_rows`` gives it, and prints
+one line per layout:
 ``RESULT {json}`` with its process index, the processes of every group along the layout's
 cross-process axis, the share of each parameter this process holds, the largest difference
 between the global batch it built and the full batch, the losses (``float.hex``) and (process 0
@@ -100,12 +101,18 @@ def held_share(x) -> float:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layout", action="append", help="a name from LAYOUTS (repeat it; default: all)")
     a = p.parse_args()
+    names = a.layout or list(LAYOUTS)
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layout: unknown {unknown}; choose from {list(LAYOUTS)}")
 
     if distributed.initialize(timeout_s=60, heartbeat_timeout_s=20) is None:
         raise SystemExit("run under `shardkit launch --processes 2 --devices-per-process 4`")
     me, bad = jax.process_index(), []
-    for name, (_, _, _, axis, _) in LAYOUTS.items():
+    for name in names:
+        axis = LAYOUTS[name][3]
         plan, step = build(name)
         groups = axis_groups(plan.mesh, axis)
         if any(set(g) != set(range(jax.process_count())) for g in groups):
