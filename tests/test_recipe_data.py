@@ -74,7 +74,7 @@ def _losses(path):
 # flags, checkpoint every, steps, module, float32 tolerance. The transformer's one-process run is
 # that of test_checkpoint.py's corrupt-step resume (and test_transformer.py's resume), so one
 # compiles for both; the ResNet's (--extended) no longer matches test_resnet.py's resume, which
-# now shares the layout sweep's ZeRO-3 step instead.
+# now resumes that file's digits accuracy run instead.
 RECIPES = {
     "transformer": (TINY, 3, 6, "models.transformer", 1e-6),
     "resnet": (["--depth", "10", "--width", "0.125", "--image-size", "16", "--batch", "32", "--eval-every", "0"],

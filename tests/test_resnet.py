@@ -101,27 +101,46 @@ def test_layouts_match_one_device(mesh_spec, zero, model, reference):
         assert kernel.sharding.shard_shape(kernel.shape)[2] == kernel.shape[2] // 8
 
 
-def test_digits_accuracy_through_cli(tmp_path):
+def _user_compiled_env() -> dict:
+    """The environment of a recipe subprocess compiled as users' programs are: 100 training
+    steps are run-time bound, and the suite's -O0 compiles (conftest.py) would double their
+    time; at -O2 XLA:CPU's older emitters (tests/_site, for the suite's -O0 programs) compile
+    and run this model slower (measured 49 vs 30 CPU s for the run), so the subprocess gets
+    neither. The session's compilation cache stays: a second run reads the first's programs."""
+    return dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                               if f.split("=")[0] not in ("--xla_backend_optimization_level",
+                                                                          "--xla_llvm_disable_expensive_passes")),
+                PYTHONPATH=os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                           if p and p != shardkit_test_compile.SITE))
+
+
+# 100 steps of batch 64 on 8x8 digits (scikit-learn's own size), ZeRO-1 (the optimizer state
+# sharded), checkpoints at steps 90 and 100.
+DIGITS_FLAGS = ["--depth", "10", "--steps", "100", "--batch", "64", "--image-size", "8", "--shift", "0",
+                "--width", "0.25", "--eval-every", "50", "--zero", "1", "--checkpoint-every", "90"]
+
+
+def _recipe(argv: list[str]) -> None:
+    res = subprocess.run([sys.executable, "-m", "models.resnet", *argv], cwd=ROOT, env=_user_compiled_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """One run of the entry point (a subprocess), read by the accuracy test and resumed by the
+    checkpoint test: (its directory, its metrics records)."""
+    run = tmp_path_factory.mktemp("digits")
+    _recipe(DIGITS_FLAGS + ["--checkpoint-dir", str(run / "ckpt"), "--metrics-out", str(run / "a.jsonl")])
+    return run, [json.loads(line) for line in (run / "a.jsonl").read_text().splitlines()]
+
+
+def test_digits_accuracy_through_cli(digits_run):
     """The entry point trains the narrow ResNet-10 to >= 97% test accuracy on 8x8 digits
     (scikit-learn's own size; 100 steps of batch 64, no shift augmentation) and writes
     JSON-lines metrics. Measured 0.975 at step 100 (0.961 at 50), the same as at 16x16, where
     each step costs four times the convolution work (54 -> 43 CPU s for the whole test)."""
-    out = tmp_path / "metrics.jsonl"
-    # A subprocess compiled as users' programs are: 100 training steps are run-time bound, and the
-    # suite's -O0 compiles (conftest.py) would double their time; at -O2 XLA:CPU's older emitters
-    # (tests/_site, for the suite's -O0 programs) compile and run this model slower (measured
-    # 49 vs 30 CPU s for the run), so the subprocess gets neither.
-    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                              if f.split("=")[0] not in ("--xla_backend_optimization_level",
-                                                                         "--xla_llvm_disable_expensive_passes")),
-               PYTHONPATH=os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                          if p and p != shardkit_test_compile.SITE))
-    res = subprocess.run([sys.executable, "-m", "models.resnet", "--depth", "10", "--steps", "100", "--batch", "64",
-                          "--image-size", "8", "--shift", "0", "--width", "0.25", "--eval-every", "50",
-                          "--metrics-out", str(out), "--zero", "1"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    _, records = digits_run
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 101))
     assert set(train[0]) == {"step", "loss", "accuracy", "images_per_s"}
@@ -256,24 +275,21 @@ def test_cli_errors_are_one_line(argv, expect, tmp_path, capsys):
     assert expect in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_checkpoint_resume_is_bit_identical(tmp_path):
-    """6 steps saving at 3 and 6, ZeRO-3 (every parameter and optimizer leaf sharded); drop
-    step 6 and resume from 3: the same losses, bit for bit (BatchNorm statistics, optimizer
-    state and the data position all come back)."""
-    ckpt = tmp_path / "ckpt"
-    # The model, optimizer and layout of test_layouts_match_one_device[3-data=2,fsdp=4]: the same
-    # step program, read back from the session's compilation cache instead of compiled again.
-    flags = ["--depth", "10", "--width", str(CFG.width), "--image-size", "16", "--batch", str(BATCH), "--shift", "0",
-             "--optimizer", "sgd", "--lr", "0.05", "--warmup-steps", "2", "--mesh", "data=2,fsdp=4", "--zero", "3",
-             "--eval-every", "0", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt)]
-    every = STEPS // 2
-    assert main(flags + ["--checkpoint-every", str(every), "--metrics-out", str(tmp_path / "a.jsonl")]) == 0
-    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [every, STEPS]
+def test_checkpoint_resume_is_bit_identical(digits_run):
+    """The accuracy run saved at steps 90 and 100; drop 100 and resume from 90 (a second
+    process, its programs read back from the compilation cache): the same losses and the same
+    test accuracy, bit for bit (BatchNorm statistics, the ZeRO-1-sharded optimizer state and
+    the data position all come back)."""
+    run, records = digits_run
+    ckpt = run / "ckpt"
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [90, 100]
     import shutil
-    shutil.rmtree(ckpt / str(STEPS))
-    assert main(flags + ["--resume", "--metrics-out", str(tmp_path / "b.jsonl")]) == 0
-    losses = lambda f: [json.loads(l)["loss"] for l in open(tmp_path / f) if '"loss"' in l]  # noqa: E731
-    assert losses("b.jsonl") == losses("a.jsonl")[every:]
+    shutil.rmtree(ckpt / "100")
+    _recipe(DIGITS_FLAGS + ["--checkpoint-dir", str(ckpt), "--resume", "--metrics-out", str(run / "b.jsonl")])
+    resumed = [json.loads(line) for line in (run / "b.jsonl").read_text().splitlines()]
+    pick = lambda rs, key: [(r["step"], r[key]) for r in rs if key in r]  # noqa: E731
+    assert pick(resumed, "loss") == pick(records, "loss")[90:]
+    assert pick(resumed, "test_accuracy") == pick(records, "test_accuracy")[-1:]
     assert main(["--resume"]) == 2  # --resume without a directory is a one-line error
 
 
