@@ -147,11 +147,12 @@ def main(argv=None) -> list[dict]:
     console = Console(width=200)
     out = ROOT / a.out if not os.path.isabs(a.out) else pathlib.Path(a.out)
     data = {"points": []} if a.dry_run else _load(out)
+    command = "python bench/seq_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for target in a.target:
         for seq in a.seq:
             for lay in layouts(a.devices, a.context, a.cp):
                 cfg = SIZES[a.size].replace(seq=seq, remat=a.remat)
-                point = {"target": target, "devices": a.devices, "size": a.size, "remat": a.remat, "seq": seq,
+                point = {"command": command, "target": target, "devices": a.devices, "size": a.size, "remat": a.remat, "seq": seq,
                          "cp": lay["cp"], "mesh": lay["mesh"], "global_batch": lay["global_batch"], "zero": 3,
                          "model_shape": model_shape_estimate(cfg, lay, target)}
                 if not a.dry_run:
@@ -164,7 +165,6 @@ def main(argv=None) -> list[dict]:
                     data = _load(out)
                 data["points"] = [p for p in data["points"] if _key(p) != _key(point)] + [point]
                 if not a.dry_run:
-                    data["command"] = "python bench/seq_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(data, indent=1))
     console.print(table(data["points"]))
