@@ -20,7 +20,9 @@ trace and so is given at every point, compiled or not. Results are written after
     python bench/seq_memory.py [--target h100 tpu-v5p] [--devices 64] [--context 8]
         [--seq 4096 8192 ...] [--remat dots] [--out bench/results/seq_memory.json] [--dry-run]
 
-``--dry-run``: the points and their ModelShape estimates only (nothing traced or compiled).
+``--dry-run``: the points and their ModelShape estimates only (nothing traced, compiled or
+written). ``--estimate-only``: those estimates written for the points ``--out`` lacks
+(``"compiled": null``: not compiled), for points whose compiles did not fit the time.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per point's compile")
     p.add_argument("--out", default="bench/results/seq_memory.json",
                    help="JSON written after each point (existing points of other targets/seqs are kept)")
-    p.add_argument("--dry-run", action="store_true", help="ModelShape estimates only: nothing compiled")
+    p.add_argument("--dry-run", action="store_true", help="ModelShape estimates only: nothing compiled or written")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="write the ModelShape estimates of points not in --out yet, marked not compiled")
     a = p.parse_args(argv)
     if a.devices % a.context:
         p.error(f"--context {a.context} does not divide --devices {a.devices}; pick a divisor")
@@ -124,13 +128,13 @@ def table(points: list[dict]):
     from rich.table import Table
 
     t = Table(title="Memory per device vs sequence (GiB): compiled / explain estimate / ModelShape")
-    for col in ("target", "mesh", "seq", "compiled peak", "fits", "explain est. peak", "ModelShape peak",
+    for col in ("target", "mesh", "remat", "seq", "compiled peak", "fits", "explain est. peak", "ModelShape peak",
                 "compiled temps", "ModelShape temps", "note"):
-        t.add_column(col, justify="right" if col not in ("target", "mesh", "note") else "left")
+        t.add_column(col, justify="right" if col not in ("target", "mesh", "remat", "note") else "left")
     g = lambda v: f"{v / GIB:,.2f}" if isinstance(v, (int, float)) else "–"  # noqa: E731
-    for p in sorted(points, key=lambda p: (p["target"], p["cp"], p["seq"])):
-        c = p.get("compiled") or {}
-        t.add_row(p["target"], p["mesh"], f"{p['seq']:,}", g(c.get("peak")),
+    for p in sorted(points, key=lambda p: (p["target"], p["cp"], p["remat"], p["seq"])):
+        c = p["compiled"] or {}
+        t.add_row(p["target"], p["mesh"], p["remat"], f"{p['seq']:,}", g(c.get("peak")),
                   {True: "yes", False: "no"}.get(c.get("fits"), "–"), g((c.get("explain_estimate") or {}).get("peak")),
                   g(p["model_shape"].get("peak")), g(c.get("temporaries")), g(p["model_shape"].get("temporaries")),
                   c.get("error", "")[:80] if c else "not compiled")
@@ -152,21 +156,25 @@ def main(argv=None) -> list[dict]:
         for seq in a.seq:
             for lay in layouts(a.devices, a.context, a.cp):
                 cfg = SIZES[a.size].replace(seq=seq, remat=a.remat)
-                point = {"command": command, "target": target, "devices": a.devices, "size": a.size, "remat": a.remat, "seq": seq,
-                         "cp": lay["cp"], "mesh": lay["mesh"], "global_batch": lay["global_batch"], "zero": 3,
-                         "model_shape": model_shape_estimate(cfg, lay, target)}
-                if not a.dry_run:
-                    point["compiled"] = compile_point(cfg, lay, target, a.timeout)
-                    c = point["compiled"]
+                point = {"command": command, "target": target, "devices": a.devices, "size": a.size,
+                         "remat": a.remat, "seq": seq, "cp": lay["cp"], "mesh": lay["mesh"],
+                         "global_batch": lay["global_batch"], "zero": 3,
+                         "model_shape": model_shape_estimate(cfg, lay, target), "compiled": None}
+                if a.dry_run:
+                    data["points"].append(point)
+                    continue
+                if a.estimate_only:
+                    if any(_key(p) == _key(point) for p in _load(out)["points"]):
+                        continue  # a compiled (or tried) point is never replaced by an estimate alone
+                else:
+                    point["compiled"] = c = compile_point(cfg, lay, target, a.timeout)
                     console.print(f"{target} {lay['mesh']} seq {seq}: "
                                   + (c["error"][:160] if "error" in c else
                                      f"peak {c['peak'] / GIB:.2f} GiB (fits: {c['fits']}), {c['seconds']} s"))
-                if not a.dry_run:  # re-read: another run (another target) may have written since
-                    data = _load(out)
+                data = _load(out)  # re-read: another run (another target) may have written since
                 data["points"] = [p for p in data["points"] if _key(p) != _key(point)] + [point]
-                if not a.dry_run:
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    out.write_text(json.dumps(data, indent=1))
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(data, indent=1))
     console.print(table(data["points"]))
     return data["points"]
 
