@@ -107,7 +107,7 @@ def compile_point(cfg, lay: dict, target: str, timeout: float) -> dict:
         r = err
     out = {"seconds": round(time.time() - t0, 1)}
     if isinstance(r, Exception):
-        return {**out, "error": f"{type(r).__name__}: {str(r).strip()[:400]}"}
+        return {**out, "error": f"{type(r).__name__}: {str(r).strip().replace(str(ROOT) + '/', '')[:400]}"}
     est = {c["quantity"]: c["estimate"] for c in r.comparison()}
     return {**out, "temporaries": float(r.memory["temporaries"]), "peak": float(r.memory["peak"]),
             "device_memory": float(r.device_memory), "fits": r.fits,
