@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the size's)")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--remat", default=None, help="the model's remat policy (default: the size's)")
+    ap.add_argument("--attention", default=None, help="Config.attention (default auto: the target's flash kernel; "
+                    "reference: the (T, T) program before issue 35)")
+    ap.add_argument("--loss-chunk", type=int, default=None, help="Config.loss_chunk (default -1: auto; 0: plain loss)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism over tensor")
     ap.add_argument("--target", default="cpu", help="h100, h200, a100, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
     ap.add_argument("--out", default=None, help="JSON rows (default bench/results/simulate_<target>.json)")
@@ -67,6 +70,10 @@ def main(argv=None) -> None:
     cfg = SIZES[a.size] if a.seq is None else SIZES[a.size].replace(seq=a.seq)
     if a.remat:
         cfg = cfg.replace(remat=a.remat)
+    if a.attention is not None:
+        cfg = cfg.replace(attention=a.attention)
+    if a.loss_chunk is not None:
+        cfg = cfg.replace(loss_chunk=a.loss_chunk)
     gib = 2 ** 30
     t = Table(title=f"transformer {a.size} ({cfg.d_model}x{cfg.layers}, seq {cfg.seq}, remat {cfg.remat}), "
                     f"global batch {a.batch}, {a.precision}: compiled for {a.target}")
@@ -117,6 +124,7 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"size": a.size, "batch": a.batch, "seq": cfg.seq, "precision": a.precision, "target": a.target,
+                   "attention": cfg.attention, "loss_chunk": cfg.loss_chunk,
                    "remat": cfg.remat, "wall_s": wall, "rows": rows}, f, indent=1)
     print(f"{len(jobs)} layouts compiled for {a.target} in {wall:.0f} s (one subprocess)")
 

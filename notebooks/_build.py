@@ -1,4 +1,4 @@
-"""Writes notebooks/01..07 *executed* with nbformat + nbclient: ``python notebooks/_build.py``
+"""Writes notebooks/01..08 *executed* with nbformat + nbclient: ``python notebooks/_build.py``
 (a few minutes on 2 cores; ``python notebooks/_build.py 03_zero_memory`` rebuilds one; 07
 takes about 20 minutes: ``--timeout 2400``).
 
@@ -331,6 +331,21 @@ for r in (h100, v5p):
             assert any("under the compiled peak" in f for f in compiled_flags(e, v)), e.layout
 ''',
 }
+
+
+def _sibling(name: str):
+    """A cells module beside this file (loaded by path: the tests load this builder by path too)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_nb_{name}", HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# 08 reads the 7B's compiled figures from bench/results (its cells live in their own module).
+_seq = _sibling("_seq_memory_cells")
+NOTEBOOKS[_seq.NAME], CHECKS[_seq.NAME] = _seq.CELLS, _seq.CHECK
 
 CHECKS_MD = ("md", "### Checks\nThe figures stated above, asserted; the tests re-run this notebook.")
 

@@ -29,7 +29,7 @@ def _builder():
 def test_notebooks_exist_and_match_the_builder():
     mod = _builder()
     names = [p.stem for p in NOTEBOOKS]
-    assert [n[:2] for n in names] == ["01", "02", "03", "04", "05", "06", "07"], names
+    assert [n[:2] for n in names] == ["01", "02", "03", "04", "05", "06", "07", "08"], names
     assert sorted(mod.NOTEBOOKS) == names
     for p in NOTEBOOKS:
         nb = nbformat.read(p, as_version=4)
