@@ -21,7 +21,7 @@ from .cost.compiled.report import Report as Report, shard_bytes as shard_bytes
 def explain_step(step, state, batch, *, flops_per_token=None) -> Report:
     """The report behind ``TrainStep.explain``: compiled figures, and the analytic estimate
     of ``sk.cost.estimate_for_step`` beside them."""
-    compiled = step.lower(state, batch).compile()
+    compiled = step.compile(state, batch)  # kept by the step: training on these shapes runs it
     plan = step.plan
     grad_specs = step.specs("grads")
     grads = jax.tree.map(

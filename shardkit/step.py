@@ -62,6 +62,12 @@ class TrainState:
 _CPU_MAX_IN_FLIGHT = 2
 
 
+def _signature(batch) -> tuple:
+    """What selects a compiled step for a batch: its structure, shapes and (canonical) dtypes."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple((tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype)) for x in leaves)
+
+
 def _in_flight_queue(plan: Plan):
     """The queue that bounds steps in flight on XLA:CPU (see ``__call__``); None elsewhere.
     An AbstractMesh names its platform in ``abstract_device`` (or nothing: it never runs)."""
@@ -101,6 +107,7 @@ class TrainStep:
         self._logical: dict = {}
         self._state_shardings = None
         self._jitted: dict = {}
+        self._executables: dict = {}  # step.compile()'s, run by __call__ for batches of their shapes
         self._batch_shardings: dict = {}
         self.trace_notes: dict = {}
         self._in_flight = _in_flight_queue(plan)
@@ -250,6 +257,7 @@ class TrainStep:
         new = copy.copy(self)
         new.plan, new._in_flight, new._last_streak = plan, _in_flight_queue(plan), None
         new._jitted, new._batch_shardings, new._state_shardings, new.trace_notes = {}, {}, None, {}
+        new._executables = {}
         lay = self._layout
         params = lay.tree([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in lay.leaves])
         new._layout = plan._layout(params, self._logical, self._adapter.param_prefix)
@@ -342,6 +350,16 @@ class TrainStep:
         with self.plan.active():
             return self._compiled_fn(state, shardings).lower(state, batch)
 
+    def compile(self, state: TrainState, batch) -> jax.stages.Compiled:
+        """This step compiled for ``batch``'s shapes (``.memory_analysis()``, ``.as_text()``),
+        and the executable later calls on batches of those shapes run. JAX reuses a lowering's
+        compile for a call only while the compile options in effect match; kept here, the
+        program whose memory a report read (the recipes' memory line, ``explain``) is the one
+        that trains, with no second compile. ``state`` and ``batch`` may be ``ShapeDtypeStruct``s."""
+        compiled = self.lower(state, batch).compile()
+        self._executables[_signature(batch)] = compiled
+        return compiled
+
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """Runs one step; ``state`` is donated (do not use it afterwards)."""
         self._require_init()
@@ -352,7 +370,8 @@ class TrainStep:
             if self._diloco is not None:
                 new_state, metrics = self._diloco.run(state, batch, shardings)
             else:
-                new_state, metrics = self._compiled_fn(state, shardings)(state, batch)
+                run = self._executables.get(_signature(batch)) if self._executables else None
+                new_state, metrics = (run or self._compiled_fn(state, shardings))(state, batch)
         if self._in_flight is not None:
             # XLA:CPU deadlocks in a collective's rendezvous when thousands of steps are queued
             # (seen with jax 0.10 on 8 simulated devices: "only 7 of 8 threads arrived"); keep

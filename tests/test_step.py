@@ -373,3 +373,28 @@ def test_bf16_pure_keeps_params_and_optimizer_state_in_bf16(reference):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.opt_state) if x.ndim)
     assert losses[-1] < 0.7 * losses[0]
     np.testing.assert_allclose(losses, reference[0], rtol=5e-2)  # bf16 masters drift further
+
+
+def test_a_compiled_step_is_the_program_that_runs(caplog):
+    """``step.compile`` (the recipes' memory line, ``explain``) keeps its executable, and calls
+    on batches of those shapes run it: no second compile of the step. Another batch shape
+    compiles its own program."""
+    import logging
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    import tiny
+
+    _, step = tiny.make_step("data=8", zero=0)
+    state = step.init(lambda k: tiny.init_params(k, d_hid=40), seed=0)  # a width no other test uses
+    compiled = step.compile(state, tiny.batch(0))
+    compiles = lambda: re.findall(r"XLA compilation of jit\((\w+)\)", caplog.text).count("_step")  # noqa: E731
+    with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+        state, metrics = step(state, tiny.batch(0))
+        state, _ = step(state, tiny.batch(1))
+        assert compiles() == 0
+        step(state, jax.tree.map(lambda x: x[: len(x) // 2], tiny.batch(2)))
+        assert compiles() == 1
+    assert np.isfinite(float(metrics["loss"])) and compiled.memory_analysis() is not None

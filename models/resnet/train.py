@@ -156,4 +156,4 @@ def state_bytes_per_device(state: sk.TrainState) -> dict[str, int]:
 def compiled_memory(step: sk.TrainStep, state: sk.TrainState, batch: dict) -> dict[str, int]:
     """Per-device memory of the compiled step (``peak``, ``temporaries``, ...: see
     ``shardkit.explain.compiled_memory``)."""
-    return explain.compiled_memory(step.lower(state, batch).compile())
+    return explain.compiled_memory(step.compile(state, batch))

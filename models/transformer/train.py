@@ -363,7 +363,7 @@ def _run(args) -> int:
         placed, shardings = step.place_batch(batches.batch_at(0))
         compiled = step.diloco.programs(state, placed, shardings)["inner"]
     else:
-        compiled = step.lower(state, batches.batch_at(0)).compile()
+        compiled = step.compile(state, batches.batch_at(0))
     compile_s = time.perf_counter() - t0
     console.print(_memory_line(state, compiled, compile_s, "DiLoCo's programs" if step.diloco else "step"))
     replica_bytes = replica_traffic(step, state, batches.batch_at(0), compiled)
