@@ -304,10 +304,11 @@ SLOW_TESTS = {
 # classic greedy schedule (each file goes to the worker that frees first): the workers finish
 # within about one short file of each other. Files not listed keep their order after these.
 LONGEST_FIRST = (
-    "test_transformer.py", "test_resnet.py", "test_targets_gpu.py", "test_checkpoint.py", "test_recipe_example.py",
-    "test_notebooks.py", "test_pipeline.py", "test_cost_families.py", "test_recipe_data.py", "test_distributed.py",
-    "test_cost.py", "test_bench_gpu.py", "test_diloco.py", "test_targets_tpu.py", "test_moe.py", "test_simulated.py",
-    "test_kernels.py", "test_step.py", "test_plan_command.py", "test_context.py", "test_oracle.py",
+    "test_transformer.py", "test_targets_gpu.py", "test_resnet.py", "test_cost_families.py", "test_pipeline.py",
+    "test_checkpoint.py", "test_notebooks.py", "test_distributed.py", "test_cost.py", "test_moe.py",
+    "test_recipe_example.py", "test_simulated.py", "test_targets_tpu.py", "test_diloco.py", "test_context.py",
+    "test_step.py", "test_recipe_data.py", "test_bench_gpu.py", "test_kernels.py", "test_plan_command.py",
+    "test_oracle.py",
 )
 
 
