@@ -272,13 +272,9 @@ def hybrid_mlp_step(mesh_spec: str, zero: int):
     """``(step, abstract state, batch)`` of the README's MLP planned on this process's 8 devices:
     bench/hybrid_zero.py's step (one program for the benchmark's table and these checks), at the
     sweep's smaller widths."""
-    import importlib.util
-    import pathlib
+    import repo_files
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "hybrid_zero.py"
-    spec = importlib.util.spec_from_file_location("hybrid_zero", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = repo_files.load("bench/hybrid_zero.py", "hybrid_zero")
     return bench.mlp_step(mesh_spec, zero, MLP_D, MLP_F, MLP_ROWS, MLP_LAYERS)
 
 

@@ -2,19 +2,13 @@
 and their ModelShape estimates, at a tiny size (nothing traced or compiled), so the command
 cannot rot between the runs that compile (notebooks/08 reads what those wrote)."""
 
-import importlib.util
-import pathlib
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import repo_files
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("seq_memory_bench", ROOT / "bench" / "seq_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return repo_files.load("bench/seq_memory.py", "seq_memory_bench")
 
 
 def test_dry_run_points_and_estimates():

@@ -13,6 +13,7 @@ import shardkit as sk
 from shardkit.cost.analytic.caveats import unseen_caveats
 from shardkit.cost.compiled.simulated import abstract_mesh
 from shardkit.cost.program.reader import read_program
+import repo_files
 
 B, T, H, Q = 8, 1024, 4, 64  # one sequence a device over data=8; 8 kernel blocks of 128
 
@@ -112,16 +113,10 @@ def test_the_chunked_loss_is_not_taken_for_a_recurrence():
 @pytest.mark.extended
 @pytest.mark.targets
 def test_a_flash_step_estimate_against_its_h100_compile():
-    import importlib.util
-    import pathlib
-
     from target_sweep import require
 
     require("h100")
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel_cost.py"
-    spec = importlib.util.spec_from_file_location("kernel_cost", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = repo_files.load("bench/kernel_cost.py", "kernel_cost")
     d, heads, seq, layers = 256, 4, 512, 1
     step, state, batch = bench.gpt_step("h100", "auto", d=d, heads=heads, layers=layers, vocab=1024, seq=seq)
     rows = {r["quantity"]: r for r in sk.cost.simulate(step, state, batch, "data=8", target="h100",

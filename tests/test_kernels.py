@@ -5,7 +5,6 @@ no (T, T) buffer, temporaries far below the plain form's)."""
 
 import functools
 import importlib
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -19,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import shardkit as sk
 from shardkit.kernels import blockwise_attention, reference_attention
+import repo_files
 
 attention_mod = importlib.import_module("shardkit.kernels.attention")  # the module, not sk.attention
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -233,9 +233,7 @@ def test_the_gpu_bench_dry_run_writes_its_table(tmp_path):
     command the GPU lease runs cannot rot (accuracy rows within bf16/fp32 bounds, timings).
     Its ``main`` runs in this process (the script's ``__main__`` only calls it): a subprocess
     would start JAX again for the same code."""
-    spec = importlib.util.spec_from_file_location("kernels_gpu_bench", ROOT / "bench" / "kernels_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = repo_files.load("bench/kernels_gpu.py", "kernels_gpu_bench")
     bench.main(["--dry-run", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "kernels_gpu-dry-run.json").read_text())
     assert result["dry_run"] and not any(k.endswith("_error") for k in result)

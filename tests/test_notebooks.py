@@ -6,10 +6,10 @@ Each notebook simulates its own 8 CPU devices in a fresh kernel.
 """
 
 import base64
-import importlib.util
 import pathlib
 
 import pytest
+import repo_files
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -20,10 +20,7 @@ MAX_PNG_BYTES = 150_000
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("_nb_build", ROOT / "notebooks" / "_build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return repo_files.load("notebooks/_build.py", "_nb_build")
 
 
 def test_notebooks_exist_and_match_the_builder():

@@ -6,21 +6,17 @@ each data/tensor axis runs.
 """
 
 import dataclasses
-import importlib.util
 import pathlib
 import re
-import sys
 
 import pytest
 
 from shardkit import cost
 from shardkit.cost.analytic import from_shape as formulas, steptime
+import repo_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_published", ROOT / "bench" / "published.py")
-published = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = published  # dataclasses resolve annotations through sys.modules
-_spec.loader.exec_module(published)
+published = repo_files.load("bench/published.py", "bench_published")
 
 # Calibration rows the refit uses must each land within this of their published throughput
 # (the spread of Megatron-LM's H100 table around one matmul efficiency: +24% at 1.7B, -16% at 32B).

@@ -1,15 +1,13 @@
 """examples/third_party_resnet.py: a third-party Flax Linen model (flaxmodels' ResNet-18)
 trained under user-written rules on two layouts, with plan.describe() and explain()."""
 
-import importlib.util
-import pathlib
 
 import jax
 import numpy as np
 import pytest
+import repo_files
 
 pytest.importorskip("flaxmodels")
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "third_party_resnet.py"
 
 
 ONE_PASS_VARIANCE = "var = mean2 - lax.square(mean)"
@@ -37,9 +35,7 @@ def two_pass_batchnorm():
 
 @pytest.mark.slow
 def test_third_party_model_trains_under_user_rules(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("third_party_resnet", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = repo_files.load("examples/third_party_resnet.py", "third_party_resnet")
     monkeypatch.setattr(*two_pass_batchnorm())  # ops.batch_norm builds ops.BatchNorm at call time
     # conftest makes implicit rank promotion an error for our code; flaxmodels relies on it
     with jax.numpy_rank_promotion("allow"):

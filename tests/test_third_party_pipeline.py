@@ -2,19 +2,13 @@
 stacked by the example's documented recipe) train through every pipeline schedule on pipe=2
 and equal one device: two SGD steps, same losses and weights (fp32, 1e-5)."""
 
-import importlib.util
-import pathlib
-
 import jax
 import numpy as np
 import pytest
+import repo_files
 
 pytest.importorskip("flaxmodels")
-spec = importlib.util.spec_from_file_location(
-    "third_party_gpt2_pipeline",
-    pathlib.Path(__file__).resolve().parents[1] / "examples" / "third_party_gpt2_pipeline.py")
-example = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(example)
+example = repo_files.load("examples/third_party_gpt2_pipeline.py", "third_party_gpt2_pipeline")
 
 
 @pytest.fixture(scope="module")
