@@ -33,10 +33,16 @@ from .blockwise import blockwise_attention, reference_attention
 
 IMPLEMENTATIONS = ("auto", "cudnn", "triton", "mosaic", "blockwise", "reference")
 _BLOCK = 128  # the Pallas kernels' sequence block (both default to 128)
-# Triton's backward holds four (block, head_dim) tiles in shared memory: f32 × head_dim 128 asked
-# for 262,144 bytes in a deviceless H100 compile and XLA refused it (the H100's limit per block
-# is 232,448: 227 KiB).
+# Triton's kernel holds four (block, head_dim) tiles in shared memory: f32 × head_dim 128 at
+# block 128 asked for 262,144 bytes, refused by a deviceless H100 compile and on a real H200
+# (the limit per block on both is 232,448: 227 KiB). Such inputs take the next smaller block.
 _TRITON_TILES, _GPU_SHARED_BYTES = 4, 232_448
+_TRITON_BLOCKS = (128, 64, 32)
+
+
+def _triton_block(Q: int, itemsize: int) -> int | None:
+    """The largest Triton sequence block whose tiles fit in shared memory, None if none does."""
+    return next((b for b in _TRITON_BLOCKS if _TRITON_TILES * b * Q * itemsize <= _GPU_SHARED_BYTES), None)
 
 
 class KernelFallbackWarning(UserWarning):
@@ -78,15 +84,19 @@ def _fits(kernel: str, T: int, Q: int, window: int | None, itemsize: int) -> Cho
                                    "backward fails in this jax")
     if window is not None:
         return Choice("blockwise", f"the Pallas {kernel} kernel has no sliding window")
-    if T % _BLOCK:
-        return Choice("blockwise", f"sequence {T} is not a multiple of the {kernel} kernel's "
-                                   f"block of {_BLOCK}")
     if kernel == "triton" and not 16 <= Q <= 256:
         return Choice("blockwise", f"head_dim {Q} is outside the triton kernel's 16..256")
-    if kernel == "triton" and _TRITON_TILES * _BLOCK * Q * itemsize > _GPU_SHARED_BYTES:
-        return Choice("blockwise", f"head_dim {Q} at {itemsize} bytes per element needs "
-                                   f"{_TRITON_TILES * _BLOCK * Q * itemsize:,} bytes of shared memory in the "
-                                   f"triton kernel's backward, over the GPU's {_GPU_SHARED_BYTES:,}")
+    block = _BLOCK
+    if kernel == "triton":
+        block = _triton_block(Q, itemsize)
+        if block is None:
+            need = _TRITON_TILES * _TRITON_BLOCKS[-1] * Q * itemsize
+            return Choice("blockwise", f"head_dim {Q} at {itemsize} bytes per element needs {need:,} "
+                                       f"bytes of shared memory in the triton kernel at its smallest "
+                                       f"block, over the GPU's {_GPU_SHARED_BYTES:,}")
+    if T % block:
+        return Choice("blockwise", f"sequence {T} is not a multiple of the {kernel} kernel's "
+                                   f"block of {block}")
     return Choice(kernel)
 
 
@@ -157,7 +167,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window:
 def _triton(q, k, v, causal, scale):
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
-    return gpu_attention.mha(q, k, v, None, sm_scale=scale, causal=causal)
+    block = _triton_block(q.shape[-1], q.dtype.itemsize) or _TRITON_BLOCKS[-1]
+    sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32,
+                                     block_q_dq=32, block_kv_dq=32)
+    return gpu_attention.mha(q, k, v, None, sm_scale=scale, causal=causal, block_sizes=sizes)
 
 
 def _mosaic(q, k, v, causal, scale):
