@@ -67,8 +67,10 @@ def test_a_window_the_run_ends_inside_is_closed_with_it(tmp_path):
 
     profiler, x = Profiler("1:9", str(tmp_path)), jnp.zeros(4)
     for i in range(3):
-        with profiler.step(i, x):
+        with profiler.step(i):
             x = x + i
+        profiler.after(i, x)
+    assert profiler._active  # the window runs past the last step
     profiler.close(x)
     assert _traced_steps(tmp_path) == {"1", "2"}
 
@@ -82,7 +84,7 @@ def test_a_window_ending_with_the_run_stops_after_its_last_step(tmp_path):
 
     profiler, x = Profiler("1:3", str(tmp_path)), jnp.zeros(4)
     for i in range(3):
-        with profiler.step(i, x):
+        with profiler.step(i):
             x = x + i
         profiler.after(i, x)
     assert not profiler._active  # stopped before anything that follows the loop

@@ -92,8 +92,9 @@ def _records(path: str) -> Iterator[bytes]:
 class Profiler:
     """Traces steps ``[start, stop)`` with ``jax.profiler`` into ``directory``.
 
-    Call ``step(i)`` before each step ``i`` (it opens the window and marks the step for the
-    trace viewer's step view) and ``close()`` after the loop.
+    Run each step ``i`` under ``step(i)`` (it opens the window and marks the step for the
+    trace viewer's step view), call ``after(i, outputs)`` once it returns (the window's last
+    step closes it) and ``close()`` after the loop.
 
     Args:
         window: ``"A:B"`` (steps A to B-1) or None (no trace).
@@ -116,20 +117,13 @@ class Profiler:
                                  "steps 10, 11 and 12)")
             self.start, self.stop = a, b
 
-    def step(self, i: int, previous=None):
-        """Before step ``i``: starts or stops the trace at the window's edges; ``previous``
-        (the last step's outputs) is waited for before stopping, so the trace holds every
-        step of the window. Returns a context manager to run step ``i`` under."""
-        if self.start is None:
-            return _nothing()
-        if i == self.stop and self._active:
-            self._finish(previous)
-        if i == self.start and not self._active:
+    def step(self, i: int):
+        """Before step ``i``: starts the trace at the window's first step. Returns a context
+        manager to run step ``i`` under (the trace viewer's step mark inside the window)."""
+        if self.start is not None and i == self.start and not self._active:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self._active = True
-        if self._active:
-            return jax.profiler.StepTraceAnnotation("train", step_num=i)
-        return _nothing()
+        return jax.profiler.StepTraceAnnotation("train", step_num=i) if self._active else _nothing()
 
     def after(self, i: int, outputs=None) -> None:
         """After step ``i``: a window whose last step this was stops here, once ``outputs``

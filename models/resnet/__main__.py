@@ -177,6 +177,7 @@ def _train(args: argparse.Namespace) -> int:
                 t = time.perf_counter()
                 with profiler.step(i):
                     state, metrics = step(state, batch)
+                profiler.after(i, metrics)
                 loss, acc = float(metrics["loss"]), float(metrics["aux"]["accuracy"])
                 ips = args.batch / (time.perf_counter() - t)
                 log({"step": i, "loss": loss, "accuracy": acc, "images_per_s": ips})
