@@ -208,4 +208,7 @@ def test_a_compilers_out_of_memory_verdict_is_does_not_fit_with_its_bytes():
     assert isinstance(err, DoesNotFit) and isinstance(err, SimulationError)
     assert err.required == 158.05 * 2**30 and err.available == 95.74 * 2**30
     assert "needs 158.1 GiB of temporaries per device, the device has 95.7 GiB" in str(err)
+    # A report's fits verdict for a v5p is judged against what this compiler allows, in the
+    # same (binary) unit: the "95 GB" of Google's table read as decimal was 88.5 GiB.
+    assert sk.cost.hardware.lookup("tpu-v5p").hbm_bytes == err.available
     assert type(compile_error({"error": "something else"})) is SimulationError

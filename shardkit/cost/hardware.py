@@ -85,7 +85,9 @@ for _hw in (
     # per chip.
     Hardware("tpu-v4", 275e12, 32 * GB, 6 * 45 * GB, 6.25 * GB, ("tpu v4",), 1.2 * TB),
     Hardware("tpu-v5e", 197e12, 16 * GB, 4 * 45 * GB, 6.25 * GB, ("tpu v5 lite", "tpu v5e"), 0.819 * TB),
-    Hardware("tpu-v5p", 459e12, 95 * GB, 6 * 90 * GB, 6.25 * GB, ("tpu v5p", "tpu v5"), 2.765 * TB),
+    # v5p: "95 GB" in Google's table is binary: XLA:TPU's out-of-memory verdict reads "available
+    # HBM (95.74G)" (XLA prints GiB), so fitting is judged against what its compiler allows.
+    Hardware("tpu-v5p", 459e12, 95.74 * 2**30, 6 * 90 * GB, 6.25 * GB, ("tpu v5p", "tpu v5"), 2.765 * TB),
     Hardware("tpu-v6e", 918e12, 32 * GB, 4 * 90 * GB, 6.25 * GB, ("tpu v6 lite", "tpu v6e"), 1.64 * TB),
 ):
     register_hardware(_hw)
