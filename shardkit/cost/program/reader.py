@@ -46,6 +46,7 @@ from jax._src import core as jcore
 from . import cpu_buffers
 from .flash import chunked_loss, flash_flops, scopes
 from .gather_or_move import activations_smaller
+from .loop_stacks import loop_held
 from .row_syncs import row_syncs
 from .walk import Pass as _Pass, elementwise_output as _elementwise_output
 from .walk import (grouped_kernel as _grouped_kernel, nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops,
@@ -87,6 +88,7 @@ class _Reader(TensorSplits):
         self.notes: list[str] = []
         self.unseen: dict[str, str] = {}
         self._times = 1.0
+        self.held: dict = {}  # a loop's stacked weights and gradients: var -> times smaller (loop_stacks)
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
         self.stack = ""  # the name stacks of the equations holding the jaxpr being read (``flash``)
         self.manual_devices = 1  # devices a shard_map being read splits over (its manual axes')
@@ -313,7 +315,7 @@ class _Reader(TensorSplits):
                 nbytes = _bytes(v.aval) / split
         if self.canonical_dots and name in _MATMUL and np.dtype(v.aval.dtype).itemsize == 2:
             nbytes *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
-        return nbytes
+        return nbytes / self.held.get(v, 1.0)
 
     def _sweep(self, p: _Pass, jaxpr: jcore.Jaxpr, outputs_live: bool) -> float:
         """The peak of the live bytes: a buffer is live from its producing equation through its
@@ -339,7 +341,8 @@ class _Reader(TensorSplits):
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False, weight_dims: list | None = None,
                  weight_axes: frozenset | None = None, feature_dims: Callable | None = None,
-                 tensor_axis: int = 1, grouped_ragged_dots: bool = False) -> ProgramReading:
+                 tensor_axis: int = 1, grouped_ragged_dots: bool = False,
+                 stored_split: list | None = None, grad_split: list | None = None) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
     Args:
@@ -365,6 +368,10 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         grouped_ragged_dots: XLA:TPU's ``lax.ragged_dot``: its forward and input gradient run
             as grouped matmuls (each row meets one group's weights), not as the masked dense
             product over all groups XLA:CPU and XLA:GPU run (``walk.ragged_dot_flops``).
+        stored_split, grad_split: per parameter leaf, how many times smaller than its compute
+            layout its stored layout and the gradient a loop writes are: a scanned stack of
+            layers is then sized that way where only a loop reads or writes it
+            (``loop_stacks``). None: every stack at its compute layout.
     """
     grad_fn = jax.value_and_grad(fn)
     closed = jax.make_jaxpr(grad_fn)(params, batch)
@@ -372,6 +379,9 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
     reader = _Reader(split_of, n_params, canonical_dots)
     reader.grouped_ragged_dots = grouped_ragged_dots
+    if stored_split is not None or grad_split is not None:
+        ones = [1.0] * n_params
+        reader.held = loop_held(jaxpr, n_params, stored_split or ones, grad_split or ones)
     if weight_dims is not None:
         reader.weight_dims = {v: frozenset(d) for v, d in zip(jaxpr.invars[:n_params], weight_dims)}
         reader.weight_axes = weight_axes
