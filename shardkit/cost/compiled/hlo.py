@@ -13,6 +13,7 @@ from collections import defaultdict
 import numpy as np
 
 from ...pipeline import schedules as sched
+from ..flash_flops import flash_call_flops, flash_kernel
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
@@ -209,6 +210,10 @@ _CUDNN = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?(\S+?\])\S*\s"
 # group's weights; ragged-dot-metadata is the group bookkeeping).
 _TPU_RAGGED_DOT = re.compile(r'^\s*(?:ROOT\s+)?%ragged-dot-(?!metadata)[\w.\-]*\s*=.*custom_call_target="tpu_custom_call"'
                              r'.*"cost_estimate":\{"flops":"(\d+)"')
+# sk.attention's Pallas flash kernels: custom calls no compiler counts flops for (Triton's on
+# GPU, Mosaic's on TPU), told apart from other kernels by the named scope in their metadata.
+_KERNEL_CALL = re.compile(r'custom_call_target="(?:__gpu\$xla\.gpu\.triton|tpu_custom_call)"')
+_OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
@@ -310,8 +315,10 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,
                           fp8_only: bool = False) -> float:
     """Flops of every ``dot`` (2 × result elements × contracted size), ``convolution`` (2 ×
-    result elements × window × input features per group) and XLA:TPU ``ragged-dot`` grouped
-    matmul (the flops its kernel's cost estimate states), counted through loop trip counts — XLA's ``cost_analysis`` counts a ``while`` body once. ``branch_weights``
+    result elements × window × input features per group), XLA:TPU ``ragged-dot`` grouped
+    matmul (the flops its kernel's cost estimate states) and ``sk.attention`` flash kernel call
+    (``_flash_flops``: the program reader's formula), counted through loop trip counts — XLA's
+    ``cost_analysis`` counts a ``while`` body once and no custom call. ``branch_weights``
     weights ``conditional`` branches as in ``_walk`` (a pipeline's schedule table: a 1F1B tick
     runs one of its switch's branches, not all of them). ``fp8_only``: only the ops (dots,
     convolutions, cuDNN convolutions alike) whose operands are all fp8 (``f8e4m3fn``,
@@ -331,6 +338,9 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             if (g := _TPU_RAGGED_DOT.match(line)) is not None:
                 total += 0.0 if fp8_only else m * float(g.group(1))
                 continue
+            if (flash := _flash_flops(line, shapes)) is not None:
+                total += 0.0 if fp8_only else m * flash
+                continue
             cv = _CONV.match(line)
             cd = _CUDNN.match(line) if cv is None and "__cudnn$conv" in line else None
             d = _DOT.match(line) if cv is None and cd is None else None
@@ -349,6 +359,31 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
             k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
             total += m * 2.0 * math.prod(res) * k
     return total
+
+
+def _flash_flops(line: str, shapes: dict) -> float | None:
+    """The flops of an ``sk.attention`` flash kernel call (``cost.flash_flops``, the program
+    reader's formula, on the custom call's operand and result shapes), or None where ``line``
+    is no kernel call inside a flash scope.
+
+    Raises:
+        HloParseError: an operand's shape cannot be read (a figure without it would be wrong).
+    """
+    if "custom-call(" not in line or not _KERNEL_CALL.search(line):
+        return None
+    op_name = _OP_NAME.search(line)
+    found = flash_kernel(op_name.group(1)) if op_name else None
+    if found is None:
+        return None
+    array = lambda t: (_ints(t.group(2)), t.group(1) in _FLOAT or bool(_FP8.match(t.group(1))))  # noqa: E731
+    operands = [_SHAPE.search(t) for t in _operand_types(line, shapes)]
+    if len(operands) < 2 or None in operands:
+        raise HloParseError(f"cannot read the operand shapes of this flash kernel call: {line.strip()[:300]}")
+    return flash_call_flops(*found, [array(t) for t in operands],
+                            [array(t) for t in _SHAPE.finditer(_INSTR.match(line).group(1))])
+
+
+_FLOAT = ("bf16", "f16", "f32", "f64")
 
 
 # A floating-point array multiply (not the scalar index arithmetic of a dot's loop) named
@@ -372,27 +407,32 @@ def rewritten_matmuls(hlo: str) -> int:
 
 
 _FP8 = re.compile(r"^f8e\d")
+_COMMENT = re.compile(r"/\*.*?\*/")  # HLO numbers long operand lists: /*index=5*/
 
 
-def _fp8_operands(line: str, shapes: dict) -> bool:
-    """Whether every operand of an instruction is fp8: the element type written before the
-    operand's name, or else the one its defining instruction gave it."""
+def _operand_types(line: str, shapes: dict) -> list[str]:
+    """The types of an instruction's operands, in order: the one written before an operand's
+    name, or else the one its defining instruction gave it ("" where neither is known)."""
     ins = _INSTR.match(line)
     if ins is None:
-        return False
+        return []
     text, depth, end = ins.group(3), 1, 0
     for end, ch in enumerate(text):  # the operand list ends at the op's closing parenthesis
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
             break
     types = []
-    for operand in _split_tuple(f"({text[:end]})"):
+    for operand in _split_tuple(f"({_COMMENT.sub('', text[:end])})"):
         words = operand.split()
         if not words:
             continue
-        name = words[-1].lstrip("%")
-        written = words[0] if len(words) > 1 else shapes.get(name, "")
-        types.append(written.lstrip("(").split("[", 1)[0])
+        types.append(words[0] if len(words) > 1 else shapes.get(words[-1].lstrip("%"), ""))
+    return types
+
+
+def _fp8_operands(line: str, shapes: dict) -> bool:
+    """Whether every operand of an instruction is fp8."""
+    types = [t.lstrip("(").split("[", 1)[0] for t in _operand_types(line, shapes)]
     return bool(types) and all(_FP8.match(t) for t in types)
 
 

@@ -8,19 +8,8 @@ A named scope rather than jax's kernel names or operand shapes: the names are ja
 kernel with three same-shaped inputs. The scope is shardkit's own and says the kernel (its
 layout) and whether it is causal, which the calls' operands do not.
 
-Flops, the reader's convention for a dot (2·M·N·K; the plain form's QKᵀ and PV are two), for
-one call on (B, T, H, Q) queries against S keys, a matmul being ``2·B·H·T·S·Q``:
-
-* forward (q, k, v in; the output out): QKᵀ and PV, 2 matmuls (Dao et al. 2022, alg. 1);
-* backward (more operands in: the output, its cotangent, the log-sum-exp): it recomputes QKᵀ
-  and dO·Vᵀ, then one matmul per gradient it writes (dV = PᵀdO, dQ = dS·K, dK = dSᵀQ): 5 for
-  Triton's one call (2.5x the forward; Dao 2023, FlashAttention-2 alg. 2), 4 + 3 for Mosaic's
-  dK/dV and dQ calls, each recomputing;
-* a call that writes no query-shaped array (Triton's backward preprocessing: rowsum(dO·O)):
-  no matmul.
-
-Causal kernels skip the key blocks wholly above the diagonal and compute the diagonal ones
-whole: ``(n + 1) / 2n`` of the matmuls for ``n`` blocks of 128 (both kernels' default block).
+Flops: ``cost.flash_flops``, the one formula the compiled-HLO reader uses too (forward 2
+matmuls, Triton's backward 5, Mosaic's 4 + 3; causal ``(n + 1) / 2n`` of ``n`` blocks).
 
 ``sk.chunked_cross_entropy`` is named too (``kernels.loss.CHUNKED_LOSS_SCOPE``): its scans over
 token chunks keep nothing per step but a log-sum-exp, and are read as the chunks of one loss,
@@ -33,16 +22,10 @@ and the log-sum-exp residual: O(B·H·T·Q), Mosaic's l and m at 128 f32 lanes a
 
 from __future__ import annotations
 
-import math
-import re
-
 import jax.numpy as jnp
 
-from ...kernels.attention import _BLOCK, FLASH_SCOPE  # the kernels' sequence block
 from ...kernels.loss import CHUNKED_LOSS_SCOPE
-
-_SCOPE = re.compile(FLASH_SCOPE + r"_(triton|mosaic)_(causal|full)")
-_SEQ_DIM = {"triton": 1, "mosaic": 2}  # (B, T, H, Q) and (B, H, T, Q)
+from ..flash_flops import flash_call_flops, flash_kernel
 
 
 def scopes(eqn, enclosing: str) -> str:
@@ -59,20 +42,10 @@ def chunked_loss(stack: str) -> bool:
 
 
 def flash_flops(eqn, stack: str) -> float | None:
-    """The flops of one flash kernel call (see the module docstring), or None where ``eqn`` is
-    not one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``scopes``'s)."""
-    scope = _SCOPE.search(stack) if eqn.primitive.name == "pallas_call" else None
-    if scope is None:
+    """The flops of one flash kernel call (``cost.flash_flops``), or None where ``eqn`` is not
+    one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``scopes``'s)."""
+    found = flash_kernel(stack) if eqn.primitive.name == "pallas_call" else None
+    if found is None:
         return None
-    kernel, mask = scope.groups()
-    q, k = eqn.invars[0].aval, eqn.invars[1].aval
-    same = lambda a: a.shape == q.shape and jnp.issubdtype(a.dtype, jnp.floating)  # noqa: E731
-    n_in = sum(same(v.aval) for v in eqn.invars)
-    n_out = sum(same(v.aval) for v in eqn.outvars)
-    matmuls = 0 if n_out == 0 else 2 if n_in <= 3 else 2 + n_out
-    T, S = q.shape[_SEQ_DIM[kernel]], k.shape[_SEQ_DIM[kernel]]
-    flops = matmuls * 2.0 * math.prod(q.shape) * S
-    if mask == "causal":
-        n = -(-T // _BLOCK)
-        flops *= (n + 1) / (2 * n)
-    return flops
+    array = lambda v: (v.aval.shape, jnp.issubdtype(v.aval.dtype, jnp.floating))  # noqa: E731
+    return flash_call_flops(*found, [array(v) for v in eqn.invars], [array(v) for v in eqn.outvars])
