@@ -7,7 +7,9 @@ projection + cross-entropy (``sk.chunked_cross_entropy``), each beside the plain
 Runs under ``JAX_PLATFORMS=cpu`` (it sets it): the target's compile-only devices come from its
 PJRT plugin (``shardkit.cost.compiled.targets.device_mesh``). For each program it reports the compiled
 temporaries per device (``memory_analysis``), the kernels' custom calls in the compiled HLO,
-and whether any buffer has a (T, T) score shape. Prints a table; ``--json`` prints the rows as
+the matmul flops per device it runs (``hlo.matmul_flops_from_hlo``: dots, and the flash
+kernels' calls by the program reader's formula), and whether any buffer has a (T, T) score
+shape. Prints a table; ``--json`` prints the rows as
 one JSON line (what tests/test_kernels.py reads); ``--out-dir`` writes ``kernels_memory.json``.
 """
 
@@ -54,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import shardkit as sk  # noqa: E402
 from shardkit.cost.compiled import targets  # noqa: E402
+from shardkit.cost.compiled.hlo import matmul_flops_from_hlo  # noqa: E402
 
 CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "tpu_custom_call", "__cudnn$fmha")
 MiB = 2 ** 20
@@ -63,7 +66,8 @@ def _compiled_row(name, fn, args, T=None):
     compiled = jax.jit(fn).lower(*args).compile()
     text = compiled.as_text()
     row = {"program": name, "temporaries_mib": compiled.memory_analysis().temp_size_in_bytes / MiB,
-           "custom_calls": {c: text.count(c) for c in CUSTOM_CALLS if c in text}}
+           "custom_calls": {c: text.count(c) for c in CUSTOM_CALLS if c in text},
+           "matmul_flops": matmul_flops_from_hlo(text)}
     if T is not None:  # any array with two trailing-ish dims of T (a score matrix)
         row["TxT_buffer"] = bool(re.search(rf"\[[0-9,]*\b{T},{T}\b", text))
     return row
@@ -122,10 +126,11 @@ def main(argv=None) -> list[dict]:
     if a.json:
         print(json.dumps(rows))
     else:
-        print(f"| target | what | program | temporaries/device (MiB) | custom calls | (T,T) buffer |\n|---|---|---|---:|---|---|")
+        print("| target | what | program | temporaries/device (MiB) | matmul GFLOP/device | custom calls "
+              "| (T,T) buffer |\n|---|---|---|---:|---:|---|---|")
         for r in rows:
             calls = ", ".join(f"{k}×{v}" for k, v in r["custom_calls"].items()) or "none"
-            print(f"| {r['target']} | {r['what']} | {r['program']} | {r['temporaries_mib']:,.1f} | {calls} "
+            print(f"| {r['target']} | {r['what']} | {r['program']} | {r['temporaries_mib']:,.1f} | {r['matmul_flops'] / 1e9:,.2f} | {calls} "
                   f"| {'yes' if r.get('TxT_buffer') else 'no'} |")
     if a.out_dir:
         out = pathlib.Path(a.out_dir)

@@ -185,6 +185,37 @@ def test_the_target_compiles_its_flash_kernel_deviceless(flash_rows, target, cal
     assert kernel["temporaries_mib"] < plain["temporaries_mib"] / 2  # T=1024: 2.5x (v5p), 4096: 12-80x
 
 
+
+@pytest.mark.subprocess
+@pytest.mark.targets
+@pytest.mark.parametrize("target", sorted(FLASH_TARGETS))
+def test_the_compiled_flops_count_the_flash_kernels_as_the_reader_does(flash_rows, target):
+    """The compiled matmul flops of the flash layer (``hlo.matmul_flops_from_hlo``, on the
+    kernels' custom calls, which no compiler counts) equal the program reader's count of the
+    same layer traced for the target (``cost.flash_flops`` on the ``pallas_call``\\ s): the
+    Triton forward 2 + backward 5 matmuls, Mosaic's 2 + 4 + 3, causal 36 of 8 x 8 blocks.
+    Exact up to float rounding: one formula on the same shapes, and the layer has no other
+    matmul (the kv heads are repeated, not multiplied)."""
+    from target_sweep import require
+
+    from shardkit.cost.compiled.simulated import abstract_mesh
+    from shardkit.cost.program.reader import read_program
+
+    require(target)
+    B, T, H, K, Q = 8, 1024, 4, 2, 128  # flash_rows' layer: one sequence a device over data=8
+    spec = P("data", None, None, None)
+
+    def fn(params, batch):
+        return jnp.sum(sk.attention(*params, causal=True, spec=spec).astype(jnp.float32))
+
+    q, kv = (jax.ShapeDtypeStruct((B, T, n, Q), jnp.bfloat16) for n in (H, K))
+    split_of = lambda aval, leaf, manual=frozenset(): (8 if aval.shape[:1] == (B,) and "data" not in manual else 1, 1)  # noqa: E731
+    with jax.sharding.use_abstract_mesh(abstract_mesh("data=8", target=target)):
+        reading = read_program(fn, (q, kv, kv), jax.ShapeDtypeStruct((B,), jnp.int32), split_of=split_of, n_params=3)
+    matmuls = 2 + 5 if target == "h100" else 2 + 4 + 3
+    assert reading.flops == pytest.approx(matmuls * 2 * T * H * Q * T * 36 / 64)
+    assert flash_rows[target]["sk.attention"]["matmul_flops"] == pytest.approx(reading.flops, rel=1e-9)
+
 # ---- the chunked loss -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mesh,chunk", [(None, 8), (None, 37), ("data=2,tensor=4", 8)])
