@@ -174,7 +174,7 @@ def test_a_flash_step_estimate_against_its_h100_compile():
     # over 4 blocks: 10 of 16), so the two agree; without them they differed by exactly that.
     kernel = layers * 7 * 2 * seq * d * seq * 10 / 16
     assert rows["flops"]["estimate"] == pytest.approx(rows["flops"]["compiled"], rel=1e-3)
-    assert rows["flops"]["compiled"] > 2 * kernel
+    assert rows["flops"]["compiled"] > kernel  # the kernels are in it
     for q in ("memory/temporaries", "memory/peak"):
         assert rows[q]["caveat"] is None or not rows[q]["caveat"].startswith("not modelled"), rows[q]
         assert 0.8 < rows[q]["estimate"] / rows[q]["compiled"] < 1.2, rows[q]
