@@ -12,6 +12,12 @@ and timed against XLA's attention.
    --iters timed calls after a warm-up, and the ratio to XLA's
    (``jax.nn.dot_product_attention(implementation="xla")``, which holds the (T, T) scores).
 
+3. Grouped matmul (``--sections grouped``): ``sk.kernels.grouped_matmul`` (the Mosaic GPU grouped
+   GEMM on a real GPU; never yet run on one) against ``lax.ragged_dot`` in f32 on the same bf16
+   inputs, forward and both gradients, and both timed.
+4. Loss (``--sections loss``): ``sk.chunked_cross_entropy`` against the whole-logits form at
+   Llama 3's vocabulary: loss and gradients against an f32 reference, temporaries, time.
+
 An implementation that fails is recorded with its error and the rest go on; results are
 written after each section (``kernels_gpu.json`` and ``kernels_gpu.md``; a dry run:
 ``kernels_gpu-dry-run.*``), so a lease that ends mid-run keeps what was measured. A dry run
@@ -43,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--check-seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sections", nargs="+", default=["accuracy", "timing", "grouped", "loss"],
+                   choices=["accuracy", "timing", "grouped", "loss"])
     return p.parse_args(argv)
 
 
@@ -130,6 +138,83 @@ def timing(a, impls) -> list[dict]:
     return rows
 
 
+def _timed(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _temp_mib(fn, *args) -> float:
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
+def grouped(a, _impls) -> list[dict]:
+    """``sk.kernels.grouped_matmul`` (the Mosaic GPU grouped GEMM on a real GPU) against
+    ``lax.ragged_dot`` in f32 on the same bf16 inputs (forward, input and weight gradients),
+    and both timed (XLA:GPU expands ``ragged_dot`` to a masked product over every group)."""
+    M, K, N, G = (256, 128, 256, 4) if a.dry_run else (8192, 1024, 4096, 64)
+    ks = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(ks[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (G, K, N), jnp.float32) / K ** 0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (M, N), jnp.float32).astype(jnp.bfloat16)
+    cuts = jnp.sort(jax.random.randint(ks[3], (G - 1,), 0, M))
+    sizes = jnp.diff(jnp.concatenate([jnp.zeros(1, cuts.dtype), cuts, jnp.full(1, M, cuts.dtype)])).astype(jnp.int32)
+
+    def fwd_bwd(dot):
+        def f(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: dot(x, w, sizes), x, w)
+            return (y, *vjp(dy))
+        return jax.jit(f)
+
+    ref = fwd_bwd(lambda x, w, g: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32))
+    want = ref(*(t.astype(jnp.float32) for t in (x, w, dy)))
+    row = {"M": M, "K": K, "N": N, "groups": G,
+           "kernel": sk.kernels.grouped.grouped_kernel(x, w)[0]}
+    try:
+        got = fwd_bwd(sk.kernels.grouped_matmul)(x, w, dy)
+        for name, g_, w_ in zip(("y", "dx", "dw"), got, want):
+            row[name] = float(jnp.max(jnp.abs(g_.astype(jnp.float32) - w_)))
+            row[name + "_scale"] = float(jnp.max(jnp.abs(w_)))
+        row["kernel_ms"] = _timed(fwd_bwd(sk.kernels.grouped_matmul), x, w, dy, iters=a.iters)
+    except Exception as err:  # noqa: BLE001 — recorded beside the reference's time
+        row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
+    row["ragged_dot_ms"] = _timed(fwd_bwd(jax.lax.ragged_dot), x, w, dy, iters=a.iters)
+    row["routed_tflop"] = 3 * 2 * M * K * N / 1e12  # forward + two gradients, the routed rows only
+    return [row]
+
+
+def loss(a, _impls) -> list[dict]:
+    """``sk.chunked_cross_entropy`` against the whole-logits form: loss and gradients (x, w)
+    against an f32 reference on the same bf16 inputs, temporaries and time of each."""
+    B, T, D, V = (2, 128, 64, 512) if a.dry_run else (4, 4096, 4096, 128256)
+    ks = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(ks[0], (B, T, D), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (V, D), jnp.float32) / D ** 0.5).astype(jnp.bfloat16)
+    t = jax.random.randint(ks[2], (B, T), 0, V)
+    grads = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))  # noqa: E731
+    want = grads(sk.kernels.reference_cross_entropy)(x.astype(jnp.float32), w.astype(jnp.float32), t)
+    rows = []
+    for name, fn in (("plain (bf16 in, f32 logits)", sk.kernels.reference_cross_entropy),
+                     ("chunked (512)", sk.kernels.chunked_cross_entropy)):
+        row = {"B": B, "T": T, "D": D, "V": V, "form": name}
+        try:
+            g = grads(fn)
+            (val, (dx, dw)) = g(x, w, t)
+            row["loss_err"] = float(abs(val - want[0]))
+            row["dx"] = float(jnp.max(jnp.abs(dx.astype(jnp.float32) - want[1][0])))
+            row["dw"] = float(jnp.max(jnp.abs(dw.astype(jnp.float32) - want[1][1])))
+            row["temp_mib"] = _temp_mib(g, x, w, t)
+            row["ms"] = _timed(g, x, w, t, iters=a.iters)
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
+        rows.append(row)
+    return rows
+
+
 def table(result) -> str:
     lines = [f"# sk.attention on {result['device']}{' (DRY RUN)' if result['dry_run'] else ''}", "",
              "| dtype | implementation | max abs error out / dq / dk / dv (|out| max) |", "|---|---|---|"]
@@ -145,6 +230,20 @@ def table(result) -> str:
         else:
             cell = f"{r['ms']:.2f} | " + (f"{r['vs_xla']:.2f}x" if r.get("vs_xla") else "–")
         lines.append(f"| {r['seq']} | {r['batch']} | {r['implementation']} | {cell} |")
+    for r in result.get("grouped", []):
+        lines += ["", f"Grouped matmul, {r['M']} rows x {r['groups']} groups, {r['K']}->{r['N']}, bf16, "
+                      f"kernel {r['kernel']}:"]
+        lines.append(r.get("error") or (f"max abs error y {r['y']:.2e} (of {r['y_scale']:.2f}), dx {r['dx']:.2e} "
+                                        f"(of {r['dx_scale']:.2f}), dw {r['dw']:.2e} (of {r['dw_scale']:.2f}); "
+                                        f"fwd+bwd {r['kernel_ms']:.2f} ms"))
+        lines.append(f"lax.ragged_dot fwd+bwd {r['ragged_dot_ms']:.2f} ms ({r['routed_tflop']:.2f} routed TFLOP)")
+    if result.get("loss"):
+        lines += ["", "| loss form | B x T x D, V | loss err | dx err | dw err | temporaries MiB | ms |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in result["loss"]:
+            shape = f"{r['B']}x{r['T']}x{r['D']}, {r['V']}"
+            lines.append(f"| {r['form']} | {shape} | " + (r["error"][:150] if "error" in r else
+                         f"{r['loss_err']:.2e} | {r['dx']:.2e} | {r['dw']:.2e} | {r['temp_mib']:.0f} | {r['ms']:.2f}") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -165,7 +264,9 @@ def main(argv=None) -> dict:
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out / f"{stem}.md").write_text(table(result))
 
-    for section, fn in (("accuracy", accuracy), ("timing", timing)):
+    for section, fn in (("accuracy", accuracy), ("timing", timing), ("grouped", grouped), ("loss", loss)):
+        if section not in a.sections:
+            continue
         try:
             result[section] = fn(a, impls)
         except Exception:  # noqa: BLE001 — keep what the other section measured

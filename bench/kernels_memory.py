@@ -90,6 +90,12 @@ def attention_rows(mesh, a) -> list[dict]:
         forms["XLA (jax.nn, implementation='xla')"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="xla")
     forms["sk.attention (auto)"] = lambda q, k, v: sk.attention(q, k, v, causal=True, spec=spec)
+    # The same inside a type-checked shard_map manual over data (as a pipeline stage is over
+    # pipe): the kernel's own rules in a nested region (shardkit/kernels/manual_flash.py).
+    inner = P(None, None, spec[2], None)
+    forms["sk.attention (auto, in a shard_map manual over data)"] = lambda q, k, v: jax.shard_map(
+        lambda q, k, v: sk.attention(q, k, v, causal=True, spec=inner), in_specs=spec, out_specs=spec,
+        axis_names={"data"}, check_vma=True)(q, k, v)
     rows = []
     for name, attend in forms.items():
         row = _compiled_row(name, grads(attend), (q, kv, kv), T=a.seq)

@@ -87,6 +87,35 @@ def test_xla_tpus_reduce_scatter_fusion_reads_as_a_reduce_scatter():
     assert t.bytes == 256 * 2048 * 2 and t.operand_bytes == 1024 * 2048 * 2  # the shard; the bytes reduced
 
 
+def test_a_permute_is_a_gradient_reduction_only_when_it_carries_a_data_reduced_value():
+    """A collective-permute whose operand is a reduction over a data axis (traced through data
+    movement) is read as part of that reduction (``grad-reduce``: XLA reducing a gradient in
+    another layout than ZeRO's shard, then carrying each block to its owner, issue 36); one that
+    sends a computed value (a pipeline's microbatch, a context ring's K/V) or a tensor-reduced
+    one is not."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardkit.cost.compiled.hlo import traffic_from_hlo
+    from shardkit.cost.compiled.report import Report
+
+    mesh, swap = sk.make_mesh("data=2,tensor=4"), [(0, 1), (1, 0)]
+
+    def body(x):
+        sent = jax.lax.ppermute(jnp.sin(x), "data", swap)
+        reduced = jax.lax.ppermute(jax.lax.psum(x * 3, "data"), "data", swap)
+        tensor_reduced = jax.lax.ppermute(jax.lax.psum(x * 5, "tensor"), "data", swap)
+        return sent, reduced, tensor_reduced
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "tensor"), out_specs=P("data", "tensor")))
+    traffic = traffic_from_hlo(f.lower(jnp.ones((8, 16))).compile().as_text(), dict(mesh.shape))
+    roles = Report("", {}, [], 0.0, traffic=traffic, data_axes=("data",)).roles()
+    block = 4 * 4 * 4  # one device's (4, 4) f32 block
+    assert roles["grad-reduce"] == 2 * block, traffic  # the psum over data, and the permute carrying its result
+    assert roles["other"] == 2 * block  # the computed value's send, the tensor-reduced value's
+    permutes = sorted((t.after, t.after_axes) for t in traffic if t.kind == "collective-permute")
+    assert permutes == [("", ()), ("all-reduce", ("data",)), ("all-reduce", ("tensor",))], traffic
+
+
 def test_explain_a_data_parallel_step():
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
     step = sk.train_step(plan, optax.sgd(0.1))(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2))

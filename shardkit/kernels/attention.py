@@ -75,13 +75,6 @@ def attention_implementation(q_shape: tuple[int, ...], dtype, *, causal: bool,
 
 
 def _fits(kernel: str, T: int, Q: int, window: int | None, itemsize: int) -> Choice:
-    manual = _manual_axes()
-    if manual:
-        # jax 0.10.2: the Pallas kernels' custom VJPs return gradients without the manual axes'
-        # varying type, which a shard_map that checks them (sk.pipeline's, DiLoCo's) rejects.
-        return Choice("blockwise", f"inside a shard_map manual over {', '.join(manual)} (a pipeline "
-                                   f"stage, DiLoCo replicas), whose type check the {kernel} kernel's "
-                                   "backward fails in this jax")
     if window is not None:
         return Choice("blockwise", f"the Pallas {kernel} kernel has no sliding window")
     if kernel == "triton" and not 16 <= Q <= 256:
@@ -155,6 +148,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window:
     if window is not None:
         raise ValueError(f"sk.attention: implementation={impl!r} has no sliding window; use "
                          "'auto' (falls back to the blockwise form) or 'blockwise'")
+    if _manual_axes():
+        # Inside sk.pipeline's or DiLoCo's shard_map: the kernel's own rules, typed for it.
+        from .manual_flash import flash_in_manual_region
+
+        return flash_in_manual_region(impl, q, k, v, causal, scale, spec)
     kernel = _triton if impl == "triton" else _mosaic
 
     def marked(q, k, v):
@@ -165,21 +163,41 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window:
 
 
 def _triton(q, k, v, causal, scale):
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
-    block = _triton_block(q.shape[-1], q.dtype.itemsize) or _TRITON_BLOCKS[-1]
-    sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32,
-                                     block_q_dq=32, block_kv_dq=32)
-    return gpu_attention.mha(q, k, v, None, sm_scale=scale, causal=causal, block_sizes=sizes)
+    op, fixed, nones = _rules("triton", q, causal, scale)
+    return op(q, k, v, *nones, *fixed)
 
 
 def _mosaic(q, k, v, causal, scale):
+    heads_first = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731 — (B, H, T, Q), its layout
+    op, fixed, nones = _rules("mosaic", heads_first(q), causal, scale)
+    return heads_first(op(heads_first(q), heads_first(k), heads_first(v), *nones, *fixed))
+
+
+_INTERPRET = False  # tests: run the Triton kernel in Pallas's interpreter (on CPU)
+
+
+def _rules(impl: str, q, causal: bool, scale: float):
+    """``(op, fixed, nones)`` of a Pallas flash kernel for queries ``q`` in its own layout
+    ((B, T, H, Q) for Triton, (B, H, T, Q) for Mosaic): ``op`` is its ``jax.custom_vjp``
+    (``op.fwd``/``op.bwd`` its rules), called as ``op(q, k, v, *nones, *fixed)`` — ``nones``
+    the optional differentiable inputs left out (segment ids, a bias), ``fixed`` its trailing
+    non-differentiable arguments."""
+    if impl == "triton":
+        from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+        block = _triton_block(q.shape[-1], q.dtype.itemsize) or _TRITON_BLOCKS[-1]
+        sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32,
+                                         block_q_dq=32, block_kv_dq=32)
+        # sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages, grid,
+        # interpret, debug, return_residuals
+        return gpu_attention.mha, (scale, causal, sizes, "triton", None, 2, None, _INTERPRET, False, False), \
+            (None,)
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
 
-    heads_first = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731 — (B, H, T, Q), its layout
-    out = tpu_attention.flash_attention(heads_first(q), heads_first(k), heads_first(v),
-                                        causal=causal, sm_scale=scale)
-    return heads_first(out)
+    (B, H, T, Q) = q.shape
+    # flash_attention's own default blocks; save_residuals, causal, sm_scale, block_sizes, debug
+    sizes = tpu_attention.BlockSizes.get_default(B, H, T, T, Q)
+    return tpu_attention._flash_attention, (False, causal, scale, sizes, False), (None, None)
 
 
 def _per_device(kernel, q, k, v, spec):

@@ -7,6 +7,17 @@ model was not written against (``tests/test_cost_families.py``, BENCHMARKS.md).
 from __future__ import annotations
 
 
+# estimate / compiled temporaries on the rows that carry the tensor-parallel caveat below, per
+# target: bench/cost_bands.py's compiles (bench/results/cost_bands.json; test_cost_bands.py
+# holds this table to that file). XLA:TPU's low end: its reported temporaries hold more than
+# the HBM buffers XLA:GPU reports for the same program (BENCHMARKS.md, issue 36).
+TP_TEMPORARIES: dict[str, tuple[float, float]] = {"H100": (0.57, 1.11), "TPU v5p": (0.15, 1.24)}
+
+
+def _measured(ranges: dict[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{lo:.2f} to {hi:.2f} on {where}" for where, (lo, hi) in ranges.items())
+
+
 def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped: bool, moe: bool,
                  data_axes: tuple[str, ...] = (), sequence_parallel: bool = False) -> dict[str, str]:
     """The quantities whose figure is approximate or not modelled, and why: choices XLA makes per
@@ -24,8 +35,8 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
                                           "within 3% on the model families tried)")
     if not piped and reading.tensor_reduce and "memory/temporaries" not in out:
         why = ("approximate: XLA's schedule of a tensor-parallel backward is not modelled (it may update a "
-               "parameter as soon as its gradient is ready and keep a copy of one still to be read; 0.91 to "
-               "1.07 of the compiled figure on the model families tried)")
+               "parameter as soon as its gradient is ready and keep a copy of one still to be read; "
+               f"{_measured(TP_TEMPORARIES)} of the compiled temporaries on the model families' layouts)")
         out["memory/temporaries"] = out["memory/peak"] = why
     if (reading.shard_maps or moe) and not piped:
         # A shard_map (sk.moe, a user's own) is partitioned by hand inside; around it XLA

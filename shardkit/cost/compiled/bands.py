@@ -18,16 +18,16 @@ from __future__ import annotations
 BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
     'h100': {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
-        'collective/grad-reduce': (-0.133, 0.790, 55, 7),
-        'collective/param-gather': (-0.541, 0.053, 51, 7),
-        'collective/tensor-gather': (-1.000, -1.000, 5, 2),
-        'collective/tensor-reduce': (-0.999, 0.000, 28, 7),
-        'flops': (-0.736, 0.171, 69, 7),
-        'memory/peak': (-0.311, 0.090, 59, 6),
-        'memory/temporaries': (-0.432, 0.143, 59, 6),
+        'collective/grad-reduce': (-0.314, 0.221, 71, 7),
+        'collective/param-gather': (-0.541, 0.053, 67, 7),
+        'collective/tensor-gather': (-1.000, -1.000, 11, 2),
+        'collective/tensor-reduce': (-0.999, 0.000, 38, 7),
+        'flops': (-0.736, 0.171, 86, 7),
+        'memory/peak': (-0.311, 0.090, 68, 6),
+        'memory/temporaries': (-0.432, 0.143, 68, 6),
     },
     'tpu-v5p': {
-        'collective/grad-reduce': (-0.005, 0.779, 36, 3),
+        'collective/grad-reduce': (-0.009, 0.078, 36, 3),
         'collective/param-gather': (-0.049, 2.953, 33, 3),
         'collective/tensor-reduce': (-0.111, 0.000, 18, 3),
         'flops': (-0.544, 0.171, 39, 3),
@@ -37,7 +37,7 @@ BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
 }
 HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {
     'h100': {
-        'collective/grad-reduce': (-0.000, 0.520, 12, 1),
+        'collective/grad-reduce': (-0.000, 0.167, 12, 1),
         'collective/param-gather': (-0.253, 0.000, 11, 1),
         'collective/tensor-reduce': (-0.077, 0.000, 6, 1),
         'flops': (0.002, 0.216, 13, 1),
@@ -45,7 +45,7 @@ HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {
         'memory/temporaries': (-0.414, -0.018, 13, 1),
     },
     'tpu-v5p': {
-        'collective/grad-reduce': (-0.018, 0.471, 10, 1),
+        'collective/grad-reduce': (-0.018, 0.138, 10, 1),
         'collective/param-gather': (-0.241, 0.032, 9, 1),
         'collective/tensor-reduce': (-0.077, 0.000, 5, 1),
         'flops': (0.002, 0.216, 10, 1),

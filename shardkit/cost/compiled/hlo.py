@@ -14,6 +14,7 @@ import numpy as np
 
 from ...pipeline import schedules as sched
 from ..flash_flops import flash_call_flops, flash_kernel
+from . import permutes
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
@@ -130,9 +131,10 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
     return comps, mult
 
 
-def _collective_ops(hlo: str, branch_weights=None):
-    """Yields ``(kind, multiplicity, result_bytes, line)`` for every collective op."""
-    comps, mult = _walk(hlo, branch_weights)
+def _collective_ops(hlo: str, branch_weights=None, walked=None):
+    """Yields ``(kind, multiplicity, result_bytes, line)`` for every collective op (``walked``:
+    ``_walk``'s result, where the caller has it)."""
+    comps, mult = walked or _walk(hlo, branch_weights)
     for name, lines in comps.items():
         m = mult.get(name, 0)
         # XLA:TPU writes a reduce-scatter as a fusion of this name around an all-reduce and
@@ -274,6 +276,15 @@ def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, 
     return tuple(n for i, n in enumerate(names) if len(set(coords[:, i].tolist())) > 1)
 
 
+def _pairs_axes(pairs: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes a permute's source-target pairs cross, over all its pairs: its first pair
+    may be a device keeping its own block (``{0,0}``), which crosses none."""
+    crossed = set()
+    for pair in pairs:
+        crossed.update(_axes_of([pair], mesh_shape))
+    return tuple(n for n in mesh_shape if n in crossed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Traffic:
     """Executed collectives of one kind over one set of mesh axes.
@@ -288,6 +299,10 @@ class Traffic:
             all-to-all, result/group for all-gather, result×group for reduce-scatter. For
             reductions this is the "bytes reduced" figure, the same whether XLA emits a
             reduce-scatter (GPU) or an all-reduce plus slice (XLA:CPU).
+        after: for a collective-permute that moves the results of other collectives (traced
+            through data movement: ``permutes``), their kind (``all-reduce``,
+            ``reduce-scatter``, ``all-gather``; ``+``-joined if several); else ``""``.
+        after_axes: the mesh axes those collectives span (``()`` when ``after`` is empty).
     """
 
     kind: str
@@ -296,20 +311,36 @@ class Traffic:
     count: int
     bytes: int
     operand_bytes: int
+    after: str = ""
+    after_axes: tuple[str, ...] = ()
 
 
 def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) -> list[Traffic]:
-    """Executed collectives per (kind, mesh axes), through loops (see ``Traffic``)."""
+    """Executed collectives per (kind, mesh axes, and for a permute the collectives whose
+    results it moves), through loops (see ``Traffic``)."""
     n = math.prod(mesh_shape.values()) if mesh_shape else 1
+    walked = _walk(hlo, branch_weights)
+    defs = None
     acc: dict[tuple, list[float]] = {}
-    for kind, m, b, line in _collective_ops(hlo, branch_weights):
+    for kind, m, b, line in _collective_ops(hlo, branch_weights, walked):
         groups = _device_groups(line, n)
         size = max(len(groups[0]), 1) if kind != "collective-permute" else 2
-        axes = _axes_of(groups, mesh_shape) if mesh_shape else ()
+        after, after_axes = "", ()
+        if kind == "collective-permute":
+            axes = _pairs_axes(groups, mesh_shape) if mesh_shape else ()
+            defs = permutes.definitions(walked[0]) if defs is None else defs
+            if sources := permutes.moved_from(line, defs, walked[0]):
+                after = "+".join(sorted({k for k, _ in sources}))
+                crossed = {a for _, src in sources for a in (_axes_of(_device_groups(src, n), mesh_shape)
+                                                              if mesh_shape else ())}
+                after_axes = tuple(a for a in mesh_shape if a in crossed)
+        else:
+            axes = _axes_of(groups, mesh_shape) if mesh_shape else ()
         operand = b // size if kind == "all-gather" else b * size if kind == "reduce-scatter" else b
-        row = acc.setdefault((kind, axes, size), [0, 0, 0])
+        row = acc.setdefault((kind, axes, size, after, after_axes), [0, 0, 0])
         row[0] += m; row[1] += m * b; row[2] += m * operand
-    return [Traffic(k, a, s, round(c), round(b), round(o)) for (k, a, s), (c, b, o) in acc.items()]
+    return [Traffic(k, a, s, round(c), round(b), round(o), af, aa)
+            for (k, a, s, af, aa), (c, b, o) in acc.items()]
 
 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,

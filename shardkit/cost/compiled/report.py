@@ -127,7 +127,10 @@ class Report:
         ``context-gather`` (``sk.context_attention``'s ring / all-gather of K/V over a
         ``context`` axis), ``expert-all-to-all`` (``sk.moe``'s dispatch and combine over an
         ``expert`` axis: all-to-alls, and the dropless dispatch's ragged-all-to-alls by their
-        routed rows, a static bound), ``other`` (the rest, e.g.
+        routed rows, a static bound); a permute that moves the result of a reduction over a
+        data axis (traced through data movement: ``permutes``) is ``grad-reduce``, its bytes
+        added to the reduction's: XLA reduced a gradient in another layout than ZeRO's shard
+        (split over ``tensor``) and carries each reduced block to its owner; ``other`` (the rest, e.g.
         permutes XLA adds to reorder blocks between two shardings: nothing the estimate
         models, so ``comparison()`` lists it whenever it is not zero)."""
         out = dict.fromkeys(COMPILED_ROLES, 0.0)
@@ -147,7 +150,10 @@ class Report:
         for t in self.traffic:
             # A context axis reduces the (replicated) weights' gradients like a data axis.
             data = bool(set(t.axes) & (set(self.data_axes) | {"context"}))
-            if "expert" in t.axes and t.kind in ("all-to-all", "ragged-all-to-all"):  # sk.moe padded or dropless
+            if t.kind == "collective-permute" and t.after and set(t.after.split("+")) <= {
+                    "all-reduce", "reduce-scatter"} and set(t.after_axes) & (set(self.data_axes) | {"context"}):
+                yield "grad-reduce", t  # a data-reduced gradient carried to its ZeRO shard (``permutes``)
+            elif "expert" in t.axes and t.kind in ("all-to-all", "ragged-all-to-all"):  # sk.moe padded or dropless
                 yield "expert-all-to-all", t
             elif ("context" in t.axes and not set(t.axes) & set(self.data_axes)
                   and t.kind in ("collective-permute", "all-gather")):

@@ -299,7 +299,8 @@ def _assemble(job: _Job, out: dict, *, beside: Beside | None) -> Report:
                          "so flops are the matmuls read off the program")
     report = Report(
         out["title"], memory, [Collective(**c) for c in out["collectives"]], out["flops"],
-        traffic=[Traffic(**{**t, "axes": tuple(t["axes"])}) for t in out["traffic"]],
+        traffic=[Traffic(**{**t, "axes": tuple(t["axes"]), "after_axes": tuple(t.get("after_axes", ()))})
+                 for t in out["traffic"]],
         matmul_flops=out["matmul_flops"], data_axes=tuple(plan.batch_axes),
         fp8_matmul_flops=out.get("fp8_matmul_flops", 0.0), unread_matmuls=out.get("unread_matmuls", 0),
         pipe_axis=(pipe or {}).get("axis"),
