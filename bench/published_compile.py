@@ -113,7 +113,7 @@ def main(argv=None) -> list[dict]:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-        if "error" in row:
+        if isinstance(row["error"], str):  # a compiled row's "error" is its relative error
             print(f"{key}: {row['error']}", flush=True)
         else:
             print(f"{key}: {row['mesh']} on {row['devices']} {row['target']}: peak {row['peak_gib']:.2f} of "

@@ -15,8 +15,9 @@ Two kinds of figures, always labelled:
 
 The house, one folder per job, imports pointing down (``docs/cost_house.md``):
 
-* at the top, shared by all: ``terms`` (ModelShape, Layout, Estimate, the collective roles) and
-  ``hardware`` (accelerator figures);
+* at the top, shared by all: ``terms`` (ModelShape, Layout, Estimate, the collective roles),
+  ``hardware`` (accelerator figures) and ``flash_flops`` (a flash kernel call's flops, which the
+  program reader and the compiled-HLO reader both count);
 * ``program/``: reading the traced jaxpr (``reader`` and its rules);
 * ``analytic/``: the modelled figures (``roles``, ``from_shape``, ``from_step``,
   ``leaf_sizes``, ``pipeline_cost``, ``pipeline_memory``, ``gpu_combining``, ``caveats``,
