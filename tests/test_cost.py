@@ -350,6 +350,29 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
     assert balanced.time["grad-reduce"] > plain.time["grad-reduce"]
 
 
+def test_an_estimate_walks_its_traced_program_once(monkeypatch):
+    """One walk of the traced ``value_and_grad`` per estimate hands every equation to each
+    reading (liveness and flops, row syncs, the gather-or-move check, explicit collectives):
+    each nested jaxpr (sk.moe's shard_map, jax's calls) is entered once per equation holding
+    it, not once per reading."""
+    import families as F
+    from shardkit.cost.program import walk, walker
+
+    walks, entries = [], []
+    top, nested = walker.Walker.walk, walker.Walker._walk
+    monkeypatch.setattr(walker.Walker, "walk", lambda self, j: walks.append(j) or top(self, j))
+    monkeypatch.setattr(walker.Walker, "_walk", lambda self, j, *a: entries.append(j) or nested(self, j, *a))
+    step, state, batch = F.build("moe", "data=2,expert=4", 1)
+    est = cost.estimate_for_step(step, state, batch)
+    assert est.collectives["expert-all-to-all"] > 0  # the shard_map's collectives were read
+    assert len(walks) == 1
+
+    def inside(j):  # the jaxprs one walk of ``j`` enters, ``j`` included
+        return 1 + sum(inside(sub) for e in j.eqns for sub, _, _ in walk.sub_jaxprs(e))
+
+    assert len(entries) == inside(walks[0]) > 1
+
+
 # ---- the program reader: reductions over the rows the backward waits for -------------------------
 
 def _syncs(loss):

@@ -40,27 +40,21 @@ import jax.numpy as jnp
 
 from ...kernels.attention import _BLOCK, FLASH_SCOPE  # the kernels' sequence block
 from ...kernels.loss import CHUNKED_LOSS_SCOPE
+from .walk import grouped_kernel
 
 _SCOPE = re.compile(FLASH_SCOPE + r"_(triton|mosaic)_(causal|full)")
 _SEQ_DIM = {"triton": 1, "mosaic": 2}  # (B, T, H, Q) and (B, H, T, Q)
 
 
-def scopes(eqn, enclosing: str) -> str:
-    """The name stacks along the path to ``eqn``: ``enclosing`` (those of the equations the
-    reader descended through) and its own (a nested jaxpr's equations carry theirs relative
-    to the equation holding it)."""
-    return f"{enclosing}/{eqn.source_info.name_stack}"
-
-
 def chunked_loss(stack: str) -> bool:
-    """Whether ``stack`` (``scopes``) is inside ``sk.chunked_cross_entropy``: its scans walk
+    """Whether ``stack`` (``walker.scopes``) is inside ``sk.chunked_cross_entropy``: its scans walk
     token chunks of one loss (nothing saved per step but a log-sum-exp), not a recurrence."""
     return CHUNKED_LOSS_SCOPE in stack
 
 
 def flash_flops(eqn, stack: str) -> float | None:
     """The flops of one flash kernel call (see the module docstring), or None where ``eqn`` is
-    not one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``scopes``'s)."""
+    not one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``walker.scopes``'s)."""
     scope = _SCOPE.search(stack) if eqn.primitive.name == "pallas_call" else None
     if scope is None:
         return None
@@ -76,3 +70,11 @@ def flash_flops(eqn, stack: str) -> float | None:
         n = -(-T // _BLOCK)
         flops *= (n + 1) / (2 * n)
     return flops
+
+
+def kernel_call(eqn, stack: str) -> tuple[str, float] | None:
+    """``(name, flops)`` of a kernel call whose matmuls the reader counts — ``sk.attention``'s
+    flash kernels (``"flash"``), ``sk.moe``'s grouped matmuls (``walk.grouped_kernel``) — or
+    None. Their bodies hold tiles, not the program's values: no reading descends into them."""
+    flash = flash_flops(eqn, stack)
+    return ("flash", flash) if flash is not None else grouped_kernel(eqn)
