@@ -198,14 +198,18 @@ def _estimate(case: str, step, state, batch, target: str) -> None:
     from shardkit.cost.compiled import simulated, targets
     from shardkit.plan import detailed_notes
 
+    try:  # the module that calls the program reader
+        from shardkit.cost.analytic import step_facts as caller
+    except ImportError:
+        caller = from_step
     readings = []
-    read = from_step.read_program
+    read = caller.read_program
 
     def keep(*args, **kw):
         readings.append(read(*args, **kw))
         return readings[-1]
 
-    from_step.read_program = keep
+    caller.read_program = keep
     try:
         if target == "cpu" and not isinstance(step.plan.mesh, jax.sharding.AbstractMesh):
             est = cost.estimate_for_step(step, state, batch)
@@ -224,7 +228,7 @@ def _estimate(case: str, step, state, batch, target: str) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         est = f"{type(err).__name__}: {err}".replace(root, "<repo>")  # the same in any checkout
     finally:
-        from_step.read_program = read
+        caller.read_program = read
     emit(f"estimate_for_step {case} {target}", {"estimate": est, "readings": readings})
 
 

@@ -320,7 +320,7 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
     """An ``sk.moe`` block in front of a GPipe pipeline on data=2,pipe=4: its load-balancing
     loss's expert shares are all-reduced over data on their own (the program's row syncs), in
     ``grad-reduce`` beside the pipeline's gradient reduction, not overwritten by it."""
-    from shardkit.cost.analytic.from_step import _facts
+    from shardkit.cost.analytic.step_facts import step_facts
 
     E, note = 4, (PM, "gpipe", 1)
     plan = sk.Plan(sk.make_mesh("data=2,pipe=4"), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
@@ -343,7 +343,7 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
         return step, step.abstract_state(init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
 
     plain, balanced = (cost.estimate_for_step(*step_for(b), pipeline=note) for b in (False, True))
-    syncs, sync_bytes = _facts(*step_for(True), note).reading.row_syncs
+    syncs, sync_bytes = step_facts(*step_for(True), note).reading.row_syncs
     assert syncs == 1 and sync_bytes > 0
     assert balanced.collectives["grad-reduce"] == plain.collectives["grad-reduce"] + sync_bytes
     # One more op behind the gradients: its latency is in the step time.

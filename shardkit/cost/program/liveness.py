@@ -44,7 +44,7 @@ class Liveness:
     """The liveness rules of ``reader._Reader``; they read the reader's state (splits, the
     values known whole) and write one ``Pass`` per jaxpr."""
 
-    def _buffer(self, p: _Pass, i: int, e, origin: dict) -> None:
+    def _buffer(self, p: Pass, i: int, e, origin: dict) -> None:
         """Whether ``e``'s results are materialised or fused into their consumers, and if
         materialised, their per-device bytes and birth; the uses that keep their inputs alive."""
         name = e.primitive.name
@@ -76,7 +76,7 @@ class Liveness:
             p.born[v] = i
             p.last.setdefault(v, i)
 
-    def _result_bytes(self, p: _Pass, e, v, origin: dict) -> float:
+    def _result_bytes(self, p: Pass, e, v, origin: dict) -> float:
         """Per-device bytes of the materialised result ``v`` of ``e``."""
         name = e.primitive.name
         view = name in _VIEW and self.whole(origin, v) is not None
@@ -103,7 +103,7 @@ class Liveness:
             nbytes *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
         return nbytes
 
-    def _sweep(self, p: _Pass, jaxpr: jcore.Jaxpr, outputs_live: bool) -> float:
+    def _sweep(self, p: Pass, jaxpr: jcore.Jaxpr, outputs_live: bool) -> float:
         """The peak of the live bytes: a buffer is live from its producing equation through its
         last use, plus each equation's own working set (``inner_peak``)."""
         end = len(jaxpr.eqns)
