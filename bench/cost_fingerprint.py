@@ -229,6 +229,9 @@ def _estimate(case: str, step, state, batch, target: str) -> None:
         est = f"{type(err).__name__}: {err}".replace(root, "<repo>")  # the same in any checkout
     finally:
         caller.read_program = read
+    # A saved residual's source line (``where``'s "from file:line") moves with any edit above it.
+    readings = [dataclasses.replace(r, saved=[(a, w.split(" from ")[0]) for a, w in r.saved])
+                if hasattr(r, "saved") else r for r in readings]
     emit(f"estimate_for_step {case} {target}", {"estimate": est, "readings": readings})
 
 

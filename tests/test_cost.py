@@ -350,6 +350,25 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
     assert balanced.time["grad-reduce"] > plain.time["grad-reduce"]
 
 
+def test_a_pipelined_estimate_traces_its_loss_once():
+    """A pipeline's saved residuals are read off the trace the program reader walks (the loss's
+    ``value_and_grad``, in the parameters as the step takes it), not off a second trace of the
+    loss (``jax.ad_checkpoint.saved_residuals``, which differentiated the batch too)."""
+    traces = []
+    plan = sk.Plan(sk.make_mesh("data=2,pipe=4"), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
+
+    @sk.train_step(plan, optax.adam(1e-3))
+    def step(model, batch):
+        traces.append(1)
+        return sk.pipeline(_pipe_layer, model["layers"], batch["x"], microbatches=PM, schedule="gpipe",
+                           loss_fn=_pipe_head, loss_params=model["head"], targets=batch["t"])
+
+    state, batch = step.abstract_state(_pipe_init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+    est = cost.estimate_for_step(step, state, batch, pipeline=(PM, "gpipe", 1))  # the note given: no lowering
+    assert est.memory["activations"] > 0
+    assert len(traces) == 1
+
+
 def test_an_estimate_walks_its_traced_program_once(monkeypatch):
     """One walk of the traced ``value_and_grad`` per estimate hands every equation to each
     reading (liveness and flops, row syncs, the gather-or-move check, explicit collectives):

@@ -1,7 +1,7 @@
 """The cost model fed by a real ``sk.train_step``: each leaf's resolved spec, not global shapes.
 
-Everything here is bookkeeping on specs and abstract shapes (plus, for a pipeline, one abstract
-trace of the loss for its saved residuals); nothing is compiled. ``sk.cost.estimate_for_step``
+Everything here is bookkeeping on specs and abstract shapes and one abstract trace of the loss
+(``step_facts``); nothing is compiled. ``sk.cost.estimate_for_step``
 is the public entry point; ``step.explain()`` compares it with the compiled program. What the
 figures read is gathered once in ``step_facts`` (the traced program's reading among it); the
 per-leaf accounting is ``leaf_sizes``; the per-role formulas ``roles`` and ``pipeline_cost``.
@@ -105,7 +105,7 @@ def _pipeline_memory(s: StepFacts, mem: dict) -> None:
     comp, piped, stored = lv.comp, lv.piped, lv.stored
     g_comp = sum(comp) * bg
     grad_buffer = mem["grads"] * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
-    act, piped_act = residual_bytes(step, state, batch, s.data_axes, sizes, lv.tensor_dims,
+    act, piped_act = residual_bytes(step, state, batch, s.reading.saved, s.data_axes, sizes, lv.tensor_dims,
                                     {tuple(l.shape) for l in lv.leaves} | {tuple(l.shape[1:]) for l in lv.leaves},
                                     pipe, s.sp)
     mem["activations"] = act

@@ -53,6 +53,7 @@ from .walker import Frame, Scope, Visitor, Walker, scopes
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
 from .tensor_splits import TensorSplits
+from .trace import trace_pass
 from .op_kinds import (FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE,
                        VIEW as _VIEW, view_dims)
 
@@ -289,9 +290,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
             as grouped matmuls (each row meets one group's weights), not as the masked dense
             product over all groups XLA:CPU and XLA:GPU run (``walk.ragged_dot_flops``).
     """
-    grad_fn = jax.value_and_grad(fn)
-    closed = jax.make_jaxpr(grad_fn)(params, batch)
-    jaxpr = closed.jaxpr
+    jaxpr, saved = trace_pass(fn, params, batch)
     reader = _Reader(split_of, n_params, canonical_dots)
     reader.grouped_ragged_dots = grouped_ragged_dots
     if weight_dims is not None:
@@ -322,7 +321,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in explicit.explicit.items()}, reader.shard_maps, reader.unseen,
                           syncs.found(jaxpr), reader.weight_axes is not None and reader.split_followed,
-                          moved.moved, explicit.ragged)
+                          moved.moved, explicit.ragged, saved)
 
 
 
