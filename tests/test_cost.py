@@ -350,6 +350,28 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
     assert balanced.time["grad-reduce"] > plain.time["grad-reduce"]
 
 
+def test_an_nnx_model_with_batch_statistics_is_estimated_from_its_abstract_state():
+    """``estimate_for_step`` takes an abstract state (``step.abstract_state``, as
+    ``sk.cost.simulate`` hands it a target's): a Flax NNX BatchNorm writes its running
+    statistics into the model state as the loss is traced, which must then be arrays jax can
+    update, not host (numpy) ones."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(16, 16, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dense(x), use_running_average=False)
+
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda model, batch: jnp.mean(model(batch["x"]) ** 2))
+    state = step.abstract_state(lambda: Net(nnx.Rngs(0)))
+    est = cost.estimate_for_step(step, state, {"x": jax.ShapeDtypeStruct((32, 16), jnp.float32)})
+    assert est.memory["model_state"] == 2 * 16 * 4  # the running mean and variance, f32
+
+
 def test_a_pipelined_estimate_traces_its_loss_once():
     """A pipeline's saved residuals are read off the trace the program reader walks (the loss's
     ``value_and_grad``, in the parameters as the step takes it), not off a second trace of the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from ...rules import entry_axes
 from .. import hardware as hw_lib
@@ -33,9 +33,11 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     """The ``Estimate`` of one step of ``step`` on ``state`` and ``batch`` (see the module
     docstring); ``pipeline``: an ``sk.pipeline`` trace note to use instead of the step's."""
     # The loss closes over the model state (BatchNorm statistics): an abstract one
-    # (``sk.cost.simulate``'s) is traced as zeros of its shapes.
+    # (``sk.cost.simulate``'s) is traced as zeros of its shapes — jax arrays, which a Flax NNX
+    # BatchNorm can write its new statistics into while the loss is traced (a numpy one it
+    # would assign a tracer into, in place).
     state = state.replace(model_state=jax.tree.map(
-        lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
+        lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
     s = step_facts(step, state, batch, pipeline)
     mem = argument_memory(step, state, batch, s.lv)
     if not s.pipe:
