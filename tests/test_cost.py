@@ -320,7 +320,7 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
     """An ``sk.moe`` block in front of a GPipe pipeline on data=2,pipe=4: its load-balancing
     loss's expert shares are all-reduced over data on their own (the program's row syncs), in
     ``grad-reduce`` beside the pipeline's gradient reduction, not overwritten by it."""
-    from shardkit.cost.analytic.from_step import _facts
+    from shardkit.cost.analytic.step_facts import step_facts
 
     E, note = 4, (PM, "gpipe", 1)
     plan = sk.Plan(sk.make_mesh("data=2,pipe=4"), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
@@ -343,11 +343,75 @@ def test_a_pipelined_moe_step_with_data_axes_counts_its_row_syncs():
         return step, step.abstract_state(init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
 
     plain, balanced = (cost.estimate_for_step(*step_for(b), pipeline=note) for b in (False, True))
-    syncs, sync_bytes = _facts(*step_for(True), note).reading.row_syncs
+    syncs, sync_bytes = step_facts(*step_for(True), note).reading.row_syncs
     assert syncs == 1 and sync_bytes > 0
     assert balanced.collectives["grad-reduce"] == plain.collectives["grad-reduce"] + sync_bytes
     # One more op behind the gradients: its latency is in the step time.
     assert balanced.time["grad-reduce"] > plain.time["grad-reduce"]
+
+
+def test_an_nnx_model_with_batch_statistics_is_estimated_from_its_abstract_state():
+    """``estimate_for_step`` takes an abstract state (``step.abstract_state``, as
+    ``sk.cost.simulate`` hands it a target's): a Flax NNX BatchNorm writes its running
+    statistics into the model state as the loss is traced, which must then be arrays jax can
+    update, not host (numpy) ones."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(16, 16, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dense(x), use_running_average=False)
+
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())])
+    step = sk.train_step(plan, optax.sgd(0.1))(lambda model, batch: jnp.mean(model(batch["x"]) ** 2))
+    state = step.abstract_state(lambda: Net(nnx.Rngs(0)))
+    est = cost.estimate_for_step(step, state, {"x": jax.ShapeDtypeStruct((32, 16), jnp.float32)})
+    assert est.memory["model_state"] == 2 * 16 * 4  # the running mean and variance, f32
+
+
+def test_a_pipelined_estimate_traces_its_loss_once():
+    """A pipeline's saved residuals are read off the trace the program reader walks (the loss's
+    ``value_and_grad``, in the parameters as the step takes it), not off a second trace of the
+    loss (``jax.ad_checkpoint.saved_residuals``, which differentiated the batch too)."""
+    traces = []
+    plan = sk.Plan(sk.make_mesh("data=2,pipe=4"), rules=[(r"layers", ("pipe",)), (r".*", ())], zero=1)
+
+    @sk.train_step(plan, optax.adam(1e-3))
+    def step(model, batch):
+        traces.append(1)
+        return sk.pipeline(_pipe_layer, model["layers"], batch["x"], microbatches=PM, schedule="gpipe",
+                           loss_fn=_pipe_head, loss_params=model["head"], targets=batch["t"])
+
+    state, batch = step.abstract_state(_pipe_init), {"x": jnp.ones((PB, PD)), "t": jnp.ones((PB, PD))}
+    est = cost.estimate_for_step(step, state, batch, pipeline=(PM, "gpipe", 1))  # the note given: no lowering
+    assert est.memory["activations"] > 0
+    assert len(traces) == 1
+
+
+def test_an_estimate_walks_its_traced_program_once(monkeypatch):
+    """One walk of the traced ``value_and_grad`` per estimate hands every equation to each
+    reading (liveness and flops, row syncs, the gather-or-move check, explicit collectives):
+    each nested jaxpr (sk.moe's shard_map, jax's calls) is entered once per equation holding
+    it, not once per reading."""
+    import families as F
+    from shardkit.cost.program import walk, walker
+
+    walks, entries = [], []
+    top, nested = walker.Walker.walk, walker.Walker._walk
+    monkeypatch.setattr(walker.Walker, "walk", lambda self, j: walks.append(j) or top(self, j))
+    monkeypatch.setattr(walker.Walker, "_walk", lambda self, j, *a: entries.append(j) or nested(self, j, *a))
+    step, state, batch = F.build("moe", "data=2,expert=4", 1)
+    est = cost.estimate_for_step(step, state, batch)
+    assert est.collectives["expert-all-to-all"] > 0  # the shard_map's collectives were read
+    assert len(walks) == 1
+
+    def inside(j):  # the jaxprs one walk of ``j`` enters, ``j`` included
+        return 1 + sum(inside(sub) for e in j.eqns for sub, _, _ in walk.sub_jaxprs(e))
+
+    assert len(entries) == inside(walks[0]) > 1
 
 
 # ---- the program reader: reductions over the rows the backward waits for -------------------------

@@ -288,7 +288,7 @@ def test_batchnorm_statistics_are_all_reduced_once_per_dependency_depth():
     # flaxmodels' ResNet-18 (20 BatchNorms, 3 on downsample branches) at 32 rows of 16x16
     # images, compiled for data=8 H100s: 35 small data-axis all-reduces of 76,800 bytes in all
     # besides the gradients' 3 (BatchNorm's forward sums and backward sums, combined where
-    # independent). Read off the trace (``syncs.row_syncs``, the same walk that counts sk.moe's
+    # independent). Read off the trace (``program.row_syncs``, the visitor that counts sk.moe's
     # expert counts): 34 ops, one per link of the longest chain of statistics; their bytes
     # 96,044, 25% over the compile's (the extra reductions it counts were not traced).
     pytest.importorskip("flaxmodels")

@@ -1,18 +1,18 @@
 """The cost model fed by a real ``sk.train_step``: each leaf's resolved spec, not global shapes.
 
-Everything here is bookkeeping on specs and abstract shapes (plus one abstract trace of the
-loss for its saved residuals); nothing is compiled. ``sk.cost.estimate_for_step`` is the
-public entry point; ``step.explain()`` compares it with the compiled program. The per-leaf
-accounting is ``leaf_sizes``; the per-role formulas ``roles`` and ``pipeline``.
+Everything here is bookkeeping on specs and abstract shapes and one abstract trace of the loss
+(``step_facts``); nothing is compiled. ``sk.cost.estimate_for_step``
+is the public entry point; ``step.explain()`` compares it with the compiled program. What the
+figures read is gathered once in ``step_facts`` (the traced program's reading among it); the
+per-leaf accounting is ``leaf_sizes``; the per-role formulas ``roles`` and ``pipeline_cost``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from ...rules import entry_axes
 from .. import hardware as hw_lib
@@ -20,48 +20,25 @@ from ..terms import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
 from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, microbatch_rows,
                               saved_bytes)
-from ..program.reader import ProgramReading, read_program
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
-from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers,
-                            pipeline_note, pipeline_ticks, pipeline_traffic, recompute_factor)
-from .leaf_sizes import (Leaves, argument_memory, grad_reduce_elems, itemsize, leaf_sizes, microbatch,
-                         n_tensor_of, residual_bytes, split_feature_dims, tensor_uses)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """What every part of one step's estimate reads: the plan's figures, the leaves, the
-    pipeline's trace note (or None) and the traced program's reading."""
-    step: object
-    state: object
-    batch: object
-    sizes: dict
-    zero: int
-    m: int  # the step's microbatches
-    bp: int  # bytes per parameter, compute and gradient element
-    bc: int
-    bg: int
-    platform: str
-    wire: int  # bytes per element of the collectives beside the matmuls
-    data_axes: tuple
-    n_data: int
-    sp: bool  # sequence parallelism
-    ctx: int  # the context axis's size
-    pipe: PipelineNote | None
-    lv: Leaves
-    reading: ProgramReading
+from .pipeline_cost import (idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_ticks,
+                            pipeline_traffic, recompute_factor)
+from .leaf_sizes import argument_memory, grad_reduce_elems, residual_bytes, tensor_uses
+from .step_facts import StepFacts, step_facts
 
 
 def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per_token=None) -> Estimate:
     """The ``Estimate`` of one step of ``step`` on ``state`` and ``batch`` (see the module
     docstring); ``pipeline``: an ``sk.pipeline`` trace note to use instead of the step's."""
     # The loss closes over the model state (BatchNorm statistics): an abstract one
-    # (``sk.cost.simulate``'s) is traced as zeros of its shapes.
+    # (``sk.cost.simulate``'s) is traced as zeros of its shapes — jax arrays, which a Flax NNX
+    # BatchNorm can write its new statistics into while the loss is traced (a numpy one it
+    # would assign a tracer into, in place).
     state = state.replace(model_state=jax.tree.map(
-        lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
-    s = _facts(step, state, batch, pipeline)
+        lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
+    s = step_facts(step, state, batch, pipeline)
     mem = argument_memory(step, state, batch, s.lv)
     if not s.pipe:
         _pass_memory(s, mem)
@@ -96,44 +73,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                     hw.hbm_bytes, n_dev, notes, caveats)
 
 
-def _facts(step, state, batch, pipeline) -> _Step:
-    plan = step.plan
-    sizes, prec = dict(plan.mesh.shape), plan.precision
-    bc = itemsize(prec.compute)
-    # XLA:CPU runs 16-bit dots in f32, so the collectives beside them (TP all-reduces, ZeRO-3
-    # gathers) move f32 there; on GPU/TPU they move the compute dtype.
-    platform = _platform(plan.mesh)
-    data_axes = tuple(a for a in plan.batch_axes if sizes[a] > 1)
-    pipe = pipeline_note(step, state, batch, pipeline, sizes)
-    lv = leaf_sizes(plan, step.layout, pipe)
-    seq_rule = plan.axis_rules.mapping.get("seq", ()) if plan.axis_rules is not None else ()
-    # Sequence parallelism splits the sequence over a tensor-like axis; a ``context`` axis
-    # (sk.context_attention) splits it too, but the weights stay whole there: it reduces the
-    # gradients like a data axis and shrinks every activation by its size.
-    sp = any(a not in plan.batch_axes and a not in ("pipe", "context") and sizes.get(a, 1) > 1 for a in seq_rule)
-    # What a device computes with, reads and keeps: read off the traced program (also for
-    # pipelines, whose parameter uses it tells; their memory has its own model).
-    # A weight's dims split over the tensor-like axes (not the batch axes, not pipe): they place
-    # its matmuls' tensor-parallel reductions (``program``); not followed where activations are
-    # split on other grounds (sequence, context) or inside a pipeline's shard_map.
-    tensor_like = lambda a: a not in plan.batch_axes and a != "pipe" and sizes.get(a, 1) > 1  # noqa: E731
-    weight_dims = None if (pipe or sp or sizes.get("context", 1) > 1) else [
-        [d for d, e in enumerate(l.spec) if any(map(tensor_like, entry_axes(e)))] for l in lv.leaves]
-    weight_axes = frozenset(a for l in lv.leaves for e in l.spec for a in entry_axes(e) if tensor_like(a))
-    n_data = math.prod(sizes[a] for a in data_axes)
-    on_shard = n_data > 1 and grads_on_shard(plan.zero, step.microbatches, bool(pipe))
-    # Measured on XLA:GPU and XLA:TPU compiles (the 7B on 64 devices); XLA:CPU all-reduces the
-    # whole stacked gradient after its loop (tests/test_cost.py's pytree model at ZeRO-1).
-    stacks = None if pipe or platform == "cpu" else ([c / st for c, st in zip(lv.comp, lv.stored)],
-                                [c / z if on_shard else 1.0 for c, z in zip(lv.comp, lv.zshard)])
-    reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp, weight_dims, weight_axes,
-                    stacks)
-    return _Step(step, state, batch, sizes, plan.zero, step.microbatches, itemsize(prec.params), bc,
-                 itemsize(prec.grads), platform, 4 if platform == "cpu" else bc, data_axes,
-                 math.prod(sizes[a] for a in data_axes), sp, sizes.get("context", 1), pipe, lv, reading)
-
-
-def _pass_memory(s: _Step, mem: dict) -> None:
+def _pass_memory(s: StepFacts, mem: dict) -> None:
     """Temporaries and activations of a step without a pipeline, into ``mem``.
 
     The pass's own peak (its gradients live at its end), or, after it, the reduced gradients
@@ -164,14 +104,14 @@ def _pass_memory(s: _Step, mem: dict) -> None:
     mem["activations"] = s.reading.residuals
 
 
-def _pipeline_memory(s: _Step, mem: dict) -> None:
+def _pipeline_memory(s: StepFacts, mem: dict) -> None:
     """Temporaries and activations of a step whose loss runs ``sk.pipeline``, into ``mem``."""
     step, state, batch, pipe, lv = s.step, s.state, s.batch, s.pipe, s.lv
     sizes, zero, m, L, wire, bg, bp, bc = s.sizes, s.zero, s.m, lv.layers, s.wire, s.bg, s.bp, s.bc
     comp, piped, stored = lv.comp, lv.piped, lv.stored
     g_comp = sum(comp) * bg
     grad_buffer = mem["grads"] * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
-    act, piped_act = residual_bytes(step, state, batch, s.data_axes, sizes, lv.tensor_dims,
+    act, piped_act = residual_bytes(step, state, batch, s.reading.saved, s.data_axes, sizes, lv.tensor_dims,
                                     {tuple(l.shape) for l in lv.leaves} | {tuple(l.shape[1:]) for l in lv.leaves},
                                     pipe, s.sp)
     mem["activations"] = act
@@ -216,7 +156,7 @@ def _pipeline_memory(s: _Step, mem: dict) -> None:
                                           throughout=cast)
 
 
-def _collectives(s: _Step) -> tuple[dict, dict]:
+def _collectives(s: StepFacts) -> tuple[dict, dict]:
     """Bytes and counts per role (``sk.Report.roles()``'s names), per device per step."""
     step, lv, reading, pipe, sizes = s.step, s.lv, s.reading, s.pipe, s.sizes
     plan, zero, m, n_data, ctx, sp = step.plan, s.zero, s.m, s.n_data, s.ctx, s.sp
@@ -296,7 +236,7 @@ def _collectives(s: _Step) -> tuple[dict, dict]:
     return col, counts
 
 
-def _flops(s: _Step, flops_per_token) -> tuple[float, float, float]:
+def _flops(s: StepFacts, flops_per_token) -> tuple[float, float, float]:
     """(flops the program executes, flops that do useful work, model flops per token) of one
     device's step."""
     lv, pipe, reading = s.lv, s.pipe, s.reading
@@ -341,15 +281,6 @@ def _explicit_roles(explicit: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _platform(mesh) -> str:
-    """The mesh's platform; an AbstractMesh (``sk.cost.simulate``) names it in ``abstract_device``."""
-    device = mesh.abstract_mesh.abstract_device
-    if device is None:
-        raise ValueError("the plan's AbstractMesh names no platform: give it abstract_device="
-                         "jax.sharding.AbstractDevice(...) (sk.cost.simulated.abstract_mesh does)")
-    return device.platform
-
-
 def _hardware(hardware, mesh) -> hw_lib.Hardware:
     if isinstance(hardware, hw_lib.Hardware):
         return hardware
@@ -359,48 +290,3 @@ def _hardware(hardware, mesh) -> hw_lib.Hardware:
         return hw_lib.lookup(mesh.abstract_mesh.abstract_device)
     except ValueError:
         return hw_lib.lookup("h100")
-
-
-def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_dims=None,
-          weight_axes=None, stacks=None) -> ProgramReading:
-    """``program.read_program`` on one microbatch of this step, with per-device sizes from the
-    plan (see ``program``'s docstring for the rules); ``stacks``: ``read_program``'s
-    ``(stored_split, grad_split)``."""
-    mb, params = microbatch(step, state, batch)
-    first = jax.tree.leaves(mb)[0].shape if jax.tree.leaves(mb) else ()
-    rows = first[0] if first else 0
-    # Under a context axis, a dimension of the sequence's length is split over it (the
-    # attention's own blocks are already local inside its shard_map).
-    seq, ctx = (first[1] if len(first) > 1 else 0), sizes.get("context", 1)
-    n_tensor = sizes.get("tensor", 1)
-    full = [math.prod(x.shape) for x in jax.tree.leaves(params)]
-
-    def split_of(aval, leaf, manual=frozenset()):
-        if leaf is not None:
-            if not manual:  # any view of it (a scan's layer of a stack too) is split like it
-                return 1, full[leaf] / comp[leaf]
-            # Inside a shard_map: larger than its compute layout, still split over the
-            # compiler's axes (a weight inside a shard_map that leaves ``tensor`` to XLA); else
-            # already local.
-            return 1, max(math.prod(aval.shape) / comp[leaf], 1.0)
-        shape = list(aval.shape)
-        # The rows, or the rows flattened with the sequence (a token list, as sk.moe routes it)
-        # — unless a shard_map made the data axes manual: then its values are local already.
-        split = [a for a in data_axes if a not in manual]
-        n_split = math.prod(sizes[a] for a in split)
-        d = n_split if rows and (rows in shape or (seq and rows * seq in shape)) and n_split > 1 else 1
-        if "context" in manual:
-            return d, n_tensor_of(shape, rows, tensor_dims, sizes)
-        if ctx > 1 and seq and shape.count(seq) > (1 if seq == rows and rows in shape else 0):
-            d *= ctx
-        if sp and rows in shape:
-            return d, n_tensor
-        return d, n_tensor_of(shape, rows, tensor_dims, sizes)
-
-    with step.plan.active():
-        return read_program(step.microbatch_loss(state), params, mb, split_of=split_of, n_params=len(comp),
-                            canonical_dots=_platform(step.plan.mesh) == "cpu", weight_dims=weight_dims,
-                            weight_axes=weight_axes,
-                            feature_dims=lambda shape: split_feature_dims(shape, rows, tensor_dims),
-                            tensor_axis=n_tensor, grouped_ragged_dots=_platform(step.plan.mesh) == "tpu",
-                            stored_split=stacks[0] if stacks else None, grad_split=stacks[1] if stacks else None)

@@ -44,12 +44,14 @@ def _stack_dim(leaves) -> int:
     return lead.most_common(1)[0][0] if lead else 1
 
 
-def residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
+def residual_bytes(step, state, batch, saved: list, data_axes, sizes, tensor_dims: set[int],
                     param_shapes: set[tuple], pipe: PipelineNote | None = None,
                     sp: bool = False) -> tuple[float, float]:
     """Per-device bytes of the residuals the backward pass keeps for one microbatch.
 
-    Traced with ``jax.ad_checkpoint`` (respects remat policies). A residual's dimension that
+    ``saved``: the residuals of the traced pass as ``jax.ad_checkpoint`` names them (they
+    respect remat policies), ``ProgramReading.saved``: read off the trace the program reader
+    walks, not a second one. A residual's dimension that
     equals the microbatch size is taken as sharded over the batch axes, and the residual as
     sharded over ``tensor`` when a dimension after that one equals a tensor-sharded weight
     dimension (a heuristic: activations follow the batch and the Megatron-split features;
@@ -60,17 +62,12 @@ def residual_bytes(step, state, batch, data_axes, sizes, tensor_dims: set[int],
     device's rows of it when data is manual): both are divided out.
 
     Returns (all residuals, those saved inside the pipeline)."""
-    # jax's own residual report (private in jax 0.10: if it moves, this fails loudly).
-    from jax._src.ad_checkpoint import saved_residuals
-
-    mb, params = microbatch(step, state, batch)
-    with step.plan.active():
-        res = saved_residuals(step.microbatch_loss(state), params, mb)
+    mb, _ = microbatch(step, state, batch)
     b_mb = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else 0
     n_data = math.prod(sizes[a] for a in data_axes)
     n_tensor = sizes.get("tensor", 1)
     total = piped = 0.0
-    for aval, where in res:
+    for aval, where in saved:
         if "from the argument" in where or tuple(aval.shape) in param_shapes:
             continue  # parameters and their compute-dtype copies are counted on their own
         nbytes = math.prod(aval.shape) * itemsize(aval.dtype)

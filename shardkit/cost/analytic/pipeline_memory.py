@@ -2,7 +2,8 @@
 note keeps for a target's estimate (``plan.detailed_notes``): one backward op's liveness (the
 chunk's recomputed forward and its VJP), GPipe's per-tick residuals, and what the loss leaves
 for the loss params' gradient matmuls. ``from_step`` feeds these to ``pipeline``'s formulas;
-each function takes its ``_Step`` (the step's leaves, sizes and traced program).
+each function takes the step's ``step_facts.StepFacts`` (its leaves, sizes, note and traced
+program).
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ class ProgramReading:
             axis: ``head_splits``), ``"head-spill"`` (fewer heads than tensor devices).
         ragged: the program holds ragged-all-to-alls (``sk.moe``'s dropless dispatch), whose
             ``explicit`` bytes are the static bound of the routed rows (data-dependent).
+        saved: the residuals the forward saves for the backward, ``[(aval, where)]`` as
+            ``jax.ad_checkpoint.saved_residuals`` names them, read off the same trace
+            (``trace``): what the pipeline memory model sizes (``leaf_sizes.residual_bytes``).
     """
 
     lookup: list[bool]
@@ -64,3 +67,4 @@ class ProgramReading:
     split_followed: bool = False
     moved: list[bool] = dataclasses.field(default_factory=list)
     ragged: bool = False
+    saved: list = dataclasses.field(default_factory=list)

@@ -26,26 +26,28 @@ import jax.numpy as jnp
 
 from ...kernels.loss import CHUNKED_LOSS_SCOPE
 from ..flash_flops import flash_call_flops, flash_kernel
-
-
-def scopes(eqn, enclosing: str) -> str:
-    """The name stacks along the path to ``eqn``: ``enclosing`` (those of the equations the
-    reader descended through) and its own (a nested jaxpr's equations carry theirs relative
-    to the equation holding it)."""
-    return f"{enclosing}/{eqn.source_info.name_stack}"
+from .walk import grouped_kernel
 
 
 def chunked_loss(stack: str) -> bool:
-    """Whether ``stack`` (``scopes``) is inside ``sk.chunked_cross_entropy``: its scans walk
+    """Whether ``stack`` (``walker.scopes``) is inside ``sk.chunked_cross_entropy``: its scans walk
     token chunks of one loss (nothing saved per step but a log-sum-exp), not a recurrence."""
     return CHUNKED_LOSS_SCOPE in stack
 
 
 def flash_flops(eqn, stack: str) -> float | None:
     """The flops of one flash kernel call (``cost.flash_flops``), or None where ``eqn`` is not
-    one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``scopes``'s)."""
+    one (not a ``pallas_call``, or not inside a flash scope: ``stack``, ``walker.scopes``'s)."""
     found = flash_kernel(stack) if eqn.primitive.name == "pallas_call" else None
     if found is None:
         return None
     array = lambda v: (v.aval.shape, jnp.issubdtype(v.aval.dtype, jnp.floating))  # noqa: E731
     return flash_call_flops(*found, [array(v) for v in eqn.invars], [array(v) for v in eqn.outvars])
+
+
+def kernel_call(eqn, stack: str) -> tuple[str, float] | None:
+    """``(name, flops)`` of a kernel call whose matmuls the reader counts — ``sk.attention``'s
+    flash kernels (``"flash"``), ``sk.moe``'s grouped matmuls (``walk.grouped_kernel``) — or
+    None. Their bodies hold tiles, not the program's values: no reading descends into them."""
+    flash = flash_flops(eqn, stack)
+    return ("flash", flash) if flash is not None else grouped_kernel(eqn)

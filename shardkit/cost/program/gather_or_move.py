@@ -20,32 +20,24 @@ import math
 
 from jax._src import core as jcore
 
-from .walk import sub_jaxprs
-from .op_kinds import MATMUL, SLICE, VIEW
+from .walker import Frame, Visitor
+from .op_kinds import MATMUL
 
 
-def activations_smaller(jaxpr: jcore.Jaxpr, n_params: int) -> list[bool]:
-    """Per parameter leaf: whether some matmul or convolution reading it has an input and an
-    output that together hold fewer elements (global) than the weight it reads."""
-    out = [False] * n_params
-    _walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_params])}, out)
-    return out
+class ActivationsSmaller(Visitor):
+    """The ``Walker`` visitor: per parameter leaf (``moved``), whether some matmul or
+    convolution reading it has an input and an output that together hold fewer elements
+    (global) than the weight it reads."""
 
+    def __init__(self, n_params: int):
+        self.moved = [False] * n_params
 
-def _walk(jaxpr: jcore.Jaxpr, origin: dict, out: list[bool]) -> None:
-    for e in jaxpr.eqns:
-        name = e.primitive.name
-        src = [None if isinstance(u, jcore.Literal) else origin.get(u) for u in e.invars]
-        if (name in VIEW or name in SLICE) and src and src[0] is not None:
-            for v in e.outvars:
-                origin[v] = src[0]
-        elif name in MATMUL and len(e.invars) >= 2:
+    def equation(self, state, frame: Frame, i: int, e, subs: list):
+        if e.primitive.name in MATMUL and len(e.invars) >= 2:
+            src = frame.source(e)
             for side in (0, 1):
                 w, a = e.invars[side], e.invars[1 - side]
                 if src[side] is not None and src[1 - side] is None and not isinstance(a, jcore.Literal):
                     moved = math.prod(a.aval.shape) + math.prod(e.outvars[0].aval.shape)
-                    out[src[side]] |= moved < math.prod(w.aval.shape)
-        for sub, outer, _ in sub_jaxprs(e):
-            inner = {iv: origin[ov] for iv, ov in zip(sub.invars, outer)
-                     if not isinstance(ov, jcore.Literal) and ov in origin}
-            _walk(sub, inner, out)
+                    self.moved[src[side]] |= moved < math.prod(w.aval.shape)
+        return None

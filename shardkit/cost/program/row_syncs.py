@@ -14,9 +14,10 @@ the gradients: the ops a step executes beside the gradients' reduction (measured
 compiles of the ``moe`` test family: one all-reduce of its two blocks' expert counts beside the
 gradients', ``bench/cost_ranking.py``).
 
-The reading is a walk over the traced ``value_and_grad`` jaxpr, through nested jaxprs (a loop
-body's chain counts once per trip), with ``program``'s ``split_of`` saying which values the data
-axes split (inside a ``shard_map`` manual over them, values are local: no all-reduce).
+The reading is a visitor of the one walk of the traced ``value_and_grad`` jaxpr (``walker``),
+through nested jaxprs (a loop body's chain counts once per trip), with ``program``'s
+``split_of`` saying which values the data axes split (inside a ``shard_map`` manual over them,
+values are local: no all-reduce).
 """
 
 from __future__ import annotations
@@ -25,87 +26,91 @@ import math
 
 from jax._src import core as jcore
 
-from .walk import nbytes, sub_jaxprs
+from .walk import nbytes
+from .walker import Frame, Scope, Visitor, Walker
 from .op_kinds import REDUCE
 
 
-class _Walk:
-    """``depth``: waited-for syncs on the path to a var; ``pending``: the level of a reduced
-    value that has not come back to the rows yet (a scalar, an expert count)."""
+class RowSyncs(Visitor):
+    """The ``Walker`` visitor that finds them. ``depth``: waited-for syncs on the path to a var;
+    ``pending``: the level of a reduced value that has not come back to the rows yet (a scalar,
+    an expert count)."""
 
     def __init__(self, split_of):
         self.split_of = split_of
-        self.manual: frozenset = frozenset()
         self.depth: dict = {}
         self.pending: dict = {}
         self.level_bytes: dict[int, float] = {}
-        self._times = 1.0
 
-    def split(self, aval) -> float:
-        return self.split_of(aval, None, self.manual)[0]
+    def _split(self, aval, scope: Scope) -> float:
+        return self.split_of(aval, None, scope.manual)[0]
 
-    def run(self, jaxpr: jcore.Jaxpr) -> None:
-        for e in jaxpr.eqns:
-            ins = [u for u in e.invars if not isinstance(u, jcore.Literal)]
-            depth = max((self.depth.get(u, 0) for u in ins), default=0)
-            pending = max((self.pending.get(u, 0) for u in ins), default=0)
-            subs = sub_jaxprs(e)
-            if subs:
-                self._nested(e, subs, depth, pending)
+    def equation(self, state, frame: Frame, i: int, e, subs: list):
+        ins = [u for u in e.invars if not isinstance(u, jcore.Literal)]
+        depth = max((self.depth.get(u, 0) for u in ins), default=0)
+        pending = max((self.pending.get(u, 0) for u in ins), default=0)
+        if subs:  # the nested jaxprs' chains decide (``leave``, ``after``)
+            return depth, pending, [depth] * len(e.outvars), [pending] * len(e.outvars)
+        split = lambda aval: self._split(aval, frame.scope)  # noqa: E731
+        reduced = (e.primitive.name in REDUCE and ins and split(ins[0].aval) > 1
+                   and all(split(v.aval) <= 1 for v in e.outvars))
+        for v in e.outvars:
+            if isinstance(v, jcore.DropVar):
                 continue
-            reduced = (e.primitive.name in REDUCE and ins and self.split(ins[0].aval) > 1
-                       and all(self.split(v.aval) <= 1 for v in e.outvars))
-            for v in e.outvars:
-                if isinstance(v, jcore.DropVar):
-                    continue
-                if reduced:  # an all-reduce over the data axes; it syncs once the rows read it
-                    self.depth[v], self.pending[v] = depth, max(pending, depth + 1)
-                    self.level_bytes.setdefault(depth + 1, 0.0)
-                    self.level_bytes[depth + 1] += self._times * nbytes(v.aval)
-                elif self.split(v.aval) > 1:  # back on the rows: it waited for the reduction
-                    self.depth[v], self.pending[v] = max(depth, pending), 0
-                else:
-                    self.depth[v], self.pending[v] = depth, pending
+            if reduced:  # an all-reduce over the data axes; it syncs once the rows read it
+                self.depth[v], self.pending[v] = depth, max(pending, depth + 1)
+                self.level_bytes.setdefault(depth + 1, 0.0)
+                self.level_bytes[depth + 1] += frame.scope.times * nbytes(v.aval)
+            elif split(v.aval) > 1:  # back on the rows: it waited for the reduction
+                self.depth[v], self.pending[v] = max(depth, pending), 0
+            else:
+                self.depth[v], self.pending[v] = depth, pending
+        return None
 
-    def _nested(self, e, subs, depth: float, pending: float) -> None:
+    def enter(self, state, frame: Frame, token, e, sub, outer: list, times: float, inner: Scope) -> bool:
+        for iv, ov in zip(sub.invars, outer):
+            literal = isinstance(ov, jcore.Literal)
+            self.depth[iv] = 0 if literal else self.depth.get(ov, 0)
+            self.pending[iv] = 0 if literal else self.pending.get(ov, 0)
+        return True
+
+    def leave(self, state, frame: Frame, token, e, sub, outer: list, times: float, result) -> None:
         """A nested jaxpr's chain, through its trip count for a loop."""
-        outer_manual, outer_times = self.manual, self._times
-        if e.primitive.name == "shard_map":
-            self.manual = self.manual | frozenset(e.params.get("newly_manual_axes", ()))
-        out_depth = [depth] * len(e.outvars)
-        out_pending = [pending] * len(e.outvars)
-        for sub, outer, times in subs:
-            times = 1.0 if math.isnan(times) else times
-            self._times = outer_times * times
-            for iv, ov in zip(sub.invars, outer):
-                literal = isinstance(ov, jcore.Literal)
-                self.depth[iv] = 0 if literal else self.depth.get(ov, 0)
-                self.pending[iv] = 0 if literal else self.pending.get(ov, 0)
-            self.run(sub)
-            if len(sub.outvars) != len(e.outvars):
-                continue
-            for k, v in enumerate(sub.outvars):
-                d = 0 if isinstance(v, jcore.Literal) else self.depth.get(v, 0)
-                pd = 0 if isinstance(v, jcore.Literal) else self.pending.get(v, 0)
-                # A loop runs its body's chain once per trip.
-                out_depth[k] = max(out_depth[k], depth + (d - depth) * times if d > depth else d)
-                out_pending[k] = max(out_pending[k], pd)
-        self.manual, self._times = outer_manual, outer_times
-        for v, d, pd in zip(e.outvars, out_depth, out_pending):
+        if len(sub.outvars) != len(e.outvars):
+            return
+        times = 1.0 if math.isnan(times) else times
+        depth, _, out_depth, out_pending = token
+        for k, v in enumerate(sub.outvars):
+            d = 0 if isinstance(v, jcore.Literal) else self.depth.get(v, 0)
+            pd = 0 if isinstance(v, jcore.Literal) else self.pending.get(v, 0)
+            # A loop runs its body's chain once per trip.
+            out_depth[k] = max(out_depth[k], depth + (d - depth) * times if d > depth else d)
+            out_pending[k] = max(out_pending[k], pd)
+
+    def after(self, state, frame: Frame, token, i: int, e) -> None:
+        if token is None:
+            return
+        for v, d, pd in zip(e.outvars, token[2], token[3]):
             if not isinstance(v, jcore.DropVar):
                 self.depth[v], self.pending[v] = d, pd
 
+    def found(self, jaxpr: jcore.Jaxpr) -> tuple[int, float]:
+        """(all-reduces over the data axes the pass waits for, their result bytes) of one
+        microbatch's ``value_and_grad`` jaxpr (outputs: the loss, then the gradients), once
+        it has been walked."""
+        grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
+        chain = int(max((self.depth.get(v, 0) for v in grads), default=0))
+        return chain, sum(b for level, b in self.level_bytes.items() if level <= chain)
+
 
 def row_syncs(jaxpr: jcore.Jaxpr, split_of) -> tuple[int, float]:
-    """(all-reduces over the data axes the pass waits for, their result bytes) of one
-    microbatch's ``value_and_grad`` jaxpr (outputs: the loss, then the gradients).
+    """``RowSyncs`` alone on a traced pass (``read_program`` runs it in its one walk, beside the
+    other readings): (all-reduces over the data axes the pass waits for, their result bytes).
 
     Args:
-        jaxpr: the traced pass.
-        split_of: ``program.read_program``'s: ``(aval, None, manual axes) -> (data split, _)``.
+        jaxpr: one microbatch's ``value_and_grad`` jaxpr (outputs: the loss, then the gradients).
+        split_of: ``reader.read_program``'s: ``(aval, None, manual axes) -> (data split, _)``.
     """
-    w = _Walk(split_of)
-    w.run(jaxpr)
-    grads = [v for v in jaxpr.outvars[1:] if not isinstance(v, jcore.Literal)]
-    chain = int(max((w.depth.get(v, 0) for v in grads), default=0))
-    return chain, sum(b for level, b in w.level_bytes.items() if level <= chain)
+    syncs = RowSyncs(split_of)
+    Walker([syncs], 0).walk(jaxpr)
+    return syncs.found(jaxpr)

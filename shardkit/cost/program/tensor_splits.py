@@ -11,7 +11,8 @@ import math
 from jax._src import core as jcore
 
 from . import cpu_buffers
-from .walk import Pass as _Pass, dot_flops as _dot_flops
+from .liveness import Pass as _Pass
+from .walk import dot_flops as _dot_flops
 
 
 class TensorSplits:

@@ -1,6 +1,6 @@
-"""The jaxpr walking ``cost.program.reader``'s reader is built on: the nested jaxprs of an equation
-with their trip counts, a ``shard_map`` output that needs no buffer of its own, an equation's
-matmul flops, and the bookkeeping of one liveness pass."""
+"""What the program's readings know of jaxpr equations: the nested jaxprs of an equation with
+their trip counts (``walker`` descends through them), a ``shard_map`` output that needs no
+buffer of its own, an equation's matmul flops."""
 
 from __future__ import annotations
 
@@ -202,31 +202,3 @@ def _swapped_window(eqn) -> float | None:
         swapped *= k if (n == 1 and s == 1 and w == 1 and lo == hi == k - 1) else n
         window *= 1 + (n - 1) * b
     return window if kernel > swapped else None
-
-
-class Pass:
-    """The bookkeeping of one reading of one jaxpr (``program._Reader.run``)."""
-
-    def __init__(self, jaxpr: jcore.Jaxpr, outputs_live: bool, reduced: set):
-        self.outputs_live = outputs_live
-        self.reduced = reduced  # equations XLA:CPU materialises for a reduction's operand
-        self.fused: set = set()  # vars that XLA would not materialise
-        self.roots: dict = {}  # var -> the materialised vars it is computed from
-        self.last: dict = {}
-        self.size: dict = {}
-        self.born: dict = {}
-        self.flops = self.total = 0.0
-        self.inner_peak: dict = {}
-        self.consumers: dict = {}
-        self.jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-        for e in jaxpr.eqns:
-            for u in e.invars:
-                if not isinstance(u, jcore.Literal):
-                    self.consumers.setdefault(u, []).append(e.primitive.name)
-        if not outputs_live:
-            # A value that only reaches a nested jaxpr's output through reshapes and casts is
-            # written straight into the caller's buffer too.
-            for e in reversed(jaxpr.eqns):
-                if (e.primitive.name in _VIEW and e.outvars[0] in self.jaxpr_out and e.invars
-                        and not isinstance(e.invars[0], jcore.Literal) and len(self.consumers[e.invars[0]]) == 1):
-                    self.jaxpr_out.add(e.invars[0])

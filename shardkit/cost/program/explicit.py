@@ -1,0 +1,51 @@
+"""The collectives a program writes itself: inside a ``shard_map`` (``sk.context_attention``'s
+ring, ``sk.moe``'s all-to-alls, a user's own), read off the jaxpr with their mesh axes and result
+bytes, through loop trip counts, instead of being modelled. A visitor of the program reader's
+one walk (``walker``)."""
+
+from __future__ import annotations
+
+from jax._src import core as jcore
+
+from .flash import kernel_call
+from .op_kinds import COLLECTIVES
+from .walk import nbytes
+from .walker import Frame, Scope, Visitor, scopes
+
+
+class ExplicitCollectives(Visitor):
+    """``explicit``: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device
+    (``ProgramReading.explicit``); ``ragged``: a ragged-all-to-all was seen.
+
+    Args:
+        split_of: ``read_program``'s: ``(aval, None, manual axes) -> (data split, tensor split)``.
+    """
+
+    def __init__(self, split_of):
+        self.split_of = split_of
+        self.explicit: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+        self.ragged = False
+
+    def _bytes(self, aval, scope: Scope) -> float:
+        d, t = self.split_of(aval, None, scope.manual)
+        return nbytes(aval) / (d * t)
+
+    def equation(self, state, frame: Frame, i: int, e, subs: list):
+        if e.primitive.name not in COLLECTIVES:
+            return None
+        axes = e.params.get("axis_name", e.params.get("axes", ()))
+        axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        key = (COLLECTIVES[e.primitive.name], tuple(a for a in axes if isinstance(a, str)))
+        got = self.explicit.setdefault(key, [0.0, 0.0])
+        got[0] += frame.scope.times
+        size = sum(self._bytes(v.aval, frame.scope) for v in e.outvars if not isinstance(v, jcore.DropVar))
+        if e.primitive.name == "ragged_all_to_all":
+            # The routed side, as hlo.traffic_from_hlo counts it: the smaller of the rows sent
+            # and the buffer they land in (sk.moe's static receive buffer, or the rows home).
+            size = min(size, self._bytes(e.invars[0].aval, frame.scope))
+            self.ragged = True
+        got[1] += frame.scope.times * size
+        return None
+
+    def enter(self, state, frame: Frame, token, e, sub, outer: list, times: float, inner: Scope) -> bool:
+        return kernel_call(e, scopes(e, frame.scope.stack)) is None  # a kernel's body holds tiles

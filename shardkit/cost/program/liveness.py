@@ -1,0 +1,124 @@
+"""The program reader's liveness simulation (``reader._Reader`` mixes it in): which results XLA
+materialises and which it fuses into their consumers, their per-device bytes, and the peak of
+the bytes alive at once in program order, each equation's own working set (its nested jaxprs'
+peak, a matmul's operand copies) added where it runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax._src import core as jcore
+
+from .op_kinds import EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, REDUCE as _REDUCE, VIEW as _VIEW
+from .walk import elementwise_output as _elementwise_output, nbytes as _bytes
+
+
+class Pass:
+    """The bookkeeping of the reader's liveness pass over one jaxpr (``reader._Reader.open``):
+    ``frame`` is the walk's (``walker.Frame``: the jaxpr and its consumer table)."""
+
+    def __init__(self, frame, outputs_live: bool, reduced: set):
+        jaxpr = frame.jaxpr
+        self.outputs_live = outputs_live
+        self.reduced = reduced  # equations XLA:CPU materialises for a reduction's operand
+        self.fused: set = set()  # vars that XLA would not materialise
+        self.roots: dict = {}  # var -> the materialised vars it is computed from
+        self.last: dict = {}
+        self.size: dict = {}
+        self.born: dict = {}
+        self.flops = self.total = 0.0
+        self.inner_peak: dict = {}
+        self.consumers: dict = frame.consumers
+        self.jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+        if not outputs_live:
+            # A value that only reaches a nested jaxpr's output through reshapes and casts is
+            # written straight into the caller's buffer too.
+            for e in reversed(jaxpr.eqns):
+                if (e.primitive.name in _VIEW and e.outvars[0] in self.jaxpr_out and e.invars
+                        and not isinstance(e.invars[0], jcore.Literal) and len(self.consumers[e.invars[0]]) == 1):
+                    self.jaxpr_out.add(e.invars[0])
+
+
+class Liveness:
+    """The liveness rules of ``reader._Reader``; they read the reader's state (splits, the
+    values known whole) and write one ``Pass`` per jaxpr."""
+
+    def _buffer(self, p: Pass, i: int, e, origin: dict) -> None:
+        """Whether ``e``'s results are materialised or fused into their consumers, and if
+        materialised, their per-device bytes and birth; the uses that keep their inputs alive."""
+        name = e.primitive.name
+        if (name in _FUSIBLE or name in _REDUCE) and any(u in self.unsplit for u in e.invars
+                                                         if not isinstance(u, jcore.Literal)) and all(
+                u in self.unsplit or self.split(u, origin)[1] <= 1 for u in e.invars
+                if not isinstance(u, jcore.Literal)):
+            self.unsplit.update(e.outvars)  # elementwise math of whole values stays whole
+        outs = [v for v in e.outvars if not isinstance(v, jcore.DropVar)]
+        consumers = p.consumers
+        materialise = name not in _FUSIBLE or any(
+            c not in _FUSIBLE and c not in _REDUCE for v in outs for c in consumers.get(v, ())) or (
+            name in _EXPENSIVE and any(len(consumers.get(v, ())) > 1 for v in outs)) or i in p.reduced
+        if not materialise and not any(v in p.jaxpr_out for v in outs):
+            for v in e.outvars:
+                p.fused.add(v)
+                p.roots[v] = set().union(*[p.roots.get(u, {u}) for u in e.invars
+                                           if not isinstance(u, jcore.Literal)]) if e.invars else set()
+            return
+        for u in e.invars:
+            if isinstance(u, jcore.Literal):
+                continue
+            for r in p.roots.get(u, {u}):
+                p.last[r] = i
+        for v in e.outvars:
+            if isinstance(v, jcore.DropVar):
+                continue
+            p.size[v] = self._result_bytes(p, e, v, origin)
+            p.born[v] = i
+            p.last.setdefault(v, i)
+
+    def _result_bytes(self, p: Pass, e, v, origin: dict) -> float:
+        """Per-device bytes of the materialised result ``v`` of ``e``."""
+        name = e.primitive.name
+        view = name in _VIEW and self.whole(origin, v) is not None
+        # A nested jaxpr's outputs are written into its caller's buffers (a scan's
+        # stacked outputs, a call's results): counted there, not here.
+        inner_out = not p.outputs_live and v in p.jaxpr_out
+        nbytes = 0.0 if (view and name != "convert_element_type") or inner_out else \
+            self.size_of(v.aval, self.whole(origin, v), v)
+        if name == "shard_map" and nbytes and _elementwise_output(e, e.outvars.index(v)):
+            # A residual the body computes elementwise from values it keeps anyway:
+            # once XLA has partitioned the shard_map away, it fuses the op into the
+            # backward's consumers instead of storing it (as it does outside one).
+            nbytes = 0.0
+        elif name == "shard_map" and nbytes:
+            # Its outputs (residuals for the backward included) are split as its
+            # out_specs say over the axes it made manual.
+            spec = e.params["out_specs"][e.outvars.index(v)]
+            shape = dict(e.params["mesh"].shape)
+            split = math.prod(shape[a] for entry in spec if entry is not None
+                              for a in ((entry,) if isinstance(entry, str) else entry))
+            if split > 1:
+                nbytes = _bytes(v.aval) / split
+        if self.canonical_dots and name in _MATMUL and np.dtype(v.aval.dtype).itemsize == 2:
+            nbytes *= 2  # XLA:CPU computes 16-bit matmuls in f32 and keeps the f32 result
+        return nbytes / self.held.get(v, 1.0)  # a loop's stacked weights or gradients (loop_stacks)
+
+    def _sweep(self, p: Pass, jaxpr: jcore.Jaxpr, outputs_live: bool) -> float:
+        """The peak of the live bytes: a buffer is live from its producing equation through its
+        last use, plus each equation's own working set (``inner_peak``)."""
+        end = len(jaxpr.eqns)
+        for v in jaxpr.outvars:
+            if isinstance(v, jcore.Literal):
+                continue
+            for r in p.roots.get(v, {v}):
+                p.last[r] = end if outputs_live else max(p.last.get(r, 0), end - 1)
+        delta = np.zeros(end + 2)
+        for v, b in p.size.items():
+            delta[p.born[v]] += b
+            delta[p.last.get(v, p.born[v]) + 1] -= b
+        live = np.cumsum(delta)[:end + 1]
+        peak = 0.0
+        for i in range(end + 1):
+            peak = max(peak, live[i] + p.inner_peak.get(i, 0.0))
+        self._live, self._born = live, p.born
+        return float(peak)
