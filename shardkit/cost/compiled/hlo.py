@@ -285,6 +285,21 @@ def _pairs_axes(pairs: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str
     return tuple(n for n in mesh_shape if n in crossed)
 
 
+def _is_shift(pairs: list[list[int]], mesh_shape: dict[str, int]) -> bool:
+    """Whether every pair of a permute moves a block one step along one mesh axis (a ring's
+    shift, ``sk.pipeline``'s stage-to-stage send), rather than reordering blocks (some
+    devices keeping theirs, others swapping with non-neighbours)."""
+    sizes = list(mesh_shape.values())
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] == pair[1]:
+            return False
+        src, dst = np.unravel_index(pair[0], sizes), np.unravel_index(pair[1], sizes)
+        moved = [(int(a), int(b), n) for a, b, n in zip(src, dst, sizes) if a != b]
+        if len(moved) != 1 or (moved[0][1] - moved[0][0]) % moved[0][2] not in (1, moved[0][2] - 1):
+            return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Traffic:
     """Executed collectives of one kind over one set of mesh axes.
@@ -303,6 +318,8 @@ class Traffic:
             through data movement: ``permutes``), their kind (``all-reduce``,
             ``reduce-scatter``, ``all-gather``; ``+``-joined if several); else ``""``.
         after_axes: the mesh axes those collectives span (``()`` when ``after`` is empty).
+        shift: for a collective-permute, whether each pair moves one step along one axis
+            (``_is_shift``); False for other kinds.
     """
 
     kind: str
@@ -313,6 +330,7 @@ class Traffic:
     operand_bytes: int
     after: str = ""
     after_axes: tuple[str, ...] = ()
+    shift: bool = False
 
 
 def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) -> list[Traffic]:
@@ -325,9 +343,10 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
     for kind, m, b, line in _collective_ops(hlo, branch_weights, walked):
         groups = _device_groups(line, n)
         size = max(len(groups[0]), 1) if kind != "collective-permute" else 2
-        after, after_axes = "", ()
+        after, after_axes, shift = "", (), False
         if kind == "collective-permute":
             axes = _pairs_axes(groups, mesh_shape) if mesh_shape else ()
+            shift = bool(mesh_shape) and _is_shift(groups, mesh_shape)
             defs = permutes.definitions(walked[0]) if defs is None else defs
             if sources := permutes.moved_from(line, defs, walked[0]):
                 after = "+".join(sorted({k for k, _ in sources}))
@@ -337,10 +356,10 @@ def traffic_from_hlo(hlo: str, mesh_shape: dict[str, int], branch_weights=None) 
         else:
             axes = _axes_of(groups, mesh_shape) if mesh_shape else ()
         operand = b // size if kind == "all-gather" else b * size if kind == "reduce-scatter" else b
-        row = acc.setdefault((kind, axes, size, after, after_axes), [0, 0, 0])
+        row = acc.setdefault((kind, axes, size, after, after_axes, shift), [0, 0, 0])
         row[0] += m; row[1] += m * b; row[2] += m * operand
-    return [Traffic(k, a, s, round(c), round(b), round(o), af, aa)
-            for (k, a, s, af, aa), (c, b, o) in acc.items()]
+    return [Traffic(k, a, s, round(c), round(b), round(o), af, aa, sh)
+            for (k, a, s, af, aa, sh), (c, b, o) in acc.items()]
 
 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,

@@ -160,7 +160,7 @@ class Report:
                 yield ("context-permute" if t.kind == "collective-permute" else "context-gather"), t
             elif pipe and t.kind == "all-reduce" and t.axes == (pipe,):
                 yield "pipe-reduce", t
-            elif pipe and ((t.kind == "collective-permute" and t.axes != (pipe,))
+            elif pipe and ((t.kind == "collective-permute" and (t.axes != (pipe,) or not t.shift))
                            or (t.kind == "all-to-all" and pipe in t.axes)):
                 yield "pipe-relayout", t
             elif t.kind in ("all-reduce", "reduce-scatter"):
