@@ -16,13 +16,19 @@ optimizer, takes the max (not the mean) over microbatches, and leaves it out of 
 norm and clipping. So the histories live in ``TrainState.params``, replicated (ZeRO does not
 shard them), donated and checkpointed with everything else.
 
-Each amax is a max over the whole tensor, so where the tensor is sharded it is one scalar
-all-reduce. Every scale is read from the histories as they came into the step (the gradient's
-too), so the amaxes feed nothing but the new histories: their all-reduces depend on no other
-one and XLA combines them — one per step (per microbatch) for matmuls in straight-line code,
-one per iteration for a layer stack under ``lax.scan`` (a loop body's all-reduce cannot be
-merged with the next iteration's; the layer's amaxes leave it already reduced, as GSPMD gives
-no per-device view of a tensor whose sharding it decides).
+Each amax is a max over the whole tensor, so where the tensor is sharded it crosses devices.
+Every scale is read from the histories as they came into the step (the gradient's too), so the
+amaxes feed nothing but the new histories: their reductions depend on no other one. Inside
+``sk.train_step`` they also leave every loop unreduced: the step's loss hands each model an
+``Fp8History`` (``with_row_grid``: the histories beside a zero *row grid* split over the
+batch's mesh axes), and a matmul's cotangent for it is each tensor's amax per block of rows of
+its leading dimension — each device reduces its own rows, with no communication, also in the
+body of a layer ``lax.scan``, whose per-layer cotangents carry the grid out of the loop. The
+max over the row blocks is taken once, after the loops, where XLA combines every history's
+into one all-reduce per step (per microbatch). The values are the same maxes (a max of block
+maxes). Called on a plain history array (outside a step, or on a mesh with no batch axes),
+``fp8_einsum`` takes the whole-tensor max itself: one all-reduce per call where sharded, which
+XLA combines in straight-line code but not across a loop's iterations.
 
 ``Fp8Dot`` is the NNX module that owns one matmul's three histories. Masters stay f32 and
 everything but the matmuls runs in the compute dtype (``precision="fp8"``: bf16).
@@ -165,6 +171,11 @@ def _row_amaxes(x: jax.Array, grid: jax.Array) -> jax.Array:
     return out
 
 
+def _history(meta) -> jax.Array:
+    """The ``(3, history)`` histories, from a plain array or an ``Fp8History``."""
+    return meta.history if isinstance(meta, Fp8History) else meta
+
+
 def _transposed(spec: str) -> tuple[str, str]:
     """The einsum specs of the two input gradients of ``spec`` (``"ab,bc->ac"``)."""
     ins, out = spec.replace(" ", "").split("->")
@@ -185,9 +196,11 @@ def fp8_einsum(spec: str, x: jax.Array, kernel: jax.Array, meta: jax.Array) -> j
         spec: a two-operand einsum spec (``"btd,df->btf"``).
         x: the activations (E4M3 in the matmul).
         kernel: the weights (E4M3).
-        meta: ``(3, history)`` amax histories of x, kernel and the output's gradient (E5M2).
+        meta: ``(3, history)`` amax histories of x, kernel and the output's gradient (E5M2),
+            or, inside ``sk.train_step``, an ``Fp8History`` holding them.
 
-    Its gradient with respect to ``meta`` is the new histories (see the module docstring).
+    Its gradient with respect to ``meta`` is the new histories, or for an ``Fp8History`` the
+    row blocks' amaxes that ``with_row_grid`` turns into them (see the module docstring).
     """
     return _forward(spec, x, kernel, meta)[0]
 
@@ -202,8 +215,7 @@ def _dot(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.
 
 def _forward(spec, x, kernel, meta):
     _transposed(spec)  # a spec the backward pass cannot transpose fails here, at trace time
-    history = meta.history if isinstance(meta, Fp8History) else meta
-    sx, sk = _scale(history[0], E4M3), _scale(history[1], E4M3)
+    sx, sk = _scale(_history(meta)[0], E4M3), _scale(_history(meta)[1], E4M3)
     qx, qk = _quantize(x, sx, E4M3), _quantize(kernel, sk, E4M3)
     return _dot(spec, qx, qk, sx * sk, x.dtype), (qx, qk, sx, sk, x, kernel, meta)
 
@@ -215,7 +227,7 @@ def _fwd(spec, x, kernel, meta):
     # no other one and XLA combines them (the module docstring). Reading the gradient's scale
     # off the updated histories chained each gradient to the forward's all-reduces: four
     # all-reduces per layer of the 7B instead of one (BENCHMARKS.md, "fp8 on H100s").
-    sg = _scale((meta.history if isinstance(meta, Fp8History) else meta)[2], E5M2)
+    sg = _scale(_history(meta)[2], E5M2)
     if isinstance(meta, Fp8History):  # each row block's amax, reduced after the loops
         amaxes = jnp.stack([_row_amaxes(x, meta.grid), _row_amaxes(kernel, meta.grid)])
     else:
@@ -261,4 +273,4 @@ def is_meta(variable) -> bool:
     return bool(getattr(type(variable), "overwrite_with_gradient", False))
 
 
-__all__ = ["E4M3", "E5M2", "HISTORY", "Fp8Dot", "Fp8Meta", "fp8_einsum", "is_meta"]
+__all__ = ["E4M3", "E5M2", "HISTORY", "Fp8Dot", "Fp8History", "Fp8Meta", "fp8_einsum", "is_meta", "with_row_grid"]
