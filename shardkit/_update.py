@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from . import _model, offload
+from . import _model, fp8, offload
 from .plan import Plan, noted
 from .precision import cast_floats, cast_like
 
@@ -72,7 +72,14 @@ def split_output(out, adapter: _model.Adapter, has_model_state: bool):
 def loss(step, params_g, model_state, batch, key, scale):
     """Loss (scaled under fp16) and ``(loss, aux, new_model_state)`` for one (micro)batch."""
     prec, adapter = step.plan.precision, step._adapter
-    model = adapter.assemble(cast_floats(params_g, prec.compute), model_state)
+    params = cast_floats(params_g, prec.compute)
+    if step._overwrite is not None and step.plan.batch_axes:
+        # sk.fp8's histories get a row grid: each tensor's amax is reduced per device where
+        # it is computed and across devices once, after the layer loop (fp8.with_row_grid).
+        axes = tuple(step.plan.batch_axes)
+        grid = lambda p: step.plan.sharding(P(*[None] * (p.ndim - 1), axes))  # noqa: E731
+        params = jax.tree.map(lambda p, o: fp8.with_row_grid(p, grid(p)) if o else p, params, step._overwrite)
+    model = adapter.assemble(params, model_state)
     batch = cast_floats(batch, prec.compute)
     out = step.fn(model, batch, rng=key) if step._takes_rng else step.fn(model, batch)
     has_state = bool(jax.tree.leaves(model_state))

@@ -16,13 +16,19 @@ optimizer, takes the max (not the mean) over microbatches, and leaves it out of 
 norm and clipping. So the histories live in ``TrainState.params``, replicated (ZeRO does not
 shard them), donated and checkpointed with everything else.
 
-Each amax is a max over the whole tensor, so where the tensor is sharded it is one scalar
-all-reduce. Every scale is read from the histories as they came into the step (the gradient's
-too), so the amaxes feed nothing but the new histories: their all-reduces depend on no other
-one and XLA combines them — one per step (per microbatch) for matmuls in straight-line code,
-one per iteration for a layer stack under ``lax.scan`` (a loop body's all-reduce cannot be
-merged with the next iteration's; the layer's amaxes leave it already reduced, as GSPMD gives
-no per-device view of a tensor whose sharding it decides).
+Each amax is a max over the whole tensor, so where the tensor is sharded it crosses devices.
+Every scale is read from the histories as they came into the step (the gradient's too), so the
+amaxes feed nothing but the new histories: their reductions depend on no other one. Inside
+``sk.train_step`` they also leave every loop unreduced: the step's loss hands each model an
+``Fp8History`` (``with_row_grid``: the histories beside a zero *row grid* split over the
+batch's mesh axes), and a matmul's cotangent for it is each tensor's amax per block of rows of
+its leading dimension — each device reduces its own rows, with no communication, also in the
+body of a layer ``lax.scan``, whose per-layer cotangents carry the grid out of the loop. The
+max over the row blocks is taken once, after the loops, where XLA combines every history's
+into one all-reduce per step (per microbatch). The values are the same maxes (a max of block
+maxes). Called on a plain history array (outside a step, or on a mesh with no batch axes),
+``fp8_einsum`` takes the whole-tensor max itself: one all-reduce per call where sharded, which
+XLA combines in straight-line code but not across a loop's iterations.
 
 ``Fp8Dot`` is the NNX module that owns one matmul's three histories. Masters stay f32 and
 everything but the matmuls runs in the compute dtype (``precision="fp8"``: bf16).
@@ -34,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .xla import target_platform
@@ -73,8 +80,100 @@ def _amax(x: jax.Array) -> jax.Array:
 
 
 def _push(histories: jax.Array, amaxes: jax.Array) -> jax.Array:
-    """The ``(3, history)`` histories rolled by one step, ``amaxes`` (3,) in front."""
-    return jnp.concatenate([amaxes[:, None].astype(histories.dtype), histories[:, :-1]], axis=1)
+    """The ``(..., 3, history)`` histories rolled by one step, ``amaxes`` (..., 3) in front."""
+    return jnp.concatenate([amaxes[..., None].astype(histories.dtype), histories[..., :-1]], axis=-1)
+
+
+@jax.tree_util.register_pytree_node_class
+class Fp8History:
+    """An ``Fp8Meta``'s value inside ``sk.train_step``'s loss: the histories as they came in
+    (``(..., 3, history)``, replicated) and a zero ``(..., 3, n)`` *row grid*, split over the
+    batch's mesh axes (``n`` their size), whose cotangent is each row block's amax.
+
+    Indexing and iterating index both along the leading (layer) dims, as on the history
+    array itself, so a model that slices its stacked histories (``lax.scan``, a Python loop)
+    runs unchanged."""
+
+    def __init__(self, history, grid):
+        self.history, self.grid = history, grid
+
+    def tree_flatten(self):
+        return (self.history, self.grid), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __getitem__(self, index):
+        return Fp8History(self.history[index], self.grid[index])
+
+    def __len__(self):
+        return len(self.history)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def shape(self):
+        return self.history.shape
+
+    @property
+    def ndim(self):
+        return self.history.ndim
+
+    @property
+    def dtype(self):
+        return self.history.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def with_row_grid(history: jax.Array, grid_sharding) -> Fp8History:
+    """``history`` with a zero row grid beside it (``sk.train_step`` applies it to every
+    ``Fp8Meta`` in its loss). Its gradient is ``history`` rolled by one with each tensor's
+    amax, the max over the grid's row blocks, in front: one max over the batch's devices per
+    step, after every loop, where XLA combines all of them into one all-reduce.
+
+    ``grid_sharding``: the grid's ``NamedSharding`` (batch axes on its last dimension)."""
+    n = _grid_size(grid_sharding)
+    grid = jnp.zeros(history.shape[:-1] + (n,), F32)
+    return Fp8History(history, jax.lax.with_sharding_constraint(grid, grid_sharding))
+
+
+def _grid_size(sharding) -> int:
+    axes = sharding.spec[-1]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
+
+
+def _with_row_grid_fwd(history, grid_sharding):
+    return with_row_grid(history, grid_sharding), history
+
+
+def _with_row_grid_bwd(grid_sharding, history, ct):
+    return (_push(history, jnp.max(ct.grid, axis=-1)),)
+
+
+with_row_grid.defvjp(_with_row_grid_fwd, _with_row_grid_bwd)
+
+
+def _row_amaxes(x: jax.Array, grid: jax.Array) -> jax.Array:
+    """``x``'s largest magnitude in each of ``n = grid.shape[-1]`` blocks of rows of its
+    leading dimension, shaped and split like ``grid`` (``(n,)``): where the rows are split
+    over the batch's devices, each device reduces its own rows, with no communication. A
+    tensor whose leading dimension does not split into ``n`` blocks (or a scalar) gives its
+    global amax in every slot (an all-reduce where it is sharded)."""
+    n = grid.shape[-1]
+    if x.ndim and x.shape[0] % n == 0:
+        blocks = jnp.abs(x.astype(F32)).reshape((n, x.shape[0] // n) + x.shape[1:])
+        out = jnp.max(blocks, axis=tuple(range(1, blocks.ndim)))
+    else:
+        out = jnp.broadcast_to(_amax(x), (n,))
+    return out
+
+
+def _history(meta) -> jax.Array:
+    """The ``(3, history)`` histories, from a plain array or an ``Fp8History``."""
+    return meta.history if isinstance(meta, Fp8History) else meta
 
 
 def _transposed(spec: str) -> tuple[str, str]:
@@ -97,9 +196,11 @@ def fp8_einsum(spec: str, x: jax.Array, kernel: jax.Array, meta: jax.Array) -> j
         spec: a two-operand einsum spec (``"btd,df->btf"``).
         x: the activations (E4M3 in the matmul).
         kernel: the weights (E4M3).
-        meta: ``(3, history)`` amax histories of x, kernel and the output's gradient (E5M2).
+        meta: ``(3, history)`` amax histories of x, kernel and the output's gradient (E5M2),
+            or, inside ``sk.train_step``, an ``Fp8History`` holding them.
 
-    Its gradient with respect to ``meta`` is the new histories (see the module docstring).
+    Its gradient with respect to ``meta`` is the new histories, or for an ``Fp8History`` the
+    row blocks' amaxes that ``with_row_grid`` turns into them (see the module docstring).
     """
     return _forward(spec, x, kernel, meta)[0]
 
@@ -114,7 +215,7 @@ def _dot(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.
 
 def _forward(spec, x, kernel, meta):
     _transposed(spec)  # a spec the backward pass cannot transpose fails here, at trace time
-    sx, sk = _scale(meta[0], E4M3), _scale(meta[1], E4M3)
+    sx, sk = _scale(_history(meta)[0], E4M3), _scale(_history(meta)[1], E4M3)
     qx, qk = _quantize(x, sx, E4M3), _quantize(kernel, sk, E4M3)
     return _dot(spec, qx, qk, sx * sk, x.dtype), (qx, qk, sx, sk, x, kernel, meta)
 
@@ -126,9 +227,13 @@ def _fwd(spec, x, kernel, meta):
     # no other one and XLA combines them (the module docstring). Reading the gradient's scale
     # off the updated histories chained each gradient to the forward's all-reduces: four
     # all-reduces per layer of the 7B instead of one (BENCHMARKS.md, "fp8 on H100s").
-    sg = _scale(meta[2], E5M2)
+    sg = _scale(_history(meta)[2], E5M2)
+    if isinstance(meta, Fp8History):  # each row block's amax, reduced after the loops
+        amaxes = jnp.stack([_row_amaxes(x, meta.grid), _row_amaxes(kernel, meta.grid)])
+    else:
+        amaxes = jnp.stack([_amax(x), _amax(kernel)])
     # The output is in x's dtype, so is its gradient g; a scalar carries the kernel's dtype.
-    return y, (qx, qk, sx, sk, sg, meta, jnp.stack([_amax(x), _amax(kernel)]), jnp.zeros((), kernel.dtype))
+    return y, (qx, qk, sx, sk, sg, meta, amaxes, jnp.zeros((), kernel.dtype))
 
 
 def _bwd(spec, res, g):
@@ -138,6 +243,9 @@ def _bwd(spec, res, g):
     qg = _quantize(g, sg, E5M2)
     dx = _dot(dx_spec, qg, qk, sg * sk, x_dtype)
     dk = _dot(dk_spec, qx, qg, sx * sg, k_dtype)
+    if isinstance(meta, Fp8History):
+        grid = jnp.concatenate([amaxes, _row_amaxes(g, meta.grid)[None]])
+        return dx, dk, Fp8History(jnp.zeros_like(meta.history), grid)
     return dx, dk, _push(meta, jnp.concatenate([amaxes, _amax(g)[None]]))
 
 
@@ -165,4 +273,4 @@ def is_meta(variable) -> bool:
     return bool(getattr(type(variable), "overwrite_with_gradient", False))
 
 
-__all__ = ["E4M3", "E5M2", "HISTORY", "Fp8Dot", "Fp8Meta", "fp8_einsum", "is_meta"]
+__all__ = ["E4M3", "E5M2", "HISTORY", "Fp8Dot", "Fp8History", "Fp8Meta", "fp8_einsum", "is_meta", "with_row_grid"]

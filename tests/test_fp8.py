@@ -136,7 +136,7 @@ def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
     """``--precision fp8`` (remat full) compiled by XLA:GPU for 8 H100s: the attention
     projections and MLP matmuls (forward and both backward GEMMs) have fp8 operands, the rest
     (attention scores, the output head) stays bf16, the step-time model runs the fp8 flops at
-    1,979 TFLOP/s, and the amaxes take one all-reduce per layer."""
+    1,979 TFLOP/s, and the amaxes take one all-reduce per step."""
     from target_sweep import require
 
     from models.transformer.config import SIZES
@@ -152,9 +152,10 @@ def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
     assert 0.5 < share < 1.0  # the projections and MLP, not the attention scores or the head
     assert fp8.step_time["compute"] < bf16.step_time["compute"]
     assert "in fp8 GEMMs" in str(fp8)
-    # A layer's amaxes in one all-reduce (test_the_amax_all_reduces_are_combined, on XLA:GPU):
-    # the only all-reduces over data that bf16 has not.
-    assert fp8.role_counts()["grad-reduce"] - bf16.role_counts()["grad-reduce"] == cfg.layers
+    # The step's amaxes in one all-reduce after the layer scan (test_the_amax_all_reduces_are_
+    # combined, on XLA:GPU): the only all-reduce over data that bf16 has not (it was one per
+    # layer while the scan's body reduced them).
+    assert fp8.role_counts()["grad-reduce"] - bf16.role_counts()["grad-reduce"] == 1
 
 
 class Layers(nnx.Module):
@@ -184,16 +185,40 @@ def _amax_all_reduces(hlo: str) -> float:
                if kind == "all-reduce" and re.search(r"to_apply=%?([\w.\-]+)", line).group(1) in maxes)
 
 
-@pytest.mark.parametrize("layers, scan, want", [(2, False, 1), (4, False, 1), (2, True, 2)])
-def test_the_amax_all_reduces_are_combined(layers, scan, want):
-    # Each tensor's amax is a max over the data-sharded batch: an all-reduce. They feed only
-    # the new histories (every scale comes from the incoming ones), so XLA combines them: one
-    # per step in a Python loop of layers, however deep, one per iteration of a layer scan.
-    # The gradient's scale used to be read from the updated histories, which chained each
-    # matmul's gradient to the forward amaxes' all-reduces: two per step here (one matmul
-    # per iteration has nothing to chain; the recipe's layer of seven had four).
+@pytest.mark.parametrize("layers, scan", [(2, False), (4, False), (3, True)])
+def test_the_amax_all_reduces_are_combined(layers, scan):
+    # Each tensor's amax is a max over the data-sharded batch. Inside the step each device
+    # reduces its own rows (the row grid, sk.fp8.with_row_grid) and the step's amaxes cross
+    # devices once, after the loops: one all-reduce per step, in a Python loop of layers or a
+    # layer scan, however deep. Before, a scan's amaxes were reduced in its body: one
+    # all-reduce per iteration (3 here); before that, the gradient's scale was read from the
+    # updated histories, which chained each matmul's gradient to the forward amaxes'.
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
     step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
     state = step.init(lambda: Layers(layers, scan, nnx.Rngs(0)))
     batch = {"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 16), np.float32)}
-    assert _amax_all_reduces(step.lower(state, batch).compile().as_text()) == want
+    assert _amax_all_reduces(step.lower(state, batch).compile().as_text()) == 1
+
+
+def test_the_row_grids_amaxes_are_the_global_ones():
+    # The step's histories (row blocks reduced after the layer scan) hold exactly the values
+    # fp8_einsum's own gradient writes with whole-tensor maxes: the same math, unsharded.
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.normal(size=(16, 16)).astype(np.float32)}
+    batch["x"][5] *= 8  # the largest |x| in one device's rows
+    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+    step = sk.train_step(plan, optax.sgd(0.1))(loss)
+    model = Layers(3, True, nnx.Rngs(0))
+    w, meta = model.w[...], model.meta[...]
+    state = step.init(lambda: model)
+
+    def reference(meta):  # the same step's loss in bf16, whole tensors, one device
+        m = Layers(3, True, nnx.Rngs(0))
+        m.w[...], m.meta[...] = w.astype(jnp.bfloat16), meta.astype(jnp.bfloat16)
+        return loss(m, jax.tree.map(lambda a: a.astype(jnp.bfloat16), batch)).astype(jnp.float32)
+
+    want = np.asarray(jax.jit(jax.grad(reference))(meta).astype(jnp.float32))
+    assert want[:, :, 0].min() > 0  # every layer's three amaxes
+    state, _ = step(state, batch)
+    np.testing.assert_array_equal(np.asarray(state.params["meta"]), want)
