@@ -129,8 +129,6 @@ class _Op:
                 y, res = self.split.forward(jax.tree.map(lambda a: a[0], weights), h, self.ctx())
             else:
                 y, res = keep.chunk.vjp(self.out, (weights, h), reuse=(weights, h))
-            if self.split is not None and keep.policy != "none":
-                _check_varying(res, self.axes)
             res = varying(res, self.axes)
             if not on_loss:
                 return y, zero_h, acc, (w_slot, res, loss_res)
@@ -203,20 +201,6 @@ class _Op:
         d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
         acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
         return zero_h, d_h, acc, saved
-
-
-def _check_varying(res, axes) -> None:
-    """A zero-bubble B under a checkpoint policy re-binds its layers' recomputed forward
-    (``split``) on residuals read back from the ring, where they vary over every manual axis;
-    one that did not (a constant the layer saves, e.g. a mask from ``iota``) would meet a
-    ``pvary`` that jax refuses on a varying value. Refuse before that, with the way out."""
-    fixed = [(tuple(a.shape), sorted(set(axes) - set(jax.typeof(a).mat.varying))) for a in jax.tree.leaves(res)
-             if set(axes) - set(jax.typeof(a).mat.varying)]
-    if fixed:
-        raise ValueError(f"keep=<policy> with a zero-bubble schedule: the policy saves {len(fixed)} value(s) that do "
-                         f"not vary over the manual axes {list(axes)} (shape, axes: {fixed[:4]}), which the B op "
-                         "cannot re-bind from the kept-residual ring. Use keep='all' or keep='input' with "
-                         "'zb-h1'/'zb-v', or the policy with '1f1b'/'interleaved-1f1b'")
 
 
 def _routes(p: int, around: bool):
