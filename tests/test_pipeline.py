@@ -560,3 +560,20 @@ def test_kept_residual_rings_and_pictures():
     assert zb.picture("input").splitlines()[1].split() == ["stage", "0:", "F0", "F1", ".", "B0*", "W0", "B1*", "W1"]
     assert zb.picture("dots").splitlines()[2].split()[4] == "B0~"
     assert "*" not in zb.picture("all") and "~" not in zb.picture("all")
+
+
+def test_a_pending_w_says_which_of_its_values_the_forward_made():
+    """What one pending W holds (``SplitBackward.saved_local``), per value: a residual of the
+    layer's forward (its input, which the weight's gradient matmul multiplies) or a value B
+    computed (the cotangent arriving at that matmul, which is also the bias's gradient per
+    row). The estimate counts B's new slot less the forward's residuals where B runs that
+    forward itself (``cost.analytic.pipeline_cost.one_f_one_b_loop``)."""
+    from shardkit.pipeline.split import SplitBackward
+
+    split = SplitBackward(lambda lp, h, j, group, mb, extras: layer(lp, h), 2)
+    params_s = {"w": jax.ShapeDtypeStruct((2, 1, 2, D, D), jnp.float32),
+                "b": jax.ShapeDtypeStruct((2, 1, 2, D), jnp.float32)}
+    saved = split.saved_local(params_s, jax.ShapeDtypeStruct((4, B, D), jnp.float32), None, 2)
+    forwarded = split.forwarded()
+    assert len(forwarded) == len(saved) and sum(forwarded) == 1, (saved, forwarded)
+    assert all(s == ((2, B // 2, D), jnp.float32) for s in saved)  # stacked over the chunk's 2 layers, rows / 2

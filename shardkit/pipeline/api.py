@@ -234,6 +234,7 @@ def _note_for_estimates(info: dict, chunk, split_ops, kept, params_s, x_mb, extr
             info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
             if split_ops is not None:  # what one pending W holds (the estimate's W ring)
                 info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
+                info["w_forwarded"] = split_ops.forwarded()
             if kept is not None:  # one slot of each kept-residual ring (chunk, loss)
                 info["kept"], info["loss_kept"] = _kept_local(chunk, split_ops, *kept, params_s, x_mb,
                                                               extras_mb, n_data)

@@ -106,6 +106,16 @@ class SplitBackward:
         saved = self.saved_shapes(weights, local(x_mb), (0, 0, jax.tree.map(local, extras_mb)))
         return [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(saved)]
 
+    def forwarded(self) -> list[bool]:
+        """Per value a pending W holds (``saved_local``'s order): whether it is a residual of
+        the layer's forward (a leaf of its linearization, which B's forward made anyway)
+        rather than a value B's part of the transpose computed (a cotangent). Read after
+        ``saved_local``."""
+        if self._cut is None:
+            raise RuntimeError("SplitBackward.forwarded read before saved_local")
+        leaves = set(self._cut.invars[:-1])  # the pullback's leaves; the last invar is g
+        return [v in leaves for v in self._cut.reads]
+
 
 class _Cut:
     """A layer's transpose ``(pullback leaves, g) -> (weight cotangents..., input cotangent)``
