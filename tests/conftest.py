@@ -158,9 +158,12 @@ EXTENDED_CASES: dict[str, set[str]] = {
         f"{p}-{mult}-{s}-{v}" for s, v in (("zb-h1", 1), ("interleaved-1f1b", 2))
         for p, mult in ((2, 4), (4, 4), (2, 2), (4, 1))},
     # keep= on interleaved 1F1B and ZB-H1: the same kept-residual rings as 1F1B's (BW ops) and
-    # ZB-V's (split B/W ops, two chunks), whose keep="all" and policy cases stay.
+    # ZB-V's (split B/W ops, two chunks), whose keep="all" and policy cases stay. keep="input"
+    # is the default of every other test of the file (test_loss_and_grads_match_sequential,
+    # test_new_schedules_match_sequential); with the constant table, a policy's case stays.
     "test_pipeline.py::test_kept_residuals_match_sequential": {
-        "interleaved-1f1b-2-dots", "zb-h1-1-dots", "interleaved-1f1b-2-all", "zb-h1-1-all"},
+        "interleaved-1f1b-2-dots", "zb-h1-1-dots", "interleaved-1f1b-2-all", "zb-h1-1-all",
+        *(f"{s}-input" for s in ("1f1b-1", "interleaved-1f1b-2", "zb-h1-1", "zb-v-2"))},
     # Circular's stage weights over `tensor`: GPipe's case runs the same autodiff executor with
     # TP in the stage (circular's repeats stay on pipe-only and data=2,pipe=4 meshes).
     "test_pipeline.py::test_with_tensor_parallel_stage": {"circular-2"},

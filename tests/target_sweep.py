@@ -228,22 +228,25 @@ def small_step():
 PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 1))
 
 
-def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES) -> dict[str, float]:
+def schedule_memory_ratios(target: str, schedules=PIPELINE_SCHEDULES, keeps=("input",),
+                           remat: str = "full") -> dict[str, float]:
     """Each schedule's step estimate of its temporaries over the ``target`` compiler's, on
-    data=2,pipe=2,tensor=4 (layers stored stage-major), all compiled in one subprocess."""
+    data=2,pipe=2,tensor=4 (layers stored stage-major), all compiled in one subprocess; keyed
+    by schedule (``keeps`` of one) or ``schedule/keep``."""
     from models.transformer.plan import abstract_step
 
     cfg = SIZES["1b"].replace(layers=8, d_model=512, heads=8, kv_heads=4, d_ff=2048, seq=512, vocab=8000,
-                              remat="full")
+                              remat=remat)
     mesh = "data=2,pipe=2,tensor=4"
+    cases = [(s, v, k) for s, v in schedules for k in keeps]
     jobs = [(*abstract_step(cfg, mesh, global_batch=32, schedule=s, repeats=v, pipeline_microbatches=4,
-                            target=target, layer_order="stage-major"), mesh) for s, v in schedules]
+                            target=target, layer_order="stage-major", keep=k), mesh) for s, v, k in cases]
     ratios = {}
-    for (s, _), report in zip(schedules, sk.cost.simulate_many(jobs, target=target, estimate=True, timeout=1800)):
+    for (s, _, k), report in zip(cases, sk.cost.simulate_many(jobs, target=target, estimate=True, timeout=1800)):
         if isinstance(report, Exception):
             raise report
         row = next(r for r in report.comparison() if r["quantity"] == "memory/temporaries")
-        ratios[s] = row["estimate"] / row["compiled"]
+        ratios[s if len(keeps) == 1 else f"{s}/{k}"] = row["estimate"] / row["compiled"]
     return ratios
 
 

@@ -164,6 +164,36 @@ def test_a_flash_kernel_runs_inside_a_type_checked_manual_region(monkeypatch, fr
         _close((vals[i], tuple(g[2 * i:2 * i + 2] for g in grads)), want[i])
 
 
+def test_a_flash_kernel_in_a_zero_bubble_stage_with_kept_residuals(monkeypatch):
+    """ZB-H1 with ``keep="dots"`` on a stage that calls the kernel (the stand-in, as above):
+    F keeps the policy's residuals, B re-binds the layer's backward on them and leaves W its
+    reads, some of which the kernel's region makes from constants alone; the W ring's slot is
+    typed as the ring (it failed the schedule's switch on H100). Loss and gradients equal the
+    sequential model's with the plain form."""
+    monkeypatch.setattr(attention_mod, "_rules", lambda impl, q, causal, scale: _kernel_like(causal, scale))
+    T, H, Q, L = 16, 2, 8, 2
+    ks = jax.random.split(jax.random.key(1), 4)
+    params = {n: jax.random.normal(k, (L, H * Q, H * Q)) / np.sqrt(H * Q) for n, k in zip("qkvo", ks)}
+    x = jax.random.normal(jax.random.key(2), (4, T, H * Q))
+
+    def layer(impl):
+        def one(lp, h):
+            q, k, v = ((h @ lp[n]).reshape(h.shape[:2] + (H, Q)) for n in "qkv")
+            return h + sk.attention(q, k, v, causal=True, implementation=impl).reshape(h.shape) @ lp["o"]
+        return one
+
+    def loss(y, _t=None):
+        return jnp.mean(y ** 2)
+
+    want = jax.jit(jax.value_and_grad(lambda p: loss(jax.lax.scan(
+        lambda h, lp: (layer("reference")(lp, h), None), x, p)[0])))(params)
+    mesh = sk.make_mesh("pipe=2", devices=jax.devices()[:2])
+    got = jax.jit(jax.value_and_grad(lambda p: sk.pipeline(
+        layer("triton"), p, x, microbatches=2, schedule="zb-h1", keep="dots", mesh=mesh,
+        loss_fn=lambda _, y, t: loss(y), loss_params={}, targets=jnp.zeros((4,)))))(params)
+    _close(got, want, tol=1e-4)
+
+
 def test_each_platform_gets_its_kernel_and_a_fallback_says_why():
     pick = sk.kernels.attention_implementation
     assert pick((8, 4096, 16, 128), jnp.bfloat16, causal=True, platform="gpu") == ("triton", "")  # deviceless

@@ -121,19 +121,38 @@ def test_new_schedules_match_sequential(devices, p, mult, schedule, v):
     check_against_sequential(mesh, p, mult * p, schedule, v)
 
 
+# A table the layer closes over (as the recipe's layers close over RoPE's cos/sin): it varies
+# over no manual axis, and a checkpoint policy keeps it as a residual of the layer.
+TABLE = jnp.cos(jnp.arange(D, dtype=jnp.float32))
+
+
+def table_layer(lp, h_BxD):
+    return jnp.tanh((h_BxD * TABLE[None]) @ lp["w"] + lp["b"][None])
+
+
+@functools.lru_cache(maxsize=None)
+def table_reference(n_layers):
+    """``sequential_reference`` for ``table_layer``."""
+    def loss(params, head, x, t):
+        return head_loss(head, jax.lax.scan(lambda h, lp: (table_layer(lp, h), None), x, params)[0], t)
+
+    return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*make_problem(n_layers)))
+
+
 @pytest.mark.parametrize("schedule,v,keep", [
-    ("1f1b", 1, "all"), ("1f1b", 1, jax.checkpoint_policies.dots_saveable),
-    ("interleaved-1f1b", 2, "all"), ("interleaved-1f1b", 2, "dots"),
-    ("zb-h1", 1, "all"), ("zb-h1", 1, "dots"), ("zb-v", 2, "all"), ("zb-v", 2, "dots")])
+    (s, v, k) for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))
+    for k in ("input", "all", "dots" if s != "1f1b" else jax.checkpoint_policies.dots_saveable)])
 def test_kept_residuals_match_sequential(devices, schedule, v, keep):
-    """keep= (every residual, or a checkpoint policy's saved set, from F to its B/BW): loss and
-    gradients equal the model's; keep="input" is every other test of this file."""
+    """keep= (the stage input, every residual, or a checkpoint policy's saved set, from F to
+    its B/BW): loss and gradients equal the model's, for a layer that closes over a constant
+    table the policy keeps (ZB's B re-binds its layers' recompute on the copy read back from
+    the ring, which varies over the manual axes where the table did not)."""
     params, head, x, t = make_problem(4 * v)
-    want = sequential_reference(4 * v)
+    want = table_reference(4 * v)
     mesh = make_mesh("pipe=2", devices=devices[:2])
     got = jax.jit(jax.value_and_grad(
-        lambda params, head, x: pipeline(layer, params, x, microbatches=4, schedule=schedule, repeats=v, keep=keep,
-                                         loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
+        lambda params, head, x: pipeline(table_layer, params, x, microbatches=4, schedule=schedule, repeats=v,
+                                         keep=keep, loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
         argnums=(0, 1, 2)))(params, head, x)
     assert_close(got, want)
 
@@ -541,3 +560,20 @@ def test_kept_residual_rings_and_pictures():
     assert zb.picture("input").splitlines()[1].split() == ["stage", "0:", "F0", "F1", ".", "B0*", "W0", "B1*", "W1"]
     assert zb.picture("dots").splitlines()[2].split()[4] == "B0~"
     assert "*" not in zb.picture("all") and "~" not in zb.picture("all")
+
+
+def test_a_pending_w_says_which_of_its_values_the_forward_made():
+    """What one pending W holds (``SplitBackward.saved_local``), per value: a residual of the
+    layer's forward (its input, which the weight's gradient matmul multiplies) or a value B
+    computed (the cotangent arriving at that matmul, which is also the bias's gradient per
+    row). The estimate counts B's new slot less the forward's residuals where B runs that
+    forward itself (``cost.analytic.pipeline_cost.one_f_one_b_loop``)."""
+    from shardkit.pipeline.split import SplitBackward
+
+    split = SplitBackward(lambda lp, h, j, group, mb, extras: layer(lp, h), 2)
+    params_s = {"w": jax.ShapeDtypeStruct((2, 1, 2, D, D), jnp.float32),
+                "b": jax.ShapeDtypeStruct((2, 1, 2, D), jnp.float32)}
+    saved = split.saved_local(params_s, jax.ShapeDtypeStruct((4, B, D), jnp.float32), None, 2)
+    forwarded = split.forwarded()
+    assert len(forwarded) == len(saved) and sum(forwarded) == 1, (saved, forwarded)
+    assert all(s == ((2, B // 2, D), jnp.float32) for s in saved)  # stacked over the chunk's 2 layers, rows / 2

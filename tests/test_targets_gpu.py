@@ -118,3 +118,17 @@ def test_each_schedule_holds_its_memory_formula_on_h100():
     require("h100")
     ratios = schedule_memory_ratios("h100")
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+@pytest.mark.extended  # default lane: test_pipeline.py::test_kept_residuals_match_sequential (the rings),
+# test_pipeline.py::test_a_pending_w_says_which_of_its_values_the_forward_made (the W slot's terms)
+def test_kept_residuals_hold_their_memory_formula_on_h100():
+    """Issue 37: ``sk.pipeline(keep=...)`` without remat, every explicit schedule, the step
+    estimate's temporaries (the kept-residual rings of the chunk and the loss, ZB's new W slot
+    less the forward's residuals B made itself) within 10% of XLA:GPU's at table (c)'s size.
+    Measured (BENCHMARKS.md, "keep="): input 0.98-1.08, all 0.97-1.02. keep="dots" is not
+    asserted: 1F1B 0.89 and ZB-H1 1.10 there (BENCHMARKS.md says what the formula misses)."""
+    require("h100")
+    schedules = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 1))
+    ratios = schedule_memory_ratios("h100", schedules, keeps=("input", "all"), remat="none")
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios

@@ -91,7 +91,7 @@ import jax.numpy as jnp
 from ..mesh import vmapped_axes
 from .._axes import claim_axes
 from ..plan import note, noting
-from .explicit import explicit_pipeline
+from .explicit import explicit_pipeline, kept_shapes
 from .forward import forward
 from .keep import Kept, keep_policy
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
@@ -192,7 +192,9 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    _note_for_estimates(info, chunk, split_ops, params_s, x_mb, extras_mb, rng, math.prod(mesh.shape[a] for a in data))
+    kept = None if policy is None else (Kept(loss_fn, policy), loss_params, targets_mb)
+    _note_for_estimates(info, chunk, split_ops, kept, params_s, x_mb, extras_mb, rng,
+                        math.prod(mesh.shape[a] for a in data))
     note("pipeline", info)
     if schedule in EXPLICIT:
         tab = pipeline_schedule(schedule, p, m, v)
@@ -222,15 +224,20 @@ def _stage_major(stage_params, layer_order: str, schedule: str, p: int, v: int, 
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape((v, p, k) + a.shape[1:]), 0, 1), stage_params)
 
 
-def _note_for_estimates(info: dict, chunk, split_ops, params_s, x_mb, extras_mb, rng, n_data: int) -> None:
+def _note_for_estimates(info: dict, chunk, split_ops, kept, params_s, x_mb, extras_mb, rng, n_data: int) -> None:
     """What the memory estimate of a traced step reads off the pipeline, into ``info`` (traced
-    only while an estimate is noting: ordinary traces pay nothing)."""
+    only while an estimate is noting: ordinary traces pay nothing). ``kept``: ``(Kept,
+    loss_params, targets_mb)`` where F keeps residuals (``keep``), else None."""
     schedule = info["schedule"]
     if schedule in EXPLICIT and rng is None and noting():
         try:
             info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
             if split_ops is not None:  # what one pending W holds (the estimate's W ring)
                 info["w_saved"] = split_ops.saved_local(params_s, x_mb, extras_mb, n_data)
+                info["w_forwarded"] = split_ops.forwarded()
+            if kept is not None:  # one slot of each kept-residual ring (chunk, loss)
+                info["kept"], info["loss_kept"] = _kept_local(chunk, split_ops, *kept, params_s, x_mb,
+                                                              extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
     if rng is None and noting(detail=True):  # a GPU/TPU target's estimate (cost.analytic.from_step)
@@ -241,6 +248,19 @@ def _note_for_estimates(info: dict, chunk, split_ops, params_s, x_mb, extras_mb,
                 info["stage_residuals"] = stage_residuals(chunk, params_s, x_mb, extras_mb, n_data)
         except Exception:  # noqa: BLE001 - an estimate detail, never a reason to fail the step
             pass
+
+
+def _kept_local(chunk, split_ops, keep: Kept, loss_params, targets_mb, params_s, x_mb, extras_mb, n_data: int):
+    """(shape, dtype) of one slot of the kept-residual rings on a device (``explicit.kept_shapes``),
+    shapes local in the manual axes (pipe, data) and global in the others (as
+    ``stage.stage_residuals``)."""
+    def local(a):
+        return jax.ShapeDtypeStruct((a.shape[1] // n_data,) + tuple(a.shape[2:]), jnp.result_type(a))
+
+    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1,) + a.shape[2:], jnp.result_type(a)), params_s)
+    shapes = kept_shapes(chunk, split_ops, keep, weights, loss_params, local(x_mb), jax.tree.map(local, extras_mb),
+                         jax.tree.map(local, targets_mb))
+    return tuple([(tuple(a.shape), a.dtype) for a in jax.tree.leaves(t)] for t in shapes)
 
 
 def _resolve_mesh(mesh, axis):

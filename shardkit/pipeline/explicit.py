@@ -129,8 +129,6 @@ class _Op:
                 y, res = self.split.forward(jax.tree.map(lambda a: a[0], weights), h, self.ctx())
             else:
                 y, res = keep.chunk.vjp(self.out, (weights, h), reuse=(weights, h))
-            if self.split is not None and keep.policy != "none":
-                _check_varying(res, self.axes)
             res = varying(res, self.axes)
             if not on_loss:
                 return y, zero_h, acc, (w_slot, res, loss_res)
@@ -145,6 +143,10 @@ class _Op:
         if op == B:  # ZB's input gradient from the kept linearizations; W's share into its ring
             w_k = jax.tree.map(lambda a: a[0], weights)
             d_h, w_slot = self.split.input_grad(w_k, res, g_y)
+            # What W reads is typed as the ring (varying over the manual axes) even where B
+            # makes it from constants alone (a policy's recompute of a value from the layer's
+            # tables, a zero cotangent): the switch's branches must agree on the slot's type.
+            w_slot = varying(w_slot, self.axes)
             acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
             return zero_h, d_h, acc, (w_slot, res, loss_res)
         d_w, d_h = keep.chunk.pullback(res, (weights, h))(g_y)
@@ -203,20 +205,6 @@ class _Op:
         d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
         acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
         return zero_h, d_h, acc, saved
-
-
-def _check_varying(res, axes) -> None:
-    """A zero-bubble B under a checkpoint policy re-binds its layers' recomputed forward
-    (``split``) on residuals read back from the ring, where they vary over every manual axis;
-    one that did not (a constant the layer saves, e.g. a mask from ``iota``) would meet a
-    ``pvary`` that jax refuses on a varying value. Refuse before that, with the way out."""
-    fixed = [(tuple(a.shape), sorted(set(axes) - set(jax.typeof(a).mat.varying))) for a in jax.tree.leaves(res)
-             if set(axes) - set(jax.typeof(a).mat.varying)]
-    if fixed:
-        raise ValueError(f"keep=<policy> with a zero-bubble schedule: the policy saves {len(fixed)} value(s) that do "
-                         f"not vary over the manual axes {list(axes)} (shape, axes: {fixed[:4]}), which the B op "
-                         "cannot re-bind from the kept-residual ring. Use keep='all' or keep='input' with "
-                         "'zb-h1'/'zb-v', or the policy with '1f1b'/'interleaved-1f1b'")
 
 
 def _routes(p: int, around: bool):
@@ -324,18 +312,27 @@ def _initial_carry(tab: Schedule, chunk, split, keep, params_l, loss_params, zer
     if split is not None:
         w_ring = ring(tab.w_ring, split.saved_shapes(w0, zero_h, ctx0))
     if keep is not None:
-        ctx = (jnp.int32(0), jnp.int32(0), ctx0[2])  # traced (as in the ops): the same leaves
-        if split is not None:
-            kept = jax.eval_shape(lambda w, h, ctx: split.forward(w, h, ctx)[1], w0, zero_h, ctx)
-        else:
-            kept = keep.chunk.shapes(lambda ctx: lambda W, h: chunk(W, 0, h, *ctx),
-                                     (jax.tree.map(lambda a: a[:1], params_l), zero_h), ctx, reuse_at=(0, 1))
-        res_ring = ring(tab.res_ring, kept)
-        loss_ring = ring(tab.loss_res_ring, keep.loss.shapes(
-            lambda t: lambda LP, y: keep.loss_fn(LP, y, t).astype(jnp.float32), (loss_params, zero_h), targets0,
-            reuse_at=(0,)))
+        kept, loss_kept = kept_shapes(chunk, split, keep, jax.tree.map(lambda a: a[:1], params_l), loss_params,
+                                      zero_h, ctx0[2], targets0)
+        res_ring, loss_ring = ring(tab.res_ring, kept), ring(tab.loss_res_ring, loss_kept)
     return ((zero_h, zero_h, zero_h), jnp.zeros((tab.act_ring + 1,) + zero_h.shape, zero_h.dtype),
             jnp.zeros((tab.grad_ring + 1,) + zero_h.shape, zero_h.dtype), acc, (w_ring, res_ring, loss_ring))
+
+
+def kept_shapes(chunk, split, keep: Kept, weights, loss_params, h, extras, targets):
+    """Shapes and dtypes of one slot of each kept-residual ring (``keep``): what F keeps of
+    its chunk (``split``: every layer's linearization) and of the loss, for one microbatch's
+    ``h`` rows (``extras``, ``targets``: its rows of those); ``weights``: a chunk's as a
+    ``(1, k, ...)`` stack. The executor sizes its rings with it, the estimate reads it."""
+    ctx = (jnp.int32(0), jnp.int32(0), extras)  # traced (as in the ops): the same leaves
+    if split is not None:
+        kept = jax.eval_shape(lambda W, h, ctx: split.forward(jax.tree.map(lambda a: a[0], W), h, ctx)[1],
+                              weights, h, ctx)
+    else:
+        kept = keep.chunk.shapes(lambda ctx: lambda W, h: chunk(W, 0, h, *ctx), (weights, h), ctx, reuse_at=(0, 1))
+    loss_kept = keep.loss.shapes(lambda t: lambda LP, y: keep.loss_fn(LP, y, t).astype(jnp.float32),
+                                 (loss_params, h), targets, reuse_at=(0,))
+    return kept, loss_kept
 
 
 def _on_stages(body, mesh, axis, data, params_s, loss_params, x_mb, extras_mb, targets_mb, rng):

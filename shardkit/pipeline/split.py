@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core
 from jax.extend.core import Literal
 
 
@@ -105,6 +106,16 @@ class SplitBackward:
         saved = self.saved_shapes(weights, local(x_mb), (0, 0, jax.tree.map(local, extras_mb)))
         return [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(saved)]
 
+    def forwarded(self) -> list[bool]:
+        """Per value a pending W holds (``saved_local``'s order): whether it is a residual of
+        the layer's forward (a leaf of its linearization, which B's forward made anyway)
+        rather than a value B's part of the transpose computed (a cotangent). Read after
+        ``saved_local``."""
+        if self._cut is None:
+            raise RuntimeError("SplitBackward.forwarded read before saved_local")
+        leaves = set(self._cut.invars[:-1])  # the pullback's leaves; the last invar is g
+        return [v in leaves for v in self._cut.reads]
+
 
 class _Cut:
     """A layer's transpose ``(pullback leaves, g) -> (weight cotangents..., input cotangent)``
@@ -162,8 +173,21 @@ def _cone(eqns, outs):
 def _run(eqns, env) -> None:
     """Binds ``eqns`` in order, reading and writing ``env`` (``jax.core.eval_jaxpr``'s loop)."""
     for e in eqns:
-        out = e.primitive.bind(*(_read(env, v) for v in e.invars), **e.primitive.get_bind_params(e.params))
-        env.update(zip(e.outvars, out if e.primitive.multiple_results else [out]))
+        env.update(zip(e.outvars, _bind(e, [_read(env, v) for v in e.invars])))
+
+
+def _bind(e, ins) -> list:
+    """``e``'s primitive bound on ``ins``, its outputs as a list. A ``pvary`` (an invariant ->
+    varying cast over manual axes) casts only over the axes its input does not vary over yet:
+    the equations were recorded where a value was invariant (a table the layer closes over,
+    e.g. RoPE's) and are re-bound on the value read back from a kept-residual ring, which
+    varies over every manual axis (``explicit``)."""
+    if e.primitive is core.pvary_p:
+        (x,) = ins
+        axes = tuple(a for a in e.params["axes"] if a not in jax.typeof(x).mat.varying)
+        return [core.pvary_p.bind(x, axes=axes) if axes else x]
+    out = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+    return out if e.primitive.multiple_results else [out]
 
 
 # Calls whose body is inlined before the cut (a jitted or checkpointed layer's transpose is
@@ -194,7 +218,6 @@ def _eval_inlined(jaxpr, consts, args):
             inner, inner_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, [])
             out = _eval_inlined(inner, inner_consts, ins)
         else:
-            out = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
-            out = out if e.primitive.multiple_results else [out]
+            out = _bind(e, ins)
         env.update(zip(e.outvars, out))
     return [_read(env, v) for v in jaxpr.outvars]

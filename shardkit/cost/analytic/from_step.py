@@ -18,8 +18,8 @@ from ...rules import entry_axes
 from .. import hardware as hw_lib
 from ..terms import ROLES, Estimate, Layout, tokens_in
 from .steptime import times
-from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, microbatch_rows,
-                              saved_bytes)
+from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, kept_rings,
+                              microbatch_rows, saved_bytes, w_forwarded_bytes)
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
@@ -138,7 +138,8 @@ def _pipeline_memory(s: StepFacts, mem: dict) -> None:
         backward = one_f_one_b_loop(pipe, act_carried, sum(c for c, q in zip(comp, piped) if q) * 4,
                                     sum(c for c, q in zip(comp, piped) if not q) * 4, stage_res, k,
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
-                                    kept=stage_res if pipe.keep != "input" else 0.0,
+                                    w_forwarded=w_forwarded_bytes(s, rows, k),
+                                    **kept_rings(s, rows, k, stage_res),
                                     op_peak=op_peak, acc_ratio=4 / wire,
                                     chunk_weights=chunk_weights(s))
     elif gpipe_like and s.platform != "cpu" and pipe.stage_residuals is not None:

@@ -28,7 +28,12 @@ class PipelineNote:
         keep: what a chunk's forward keeps for its backward (``"input"``, else a policy).
         stage_residuals, w_saved: ``(shape, dtype)`` of what a chunk's forward saves and of
             ZB's pending W's, on a GPU/TPU target's trace (``plan.detailed_notes``), else None.
+        w_forwarded: per ``w_saved`` value, whether it is a residual of the layers' forward
+            (``SplitBackward.forwarded``), else None.
         chunk_backward: the jaxpr of one explicit backward op (same condition), else None.
+        kept, loss_kept: ``(shape, dtype)`` of one slot of the kept-residual rings
+            (``sk.pipeline(keep=...)``: the chunk's, ZB's per-layer linearizations; the
+            loss's), where F keeps residuals, else None.
     """
 
     stages: int
@@ -40,7 +45,10 @@ class PipelineNote:
     keep: str = "input"
     stage_residuals: tuple | None = None
     w_saved: tuple | None = None
+    w_forwarded: tuple | None = None
     chunk_backward: Any = None
+    kept: tuple | None = None
+    loss_kept: tuple | None = None
 
     @classmethod
     def of(cls, note: "PipelineNote | Mapping[str, Any]") -> "PipelineNote":
@@ -149,7 +157,7 @@ def pipeline_buffers(pipe: PipelineNote, act_elems_x4: float, grad_bytes: float)
 def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float, rest_grads: float,
                       stage_residuals: float, stage_layers: int, w_saved: float = 0.0,
                       op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0,
-                      kept: float = 0.0) -> float:
+                      kept: float = 0.0, loss_kept: float = 0.0, w_forwarded: float = 0.0) -> float:
     """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B, ZB-H1,
     ZB-V; rings sized from the table) at its peak, a backward op, per device.
 
@@ -187,11 +195,16 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
         # ZB's W ring is read in the switch and written after it, in place: held once, and
         # every branch hands back one slot (B its new entry, built up through the chunk's
         # layers beside the op's own peak; the others the slot they read).
-        throughout = (tab.act_ring + tab.grad_ring + 2) * act_mb + pm * act_mb + (tab.w_ring + 1) * w_saved
+        # B's new slot: less, where B runs the forward itself (``keep="input"``), the forward's
+        # residuals in it (``w_forwarded`` bytes), which ``op_peak`` counts as the forward's
+        # saved values (H100, issue 37: ZB-H1 1.20x the compiled temporaries without this).
+        new_w = w_saved - (w_forwarded if not kept else 0.0)
+        throughout = (tab.act_ring + tab.grad_ring + 2) * act_mb + pm * act_mb + tab.w_ring * w_saved + new_w
         # ``sk.pipeline(keep=...)``: a chunk-microbatch's kept residuals (``kept`` bytes) wait
-        # in a ring of ``res_ring`` slots; the slot a backward op reads stands in for the
-        # recomputed residuals ``op_peak`` counts (H100, issue 37, one shape: 1F1B 0.96x, ZB-H1 1.00x).
-        throughout += tab.res_ring * kept if kept else 0.0
+        # in a ring of ``res_ring`` slots, the loss's (``loss_kept``) in one of
+        # ``loss_res_ring``, allocated on every device; the slot a backward op reads stands in
+        # for the recomputed residuals ``op_peak`` counts.
+        throughout += tab.res_ring * kept + tab.loss_res_ring * loss_kept
         return throughout + max(operands + op_peak + rest_grads + chunk_weights, 2 * operands)
     rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
     carry = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + rings + pm * act_mb

@@ -60,6 +60,28 @@ def saved_bytes(s, key: str, rows: int, k: int) -> float:
                for sh, d in (getattr(s.pipe, key) or ()))
 
 
+def kept_rings(s, rows: int, k: int, stage_res: float) -> dict:
+    """``one_f_one_b_loop``'s ``kept`` and ``loss_kept``: per-device bytes of one slot of the
+    kept-residual rings (``sk.pipeline(keep=...)``), as the trace note lists them; a note
+    without them (an override) takes the chunk's saved residuals and no loss slot. Nothing
+    kept (``keep="input"``): zero."""
+    if s.pipe.keep == "input":
+        return {"kept": 0.0, "loss_kept": 0.0}
+    if s.pipe.kept is None:
+        return {"kept": stage_res, "loss_kept": 0.0}
+    return {"kept": saved_bytes(s, "kept", rows, k), "loss_kept": saved_bytes(s, "loss_kept", rows, k)}
+
+
+def w_forwarded_bytes(s, rows: int, k: int) -> float:
+    """Per-device bytes of a pending W's values that are residuals of the layers' forward
+    (the note's ``w_forwarded``, ``pipeline.split``): where B runs that forward itself
+    (``keep="input"``) its new W slot holds those buffers, which its backward op's peak
+    already counts as the forward's saved values."""
+    flags = s.pipe.w_forwarded or ()
+    return sum(math.prod(sh) * itemsize(d) / n_tensor_stacked(sh, rows, k, s.lv.tensor_dims, s.sizes)
+               for (sh, d), f in zip(s.pipe.w_saved or (), flags) if f)
+
+
 def chunk_weights(s) -> float:
     """Bytes of one chunk's weights in the compute dtype (what a layer scan's loop carries)."""
     return sum(c for c, q in zip(s.lv.comp, s.lv.piped) if q) * s.bc / s.pipe.repeats
