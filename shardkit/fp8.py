@@ -87,25 +87,28 @@ def _push(histories: jax.Array, amaxes: jax.Array) -> jax.Array:
 @jax.tree_util.register_pytree_node_class
 class Fp8History:
     """An ``Fp8Meta``'s value inside ``sk.train_step``'s loss: the histories as they came in
-    (``(..., 3, history)``, replicated) and a zero ``(..., 3, n)`` *row grid*, split over the
-    batch's mesh axes (``n`` their size), whose cotangent is each row block's amax.
+    (``(..., 3, history)``, replicated) beside two zero grids whose cotangents are this step's
+    amaxes per block, reduced where each block is (``with_row_grid``): ``rows``, ``(..., 2,
+    n)``, split over the batch's mesh axes (``n`` their size), x's and the gradient's amax per
+    block of rows; ``blocks``, ``(..., n, n)``, laid out as XLA places the kernel, its amax per
+    block of its first two dimensions that split into ``n``.
 
-    Indexing and iterating index both along the leading (layer) dims, as on the history
+    Indexing and iterating index all three along the leading (layer) dims, as on the history
     array itself, so a model that slices its stacked histories (``lax.scan``, a Python loop)
     runs unchanged."""
 
-    def __init__(self, history, grid):
-        self.history, self.grid = history, grid
+    def __init__(self, history, rows, blocks):
+        self.history, self.rows, self.blocks = history, rows, blocks
 
     def tree_flatten(self):
-        return (self.history, self.grid), None
+        return (self.history, self.rows, self.blocks), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
         return cls(*children)
 
     def __getitem__(self, index):
-        return Fp8History(self.history[index], self.grid[index])
+        return Fp8History(self.history[index], self.rows[index], self.blocks[index])
 
     def __len__(self):
         return len(self.history)
@@ -127,48 +130,60 @@ class Fp8History:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def with_row_grid(history: jax.Array, grid_sharding) -> Fp8History:
-    """``history`` with a zero row grid beside it (``sk.train_step`` applies it to every
+def with_row_grid(history: jax.Array, rows_sharding) -> Fp8History:
+    """``history`` with its zero grids beside it (``sk.train_step`` applies it to every
     ``Fp8Meta`` in its loss). Its gradient is ``history`` rolled by one with each tensor's
-    amax, the max over the grid's row blocks, in front: one max over the batch's devices per
-    step, after every loop, where XLA combines all of them into one all-reduce.
+    amax, the max over its blocks, in front: one max across devices per step, after every
+    loop, where XLA combines all of them into one all-reduce.
 
-    ``grid_sharding``: the grid's ``NamedSharding`` (batch axes on its last dimension)."""
-    n = _grid_size(grid_sharding)
-    grid = jnp.zeros(history.shape[:-1] + (n,), F32)
-    return Fp8History(history, jax.lax.with_sharding_constraint(grid, grid_sharding))
-
-
-def _grid_size(sharding) -> int:
-    axes = sharding.spec[-1]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
-
-
-def _with_row_grid_fwd(history, grid_sharding):
-    return with_row_grid(history, grid_sharding), history
+    ``rows_sharding``: the row grid's ``NamedSharding`` (the batch's axes on its last
+    dimension). The kernel's grid is left to XLA: a layout asked for there would be
+    propagated into the kernel's quantization (the rows of a replicated kernel, quantized
+    where they are, then gathered for the GEMM)."""
+    axes = rows_sharding.spec[-1]
+    n = int(np.prod([rows_sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+    rows = jnp.zeros(history.shape[:-2] + (2, n), F32)
+    blocks = jnp.zeros(history.shape[:-2] + (n, n), F32)
+    return Fp8History(history, jax.lax.with_sharding_constraint(rows, rows_sharding), blocks)
 
 
-def _with_row_grid_bwd(grid_sharding, history, ct):
-    return (_push(history, jnp.max(ct.grid, axis=-1)),)
+def _with_row_grid_fwd(history, rows_sharding):
+    return with_row_grid(history, rows_sharding), history
+
+
+def _with_row_grid_bwd(rows_sharding, history, ct):
+    rows = jnp.max(ct.rows, axis=-1)
+    amaxes = jnp.stack([rows[..., 0], jnp.max(ct.blocks, axis=(-2, -1)), rows[..., 1]], axis=-1)
+    return (_push(history, amaxes),)
 
 
 with_row_grid.defvjp(_with_row_grid_fwd, _with_row_grid_bwd)
 
 
-def _row_amaxes(x: jax.Array, grid: jax.Array) -> jax.Array:
-    """``x``'s largest magnitude in each of ``n = grid.shape[-1]`` blocks of rows of its
-    leading dimension, shaped and split like ``grid`` (``(n,)``): where the rows are split
-    over the batch's devices, each device reduces its own rows, with no communication. A
-    tensor whose leading dimension does not split into ``n`` blocks (or a scalar) gives its
-    global amax in every slot (an all-reduce where it is sharded)."""
-    n = grid.shape[-1]
+def _row_amaxes(x: jax.Array, n: int) -> jax.Array:
+    """``x``'s largest magnitude in each of ``n`` blocks of rows of its leading dimension,
+    ``(n,)``: where the rows are split over the batch's ``n`` devices, each device reduces its
+    own rows, with no communication. A tensor whose leading dimension does not split into
+    ``n`` blocks (or a scalar) gives its global amax in every slot (an all-reduce where it is
+    sharded)."""
     if x.ndim and x.shape[0] % n == 0:
         blocks = jnp.abs(x.astype(F32)).reshape((n, x.shape[0] // n) + x.shape[1:])
-        out = jnp.max(blocks, axis=tuple(range(1, blocks.ndim)))
-    else:
-        out = jnp.broadcast_to(_amax(x), (n,))
-    return out
+        return jnp.max(blocks, axis=tuple(range(1, blocks.ndim)))
+    return jnp.broadcast_to(_amax(x), (n,))
+
+
+def _block_amaxes(kernel: jax.Array, n: int) -> jax.Array:
+    """``kernel``'s largest magnitude per block, ``(n, n)``: its first two dimensions that
+    split into ``n`` blocks each (a missing one broadcast), the rest reduced whole. Whichever
+    of those two ZeRO splits over the batch's devices, each device reduces its own blocks."""
+    split = [d for d in range(kernel.ndim) if kernel.shape[d] % n == 0][:2]
+    shape = []
+    for d, size in enumerate(kernel.shape):
+        shape += [n, size // n] if d in split else [size]
+    blocks = jnp.abs(kernel.astype(F32)).reshape(shape)
+    keep = [split.index(d) + d for d in split]  # where each split dimension's n lands
+    out = jnp.max(blocks, axis=tuple(i for i in range(len(shape)) if i not in keep))
+    return jnp.broadcast_to(out.reshape(out.shape + (1,) * (2 - out.ndim)), (n, n))
 
 
 def _history(meta) -> jax.Array:
@@ -228,8 +243,9 @@ def _fwd(spec, x, kernel, meta):
     # off the updated histories chained each gradient to the forward's all-reduces: four
     # all-reduces per layer of the 7B instead of one (BENCHMARKS.md, "fp8 on H100s").
     sg = _scale(_history(meta)[2], E5M2)
-    if isinstance(meta, Fp8History):  # each row block's amax, reduced after the loops
-        amaxes = jnp.stack([_row_amaxes(x, meta.grid), _row_amaxes(kernel, meta.grid)])
+    if isinstance(meta, Fp8History):  # amaxes per block, reduced after the loops
+        n = meta.rows.shape[-1]
+        amaxes = (_row_amaxes(x, n), _block_amaxes(kernel, n))
     else:
         amaxes = jnp.stack([_amax(x), _amax(kernel)])
     # The output is in x's dtype, so is its gradient g; a scalar carries the kernel's dtype.
@@ -244,8 +260,8 @@ def _bwd(spec, res, g):
     dx = _dot(dx_spec, qg, qk, sg * sk, x_dtype)
     dk = _dot(dk_spec, qx, qg, sx * sg, k_dtype)
     if isinstance(meta, Fp8History):
-        grid = jnp.concatenate([amaxes, _row_amaxes(g, meta.grid)[None]])
-        return dx, dk, Fp8History(jnp.zeros_like(meta.history), grid)
+        rows = jnp.stack([amaxes[0], _row_amaxes(g, meta.rows.shape[-1])])
+        return dx, dk, Fp8History(jnp.zeros_like(meta.history), rows, amaxes[1])
     return dx, dk, _push(meta, jnp.concatenate([amaxes, _amax(g)[None]]))
 
 

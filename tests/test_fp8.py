@@ -185,19 +185,22 @@ def _amax_all_reduces(hlo: str) -> float:
                if kind == "all-reduce" and re.search(r"to_apply=%?([\w.\-]+)", line).group(1) in maxes)
 
 
-@pytest.mark.parametrize("layers, scan", [(2, False), (4, False), (3, True)])
-def test_the_amax_all_reduces_are_combined(layers, scan):
+@pytest.mark.parametrize("layers, scan, mesh, zero", [(2, False, "data=8", 1), (4, False, "data=8", 1),
+                                                    (3, True, "data=8", 1), (3, True, "fsdp=8", 3)])
+def test_the_amax_all_reduces_are_combined(layers, scan, mesh, zero):
     # Each tensor's amax is a max over the data-sharded batch. Inside the step each device
     # reduces its own rows (the row grid, sk.fp8.with_row_grid) and the step's amaxes cross
     # devices once, after the loops: one all-reduce per step, in a Python loop of layers or a
     # layer scan, however deep. Before, a scan's amaxes were reduced in its body: one
     # all-reduce per iteration (3 here); before that, the gradient's scale was read from the
-    # updated histories, which chained each matmul's gradient to the forward amaxes'.
-    plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())], precision="fp8")
+    # updated histories, which chained each matmul's gradient to the forward amaxes'. Under
+    # ZeRO-3 the kernels are split over fsdp too: each device reduces its own blocks of them.
+    plan = sk.Plan(sk.make_mesh(mesh), rules=[(r".*", ())], precision="fp8", zero=zero)
     step = sk.train_step(plan, optax.sgd(0.1))(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
     state = step.init(lambda: Layers(layers, scan, nnx.Rngs(0)))
     batch = {"x": np.ones((16, 16), np.float32), "y": np.zeros((16, 16), np.float32)}
-    assert _amax_all_reduces(step.lower(state, batch).compile().as_text()) == 1
+    hlo = step.lower(state, batch).compile().as_text()
+    assert _amax_all_reduces(hlo) == 1
 
 
 def test_the_row_grids_amaxes_are_the_global_ones():
