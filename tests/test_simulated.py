@@ -194,6 +194,9 @@ def test_search_verify_recompiles_and_reranks_the_top_layouts():
     tight = sk.search(cfg, 8, "h100", verify=1, build=build, memory_limit=1.0, **opts)
     assert all(v is None for v in tight.verified[:-1])
     assert tight.verified[-1] is not None and not tight.verified[-1].fits
+    # ... and the table still shows that compiled row past its top rows.
+    assert len(tight.estimates) > 2 and tight.table(top=1).row_count == 2
+    assert [r["rank"] for r in tight.shown_rows(1)] == [1, len(tight.estimates)]
 
 
 def test_a_compilers_out_of_memory_verdict_is_does_not_fit_with_its_bytes():

@@ -69,7 +69,7 @@ def plan_main(argv: list[str], build_for: Callable | None = None) -> int:
                           f"tok/s/dev  efficiency {r['efficiency']:.1%}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": res.rows[:a.top], "weak_scaling": scaling}, f, indent=1)
+            json.dump({"rows": res.shown_rows(a.top), "weak_scaling": scaling}, f, indent=1)
     if a.png:
         from ... import viz
 

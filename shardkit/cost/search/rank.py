@@ -72,8 +72,15 @@ class SearchResult:
             out.append(row)
         return out
 
+    def shown_rows(self, top: int) -> list[dict]:
+        """``rows`` of the best ``top`` layouts and of every compiled one."""
+        # A layout that compiled but does not fit ranks below every uncompiled one; hiding it
+        # would hide what the compile found.
+        return [r for r in self.rows if r["rank"] <= top or "compiled_memory" in r]
+
     def table(self, top: int = 15):
-        """A ``rich`` table of the best ``top`` layouts, each mesh written whole; with compiled
+        """A ``rich`` table of the best ``top`` layouts and every compiled one (a compiled layout
+        that does not fit ranks last, yet stays shown), each mesh written whole; with compiled
         columns, a figure the estimate is more than 10% under is marked ``!`` and its flag
         (``compiled_flags``) printed under the table."""
 
@@ -88,7 +95,7 @@ class SearchResult:
             where = (f"{target}'s compiler's program for the layout, compiled deviceless" if target else
                      "XLA:CPU's program for the layout on simulated devices (its buffers: 16-bit dots in f32)")
             t.caption = f"compiled: {where}; step time re-timed with its collective bytes per role"
-        rows = self.rows[:top]
+        rows = self.shown_rows(top)
         meshes = [r["mesh"] + (" +sp" if r["sequence_parallel"] else "") for r in rows]
         for c in ("#", "mesh", "zero", "m", "remat", "pipe sched", "step (s)", "MFU", "tok/s/dev",
                   "mem/dev (GB)", "fits", "bound by", "+same") + (
