@@ -114,6 +114,17 @@ def accuracy(a, impls) -> list[dict]:
     return rows
 
 
+def _timed(fn, *args, iters: int) -> float:
+    """Median milliseconds of ``iters`` calls of ``fn`` after one compile + warm-up call."""
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
 def timing(a, impls) -> list[dict]:
     rows = []
     for T in a.seqs:
@@ -122,30 +133,13 @@ def timing(a, impls) -> list[dict]:
         for impl in ("xla",) + tuple(impls):
             row = {"seq": T, "batch": a.batch, "implementation": impl}
             try:
-                fn = fwd_bwd(impl)
-                jax.block_until_ready(fn(q, k, v, do))  # compile + warm-up
-                times = []
-                for _ in range(a.iters):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(q, k, v, do))
-                    times.append(time.perf_counter() - t0)
-                row["ms"] = 1e3 * statistics.median(times)
+                row["ms"] = _timed(fwd_bwd(impl), q, k, v, do, iters=a.iters)
                 base = row["ms"] if impl == "xla" else base
                 row["vs_xla"] = base / row["ms"] if base else None
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             rows.append(row)
     return rows
-
-
-def _timed(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def _temp_mib(fn, *args) -> float:

@@ -204,16 +204,26 @@ def _per_device(kernel, q, k, v, spec):
     """``kernel`` on each device's batch and head shard (a ``shard_map`` manual over every
     mesh axis not already manual). K/V heads are repeated to H first: neither Pallas kernel
     takes grouped-query heads, and a head split then cuts q, k and v alike."""
-    H, K = q.shape[2], k.shape[2]
-    if K != H:
-        k, v = jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2)
+    k, v = _repeat_kv_heads(q, k, v)
     mesh = jax.sharding.get_abstract_mesh()
-    free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in _manual_axes())
+    free = _free_axes(mesh)
     if not free:  # one device, or every axis already manual: this is a per-device program
         return kernel(q, k, v)
     spec = _spec(q, mesh, free) if spec is None else spec
     return jax.shard_map(kernel, mesh=mesh, axis_names=set(free), in_specs=(spec,) * 3,
                          out_specs=spec, check_vma=False)(q, k, v)
+
+
+def _repeat_kv_heads(q, k, v):
+    """K and V with their heads repeated to q's: neither Pallas kernel takes grouped-query
+    heads."""
+    H, K = q.shape[2], k.shape[2]
+    return (k, v) if K == H else (jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2))
+
+
+def _free_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes not already manual: those a kernel's ``shard_map`` makes manual."""
+    return () if mesh.empty else tuple(a for a in mesh.axis_names if a not in _manual_axes())
 
 
 def _spec(q, mesh, free) -> P:

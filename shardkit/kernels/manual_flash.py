@@ -26,14 +26,11 @@ from .._vma import varying
 def flash_in_manual_region(impl: str, q, k, v, causal: bool, scale: float, spec: P | None):
     """``sk.attention``'s ``impl`` kernel (``"triton"`` or ``"mosaic"``) on (B, T, H, Q) inputs
     inside a manual region (module docstring); ``spec`` as ``sk.attention``'s."""
-    from .attention import _manual_axes, _rules, _spec, flash_scope
+    from .attention import _free_axes, _repeat_kv_heads, _rules, _spec, flash_scope
 
-    H, K = q.shape[2], k.shape[2]
-    if K != H:  # neither kernel takes grouped-query heads
-        k, v = jnp.repeat(k, H // K, axis=2), jnp.repeat(v, H // K, axis=2)
+    k, v = _repeat_kv_heads(q, k, v)
     mesh = jax.sharding.get_abstract_mesh()
-    manual = _manual_axes()
-    free = tuple(a for a in mesh.axis_names if a not in manual)
+    free = _free_axes(mesh)
     axes = tuple(sorted(frozenset().union(*(jax.typeof(a).mat.varying for a in (q, k, v)))))
     spec = (_spec(q, mesh, free) if free else P()) if spec is None else spec
     entries = tuple(spec) + (None,) * (4 - len(spec))

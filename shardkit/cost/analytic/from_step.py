@@ -26,7 +26,7 @@ from . import gpu_combining
 from .pipeline_cost import (idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_ticks,
                             pipeline_traffic, recompute_factor)
 from .leaf_sizes import argument_memory, grad_reduce_elems, residual_bytes, tensor_uses
-from .step_facts import StepFacts, step_facts
+from .step_facts import StepFacts, loop_grads_on_shard, step_facts
 
 
 def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per_token=None) -> Estimate:
@@ -97,7 +97,7 @@ def _pass_memory(s: StepFacts, mem: dict) -> None:
                           if st < c and not loop) * s.bc
     # A loop's stacked gradient is reduced slice by slice inside the loop (``loop_stacks``):
     # what it leaves is the shard, not the whole gradient beside it.
-    on_shard = s.n_data > 1 and grads_on_shard(zero, s.m, bool(s.pipe)) and s.platform != "cpu"
+    on_shard = loop_grads_on_shard(s.platform, s.n_data, zero, s.m, bool(s.pipe))
     grads = sum(z if on_shard and loop else c for c, z, loop in zip(lv.comp, lv.zshard, s.reading.loop_use)) * s.bg
     mem["temporaries"] = step_temporaries(pass_peak=s.reading.peak, grads=grads, reduced=reduced,
                                           update=shard_update, throughout=accumulate)

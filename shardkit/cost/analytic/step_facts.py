@@ -86,10 +86,8 @@ def step_facts(step, state, batch, pipeline) -> StepFacts:
         [d for d, e in enumerate(l.spec) if any(map(tensor_like, entry_axes(e)))] for l in lv.leaves]
     weight_axes = frozenset(a for l in lv.leaves for e in l.spec for a in entry_axes(e) if tensor_like(a))
     n_data = math.prod(sizes[a] for a in data_axes)
-    on_shard = n_data > 1 and grads_on_shard(plan.zero, step.microbatches, bool(pipe))
-    # A scanned stack only a loop reads or writes, as the loop holds it (``loop_stacks``):
-    # measured on XLA:GPU and XLA:TPU compiles (the 7B on 64 devices); XLA:CPU all-reduces the
-    # whole stacked gradient after its loop (tests/test_cost.py's pytree model at ZeRO-1).
+    on_shard = loop_grads_on_shard(platform, n_data, plan.zero, step.microbatches, bool(pipe))
+    # A scanned stack only a loop reads or writes, as the loop holds it (``loop_stacks``).
     stacks = None if pipe or platform == "cpu" else ([c / st for c, st in zip(lv.comp, lv.stored)],
                                                     [c / z if on_shard else 1.0 for c, z in zip(lv.comp, lv.zshard)])
     reading = _read(step, state, batch, lv.comp, sizes, data_axes, lv.tensor_dims, sp, weight_dims, weight_axes,
@@ -97,6 +95,14 @@ def step_facts(step, state, batch, pipeline) -> StepFacts:
     return StepFacts(step, state, batch, sizes, plan.zero, step.microbatches, itemsize(prec.params), bc,
                  itemsize(prec.grads), platform, 4 if platform == "cpu" else bc, data_axes,
                  math.prod(sizes[a] for a in data_axes), sp, sizes.get("context", 1), pipe, lv, reading)
+
+
+def loop_grads_on_shard(platform: str, n_data: int, zero: int, microbatches: int, pipelined: bool) -> bool:
+    """Whether a loop's stacked gradient leaves only ZeRO's shard: reduced slice by slice inside
+    the loop where gradients are reduced into the shard (``roles.grads_on_shard``), as measured
+    on XLA:GPU and XLA:TPU compiles (the 7B on 64 devices); XLA:CPU all-reduces the whole
+    stacked gradient after its loop (tests/test_cost.py's pytree model at ZeRO-1)."""
+    return platform != "cpu" and n_data > 1 and grads_on_shard(zero, microbatches, pipelined)
 
 
 def _platform(mesh) -> str:
