@@ -77,9 +77,10 @@ class ModelShape:
             of 4h, one K/V head per head, dropout, scores saved); or ``"xla"``, the tensors
             XLA's autodiff keeps for this model's widths (gated MLP, grouped K/V heads,
             ``flash_attention``, ``dropout``; under sequence parallelism the gathered inputs of
-            the column-parallel matmuls kept whole), checked against XLA:GPU compiles of
-            Llama 3 405B's layer (``bench/llama3_compile.py``); without recompute only
-            (``remat`` "full"/"dots" keep Korthikanti's forms).
+            the column-parallel matmuls kept whole), without recompute and under remat
+            "dots" (``remat`` "full" keeps Korthikanti's form). A ``ModelShape`` read from a
+            recipe config or a ``DECODER_SIZES`` name (a pre-norm RMSNorm/SwiGLU decoder) counts
+            ``"xla"``: its layer is the one that form was counted from.
     """
 
     name: str
@@ -166,9 +167,11 @@ def _from_config(cfg, name: str, seq: int | None) -> ModelShape:
         moe = dict(experts=E, top_k=k, moe_every=every, capacity_factor=get("moe_capacity"),
                    expert_params=float(n_moe * E * 3 * D * F))
         return ModelShape(name, float(per_layer_total + rest), fpt, L, float(per_layer_total), D, H, F, V,
-                          T, embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, **moe, **kernels)
+                          T, embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, activations="xla",
+                          **moe, **kernels)
     return ModelShape(name, float(L * per_layer + rest), fpt, L, float(L * per_layer), D, H, F, V, T,
-                      embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, **kernels)
+                      embedding_params=float(V * D), head=True, tie=bool(tie), kv_heads=K, activations="xla",
+                      **kernels)
 
 
 def _kernels(attention: str, loss_chunk: int, T: int, V: int) -> dict:

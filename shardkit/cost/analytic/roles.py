@@ -133,7 +133,7 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     # flash kernel never writes to memory (its log-sum-exp residual, 4 bytes a head and token, is
     # below the formula's grain): sk.attention's on GPU and TPU targets.
     sc = 0 if ms.flash_attention else 5 * a * s / h
-    if ms.activations == "xla" and lo.remat == "none":
+    if ms.activations == "xla" and lo.remat in ("none", "dots"):
         return _xla_layer_bytes(ms, lo, s) * b * bc / 2
     if ms.activations not in ("korthikanti", "xla"):
         raise ValueError(f"ModelShape.activations={ms.activations!r}: use 'korthikanti' or 'xla'")
@@ -151,28 +151,46 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
 
 
 def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
-    """Bytes one sequence of ``s`` tokens leaves saved in one layer, 16-bit activations, no
-    recompute (``ModelShape.activations="xla"``): the tensors of Korthikanti et al. 2022
-    (sec. 4.1) counted from the model's own widths, as XLA's autodiff keeps them. Per token:
-    each of the two RMS norms its f32 input (4h); the inputs of the column-parallel matmuls
-    (QKV, MLP in: 2·2h), whole even under sequence parallelism (the all-gather's result is what
-    the weight gradient reads; Megatron gathers it again in the backward instead, Korthikanti
-    sec. 4.2.2); split over ``tensor``: the query (2h) and the grouped key and value
-    (2·2·kv·head_dim), the attention output (2h), the MLP's 6·d_ff (gated: gate, up and the
-    down projection's input) or 4·d_ff (its activation's input and output), the attention
-    scores unless ``flash_attention`` (2·a·s, 5·a·s with dropout: Korthikanti's), and two
-    dropout masks (2h) with ``dropout``. Norms and masks are split over ``tensor`` under
-    sequence parallelism. Against XLA:GPU's H100 compile of Llama 3 405B's layer at TP8 with
-    sequence parallelism: 7.97 vs 7.91 bytes per token and h (``bench/llama3_compile.py``);
-    without sequence parallelism 14.97 vs 23.7 (not the norms' f32 copies: a bf16 norm compiles
-    the same; what else XLA keeps replicated was not found)."""
+    """Bytes one sequence of ``s`` tokens leaves saved in one layer, 16-bit activations
+    (``ModelShape.activations="xla"``), remat ``"none"`` or ``"dots"``: the residuals JAX's
+    autodiff saves for a pre-norm decoder layer (RMSNorm in f32, SwiGLU or GELU MLP, grouped K/V)
+    counted from the model's own widths — the tensors of Korthikanti et al. 2022 (sec. 4.1), not
+    their GPT constants. Per token, h = d_model, hq = heads x head_dim, kv = K/V heads x
+    head_dim, f = d_ff, split over ``tensor`` (t) where Megatron splits them:
+
+    - no recompute: each of the two RMS norms its f32 input and f32 normalised value (2 x 4h,
+      split over ``tensor`` under sequence parallelism) and its 16-bit output, the input of the
+      column-parallel matmuls, whole even under sequence parallelism (the all-gather's result is
+      what the weight gradient reads; Megatron gathers it again in the backward instead,
+      Korthikanti sec. 4.2.2); with a flash kernel five hq-wide tensors (the query; K and V
+      repeated to the query heads, as the Pallas kernels take them; the output in the kernel's
+      layout and in the model's), without one the query, grouped K and V, the output and the
+      scores (2·a·s, 5·a·s with dropout); the gated MLP's six f-wide tensors (gate, up, the
+      SiLU's pieces and the product the down projection reads), a GELU MLP's two; two dropout
+      masks with ``dropout``.
+    - remat "dots" (JAX's ``checkpoint_dots``: every matmul output saved, the rest recomputed):
+      the layer input and the attention projection's output (h each, split under sequence
+      parallelism), the query, K and V (and the scores without a flash kernel), and the MLP's
+      gate and up (f each; one f for a GELU MLP).
+
+    Checked against XLA:GPU's compile of the recipe at Llama 2 7B's widths on H100s (the mixed
+    difference of 2/4 layers x 1/2 sequences of 2,048, ``data=8``): 60.8 bytes per token and h
+    compiled vs 62.3 counted without recompute, 21.6 vs 20.8 under "dots"."""
     h, a, t = ms.d_model, max(ms.heads, 1), lo.tensor
+    hq = h  # heads x head_dim: the recipe's and every config ModelShape reads have head_dim = h / heads
     kv = (ms.kv_heads or a) * (h // a)
     sp = t if lo.sequence_parallel else 1
-    replicated = 8 * h / sp + 4 * h + (2 * h / sp if ms.dropout else 0)
-    mlp = (6 if ms.gated else 4) * ms.d_ff
-    scores = 0 if ms.flash_attention else (5 if ms.dropout else 2) * a * s
-    return s * (replicated + (2 * h + 4 * kv + 2 * h + mlp + scores) / t)
+    if lo.remat == "dots":
+        scores = 0 if ms.flash_attention else 2 * a * s
+        mlp = (4 if ms.gated else 2) * ms.d_ff
+        return s * (4 * h / sp + (2 * hq + 4 * kv + mlp + scores) / t)
+    replicated = 16 * h / sp + 4 * h + (2 * h / sp if ms.dropout else 0)
+    mlp = (12 if ms.gated else 4) * ms.d_ff
+    if ms.flash_attention:
+        attention = 5 * 2 * hq
+    else:
+        attention = 2 * hq + 4 * kv + 2 * hq + (5 if ms.dropout else 2) * a * s
+    return s * (replicated + (attention + mlp) / t)
 
 
 def moe_traffic(*, tokens: int, d_model: int, experts: int, top_k: int, capacity_factor: float | None,
