@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 
-from .hlo import (_shape_bytes, collectives_from_hlo, matmul_flops_from_hlo,
-                  pipeline_branch_weights as _pipeline_branch_weights, rewritten_matmuls, traffic_from_hlo)
+from .hlo.collectives import collectives_from_hlo, traffic_from_hlo
+from .hlo.matmuls import matmul_flops_from_hlo, rewritten_matmuls
+from .hlo.text import pipeline_branch_weights as _pipeline_branch_weights, shape_bytes
 from .report import Report
 
 
@@ -62,7 +63,7 @@ def host_bytes_from_layout(hlo: str) -> tuple[int, int]:
     args, _, outs = head[i:j].partition(")->")
 
     def host(text: str) -> int:
-        return sum(_shape_bytes(shape) for shape in _HOST_SHAPE.findall(text))
+        return sum(shape_bytes(shape) for shape in _HOST_SHAPE.findall(text))
     return host(args), host(outs)
 
 
