@@ -8,10 +8,12 @@ table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothi
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
 from ...pipeline import schedules as sched
+from .roles import RoleTraffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,11 +238,11 @@ def idle_tick_flops(note: PipelineNote, busy: float, part: float, whole: float =
     return busy * (1 + extra * part / whole)
 
 
-def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: float, tied: float,
-                     act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
-    """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and
-    ``counts`` by role: the one formula set both estimators use, fed by a ``ModelShape``
-    (``from_shape.estimate``) or by a real step's leaf sums (``from_step``).
+def pipeline_traffic(pipe: PipelineNote, *, stage: float, rest: float, tied: float, act_mb: float,
+                     has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> RoleTraffic:
+    """``sk.pipeline``'s collectives per device per step, by role: the one formula set both
+    estimators use, fed by a ``ModelShape`` (``from_shape.estimate``) or by a real step's leaf
+    sums (``from_step``).
 
     Args:
         pipe: the pipeline's note (stages, microbatches, repeats, schedule; ``data_axes``:
@@ -274,6 +276,7 @@ def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: flo
     """
     p, pm, v, sched_ = pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule
     ticks = pipeline_ticks(pipe)
+    col, counts = defaultdict(float), defaultdict(float)
     col["pipe-permute"] += 2 * ticks * act_mb * step_m
     counts["pipe-permute"] += 2 * ticks * step_m
     if v > 1:
@@ -297,3 +300,4 @@ def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: flo
         else:
             col["grad-reduce"] += (ticks * stage / v + rest) * bg * step_m
             counts["grad-reduce"] += (ticks + 1) * step_m
+    return RoleTraffic(dict(col), dict(counts))
