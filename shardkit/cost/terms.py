@@ -208,7 +208,7 @@ class Layout:
             above, outermost in the mesh (across the slow link), each training on 1/replica of
             the batch and syncing over ``replica`` once every ``diloco_every`` steps: one f32
             all-reduce of its shard of the parameters (the outer update's layout), amortised
-            over the interval and fully exposed (``from_shape.diloco_terms``).
+            over the interval and fully exposed (``diloco_cost.diloco_terms``).
         keep_residuals: ``"1f1b"`` / ``"interleaved-1f1b"`` run as Megatron-LM and PyTorch's
             pipelining run them, not as ``sk.pipeline`` does: every in-flight microbatch keeps
             its residuals and the backward does not recompute the forward (no recompute flops,

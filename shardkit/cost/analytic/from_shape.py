@@ -26,7 +26,8 @@ from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, layout_n
 from .roles import (RoleTraffic, activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic,
                     step_temporaries, tensor_traffic, zero_state)
 from ..terms import Estimate, Layout, ModelShape, model_shape
-from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
+from .diloco_cost import diloco_terms
+from .steptime import Efficiency, memory_bound_time, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
              global_batch: int, seq: int | None = None, precision: str | Precision = "bf16",
@@ -314,37 +315,6 @@ def in_flight(layout: Layout) -> int:
     pipeline parallelism); never more than the v·m there are."""
     p, m, v = layout.pipe, layout.microbatches, layout.repeats
     return min(p if v == 1 else v * p + p - 1, v * m)
-
-
-def diloco_terms(inner: Estimate, ms: ModelShape, lo: Layout, hw: hw_lib.Hardware, prec: Precision,
-                 global_batch: int) -> Estimate:
-    """A DiLoCo layout's estimate from its inner layout's (``inner``, one replica's step on
-    1/replica of the batch): every ``diloco_every`` steps each device all-reduces its shard of
-    Δ = θ_outer − θ_r in f32 over ``replica`` (the outer update's layout: sharded like ZeRO-1's
-    optimizer state), on the link the replica axis crosses, with no compute to hide behind
-    (Douillard et al. 2023, arXiv:2311.08105; Streaming DiLoCo's overlap is not modelled). The
-    outer parameters and the outer Nesterov momentum add two such shards of memory."""
-    p_dev = (ms.layer_params / (lo.tensor * lo.pipe) + (ms.params - ms.layer_params) / lo.tensor)
-    shard = p_dev / (lo.fsdp * (lo.data if lo.zero >= 1 else 1))
-    bp, bo = (np.dtype(d).itemsize for d in (prec.params, prec.opt_state))
-    sync_bytes = 4.0 * shard
-    bw, lat, group = link(hw, lo, ("replica",))
-    sync_s = collective_time("all-reduce", sync_bytes, group, bw, lat) + efficiency_for(hw).latency
-    mem = dict(inner.memory)
-    outer = shard * (bp + bo)
-    mem["opt_state"] += outer
-    mem["arguments"] += outer
-    mem["peak"] += outer
-    col = dict(inner.collectives)
-    col["replica-reduce"] = sync_bytes / lo.diloco_every
-    t = dict(inner.time)
-    t["replica-reduce"] = sync_s / lo.diloco_every
-    t["exposed"] += t["replica-reduce"]
-    t["step"] += t["replica-reduce"]
-    notes = list(inner.notes) + [f"DiLoCo: replica={lo.replica} syncs {sync_bytes / 1e6:.1f} MB per device every "
-                                 f"{lo.diloco_every} steps ({sync_s * 1e3:.1f} ms on its link)"]
-    return dataclasses.replace(inner, memory=mem, collectives=col, time=t, layout=lo, tokens=global_batch * ms.seq,
-                               devices=lo.devices, notes=notes)
 
 
 def diloco_speedup(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *, global_batch: int,
