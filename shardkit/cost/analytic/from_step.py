@@ -23,8 +23,9 @@ from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpi
 from .roles import RoleTraffic, data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
-from .pipeline_cost import (idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_ticks,
-                            pipeline_traffic, recompute_factor)
+from ..pipeline_note import is_explicit
+from .pipeline_cost import (idle_tick_flops, one_f_one_b_loop, pipeline_buffers, pipeline_ticks, pipeline_traffic,
+                            recompute_factor)
 from .leaf_sizes import argument_memory, grad_reduce_elems, residual_bytes, tensor_uses
 from .step_facts import StepFacts, loop_grads_on_shard, step_facts
 

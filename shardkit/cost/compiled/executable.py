@@ -10,8 +10,9 @@ import re
 
 from .hlo.collectives import collectives_from_hlo, traffic_from_hlo
 from .hlo.matmuls import matmul_flops_from_hlo, rewritten_matmuls
-from .hlo.text import pipeline_branch_weights as _pipeline_branch_weights, shape_bytes
+from .hlo.text import shape_bytes
 from .report import Report
+from ..pipeline_note import pipeline_branch_weights
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -77,7 +78,7 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     (averaged over stages), so collectives and matmuls inside a backward branch count m times,
     not once per tick.
     """
-    weights = _pipeline_branch_weights(pipeline) if pipeline else None
+    weights = pipeline_branch_weights(pipeline) if pipeline else None
     mem = {**(memory or {}), **compiled_memory(compiled)}
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):

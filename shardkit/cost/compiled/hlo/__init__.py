@@ -9,5 +9,4 @@ collectives executed and the mesh axes they span), ``permutes`` (which collectiv
 from .collectives import (COLLECTIVES as COLLECTIVES, Collective as Collective, Traffic as Traffic,
                           collectives_from_hlo as collectives_from_hlo, traffic_from_hlo as traffic_from_hlo)
 from .matmuls import matmul_flops_from_hlo as matmul_flops_from_hlo, rewritten_matmuls as rewritten_matmuls
-from .text import (HloParseError as HloParseError, pipeline_branch_weights as pipeline_branch_weights,
-                   shape_bytes as shape_bytes)
+from .text import HloParseError as HloParseError, shape_bytes as shape_bytes

@@ -9,10 +9,6 @@ import math
 import re
 from collections import defaultdict
 
-import numpy as np
-
-from ....pipeline import schedules as sched
-
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
                 "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "bf16": 2, "f16": 2, "s16": 2,
                 "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8,
@@ -130,15 +126,3 @@ def _split_tuple(text: str) -> list[str]:
             cur.append(ch)
     parts.append("".join(cur))
     return parts
-
-
-def pipeline_branch_weights(note: dict) -> dict[int, list[float]] | None:
-    """The explicit pipeline executor's per-tick ``lax.switch`` (1F1B, interleaved 1F1B,
-    ZB-H1): the fraction of (tick, stage) cells of the schedule table taking each branch, for
-    the conditional inside ``sched.EXPLICIT_SCOPE`` only."""
-    if note.get("schedule") not in sched.EXPLICIT:
-        return None
-    tab = sched.pipeline_schedule(note["schedule"], note["stages"], note["microbatches"],
-                                  note.get("repeats", 1))
-    pairs, index = sched.switch_branches(tab)
-    return {sched.EXPLICIT_SCOPE: [float(np.mean(index == k)) for k in range(len(pairs))]}
