@@ -23,9 +23,9 @@ from ...precision import Precision
 from .. import hardware as hw_lib
 from ..pipeline_note import PipelineNote, is_explicit, schedule_table
 from .pipeline_cost import idle_tick_flops, layout_note, pipeline_traffic, recompute_factor
-from .roles import (RoleTraffic, activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic,
+from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic,
                     step_temporaries, tensor_traffic, zero_state)
-from ..terms import Estimate, Layout, ModelShape, model_shape
+from ..terms import Estimate, Layout, ModelShape, RoleTraffic, model_shape
 from .diloco_cost import diloco_terms
 from .steptime import Efficiency, memory_bound_time, times
 

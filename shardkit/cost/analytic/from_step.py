@@ -16,11 +16,11 @@ import jax.numpy as jnp
 
 from ...rules import entry_axes
 from .. import hardware as hw_lib
-from ..terms import Estimate, Layout, tokens_in
+from ..terms import Estimate, Layout, RoleTraffic, tokens_in
 from .steptime import times
 from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, kept_rings,
                               microbatch_rows, saved_bytes, w_forwarded_bytes)
-from .roles import RoleTraffic, data_traffic, grads_on_shard, step_temporaries, tensor_traffic
+from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
 from ..pipeline_note import is_explicit

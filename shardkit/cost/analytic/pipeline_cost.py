@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from ...pipeline import schedules as sched
 from ..pipeline_note import PipelineNote, is_explicit, schedule_table
-from .roles import RoleTraffic
+from ..terms import RoleTraffic
 
 
 def layout_note(layout) -> PipelineNote:

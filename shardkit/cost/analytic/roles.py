@@ -13,39 +13,9 @@ a reduce-scatter of V both count V), a gather its gathered result.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
 
-from ..terms import ROLES, Layout, ModelShape
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleTraffic:
-    """Collectives per device per step by role (``terms.ROLES``' names), as one formula hands
-    them back (``tensor_traffic``, ``data_traffic``, ``pipeline_cost.pipeline_traffic``); an
-    estimator adds its parts up once (``a + b``: role by role).
-
-    Attributes:
-        bytes: bytes per role (reductions the bytes reduced, gathers the gathered result).
-        ops: collectives per role.
-    """
-
-    bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    ops: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def zero(cls) -> "RoleTraffic":
-        """Every role, at nothing: where an estimator's sum starts."""
-        return cls(dict.fromkeys(ROLES, 0.0), dict.fromkeys(ROLES, 0.0))
-
-    def __add__(self, other: "RoleTraffic") -> "RoleTraffic":
-        nbytes, ops = dict(self.bytes), dict(self.ops)
-        for role, x in other.bytes.items():
-            nbytes[role] = nbytes.get(role, 0.0) + x
-        for role, x in other.ops.items():
-            ops[role] = ops.get(role, 0.0) + x
-        return RoleTraffic(nbytes, ops)
+from ..terms import Layout, ModelShape, RoleTraffic
 
 
 def zero_state(zero: int, *, model: float, shard: float) -> dict[str, float]:
