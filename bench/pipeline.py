@@ -147,7 +147,8 @@ def data_reduction(d=128, batch=32, m=8, layers=8):
     """Compiled all-reduce bytes over `data` per device per step on data=2,pipe=4 (value and
     grad), against one stage's parameter bytes: ~1x stage + head means one reduction per step
     (sk.pipeline's manual data axes), ~ticks x stage a reduction per tick."""
-    from shardkit.cost.compiled.hlo import pipeline_branch_weights, traffic_from_hlo
+    from shardkit.cost.compiled.hlo import traffic_from_hlo
+    from shardkit.cost.pipeline_note import pipeline_branch_weights
 
     mesh = make_mesh("data=2,pipe=4", devices=jax.devices())
     params, head, x, t = problem(layers, d, batch)

@@ -65,7 +65,8 @@ from rich.table import Table  # noqa: E402
 
 import shardkit as sk  # noqa: E402
 from pipeline import mlp_layer, mse, problem  # noqa: E402  (bench/pipeline.py)
-from shardkit.cost.compiled.hlo import matmul_flops_from_hlo, pipeline_branch_weights  # noqa: E402
+from shardkit.cost.compiled.hlo import matmul_flops_from_hlo  # noqa: E402
+from shardkit.cost.pipeline_note import pipeline_branch_weights  # noqa: E402
 from shardkit.pipeline import pipeline, pipeline_schedule  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))

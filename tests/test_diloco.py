@@ -468,7 +468,7 @@ def reference_overlapped(steps, every, tau, mix, inner_tx, outer_tx, R):
 def hlo_dependencies(hlo: str, mesh_shape: dict):
     """For the entry computation of ``hlo``: the replica-axis all-reduces, and per instruction
     whether it is (or calls a computation that holds) a matmul, and its operands."""
-    from shardkit.cost.compiled.hlo import _axes_of, _device_groups
+    from shardkit.cost.compiled.hlo.collectives import _axes_of, _device_groups
 
     comps, current, entry = {}, None, None
     for line in hlo.splitlines():

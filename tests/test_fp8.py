@@ -178,7 +178,8 @@ class Layers(nnx.Module):
 
 def _amax_all_reduces(hlo: str) -> float:
     """All-reduces taking a max (the amaxes: nothing else in the step does), through loops."""
-    from shardkit.cost.compiled.hlo import _collective_ops, _walk
+    from shardkit.cost.compiled.hlo.collectives import _collective_ops
+    from shardkit.cost.compiled.hlo.text import _walk
 
     maxes = {name for name, lines in _walk(hlo)[0].items() if any("ROOT" in ln and " maximum(" in ln for ln in lines)}
     return sum(m for kind, m, _, line in _collective_ops(hlo)

@@ -162,7 +162,8 @@ def test_kept_residuals_remove_the_recompute(devices):
     outputs) the backward op runs no forward matmul — the matmul flops are exactly F + 2F of
     the layers and the head, per device — and the temporaries grow with what is kept:
     input < dots < all."""
-    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo, pipeline_branch_weights
+    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
+    from shardkit.cost.pipeline_note import pipeline_branch_weights
 
     d, rows = 64, 64
     k = jax.random.split(jax.random.key(0), 4)

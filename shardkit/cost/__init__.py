@@ -15,14 +15,16 @@ Two kinds of figures, always labelled:
 
 The house, one folder per job, imports pointing down (``docs/cost_house.md``):
 
-* at the top, shared by all: ``terms`` (ModelShape, Layout, Estimate, the collective roles),
-  ``hardware`` (accelerator figures) and ``flash_flops`` (a flash kernel call's flops, which the
-  program reader and the compiled-HLO reader both count);
+* at the top, shared by all: ``terms`` (ModelShape, Layout, Estimate, the collective roles and
+  ``RoleTraffic``), ``hardware`` (accelerator figures), ``flash_flops`` (a flash kernel call's
+  flops, which the program reader and the compiled-HLO reader both count) and ``pipeline_note``
+  (``sk.pipeline``'s trace note and the schedule table it runs, which the analytic model and
+  the compiled-HLO reader both read);
 * ``program/``: reading the traced jaxpr (``reader`` and its rules);
-* ``analytic/``: the modelled figures (``roles``, ``from_shape``, ``from_step``,
+* ``analytic/``: the modelled figures (``roles``, ``from_shape``, ``diloco_cost``, ``from_step``,
   ``leaf_sizes``, ``pipeline_cost``, ``pipeline_memory``, ``gpu_combining``, ``caveats``,
   ``steptime``), reading the program through ``program/``;
-* ``compiled/``: the compiled figures (``targets``, ``child``, ``simulated``, ``hlo``,
+* ``compiled/``: the compiled figures (``targets``, ``child``, ``simulated``, ``hlo/``,
   ``executable``, ``report``, ``bands``), which never import ``analytic/``;
 * ``beside``: the one join — the estimate set beside a compiled report (``simulate``);
 * ``search/``: ``rank`` (layout search) and ``plan_cli`` (``shardkit plan``).

@@ -1,6 +1,7 @@
-"""What the cost model talks about: a model's shape (``ModelShape``), a layout (``Layout``), and
-the estimate of one step on it (``Estimate``), plus a few named decoder shapes for the
-``shardkit plan`` command.
+"""What the cost model talks about: a model's shape (``ModelShape``), a layout (``Layout``), the
+collective roles (``ROLES``) and the traffic a formula counts in them (``RoleTraffic``), and the
+estimate of one step on it (``Estimate``), plus a few named decoder shapes for the ``shardkit
+plan`` command.
 """
 
 from __future__ import annotations
@@ -33,6 +34,34 @@ STEP_ROLES = tuple(r for r in ROLES if r != "replica-reduce")
 # step's roles but ``context-reduce`` (a reduction over ``context`` is the weights' gradients
 # reduced there, read as ``grad-reduce``), and ``other`` for what no role explains.
 COMPILED_ROLES = tuple(r for r in STEP_ROLES if r != "context-reduce") + ("other",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleTraffic:
+    """Collectives per device per step by role (``ROLES``' names), as one formula hands them
+    back (``roles.tensor_traffic``, ``roles.data_traffic``, ``pipeline_cost.pipeline_traffic``);
+    an estimator adds its parts up once (``a + b``: role by role).
+
+    Attributes:
+        bytes: bytes per role (reductions the bytes reduced, gathers the gathered result).
+        ops: collectives per role.
+    """
+
+    bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    ops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def zero(cls) -> "RoleTraffic":
+        """Every role, at nothing: where an estimator's sum starts."""
+        return cls(dict.fromkeys(ROLES, 0.0), dict.fromkeys(ROLES, 0.0))
+
+    def __add__(self, other: "RoleTraffic") -> "RoleTraffic":
+        nbytes, ops = dict(self.bytes), dict(self.ops)
+        for role, x in other.bytes.items():
+            nbytes[role] = nbytes.get(role, 0.0) + x
+        for role, x in other.ops.items():
+            ops[role] = ops.get(role, 0.0) + x
+        return RoleTraffic(nbytes, ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +240,7 @@ class Layout:
             above, outermost in the mesh (across the slow link), each training on 1/replica of
             the batch and syncing over ``replica`` once every ``diloco_every`` steps: one f32
             all-reduce of its shard of the parameters (the outer update's layout), amortised
-            over the interval and fully exposed (``from_shape.diloco_terms``).
+            over the interval and fully exposed (``diloco_cost.diloco_terms``).
         keep_residuals: ``"1f1b"`` / ``"interleaved-1f1b"`` run as Megatron-LM and PyTorch's
             pipelining run them, not as ``sk.pipeline`` does: every in-flight microbatch keeps
             its residuals and the backward does not recompute the forward (no recompute flops,

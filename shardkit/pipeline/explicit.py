@@ -266,7 +266,7 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             op = _Op(chunk, loss_fn, split, ring, v, seed, zero_h, groups, stage, c, mb, dx, w_at, h, g, weights,
                      loss_params, extras_mb, targets_mb, keep, res_at, loss_at, everywhere)
             # The scope names the switch in the compiled HLO, so explain() can weight its
-            # branches by the schedule table (``cost.hlo.pipeline_branch_weights``) and no other.
+            # branches by the schedule table (``cost.pipeline_note.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
                 send_h, send_g, acc, slots = lax.switch(br, [op.branch(o, l) for o, l in pairs], acc, rings)
             # The rings are only read inside the switch and written here, in place: the op's

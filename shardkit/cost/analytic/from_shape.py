@@ -21,12 +21,13 @@ import numpy as np
 
 from ...precision import Precision
 from .. import hardware as hw_lib
-from .pipeline_cost import (PipelineNote, idle_tick_flops, is_explicit, layout_note, pipeline_traffic,
-                            recompute_factor, schedule_table)
-from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic, step_temporaries,
-                    tensor_traffic, zero_state)
-from ..terms import ROLES, Estimate, Layout, ModelShape, model_shape
-from .steptime import Efficiency, collective_time, efficiency_for, link, memory_bound_time, times
+from ..pipeline_note import PipelineNote, is_explicit, schedule_table
+from .pipeline_cost import idle_tick_flops, layout_note, pipeline_traffic, recompute_factor
+from .roles import (activation_bytes, context_traffic, data_traffic, grads_on_shard, moe_traffic,
+                    step_temporaries, tensor_traffic, zero_state)
+from ..terms import Estimate, Layout, ModelShape, RoleTraffic, model_shape
+from .diloco_cost import diloco_terms
+from .steptime import Efficiency, memory_bound_time, times
 
 def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *,
              global_batch: int, seq: int | None = None, precision: str | Precision = "bf16",
@@ -206,8 +207,7 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
     p_dev, L_dev, replicas = s.p_dev, s.L_dev, s.replicas
     tokens_mb = b * T
     tokens_dev = tokens_mb / lo.context  # a context axis splits every activation's tokens
-    col = dict.fromkeys(ROLES, 0.0)
-    counts = dict.fromkeys(ROLES, 0.0)
+    parts = []  # the roles' traffic, added up once at the end
     # A pipeline reduces (and, sharded, gathers) the weights once per step: its shard_map is
     # manual over the data axes, so gradients stay local in the loop (``sk.pipeline``).
     per_step = 1 if lo.pipe > 1 else m
@@ -217,63 +217,63 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # device of the ``expert`` axis).
         # A pipeline's gradient reduction is its own formula (``pipeline_traffic``, below).
         reduced = p_dev - (0.0 if lo.data * lo.fsdp > 1 else s.p_expert)
-        data_traffic(col, counts, reduced=0.0 if lo.pipe > 1 else per_step * reduced,
-                     reduce_ops=0 if lo.pipe > 1 else per_step * max(L_dev, 1),
-                     gathered=(1 if s.keep else 2) * per_step * p_dev if s.sharded else 0.0,
-                     gather_ops=(1 if s.keep else 2) * per_step * max(L_dev, 1),
-                     zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp)
+        parts.append(data_traffic(reduced=0.0 if lo.pipe > 1 else per_step * reduced,
+                                  reduce_ops=0 if lo.pipe > 1 else per_step * max(L_dev, 1),
+                                  gathered=(1 if s.keep else 2) * per_step * p_dev if s.sharded else 0.0,
+                                  gather_ops=(1 if s.keep else 2) * per_step * max(L_dev, 1),
+                                  zero12_gathered=p_dev if lo.zero in (1, 2) else 0.0, bg=bg, wire=bc, bp=bp))
     elif lo.context > 1:
         # Weights are replicated over ``context`` and each shard of the sequence contributes
         # to every gradient: they are reduced over it as over a data axis (with data axes, in
         # the same reduction). A tied table's two gradients (lookup and head) are reduced apart.
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
-        data_traffic(col, counts, reduced=m * (p_dev + tied), reduce_ops=m * max(L_dev, 1),
-                     bg=bg, wire=bc, bp=bp)
+        parts.append(data_traffic(reduced=m * (p_dev + tied), reduce_ops=m * max(L_dev, 1), bg=bg, wire=bc,
+                                  bp=bp))
     if lo.tensor > 1 and ms.d_model:
         # Each layer's 2 TP regions (attention, MLP) close with a row-parallel weight (reduced in
         # the forward; again in 1F1B's recomputed forward) and open with a column-parallel one
         # (reduced in the backward); the vocab-parallel embedding and head add one each.
         recomputed = 2 * L_dev if s.one_f_one_b else 0
-        tensor_traffic(col, counts, forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
-                       head_gather=True, tokens=tokens_dev, width=ms.d_model, wire=bc, microbatches=m,
-                       sequence_parallel=lo.sequence_parallel)
+        parts.append(tensor_traffic(forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
+                                    head_gather=True, tokens=tokens_dev, width=ms.d_model, wire=bc, microbatches=m,
+                                    sequence_parallel=lo.sequence_parallel))
     if lo.expert > 1 and ms.experts:
         # Every MoE layer of every microbatch sends its tokens to their experts and back,
         # forward and backward (sk.moe; inside a pipeline's stages XLA moves them instead).
         # Dropless, on the GPUs and TPUs this table holds, sk.moe's "auto" dispatch sends only
         # the routed rows (ragged-all-to-all), except nested in a pipeline's shard_map.
         n_moe = max(ms.layers // ms.moe_every // lo.pipe, 1)
-        col["expert-all-to-all"] += m * n_moe * moe_traffic(
+        parts.append(RoleTraffic({"expert-all-to-all": m * n_moe * moe_traffic(
             tokens=tokens_mb, d_model=ms.d_model, experts=ms.experts, top_k=ms.top_k,
             capacity_factor=ms.capacity_factor, group_size=T, bytes_per_element=bc, axis_size=lo.expert,
-            ragged=ms.capacity_factor is None and lo.pipe == 1)
-        counts["expert-all-to-all"] += 4 * m * n_moe
+            ragged=ms.capacity_factor is None and lo.pipe == 1)}, {"expert-all-to-all": 4 * m * n_moe}))
     if lo.context > 1 and ms.heads and ms.d_model:
         # Every attention layer of every microbatch runs one ring (sk.context_attention).
         kv_heads = (ms.kv_heads or ms.heads) / lo.tensor
         kv_block = b * (T / lo.context) * kv_heads * (ms.d_model / ms.heads)
-        for role, nbytes in context_traffic(kv_block=kv_block, context=lo.context,
-                                            bytes_per_element=bc).items():
-            col[role] = col.get(role, 0.0) + m * L_dev * nbytes
+        parts.append(RoleTraffic({role: m * L_dev * nbytes for role, nbytes in context_traffic(
+            kv_block=kv_block, context=lo.context, bytes_per_element=bc).items()}))
     if lo.pipe > 1:
         # Activations cross the pipe in the compute dtype (the hardware table holds accelerators;
         # only XLA:CPU needs f32 there, which ``from_step`` reads off a real step); sequence
         # parallelism shards them over ``tensor``.
         tied = ms.vocab * ms.d_model / lo.tensor if (ms.tie and ms.vocab) else 0.0
-        pipeline_traffic(col, counts, s.pipe_note, stage=s.p_layers, rest=p_dev - s.p_layers, tied=tied,
-                         act_mb=tokens_dev * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
-                         has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas)
-        if s.keep:
-            # Megatron sends one activation forward and one gradient backward per chunk and
-            # microbatch, only where there is one (no collective on idle ticks); its chunks stay
-            # where they are (no relayout); the input's gradient stays on the first stage and
-            # only a tied table's two gradients are all-reduced between first and last stage
-            # (Narayanan et al. 2021, sec. 2.2 and 4.1).
-            sends = 2 * lo.repeats * m
-            col["pipe-permute"], counts["pipe-permute"] = sends * tokens_dev * ms.d_model * bc / (
-                lo.tensor if lo.sequence_parallel else 1), sends
-            col["pipe-relayout"] = counts["pipe-relayout"] = 0.0
-            col["pipe-reduce"], counts["pipe-reduce"] = tied * bg, 1 if tied else 0
+        parts.append(pipeline_traffic(s.pipe_note, stage=s.p_layers, rest=p_dev - s.p_layers, tied=tied,
+                                      act_mb=tokens_dev * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1),
+                                      has_dx=ms.vocab > 0, wire=bc, bg=bg, n_data=replicas))
+    total = sum(parts, RoleTraffic.zero())
+    col, counts = dict(total.bytes), dict(total.ops)
+    if lo.pipe > 1 and s.keep:
+        # Megatron sends one activation forward and one gradient backward per chunk and
+        # microbatch, only where there is one (no collective on idle ticks); its chunks stay
+        # where they are (no relayout); the input's gradient stays on the first stage and only
+        # a tied table's two gradients are all-reduced between first and last stage (Narayanan
+        # et al. 2021, sec. 2.2 and 4.1): these replace sk.pipeline's pipe roles.
+        sends = 2 * lo.repeats * m
+        col["pipe-permute"], counts["pipe-permute"] = sends * tokens_dev * ms.d_model * bc / (
+            lo.tensor if lo.sequence_parallel else 1), sends
+        col["pipe-relayout"] = counts["pipe-relayout"] = 0.0
+        col["pipe-reduce"], counts["pipe-reduce"] = tied * bg, 1 if tied else 0
     return col, counts
 
 
@@ -315,37 +315,6 @@ def in_flight(layout: Layout) -> int:
     pipeline parallelism); never more than the v·m there are."""
     p, m, v = layout.pipe, layout.microbatches, layout.repeats
     return min(p if v == 1 else v * p + p - 1, v * m)
-
-
-def diloco_terms(inner: Estimate, ms: ModelShape, lo: Layout, hw: hw_lib.Hardware, prec: Precision,
-                 global_batch: int) -> Estimate:
-    """A DiLoCo layout's estimate from its inner layout's (``inner``, one replica's step on
-    1/replica of the batch): every ``diloco_every`` steps each device all-reduces its shard of
-    Δ = θ_outer − θ_r in f32 over ``replica`` (the outer update's layout: sharded like ZeRO-1's
-    optimizer state), on the link the replica axis crosses, with no compute to hide behind
-    (Douillard et al. 2023, arXiv:2311.08105; Streaming DiLoCo's overlap is not modelled). The
-    outer parameters and the outer Nesterov momentum add two such shards of memory."""
-    p_dev = (ms.layer_params / (lo.tensor * lo.pipe) + (ms.params - ms.layer_params) / lo.tensor)
-    shard = p_dev / (lo.fsdp * (lo.data if lo.zero >= 1 else 1))
-    bp, bo = (np.dtype(d).itemsize for d in (prec.params, prec.opt_state))
-    sync_bytes = 4.0 * shard
-    bw, lat, group = link(hw, lo, ("replica",))
-    sync_s = collective_time("all-reduce", sync_bytes, group, bw, lat) + efficiency_for(hw).latency
-    mem = dict(inner.memory)
-    outer = shard * (bp + bo)
-    mem["opt_state"] += outer
-    mem["arguments"] += outer
-    mem["peak"] += outer
-    col = dict(inner.collectives)
-    col["replica-reduce"] = sync_bytes / lo.diloco_every
-    t = dict(inner.time)
-    t["replica-reduce"] = sync_s / lo.diloco_every
-    t["exposed"] += t["replica-reduce"]
-    t["step"] += t["replica-reduce"]
-    notes = list(inner.notes) + [f"DiLoCo: replica={lo.replica} syncs {sync_bytes / 1e6:.1f} MB per device every "
-                                 f"{lo.diloco_every} steps ({sync_s * 1e3:.1f} ms on its link)"]
-    return dataclasses.replace(inner, memory=mem, collectives=col, time=t, layout=lo, tokens=global_batch * ms.seq,
-                               devices=lo.devices, notes=notes)
 
 
 def diloco_speedup(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100", *, global_batch: int,

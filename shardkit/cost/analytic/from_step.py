@@ -16,15 +16,16 @@ import jax.numpy as jnp
 
 from ...rules import entry_axes
 from .. import hardware as hw_lib
-from ..terms import ROLES, Estimate, Layout, tokens_in
+from ..terms import Estimate, Layout, RoleTraffic, tokens_in
 from .steptime import times
 from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, kept_rings,
                               microbatch_rows, saved_bytes, w_forwarded_bytes)
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
-from .pipeline_cost import (idle_tick_flops, is_explicit, one_f_one_b_loop, pipeline_buffers, pipeline_ticks,
-                            pipeline_traffic, recompute_factor)
+from ..pipeline_note import is_explicit
+from .pipeline_cost import (idle_tick_flops, one_f_one_b_loop, pipeline_buffers, pipeline_ticks, pipeline_traffic,
+                            recompute_factor)
 from .leaf_sizes import argument_memory, grad_reduce_elems, residual_bytes, tensor_uses
 from .step_facts import StepFacts, loop_grads_on_shard, step_facts
 
@@ -39,11 +40,9 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
     state = state.replace(model_state=jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, state.model_state))
     s = step_facts(step, state, batch, pipeline)
-    mem = argument_memory(step, state, batch, s.lv)
-    if not s.pipe:
-        _pass_memory(s, mem)
-    else:
-        _pipeline_memory(s, mem)
+    arguments = argument_memory(step, state, batch, s.lv)
+    mem = {**arguments, **(_pass_memory(s, arguments["grads"]) if not s.pipe
+                           else _pipeline_memory(s, arguments["grads"]))}
     mem["peak"] = mem["arguments"] + mem["temporaries"] + (0 if step.donate else mem["arguments"])
     col, counts = _collectives(s)
     flops, busy, fpt = _flops(s, flops_per_token)
@@ -73,8 +72,8 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                     hw.hbm_bytes, n_dev, notes, caveats)
 
 
-def _pass_memory(s: StepFacts, mem: dict) -> None:
-    """Temporaries and activations of a step without a pipeline, into ``mem``.
+def _pass_memory(s: StepFacts, grad_bytes: float) -> dict[str, float]:
+    """Temporaries and activations of a step without a pipeline (``grad_bytes``: its gradients').
 
     The pass's own peak (its gradients live at its end), or, after it, the reduced gradients
     beside the unreduced ones, a ZeRO-1/2 update's new parameter shard before the gather, and
@@ -87,7 +86,7 @@ def _pass_memory(s: StepFacts, mem: dict) -> None:
              for f, z, loop in zip(lv.full, lv.zshard, s.reading.loop_use)]
     reduced = sum(whole) * s.bg if s.n_data > 1 else 0.0
     shard_update = sum(lv.zshard) * s.bp if zero in (1, 2) and s.n_data > 1 else 0.0
-    accumulate = mem["grads"] if s.m > 1 else 0.0
+    accumulate = grad_bytes if s.m > 1 else 0.0
     if s.platform == "gpu":
         # XLA:GPU's scheduler issues the ZeRO-3/FSDP gathers of weights used outside a loop
         # early, to overlap them with compute, and keeps each gathered copy to its backward
@@ -99,22 +98,22 @@ def _pass_memory(s: StepFacts, mem: dict) -> None:
     # what it leaves is the shard, not the whole gradient beside it.
     on_shard = loop_grads_on_shard(s.platform, s.n_data, zero, s.m, bool(s.pipe))
     grads = sum(z if on_shard and loop else c for c, z, loop in zip(lv.comp, lv.zshard, s.reading.loop_use)) * s.bg
-    mem["temporaries"] = step_temporaries(pass_peak=s.reading.peak, grads=grads, reduced=reduced,
-                                          update=shard_update, throughout=accumulate)
-    mem["activations"] = s.reading.residuals
+    return {"temporaries": step_temporaries(pass_peak=s.reading.peak, grads=grads, reduced=reduced,
+                                            update=shard_update, throughout=accumulate),
+            "activations": s.reading.residuals}
 
 
-def _pipeline_memory(s: StepFacts, mem: dict) -> None:
-    """Temporaries and activations of a step whose loss runs ``sk.pipeline``, into ``mem``."""
+def _pipeline_memory(s: StepFacts, grad_bytes: float) -> dict[str, float]:
+    """Activations and temporaries of a step whose loss runs ``sk.pipeline`` (``grad_bytes``: its
+    gradients')."""
     step, state, batch, pipe, lv = s.step, s.state, s.batch, s.pipe, s.lv
     sizes, zero, m, L, wire, bg, bp, bc = s.sizes, s.zero, s.m, lv.layers, s.wire, s.bg, s.bp, s.bc
     comp, piped, stored = lv.comp, lv.piped, lv.stored
     g_comp = sum(comp) * bg
-    grad_buffer = mem["grads"] * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
+    grad_buffer = grad_bytes * (2 if m > 1 else 1)  # + the f32 microbatch accumulator
     act, piped_act = residual_bytes(step, state, batch, s.reading.saved, s.data_axes, sizes, lv.tensor_dims,
                                     {tuple(l.shape) for l in lv.leaves} | {tuple(l.shape[1:]) for l in lv.leaves},
                                     pipe, s.sp)
-    mem["activations"] = act
     # Backward of one layer holds, beside the waiting residuals, the cotangents of that
     # layer's intermediates (≈ its residuals) — or, under ZeRO-3/FSDP, the gathered layer
     # and its unreduced gradient, whichever is larger. In a GPipe/circular pipeline the
@@ -145,7 +144,7 @@ def _pipeline_memory(s: StepFacts, mem: dict) -> None:
     elif gpipe_like and s.platform != "cpu" and pipe.stage_residuals is not None:
         # The f32 gradients are made after the pipeline's backward (its scan accumulates them in
         # the compute dtype); a step microbatch accumulator lives throughout.
-        backward = (mem["grads"] if m > 1 else 0.0) + gpipe_backward(s, act_carried, g_comp)
+        backward = (grad_bytes if m > 1 else 0.0) + gpipe_backward(s, act_carried, g_comp)
     else:
         working += pipeline_buffers(pipe, act_carried, g_comp)
         # A pipeline's backward starts after the loss's (whose residuals are freed by then).
@@ -153,8 +152,9 @@ def _pipeline_memory(s: StepFacts, mem: dict) -> None:
     new_params = sum(stored) * bp
     # The compute-dtype copy of the parameters (absent when compute == params dtype).
     cast = sum(stored) * bc if bc != bp else 0.0
-    mem["temporaries"] = step_temporaries(pass_peak=backward, grads=grad_buffer, update=new_params,
-                                          throughout=cast)
+    return {"activations": act,
+            "temporaries": step_temporaries(pass_peak=backward, grads=grad_buffer, update=new_params,
+                                            throughout=cast)}
 
 
 def _collectives(s: StepFacts) -> tuple[dict, dict]:
@@ -164,8 +164,7 @@ def _collectives(s: StepFacts) -> tuple[dict, dict]:
     comp, stored, full, zshard = lv.comp, lv.stored, lv.full, lv.zshard
     tokens = tokens_in(s.batch)
     tok_dev_mb = tokens / n_data / m / ctx
-    col = dict.fromkeys(ROLES, 0.0)
-    counts = dict.fromkeys(ROLES, 0.0)
+    parts = []  # the roles' traffic, added up once at the end
     # Tables the program indexes (a gather), and those of them it also multiplies with (tied:
     # an embedding that is the output head too), read off the traced program.
     lookup = [u and not st for u, st in zip(reading.lookup, lv.stacked)]
@@ -193,48 +192,49 @@ def _collectives(s: StepFacts) -> tuple[dict, dict]:
         # A pipeline over data axes reduces the weights' gradients by its own formula
         # (``pipeline_traffic``, below); the row syncs stay beside them.
         pipe_reduces = bool(pipe) and n_data > 1
-        data_traffic(col, counts, reduced=0.0 if pipe_reduces else m * reduced,
-                     reduce_ops=0 if pipe_reduces else reduce_ops,
-                     gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
-                     gather_ops=gather_ops,
-                     zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
-                     zero12_ops=zero12_ops,
-                     bg=s.bg, wire=s.wire, bp=s.bp)
+        parts.append(data_traffic(
+            reduced=0.0 if pipe_reduces else m * reduced, reduce_ops=0 if pipe_reduces else reduce_ops,
+            gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
+            gather_ops=gather_ops,
+            zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
+            zero12_ops=zero12_ops, bg=s.bg, wire=s.wire, bp=s.bp))
         # Reductions over the rows the rest of the pass reads back (a MoE load-balancing loss's
         # expert counts, BatchNorm's batch statistics): all-reduces of their own, before the
         # gradients exist, one op per link of their longest chain (``row_syncs``); grad-reduce in
         # the compile.
         syncs, sync_bytes = reading.row_syncs
-        col["grad-reduce"] += m * sync_bytes
-        counts["grad-reduce"] += m * syncs
+        parts.append(RoleTraffic({"grad-reduce": m * sync_bytes}, {"grad-reduce": m * syncs}))
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
     # parallelism the traced program's tensor-split contractions give the reductions; with them,
     # Megatron's per-use count (``leaf_sizes.tensor_uses``).
     fwd, bwd, regions, tables, n_tables = (tensor_uses(plan, lv, lookup, tied, pipe, sp) if (pipe or sp)
                                            else (0.0,) * 5)
-    tensor_traffic(col, counts, forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),
-                   tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
-                   tables=(tables, n_tables), param_bytes=s.bp, grad_bytes=s.bg,
-                   measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
-    if s.platform == "gpu" and not pipe and not sp and counts["tensor-reduce"]:
+    tensor = tensor_traffic(forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),
+                            tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
+                            tables=(tables, n_tables), param_bytes=s.bp, grad_bytes=s.bg,
+                            measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
+    parts.append(tensor)
+    if s.platform == "gpu" and not pipe and not sp and tensor.ops.get("tensor-reduce"):
         # The step's gradient-norm metric sums tensor-split gradients over the tensor axes: one
         # scalar all-reduce a step (its bytes are nothing; its latency is not).
-        counts["tensor-reduce"] += 1
+        parts.append(RoleTraffic(ops={"tensor-reduce": 1}))
     # Collectives the program writes itself (sk.context_attention's ring, sk.moe's all-to-alls,
     # a user's shard_map): read off the traced program, per microbatch.
-    for role, (n, nbytes) in _explicit_roles(reading.explicit).items():
-        col[role] = col.get(role, 0.0) + m * nbytes
-        counts[role] = counts.get(role, 0.0) + m * n
+    explicit = _explicit_roles(reading.explicit).items()
+    parts.append(RoleTraffic({role: m * nbytes for role, (n, nbytes) in explicit},
+                             {role: m * n for role, (n, nbytes) in explicit}))
     if pipe:
         # Activations cross the stages in the compute dtype, in f32 on XLA:CPU (the
         # transformer recipe carries f32 there: XLA:CPU aborts on a bf16 pipeline input's grad).
         act_mb = tokens / n_data / m * lv.width * s.wire / pipe.microbatches
         piped = lv.piped
-        pipeline_traffic(col, counts, pipe, stage=sum(c for c, q in zip(comp, piped) if q),
-                         rest=sum(c for c, q in zip(comp, piped) if not q),
-                         tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
-                         act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data, step_m=m)
-    return col, counts
+        parts.append(pipeline_traffic(pipe, stage=sum(c for c, q in zip(comp, piped) if q),
+                                      rest=sum(c for c, q in zip(comp, piped) if not q),
+                                      tied=sum(c for c, t, q in zip(comp, tied, piped) if t and not q),
+                                      act_mb=act_mb, has_dx=any(lookup), wire=s.wire, bg=s.bg, n_data=n_data,
+                                      step_m=m))
+    total = sum(parts, RoleTraffic.zero())
+    return dict(total.bytes), dict(total.ops)
 
 
 def _flops(s: StepFacts, flops_per_token) -> tuple[float, float, float]:

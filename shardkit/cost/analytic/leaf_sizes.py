@@ -15,7 +15,8 @@ import numpy as np
 
 from ...plan import shard_shape
 from ...rules import entry_axes
-from .pipeline_cost import PipelineNote, is_explicit, pipelined_uses
+from ..pipeline_note import PipelineNote, is_explicit
+from .pipeline_cost import pipelined_uses
 from .roles import zero_state
 
 

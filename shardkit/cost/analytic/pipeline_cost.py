@@ -7,72 +7,12 @@ table the executor scans (``sk.pipeline_schedule``) and the leaves' specs; nothi
 
 from __future__ import annotations
 
-import dataclasses
+from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
 
 from ...pipeline import schedules as sched
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineNote:
-    """What ``sk.pipeline`` did inside a step's loss, as its trace note says
-    (``plan.note("pipeline", ...)``), or what a ``Layout``'s pipeline would do.
-
-    Attributes:
-        stages, microbatches, repeats, schedule: the pipeline's (``sk.pipeline``'s arguments).
-        axis: the mesh axis of the stages.
-        data_axes: the data axes its shard_map made manual (``()``: they stayed with the
-            compiler, a pipeline with ``rng``); None where unknown (an override, a layout),
-            taken as manual.
-        keep: what a chunk's forward keeps for its backward (``"input"``, else a policy).
-        stage_residuals, w_saved: ``(shape, dtype)`` of what a chunk's forward saves and of
-            ZB's pending W's, on a GPU/TPU target's trace (``plan.detailed_notes``), else None.
-        w_forwarded: per ``w_saved`` value, whether it is a residual of the layers' forward
-            (``SplitBackward.forwarded``), else None.
-        chunk_backward: the jaxpr of one explicit backward op (same condition), else None.
-        kept, loss_kept: ``(shape, dtype)`` of one slot of the kept-residual rings
-            (``sk.pipeline(keep=...)``: the chunk's, ZB's per-layer linearizations; the
-            loss's), where F keeps residuals, else None.
-    """
-
-    stages: int
-    microbatches: int
-    schedule: str = "gpipe"
-    repeats: int = 1
-    axis: str = "pipe"
-    data_axes: tuple[str, ...] | None = None
-    keep: str = "input"
-    stage_residuals: tuple | None = None
-    w_saved: tuple | None = None
-    w_forwarded: tuple | None = None
-    chunk_backward: Any = None
-    kept: tuple | None = None
-    loss_kept: tuple | None = None
-
-    @classmethod
-    def of(cls, note: "PipelineNote | Mapping[str, Any]") -> "PipelineNote":
-        """A note as the record (a trace note's dict, or a dict naming some of the fields)."""
-        if isinstance(note, cls):
-            return note
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(note) - fields)
-        if unknown:
-            raise ValueError(f"a pipeline note has no field(s) {unknown}; its fields are {sorted(fields)}")
-        kw = dict(note)
-        if kw.get("data_axes") is not None:
-            kw["data_axes"] = tuple(kw["data_axes"])
-        return cls(**kw)
-
-    @property
-    def manual_data(self) -> bool:
-        """The data axes are manual inside the pipeline (unknown counts as manual)."""
-        return self.data_axes is None or bool(self.data_axes)
-
-
-def schedule_table(note: PipelineNote) -> sched.Schedule:
-    """The table ``sk.pipeline`` executes for this note (GPipe/circular: forward + mirror)."""
-    return sched.pipeline_schedule(note.schedule, note.stages, note.microbatches, note.repeats)
+from ..pipeline_note import PipelineNote, is_explicit, schedule_table
+from ..terms import RoleTraffic
 
 
 def layout_note(layout) -> PipelineNote:
@@ -80,12 +20,6 @@ def layout_note(layout) -> PipelineNote:
     step time feed the functions here)."""
     return PipelineNote(stages=layout.pipe, microbatches=layout.microbatches, repeats=layout.repeats,
                         schedule=layout.schedule)
-
-
-def is_explicit(note: PipelineNote) -> bool:
-    """The schedule runs its backward inside the pipeline (1F1B, interleaved 1F1B, ZB-H1):
-    one ``lax.switch`` branch per tick, stage inputs in rings, the forward recomputed."""
-    return note.schedule in sched.EXPLICIT
 
 
 def pipeline_ticks(note: PipelineNote | Mapping) -> int:
@@ -236,11 +170,11 @@ def idle_tick_flops(note: PipelineNote, busy: float, part: float, whole: float =
     return busy * (1 + extra * part / whole)
 
 
-def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: float, tied: float,
-                     act_mb: float, has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> None:
-    """``sk.pipeline``'s collectives per device per step, added into ``col`` (bytes) and
-    ``counts`` by role: the one formula set both estimators use, fed by a ``ModelShape``
-    (``from_shape.estimate``) or by a real step's leaf sums (``from_step``).
+def pipeline_traffic(pipe: PipelineNote, *, stage: float, rest: float, tied: float, act_mb: float,
+                     has_dx: bool, wire: int, bg: int, n_data: int, step_m: int = 1) -> RoleTraffic:
+    """``sk.pipeline``'s collectives per device per step, by role: the one formula set both
+    estimators use, fed by a ``ModelShape`` (``from_shape.estimate``) or by a real step's leaf
+    sums (``from_step``).
 
     Args:
         pipe: the pipeline's note (stages, microbatches, repeats, schedule; ``data_axes``:
@@ -274,6 +208,7 @@ def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: flo
     """
     p, pm, v, sched_ = pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule
     ticks = pipeline_ticks(pipe)
+    col, counts = defaultdict(float), defaultdict(float)
     col["pipe-permute"] += 2 * ticks * act_mb * step_m
     counts["pipe-permute"] += 2 * ticks * step_m
     if v > 1:
@@ -297,3 +232,4 @@ def pipeline_traffic(col, counts, pipe: PipelineNote, *, stage: float, rest: flo
         else:
             col["grad-reduce"] += (ticks * stage / v + rest) * bg * step_m
             counts["grad-reduce"] += (ticks + 1) * step_m
+    return RoleTraffic(dict(col), dict(counts))

@@ -13,7 +13,9 @@ a reduce-scatter of V both count V), a gather its gathered result.
 
 from __future__ import annotations
 
-from ..terms import Layout, ModelShape
+from collections import defaultdict
+
+from ..terms import Layout, ModelShape, RoleTraffic
 
 
 def zero_state(zero: int, *, model: float, shard: float) -> dict[str, float]:
@@ -50,13 +52,12 @@ def step_temporaries(*, pass_peak: float, grads: float, update: float, reduced: 
     return max(pass_peak, grads + reduced + update) + throughout
 
 
-def tensor_traffic(col, counts, *, forward: float = 0.0, backward: float = 0.0, regions: float = 0.0,
+def tensor_traffic(*, forward: float = 0.0, backward: float = 0.0, regions: float = 0.0,
                    head_gather: bool = False, tokens: float = 0.0, width: float = 0.0, wire: int,
                    microbatches: float = 1, sequence_parallel: bool = False,
                    tables: tuple[float, float] = (0.0, 0.0), param_bytes: int = 4, grad_bytes: int = 4,
-                   measured: tuple[float, float] | None = None) -> None:
-    """Tensor-parallel collectives per device per step, added into ``col`` (bytes) and ``counts``:
-    the one formula both estimators use.
+                   measured: tuple[float, float] | None = None) -> RoleTraffic:
+    """Tensor-parallel collectives per device per step: the one formula both estimators use.
 
     Megatron (Shoeybi et al. 2019): each use of a tensor-split weight leaves partial sums of one
     (``tokens`` × ``width``) activation to all-reduce — a row-parallel weight's output in the
@@ -74,6 +75,7 @@ def tensor_traffic(col, counts, *, forward: float = 0.0, backward: float = 0.0, 
     ``measured``: ``(elements, reductions)`` per microbatch read off a traced program's
     tensor-split contractions, which replace the per-use count.
     """
+    col, counts = defaultdict(float), defaultdict(float)
     m = microbatches
     act = tokens * width * wire
     if measured is not None:
@@ -91,14 +93,15 @@ def tensor_traffic(col, counts, *, forward: float = 0.0, backward: float = 0.0, 
         n_gather = 3 * regions + (1 if head_gather else 0)
         col["tensor-gather"] += m * n_gather * act
         counts["tensor-gather"] += m * n_gather
+    return RoleTraffic(dict(col), dict(counts))
 
 
-def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: float = 0.0,
+def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
                  gather_ops: float = 0.0, zero12_gathered: float = 0.0, zero12_ops: float = 1.0, bg: int, wire: int,
-                 bp: int) -> None:
-    """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020), added into
-    ``col`` (bytes) and ``counts``: the one formula both estimators use, fed by a
-    ``ModelShape`` (``estimate``) or by a real step's leaf sums (``from_step``).
+                 bp: int) -> RoleTraffic:
+    """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020): the one
+    formula both estimators use, fed by a ``ModelShape`` (``estimate``) or by a real step's leaf
+    sums (``from_step``).
 
     * ``grad-reduce``: every gradient element is reduced once per reduction (``reduced``
       elements in all, over ``reduce_ops`` collectives; counted as bytes reduced, so an
@@ -109,6 +112,7 @@ def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: fl
       replicated parameters (``zero12_gathered`` elements, in the parameter dtype; ``zero12_ops``
       collectives).
     """
+    col, counts = defaultdict(float), defaultdict(float)
     col["grad-reduce"] += reduced * bg
     counts["grad-reduce"] += reduce_ops
     if gathered:
@@ -117,6 +121,7 @@ def data_traffic(col, counts, *, reduced: float, reduce_ops: float, gathered: fl
     elif zero12_gathered:
         col["param-gather"] += zero12_gathered * bp
         counts["param-gather"] += zero12_ops
+    return RoleTraffic(dict(col), dict(counts))
 
 
 def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> float:

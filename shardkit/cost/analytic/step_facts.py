@@ -14,7 +14,8 @@ import jax
 from ...rules import entry_axes
 from ..program.reader import ProgramReading, read_program
 from .leaf_sizes import Leaves, itemsize, leaf_sizes, microbatch, n_tensor_of, split_feature_dims
-from .pipeline_cost import PipelineNote, pipeline_note
+from ..pipeline_note import PipelineNote
+from .pipeline_cost import pipeline_note
 from .roles import grads_on_shard
 
 

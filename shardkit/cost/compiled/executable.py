@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 
-from .hlo import (_shape_bytes, collectives_from_hlo, matmul_flops_from_hlo,
-                  pipeline_branch_weights as _pipeline_branch_weights, rewritten_matmuls, traffic_from_hlo)
+from .hlo.collectives import collectives_from_hlo, traffic_from_hlo
+from .hlo.matmuls import matmul_flops_from_hlo, rewritten_matmuls
+from .hlo.text import shape_bytes
 from .report import Report
+from ..pipeline_note import pipeline_branch_weights
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -62,7 +64,7 @@ def host_bytes_from_layout(hlo: str) -> tuple[int, int]:
     args, _, outs = head[i:j].partition(")->")
 
     def host(text: str) -> int:
-        return sum(_shape_bytes(shape) for shape in _HOST_SHAPE.findall(text))
+        return sum(shape_bytes(shape) for shape in _HOST_SHAPE.findall(text))
     return host(args), host(outs)
 
 
@@ -76,7 +78,7 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
     (averaged over stages), so collectives and matmuls inside a backward branch count m times,
     not once per tick.
     """
-    weights = _pipeline_branch_weights(pipeline) if pipeline else None
+    weights = pipeline_branch_weights(pipeline) if pipeline else None
     mem = {**(memory or {}), **compiled_memory(compiled)}
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ..terms import COMPILED_ROLES
-from .hlo import Collective as Collective, Traffic as Traffic
+from .hlo.collectives import Collective as Collective, Traffic as Traffic
 
 
 def shard_bytes(tree) -> int:

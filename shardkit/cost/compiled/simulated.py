@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
-from .hlo import Collective, Traffic
+from .hlo.collectives import Collective, Traffic
 from .report import Report, shard_bytes
 from ...mesh import parse_mesh_spec
 from ... import offload
