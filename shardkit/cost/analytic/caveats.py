@@ -38,9 +38,10 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
                "parameter as soon as its gradient is ready and keep a copy of one still to be read; "
                f"{_measured(TP_TEMPORARIES)} of the compiled temporaries on the model families' layouts)")
         out["memory/temporaries"] = out["memory/peak"] = why
-    if (reading.shard_maps or moe) and not piped:
-        # A shard_map (sk.moe, a user's own) is partitioned by hand inside; around it XLA
-        # decides where weights are gathered and kept and where tensor-split values meet.
+    if (reading.weight_shard_maps or moe) and not piped:
+        # A shard_map that takes weights (sk.moe, a user's own layer) is partitioned by hand
+        # inside; around it XLA decides where weights are gathered and kept and where
+        # tensor-split values meet. An attention kernel's shard_map takes activations only.
         region = "a shard_map's (sk.moe's) weights"
         if any(tensor_split) and not reading.split_followed:
             out["collective/tensor-reduce"] = (f"not modelled: the reductions XLA places around {region} when "

@@ -28,7 +28,9 @@ class ProgramReading:
             of matmuls that contract a tensor-split dimension); ``tensor_reduce_ops``: how many.
         explicit: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device of
             the collectives the program writes itself (inside ``shard_map``), through loops.
-        shard_maps: how many ``shard_map`` regions the program has (manual partitioning).
+        shard_maps: how many ``shard_map`` regions the program has (manual partitioning);
+            ``weight_shard_maps``: how many of them take a parameter (not an attention kernel's,
+            which takes activations only).
         notes: what the reader could not see into.
         row_syncs: (all-reduces over the data axes the pass waits for apart from the
             gradients' reduction, their bytes): ``row_syncs.row_syncs``. ``split_followed``: the
@@ -68,3 +70,4 @@ class ProgramReading:
     moved: list[bool] = dataclasses.field(default_factory=list)
     ragged: bool = False
     saved: list = dataclasses.field(default_factory=list)
+    weight_shard_maps: int = 0

@@ -85,6 +85,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
         self.split_followed = True  # weight_dims followed into every shard_map
         self.reducing: dict = {}  # a tensor-parallel reduction's result -> (its elements, executions)
         self.shard_maps = 0
+        self.weight_shard_maps = 0
         self.loop_use = [False] * n_params
         self.tensor_reduce = 0.0  # elements one device all-reduces over the tensor axes
         self.tensor_reduce_ops = 0.0
@@ -238,6 +239,10 @@ class _Reader(TensorSplits, Liveness, Visitor):
                                                  "recurrence inside a layer, not a layer scan)")
         if name == "shard_map":  # inside, values are local over its manual axes
             self.shard_maps += 1
+            # One that takes a parameter (sk.moe's experts, a user's own layer) leaves XLA to
+            # decide where that weight is gathered and kept; an attention kernel's takes
+            # activations only.
+            self.weight_shard_maps += any(not isinstance(u, jcore.Literal) and u in origin for u in e.invars)
             self.split_followed &= self.weight_axes is not None and not inner.manual & self.weight_axes
         return True
 
@@ -331,7 +336,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in explicit.explicit.items()}, reader.shard_maps, reader.unseen,
                           syncs.found(jaxpr), reader.weight_axes is not None and reader.split_followed,
-                          moved.moved, explicit.ragged, saved)
+                          moved.moved, explicit.ragged, saved, reader.weight_shard_maps)
 
 
 
