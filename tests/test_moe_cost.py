@@ -108,6 +108,28 @@ def test_the_reader_counts_routed_rows_and_ragged_dot_flops(grouped):
     assert "kernel" not in reading.unseen
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "tpu"])
+def test_a_ragged_dot_run_densely_holds_its_masked_row_copies(grouped):
+    """``lax.ragged_dot`` as XLA:CPU and XLA:GPU run it (and XLA:TPU its weights' gradient) reads
+    its rows as ``G`` masked copies ``(G, M, K)``: at the weights' gradient the rows' copy (made
+    once, for the forward too) and the cotangent's (shared with the input gradient) are alive
+    beside the cotangent and the gradient. Which copies XLA keeps for the backward is its
+    fusion's choice: the memory rows say so instead of a number."""
+    M, K, N, G = 256, 32, 32, 8
+
+    def loss(p, b):
+        return jnp.sum(lax.ragged_dot(p["x"], p["w"], jnp.full((G,), M // G, jnp.int32))) * b
+
+    params = {"w": jax.ShapeDtypeStruct((G, K, N), jnp.float32), "x": jax.ShapeDtypeStruct((M, K), jnp.float32)}
+    reading = read_program(loss, params, jax.ShapeDtypeStruct((), jnp.float32),
+                           split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2, grouped_ragged_dots=grouped)
+    masked = 4 * G * M * (K + N)  # f32: the rows' and the cotangent's masked copies
+    alive = 4 * (M * N + G * K * N)  # the cotangent, read by both backward dots; the weights' gradient
+    assert 0 <= reading.peak - (masked + alive) < 64  # and a few f32 scalars (the loss, its seed)
+    caveats = step_caveats(reading, [False, False], [False, False], piped=False, moe=True)
+    assert caveats["memory/peak"].startswith(f"not modelled: lax.ragged_dot run as a dense product over {G} groups")
+
+
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_grouped_matmul_kernels_are_named_and_their_flops_counted(platform, monkeypatch):
     """Megablox's gmm/tgmm (TPU) and Mosaic GPU's ragged_dot (GPU), traced for their targets:

@@ -93,6 +93,11 @@ _UNSEEN = {
     # A recurrence keeps its carries per step for the backward, and XLA decides how to lay
     # out and reuse them: found on a scanned RG-LRU (recurrentgemma), peak 0.5x compiled.
     "recurrence": ("memory/temporaries", "memory/peak"),
+    # lax.ragged_dot run densely (XLA:CPU, XLA:GPU; XLA:TPU's weight gradient): its G-fold masked
+    # copies are counted where the jaxpr makes them, but XLA decides which it keeps from the
+    # forward into the backward (sk.moe's dropless dispatch on 8 H100s, data=2,expert=4: the
+    # masked copy of the expert MLP's hidden rows kept, the routed rows' re-made; peak 0.5x).
+    "masked": ("memory/temporaries", "memory/peak"),
     # A slice or concatenation along a dim split over part of the tensor axis (rotary embeddings
     # over a head dim split between devices): XLA's all-to-alls and permutes, found on Griffin
     # at tensor=8 with 4 heads (30 ops).

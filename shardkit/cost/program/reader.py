@@ -49,7 +49,8 @@ from .gather_or_move import ActivationsSmaller
 from .loop_stacks import loop_held
 from .row_syncs import RowSyncs
 from .liveness import Liveness, Pass as _Pass
-from .walk import nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops, scan_split
+from .walk import (nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops, ragged_dot_masked as _ragged_dot_masked,
+                   scan_split)
 from .walker import Frame, Scope, Visitor, Walker, scopes
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
@@ -180,6 +181,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
             self.lookup[src[0]] = True
         elif name == "ragged_dot_general":
             self._grouped(p, e, _ragged_dot_flops(e, grouped=self.grouped_ragged_dots))
+            self._masked_copies(p, i, e, origin, _ragged_dot_masked(e, grouped=self.grouped_ragged_dots))
         elif kernel is not None and kernel[0] != "flash":
             self._grouped(p, e, kernel[1])
         elif kernel is None and (name in _OPAQUE or "custom_call" in name):
