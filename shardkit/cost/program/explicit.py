@@ -5,6 +5,8 @@ one walk (``walker``)."""
 
 from __future__ import annotations
 
+import math
+
 from jax._src import core as jcore
 
 from .flash import kernel_call
@@ -13,16 +15,24 @@ from .walk import nbytes
 from .walker import Frame, Scope, Visitor, scopes
 
 
+# XLA:TPU lays arrays out in tiles 128 lanes wide (a vector register's width): it pads a
+# ragged-all-to-all's rows to whole tiles before sending them (``pad(...), padding=0_0x0_64`` on
+# sk.moe's 64-wide f32 rows in a v5p compile), so they travel at that width.
+TPU_LANES = 128
+
+
 class ExplicitCollectives(Visitor):
     """``explicit``: ``{(collective kind, mesh axes): [executions, result bytes]}`` per device
     (``ProgramReading.explicit``); ``ragged``: a ragged-all-to-all was seen.
 
     Args:
         split_of: ``read_program``'s: ``(aval, None, manual axes) -> (data split, tensor split)``.
+        ragged_lanes: the width a ragged-all-to-all's rows are padded to (``read_program``'s).
     """
 
-    def __init__(self, split_of):
+    def __init__(self, split_of, ragged_lanes: int = 1):
         self.split_of = split_of
+        self.ragged_lanes = ragged_lanes
         self.explicit: dict[tuple[str, tuple[str, ...]], list[float]] = {}
         self.ragged = False
 
@@ -43,6 +53,8 @@ class ExplicitCollectives(Visitor):
             # The routed side, as hlo.traffic_from_hlo counts it: the smaller of the rows sent
             # and the buffer they land in (sk.moe's static receive buffer, or the rows home).
             size = min(size, self._bytes(e.invars[0].aval, frame.scope))
+            width = e.invars[0].aval.shape[-1]
+            size *= math.ceil(width / self.ragged_lanes) * self.ragged_lanes / width
             self.ragged = True
         got[1] += frame.scope.times * size
         return None
