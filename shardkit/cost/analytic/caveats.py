@@ -11,7 +11,7 @@ from __future__ import annotations
 # target: bench/cost_bands.py's compiles (bench/results/cost_bands.json; test_cost_bands.py
 # holds this table to that file). XLA:TPU's low end: its reported temporaries hold more than
 # the HBM buffers XLA:GPU reports for the same program (BENCHMARKS.md, issue 36).
-TP_TEMPORARIES: dict[str, tuple[float, float]] = {"H100": (0.57, 1.11), "TPU v5p": (0.15, 1.24)}
+TP_TEMPORARIES: dict[str, tuple[float, float]] = {"H100": (0.57, 0.98), "TPU v5p": (0.15, 1.24)}
 
 
 def _measured(ranges: dict[str, tuple[float, float]]) -> str:
