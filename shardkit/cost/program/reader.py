@@ -315,7 +315,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         reader.rows = leaves[0].shape[0] if leaves and leaves[0].shape else 0
         if feature_dims is not None and tensor_axis > 1:
             reader.heads = HeadSplits(tensor_axis, feature_dims)
-    syncs, moved, explicit = RowSyncs(split_of), ActivationsSmaller(n_params), ExplicitCollectives(split_of, ragged_row_bytes)
+    syncs, moved = RowSyncs(split_of), ActivationsSmaller(n_params)
+    explicit = ExplicitCollectives(split_of, ragged_row_bytes)
     (flops, total, peak), *_ = Walker([reader, syncs, moved, explicit], n_params).walk(jaxpr)
     # The forward/backward boundary: the first equation that consumes the loss's cotangent
     # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any
