@@ -54,6 +54,7 @@ import shardkit as sk  # noqa: E402
 
 sk.use_cpu_devices(8)
 
+import jax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -114,13 +115,17 @@ def reestimate(family, module, mesh, zero, target, rows: dict) -> dict:
     from shardkit.cost.compiled import simulated, targets
     from shardkit.cost.analytic.from_step import step_estimate
     from shardkit.cost.compiled.report import Report
+    from shardkit.plan import detailed_notes
 
     step, state, batch = module.build(family, mesh, zero)
     tgt = targets.get(target)
     amesh = simulated.abstract_mesh(mesh, max_devices=simulated.MAX_TARGET_DEVICES, target=tgt)
     sim = step.with_plan(simulated.simulated_plan(step.plan, amesh))
     abs_state, abs_batch = simulated.abstract_inputs(sim, state, batch)
-    with simulated._on(sim.plan):
+    with simulated._on(sim.plan), detailed_notes():
+        # The trace explain()'s export makes first: what the loss's blocks note (sk.moe's
+        # dispatch, sk.pipeline's schedule) the estimate and its caveats read.
+        jax.eval_shape(sim.step_function(), abs_state, abs_batch)
         est = step_estimate(sim, abs_state, abs_batch, hardware=tgt.hardware)
     new = est.as_dict()
     out = {}

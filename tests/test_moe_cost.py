@@ -14,6 +14,7 @@ from jax import lax
 import shardkit as sk
 from shardkit.cost.analytic.caveats import step_caveats
 from shardkit.cost.compiled.hlo import traffic_from_hlo
+from shardkit.cost.program.explicit import TPU_ROW_BYTES
 from shardkit.cost.program.reader import read_program
 from shardkit.cost.program.walk import grouped_kernel
 
@@ -91,21 +92,47 @@ def test_the_reader_counts_routed_rows_and_ragged_dot_flops(grouped):
     """The jaxpr's ragged-all-to-alls (the dispatch, and its transpose in the backward) by their
     routed rows; ``lax.ragged_dot`` at the dense product XLA:CPU and XLA:GPU run, forward, input
     and weight gradients (``2·G·M·D·F`` each), or as XLA:TPU runs it: forward and input gradient
-    grouped (``2·M·D·F``), the weight gradient dense."""
+    grouped (``2·M·D·F``), the weight gradient dense;
+    XLA:TPU sends the rows padded to whole 128-lane tile rows, 512 bytes (an 8-wide f32 row as
+    128; read in a v5p compile of sk.moe: a ``pad`` before the exchange)."""
     mesh = sk.make_mesh("expert=8")
     A, M, D, F, G = 16, 64, 8, 4, 2  # per device: 16 routed rows, a 64-row buffer, 2 experts
     params = {"w": jax.ShapeDtypeStruct((8 * G, D, F), jnp.float32), "x": jax.ShapeDtypeStruct((8 * A, D), jnp.float32)}
+    row = TPU_ROW_BYTES if grouped else 1
     reading = read_program(_dispatch_loss(mesh, M), params, jax.ShapeDtypeStruct((), jnp.float32),
-                           split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2, grouped_ragged_dots=grouped)
+                           split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2, grouped_ragged_dots=grouped,
+                           ragged_row_bytes=row)
     n, nbytes = reading.explicit[("all-to-all", ("expert",))]
     # Two ragged exchanges of the 16 rows each (not the 64-row buffer), and the transpose's two
     # all_to_alls of the 8 peers' int32 offsets.
-    assert (n, nbytes) == (4, 2 * A * D * 4 + 2 * 8 * 4)
+    assert (n, nbytes) == (4, 2 * A * max(D * 4, row) + 2 * 8 * 4)
     assert reading.total_flops == (2 if grouped else 2 * G) * (2 * M * D * F) + 2 * G * M * D * F
     # The comparison says the bytes are a bound (the rows that carry a token are data-dependent).
     caveats = step_caveats(reading, [False, False], [False, False], piped=False, moe=True)
     assert caveats["collective/expert-all-to-all"].startswith("a bound: sk.moe's dropless ragged-all-to-alls")
     assert "kernel" not in reading.unseen
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "tpu"])
+def test_a_ragged_dot_run_densely_holds_its_masked_row_copies(grouped):
+    """``lax.ragged_dot`` as XLA:CPU and XLA:GPU run it (and XLA:TPU its weights' gradient) reads
+    its rows as ``G`` masked copies ``(G, M, K)``: at the weights' gradient the rows' copy (made
+    once, for the forward too) and the cotangent's (shared with the input gradient) are alive
+    beside the cotangent and the gradient. Which copies XLA keeps for the backward is its
+    fusion's choice: the memory rows say so instead of a number."""
+    M, K, N, G = 256, 32, 32, 8
+
+    def loss(p, b):
+        return jnp.sum(lax.ragged_dot(p["x"], p["w"], jnp.full((G,), M // G, jnp.int32))) * b
+
+    params = {"w": jax.ShapeDtypeStruct((G, K, N), jnp.float32), "x": jax.ShapeDtypeStruct((M, K), jnp.float32)}
+    reading = read_program(loss, params, jax.ShapeDtypeStruct((), jnp.float32),
+                           split_of=lambda aval, leaf, manual=(): (1, 1), n_params=2, grouped_ragged_dots=grouped)
+    masked = 4 * G * M * (K + N)  # f32: the rows' and the cotangent's masked copies
+    alive = 4 * (M * N + G * K * N)  # the cotangent, read by both backward dots; the weights' gradient
+    assert 0 <= reading.peak - (masked + alive) < 64  # and a few f32 scalars (the loss, its seed)
+    caveats = step_caveats(reading, [False, False], [False, False], piped=False, moe=True)
+    assert caveats["memory/peak"].startswith(f"not modelled: lax.ragged_dot run as a dense product over {G} groups")
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])

@@ -13,6 +13,7 @@ import jax
 
 from ...rules import entry_axes
 from ..program.reader import ProgramReading, read_program
+from ..program.explicit import TPU_ROW_BYTES
 from .leaf_sizes import Leaves, itemsize, leaf_sizes, microbatch, n_tensor_of, split_feature_dims
 from ..pipeline_note import PipelineNote
 from .pipeline_cost import pipeline_note
@@ -157,4 +158,5 @@ def _read(step, state, batch, comp, sizes, data_axes, tensor_dims, sp, weight_di
                             weight_axes=weight_axes,
                             feature_dims=lambda shape: split_feature_dims(shape, rows, tensor_dims),
                             tensor_axis=n_tensor, grouped_ragged_dots=_platform(step.plan.mesh) == "tpu",
+                            ragged_row_bytes=TPU_ROW_BYTES if _platform(step.plan.mesh) == "tpu" else 1,
                             stored_split=stacks[0] if stacks else None, grad_split=stacks[1] if stacks else None)

@@ -18,21 +18,22 @@ from __future__ import annotations
 BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
     'h100': {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
-        'collective/grad-reduce': (-0.314, 0.221, 71, 7),
-        'collective/param-gather': (-0.541, 0.053, 67, 7),
+        'collective/grad-reduce': (-0.314, 0.221, 84, 7),
+        'collective/param-gather': (-0.541, 0.053, 72, 7),
         'collective/tensor-gather': (-1.000, -1.000, 11, 2),
-        'collective/tensor-reduce': (-0.999, 0.000, 38, 7),
-        'flops': (-0.736, 0.171, 86, 7),
+        'collective/tensor-reduce': (-0.999, 0.000, 42, 7),
+        'flops': (-0.736, 0.171, 88, 7),
         'memory/peak': (-0.311, 0.090, 68, 6),
         'memory/temporaries': (-0.432, 0.143, 68, 6),
     },
     'tpu-v5p': {
-        'collective/grad-reduce': (-0.009, 0.078, 36, 3),
-        'collective/param-gather': (-0.049, 2.953, 33, 3),
-        'collective/tensor-reduce': (-0.111, 0.000, 18, 3),
-        'flops': (-0.544, 0.171, 39, 3),
-        'memory/peak': (-0.848, 0.181, 39, 3),
-        'memory/temporaries': (-0.856, 0.242, 39, 3),
+        'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
+        'collective/grad-reduce': (-0.009, 0.078, 51, 4),
+        'collective/param-gather': (-0.049, 2.953, 42, 4),
+        'collective/tensor-reduce': (-0.111, 0.000, 24, 4),
+        'flops': (-0.544, 0.171, 49, 4),
+        'memory/peak': (-0.848, 0.181, 45, 4),
+        'memory/temporaries': (-0.856, 0.242, 45, 4),
     },
 }
 HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {

@@ -76,6 +76,31 @@ class Liveness:
             p.born[v] = i
             p.last.setdefault(v, i)
 
+    def _masked_copies(self, p: Pass, i: int, e, origin: dict, operands: tuple[int, ...]) -> None:
+        """The masked copies a ``ragged_dot_general`` run as a dense product reads
+        (``walk.ragged_dot_masked``): ``G`` times each such operand's bytes, materialised as the
+        dot's operand. The mask depends on the operand and the group sizes alone, so XLA makes
+        one copy for every ragged dot of the jaxpr that reads the same operand with the same
+        group sizes (common subexpressions: the forward's rows and the weights' gradient; the
+        cotangent of the input gradient and of the weights' gradient): one buffer, alive from
+        the first such dot through the last. Which copies XLA keeps from the forward into the
+        backward (rather than re-making them there) is its fusion's choice: noted as unseen."""
+        sizes = e.invars[2]
+        groups = sizes.aval.shape[-1]
+        if operands and groups > 1:
+            self.unseen.setdefault("masked", f"lax.ragged_dot run as a dense product over {groups} groups: "
+                                             "which of its masked row copies XLA keeps from the forward for "
+                                             "the weights' gradient")
+        for k in operands:
+            u = e.invars[k]
+            if isinstance(u, jcore.Literal):
+                continue
+            key = ("masked", u, sizes)
+            if key not in p.size:
+                p.size[key] = groups * self.size_of(u.aval, self.whole(origin, u), u)
+                p.born[key] = i
+            p.last[key] = i
+
     def _result_bytes(self, p: Pass, e, v, origin: dict) -> float:
         """Per-device bytes of the materialised result ``v`` of ``e``."""
         name = e.primitive.name

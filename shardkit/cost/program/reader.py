@@ -49,7 +49,8 @@ from .gather_or_move import ActivationsSmaller
 from .loop_stacks import loop_held
 from .row_syncs import RowSyncs
 from .liveness import Liveness, Pass as _Pass
-from .walk import nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops, scan_split
+from .walk import (nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops, ragged_dot_masked as _ragged_dot_masked,
+                   scan_split)
 from .walker import Frame, Scope, Visitor, Walker, scopes
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
@@ -181,6 +182,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
             self.lookup[src[0]] = True
         elif name == "ragged_dot_general":
             self._grouped(p, e, _ragged_dot_flops(e, grouped=self.grouped_ragged_dots))
+            self._masked_copies(p, i, e, origin, _ragged_dot_masked(e, grouped=self.grouped_ragged_dots))
         elif kernel is not None and kernel[0] != "flash":
             self._grouped(p, e, kernel[1])
         elif kernel is None and (name in _OPAQUE or "custom_call" in name):
@@ -270,7 +272,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False, weight_dims: list | None = None,
                  weight_axes: frozenset | None = None, feature_dims: Callable | None = None,
-                 tensor_axis: int = 1, grouped_ragged_dots: bool = False,
+                 tensor_axis: int = 1, grouped_ragged_dots: bool = False, ragged_row_bytes: int = 1,
                  stored_split: list | None = None, grad_split: list | None = None) -> ProgramReading:
     """Traces ``value_and_grad(fn)(params, batch)`` and reads it (see the module docstring).
 
@@ -297,6 +299,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         grouped_ragged_dots: XLA:TPU's ``lax.ragged_dot``: its forward and input gradient run
             as grouped matmuls (each row meets one group's weights), not as the masked dense
             product over all groups XLA:CPU and XLA:GPU run (``walk.ragged_dot_flops``).
+        ragged_row_bytes: a ragged-all-to-all's rows travel padded to a multiple of this many
+            bytes: XLA:TPU's ``explicit.TPU_ROW_BYTES`` (whole 128-lane tile rows), 1 elsewhere.
         stored_split, grad_split: per parameter leaf, how many times smaller than its compute
             layout its stored layout and the gradient a loop writes are: a scanned stack of
             layers is then sized that way where only a loop reads or writes it
@@ -316,7 +320,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
         reader.rows = leaves[0].shape[0] if leaves and leaves[0].shape else 0
         if feature_dims is not None and tensor_axis > 1:
             reader.heads = HeadSplits(tensor_axis, feature_dims)
-    syncs, moved, explicit = RowSyncs(split_of), ActivationsSmaller(n_params), ExplicitCollectives(split_of)
+    syncs, moved = RowSyncs(split_of), ActivationsSmaller(n_params)
+    explicit = ExplicitCollectives(split_of, ragged_row_bytes)
     (flops, total, peak), *_ = Walker([reader, syncs, moved, explicit], n_params).walk(jaxpr)
     # The forward/backward boundary: the first equation that consumes the loss's cotangent
     # seed is hard to name in a jaxpr; the live bytes where the pass is largest before any

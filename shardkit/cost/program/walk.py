@@ -132,6 +132,25 @@ def ragged_dot_flops(eqn, grouped: bool = False) -> float:
     return flops if grouped else flops * eqn.invars[2].aval.shape[-1]  # group_sizes: (..., G)
 
 
+def ragged_dot_masked(eqn, grouped: bool = False) -> tuple[int, ...]:
+    """The operands (0: lhs, 1: rhs) a ``ragged_dot_general`` run as a masked dense product
+    reads as ``G`` masked copies: jax lowers it for XLA:CPU and XLA:GPU (``lax.lax``'s
+    ``_ragged_dot_general_impl``) by broadcasting the ragged operand over the ``G`` groups and
+    zeroing the rows outside each group (``(G, M, K)``), then one dot contracts over groups and
+    ``K``. Ragged over the rows (forward, input gradient): the rows (lhs); ragged over the
+    contraction (the weights' gradient, both operands hold the rows): both; ragged over a batch
+    dimension: none (a plain batched dot). ``grouped``: XLA:TPU's, whose forward and input
+    gradient are grouped-matmul kernels; its weight gradient stays masked."""
+    rdn = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, _), (lb, _) = rdn.dot_dimension_numbers
+    ragged = set(rdn.lhs_ragged_dimensions)
+    if ragged & set(lb):
+        return ()
+    if ragged & set(lc):
+        return (0, 1)
+    return () if grouped else (0,)
+
+
 # The grouped-matmul kernels (``shardkit.kernels.grouped``): Megablox's gmm and tgmm (a
 # ``pallas_call`` on TPU) and Mosaic GPU's ragged_dot / transposed_ragged_dot (an ``mpmd_map``).
 GROUPED_KERNELS = ("pallas_call", "mpmd_map")
