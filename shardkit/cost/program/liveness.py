@@ -75,6 +75,8 @@ class Liveness:
             p.size[v] = self._result_bytes(p, e, v, origin)
             p.born[v] = i
             p.last.setdefault(v, i)
+        _carry_in_place(p, e)
+
 
     def _masked_copies(self, p: Pass, i: int, e, origin: dict, operands: tuple[int, ...]) -> None:
         """The masked copies a ``ragged_dot_general`` run as a dense product reads
@@ -147,3 +149,24 @@ class Liveness:
             peak = max(peak, live[i] + p.inner_peak.get(i, 0.0))
         self._live, self._born = live, p.born
         return float(peak)
+
+
+def _carry_in_place(p: Pass, e) -> None:
+    """A loop's carry written in place: where a ``scan``/``while`` carry's initial value is a
+    buffer nothing reads after the loop, XLA hands that buffer to the loop and the carry's
+    final value comes out in it (one buffer, not two: the chunked loss's f32 (vocab, d_model)
+    gradient accumulator, started from zeros, held twice before)."""
+    name = e.primitive.name
+    if name == "scan":
+        first, n = e.params["num_consts"], e.params["num_carry"]
+    elif name == "while":
+        first, n = e.params["cond_nconsts"] + e.params["body_nconsts"], len(e.outvars)
+    else:
+        return
+    for u, v in zip(e.invars[first:first + n], e.outvars[:n]):
+        if (isinstance(u, jcore.Literal) or isinstance(v, jcore.DropVar) or u not in p.size
+                or len(p.consumers.get(u, ())) != 1 or u.aval.shape != v.aval.shape
+                or u.aval.dtype != v.aval.dtype or v in p.jaxpr_out):
+            continue
+        p.size[v] = 0.0  # its uses keep the initial value's buffer alive instead
+        p.roots[v] = p.roots.get(u, {u})
