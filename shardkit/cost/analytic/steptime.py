@@ -165,6 +165,33 @@ def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, gl
     return tokens * per_token / hw.hbm_bandwidth
 
 
+def roofline_excess(kernels, hw: hw_lib.Hardware, model: Efficiency | None = None) -> float:
+    """Seconds the memory side of the roofline adds to a step's matmul time: over its
+    kernels, ``Σ n · max(flops / (peak · matmul), bytes / hbm_bandwidth)`` less
+    ``Σ n · flops / (peak · matmul)`` — each kernel takes the longer of its arithmetic at the
+    achievable matmul rate and its device-memory traffic at the HBM bandwidth (Williams et
+    al. 2009, "Roofline"). A memory-bound pass (a BatchNorm's statistics and normalisation, a
+    ReLU, a residual add, an optimizer update) costs its bytes; a matmul or convolution that
+    moves more bytes than it computes (a 1×1 convolution over few channels) costs its bytes
+    too; a large matmul costs its flops, as before. ``times(..., memory_seconds=)`` adds it to
+    the flops' time, so flops ``Σ n · flops`` and this give the roofline sum.
+
+    Args:
+        kernels: ``(flops, bytes, executions)`` per kernel, per device (``compiled.kernels``
+            of a compiled program, ``ProgramReading.kernels`` of a traced one).
+        hw: the hardware (its ``peak_flops`` and ``hbm_bandwidth``).
+        model: the efficiency model (``efficiency_for(hw)`` by default).
+
+    Raises:
+        ValueError: ``hw`` has no ``hbm_bandwidth``.
+    """
+    if hw.hbm_bandwidth <= 0:
+        raise ValueError(f"hardware {hw.name!r} has no hbm_bandwidth; register it with "
+                         "Hardware(..., hbm_bandwidth=bytes_per_s)")
+    rate = hw.peak_flops * (model or efficiency_for(hw)).matmul
+    return sum(n * max(0.0, b / hw.hbm_bandwidth - f / rate) for f, b, n in kernels)
+
+
 def collective_time(kind: str, nbytes: float, group: int, bandwidth: float, latency: float) -> float:
     """Seconds for one device's share of a ring collective (scaling book, "Sharded Matrices").
 

@@ -47,6 +47,9 @@ class ProgramReading:
         saved: the residuals the forward saves for the backward, ``[(aval, where)]`` as
             ``jax.ad_checkpoint.saved_residuals`` names them, read off the same trace
             (``trace``): what the pipeline memory model sizes (``leaf_sizes.residual_bytes``).
+        kernels: ``(flops, bytes, executions)`` of each kernel the pass launches, per device:
+            its matmul flops and the device-memory bytes it reads and writes
+            (``kernel_traffic``), what the step-time roofline times.
     """
 
     lookup: list[bool]
@@ -68,3 +71,4 @@ class ProgramReading:
     moved: list[bool] = dataclasses.field(default_factory=list)
     ragged: bool = False
     saved: list = dataclasses.field(default_factory=list)
+    kernels: list = dataclasses.field(default_factory=list)

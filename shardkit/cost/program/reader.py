@@ -53,6 +53,7 @@ from .walk import nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops, scan_
 from .walker import Frame, Scope, Visitor, Walker, scopes
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
+from .kernel_traffic import KernelTraffic
 from .tensor_splits import TensorSplits
 from .trace import trace_pass
 from .op_kinds import (FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE,
@@ -61,16 +62,17 @@ from .op_kinds import (FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, OPAQUE as _OPAQUE
 
 class _Token:
     """What the reader carries from an equation to its nested jaxprs and back (``after``)."""
-    __slots__ = ("kernel", "nested", "sub_peak", "whole_out")
+    __slots__ = ("kernel", "nested", "sub_peak", "whole_out", "flops0")
 
-    def __init__(self, kernel, nested: bool):
+    def __init__(self, kernel, nested: bool, flops0: float):
         self.kernel = kernel  # a kernel call's (name, flops): its body is not read
         self.nested = nested  # the equation has nested jaxprs
         self.sub_peak = 0.0
         self.whole_out = None
+        self.flops0 = flops0  # the pass's flops before the equation: its own are the difference
 
 
-class _Reader(TensorSplits, Liveness, Visitor):
+class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
     """The walk's main visitor (``walker``): parameter identity, flops, and the liveness
     simulation. Where it is in the program (trip counts, manual axes, name stacks, loops) is
     the scope of the jaxpr it reads (``walker.Scope``)."""
@@ -96,6 +98,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
         self.sliced: set = set()  # vars holding a slice of a parameter (a use of it, not its layout)
         self.unsplit: set = set()  # vars known whole over the tensor axes (see ``split``)
         self.notes: list[str] = []
+        self.kernels: list = []  # (flops, bytes, executions) per kernel (kernel_traffic)
         self.unseen: dict[str, str] = {}
         self.held: dict = {}  # a loop's stacked weights and gradients: var -> times smaller (loop_stacks)
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
@@ -148,6 +151,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
 
     def equation(self, p: _Pass, frame: Frame, i: int, e, subs: list) -> _Token:
         name, origin = e.primitive.name, frame.origin
+        flops0 = p.flops
         src = frame.source(e)
         if (name in _VIEW or name in _SLICE) and src and src[0] is not None:
             for v in e.outvars:  # the walker made them views of the parameter
@@ -184,7 +188,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
             self._grouped(p, e, kernel[1])
         elif kernel is None and (name in _OPAQUE or "custom_call" in name):
             self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
-        return _Token(kernel, bool(subs))
+        return _Token(kernel, bool(subs), flops0)
 
     def after(self, p: _Pass, frame: Frame, tok: _Token, i: int, e) -> None:
         if tok.kernel is None:  # a kernel's body holds tiles, not the program's values
@@ -192,6 +196,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
                 p.inner_peak[i] = p.inner_peak.get(i, 0.0) + tok.sub_peak
             self.unsplit.update(e.outvars[k] for k in (tok.whole_out or ()))
         self._buffer(p, i, e, frame.origin)
+        self._kernel(p, e, frame.origin, p.flops - tok.flops0, tok.nested and tok.kernel is None)
 
     def _scans_weights(self, e, origin: dict) -> bool:
         """Whether a ``scan`` walks over stacked parameters (a layer scan, forward or backward)
@@ -331,7 +336,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in explicit.explicit.items()}, reader.shard_maps, reader.unseen,
                           syncs.found(jaxpr), reader.weight_axes is not None and reader.split_followed,
-                          moved.moved, explicit.ragged, saved)
+                          moved.moved, explicit.ragged, saved, reader.kernels)
 
 
 
