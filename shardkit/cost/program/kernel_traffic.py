@@ -28,6 +28,10 @@ _FREE = {"reshape", "squeeze", "expand_dims", "sharding_constraint", "pvary", "p
 # their consumers, reductions included.
 _ELEMENTWISE = FUSIBLE | {"add_any"}
 _UPDATES = {"dynamic_update_slice", "scatter", "scatter-add", "scatter_add"}
+# Calls XLA inlines (a ``jit`` inside the loss, ``custom_jvp`` functions such as ``relu``,
+# remat): their bodies fuse with what surrounds them.
+INLINE = {"pjit", "jit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call",
+          "core_call", "remat", "checkpoint"}
 
 
 class KernelTraffic:
@@ -37,6 +41,34 @@ class KernelTraffic:
     computed from."""
 
     kernels: list
+    _inline: list  # roots carried into (and out of) an inlined call's body
+
+    def _into_call(self, p, e, sub, outer: list) -> None:
+        """Before an inlined call's body (``INLINE``) is walked: its inputs are the outer
+        values' fusions, not values in memory."""
+        if e.primitive.name in INLINE:
+            roots = p.kernel_roots
+            self._inline.append({iv: roots.get(ov, {ov}) for iv, ov in zip(sub.invars, outer)
+                                 if not isinstance(ov, jcore.Literal)})
+
+    def _opened(self, p) -> None:
+        """A body's ``liveness.Pass`` was opened: an inlined call's gets its inputs' fusions and
+        does not write its results unless its own rules say so."""
+        if self._inline and isinstance(self._inline[-1], dict):
+            p.kernel_roots.update(self._inline.pop())
+            p.inline = True
+
+    def _closed(self, p, jaxpr) -> None:
+        if p.inline:
+            self._inline.append([None if isinstance(v, jcore.Literal) else p.kernel_roots.get(v)
+                                 for v in jaxpr.outvars])
+
+    def _out_of_call(self, p, e) -> None:
+        """After an inlined call's body: its results are what the body fused them from."""
+        if e.primitive.name in INLINE and self._inline and isinstance(self._inline[-1], list):
+            for o, roots in zip(e.outvars, self._inline.pop()):
+                if roots is not None:
+                    p.kernel_roots[o] = roots
 
     def _kernel(self, p, e, origin: dict, flops: float, nested: bool) -> None:
         """Reads equation ``e`` (after its nested jaxprs, with the ``flops`` the reader
@@ -105,9 +137,10 @@ class KernelTraffic:
         chain that reads every block's values."""
         consumers = p.consumers
         k = max(len(consumers.get(v, ())) for v in outs)
-        return any(c not in _ELEMENTWISE and c not in REDUCE for v in outs for c in consumers.get(v, ())) or (
-            k > 1 and (e.primitive.name in EXPENSIVE or (k - 1) * reads > (k + 1) * written)) or any(
-            v in p.jaxpr_out for v in outs)
+        return any(c not in _ELEMENTWISE and c not in REDUCE and c not in INLINE
+                   for v in outs for c in consumers.get(v, ())) or (
+            k > 1 and (e.primitive.name in EXPENSIVE or (k - 1) * reads > (k + 1) * written)) or (
+            not p.inline and any(v in p.jaxpr_out for v in outs))
 
 
 def _widens(e) -> bool:

@@ -99,6 +99,7 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
         self.unsplit: set = set()  # vars known whole over the tensor axes (see ``split``)
         self.notes: list[str] = []
         self.kernels: list = []  # (flops, bytes, executions) per kernel (kernel_traffic)
+        self._inline: list = []
         self.unseen: dict[str, str] = {}
         self.held: dict = {}  # a loop's stacked weights and gradients: var -> times smaller (loop_stacks)
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
@@ -139,14 +140,17 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
         # written into its caller's buffers.
         outputs_live = not self._frames
         self._frames.append(frame)
-        return _Pass(frame, outputs_live,
-                     cpu_buffers.materialised_for_reductions(frame.jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
-                     if self.canonical_dots else set())
+        p = _Pass(frame, outputs_live,
+                  cpu_buffers.materialised_for_reductions(frame.jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
+                  if self.canonical_dots else set())
+        self._opened(p)
+        return p
 
     def close(self, p: _Pass, frame: Frame) -> tuple[float, float, float]:
         """Flops (one device's, all devices') and peak live bytes of the jaxpr (its inputs
         excluded)."""
         self._frames.pop()
+        self._closed(p, frame.jaxpr)
         return p.flops, p.total, self._sweep(p, frame.jaxpr, p.outputs_live)
 
     def equation(self, p: _Pass, frame: Frame, i: int, e, subs: list) -> _Token:
@@ -244,6 +248,7 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
         if name == "shard_map":  # inside, values are local over its manual axes
             self.shard_maps += 1
             self.split_followed &= self.weight_axes is not None and not inner.manual & self.weight_axes
+        self._into_call(p, e, sub, outer)
         return True
 
     def leave(self, p: _Pass, frame: Frame, tok: _Token, e, sub, outer: list, times: float, result) -> None:
@@ -261,6 +266,7 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
                                     if v in self.weight_dims and v.aval.ndim == o.aval.ndim)
             kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
             tok.whole_out = kept if tok.whole_out is None else tok.whole_out & kept
+        self._out_of_call(p, e)
         f, t, pk = result
         p.flops += f * times
         p.total += t * times
