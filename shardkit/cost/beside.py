@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 from . import hardware as hw_lib
 from .analytic.from_step import step_estimate
 from .analytic.steptime import roofline_excess, times
@@ -39,7 +37,7 @@ def add_estimate(report: Report, step, state, batch, *, hardware: str | None = N
     report.notes.extend(est.notes)
     if hardware is None:
         # A program compiled on this process's GPUs or TPUs is timed on them too.
-        device = next(iter(getattr(step.plan.mesh, "devices", np.empty(0)).flat), None)
+        device = getattr(step.plan.mesh.abstract_mesh, "abstract_device", None)
         if device is None or device.platform == "cpu":
             return
         try:
