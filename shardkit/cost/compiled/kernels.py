@@ -1,5 +1,5 @@
 """The kernels a compiled program launches, each with its flops and the bytes it moves through
-device memory: what the step-time model's roofline (``steptime.roofline_seconds``) times.
+device memory: what the step-time model's roofline (``analytic.steptime.roofline_excess``) times.
 
 XLA:GPU's deviceless executables carry no ``cost_analysis``, so this reads the program text.
 A kernel is an instruction of a computation the device steps through (the entry, a ``while``
@@ -32,7 +32,7 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
                 "call", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency",
                 "domain", "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
                 "async-start", "async-update", "async-done"}
-_COLLECTIVE_OPS = {k + s for k in COLLECTIVES for s in ("", "-start", "-done")} | {"all-reduce-scatter"}
+_COLLECTIVE_OPS = {k + s for k in COLLECTIVES for s in ("", "-start", "-done")}
 # Callees a kernel-level computation steps through (a fusion's or a reducer's body is not one).
 _STEPPED = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -144,6 +144,8 @@ def _kernel(line: str, ins, op: str, shapes: dict, comps: dict) -> Kernel | None
         return Kernel(name, op, flops, sum(sizes.values()) + written, 1.0)
     callee = _CALLS.search(line)
     body = comps.get(callee.group(1), []) if callee else []
+    if any((b := _INSTR.match(x)) is not None and b.group(2) in _COLLECTIVE_OPS for x in body):
+        return None  # XLA:TPU's reduce-scatter is a fusion around an all-reduce: a collective
     reads, written = _fusion_bytes(body, operands, sizes, written)
     body_shapes = defined_types(body)
     flops = sum(line_matmul_flops(b, body_shapes) for b in body)

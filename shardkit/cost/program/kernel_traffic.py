@@ -1,17 +1,20 @@
 """The kernels the traced pass launches, each with its flops and the device-memory bytes it
-moves: the program reader's side of the step-time roofline (``steptime.roofline_seconds``),
-as ``compiled.kernels`` is the compiled program's.
+moves: the program reader's side of the step-time roofline (``steptime.roofline_excess``), as
+``compiled.kernels`` is the compiled program's.
 
-A kernel is an equation the liveness rules (``liveness``) materialise — a matmul, a
-convolution, a reduction, a gather, or the last elementwise op of a chain, with the chain
-fused into it — and it reads each materialised value its chain starts from once (its
-"roots": what XLA's fusion reads from HBM) and writes its results once. So a BatchNorm's
-statistics, its normalisation and the ReLU after it each cost a pass over the activations,
-however many elementwise equations they hold (Williams et al. 2009, "Roofline"). Reshapes,
-squeezes, sharding constraints and transposes move nothing (XLA bitcasts them or picks the
-layouts its consumers want); a slice or lookup reads what it takes; an in-place update writes
-its update. Sizes are per device, as the liveness pass sizes them; each kernel counts the
-trip counts of the loops around it.
+XLA:GPU's fusion as a rule, on the jaxpr: an elementwise chain fuses into its consumer —
+another elementwise op or a reduction, across the calls XLA inlines (``INLINE``) — and a
+kernel is a matmul, a convolution, a reduction, a gather, or the op ending a chain whose
+result must reach memory (``_materialised``). A kernel reads each value in memory its chain
+starts from once (its "roots") and writes its results once, so a BatchNorm's statistics, its
+normalisation and the ReLU after it each cost a pass over the activations however many
+equations they hold (Williams et al. 2009, "Roofline"). Four of XLA's rewrites are followed:
+sibling reductions over the same values are one pass, an upcast a matmul reads is folded into
+it (the matmul reads the 16-bit value and writes 16 bits), cuDNN returns a 16-bit
+convolution's result in 16 bits, and reshapes, squeezes, constraints and transposes of a value
+in memory move nothing (bitcasts, or layouts its consumers take). A slice or lookup reads
+what it takes; an in-place update writes its update. Sizes are per device, as the liveness
+pass sizes them (``liveness``); each kernel counts the trip counts of the loops around it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class KernelTraffic:
             p.inline = True
 
     def _closed(self, p, jaxpr) -> None:
+        """A body's pass is closed: an inlined call hands its results' fusions out."""
         if p.inline:
             self._inline.append([None if isinstance(v, jcore.Literal) else p.kernel_roots.get(v)
                                  for v in jaxpr.outvars])
