@@ -102,3 +102,27 @@ def test_a_steps_estimate_times_its_normalisation_passes_by_their_bytes():
     assert est.time["memory-bound"] >= 3 * activations / H100.hbm_bandwidth
     flops_time = est.flops / RATE
     assert est.time["compute"] == pytest.approx(flops_time + est.time["memory-bound"])
+
+
+def test_a_fusion_that_slices_a_bitcast_of_its_operand_reads_the_slice():
+    # XLA:GPU slices a layer of a stacked weight through a bitcast to another layout (the fp8
+    # 7B's quantisation fusions): the slice is read, not the stack (10x the bytes before).
+    hlo = """HloModule m
+
+%fused_ds (param_0: bf16[32,64,128], param_1: s32[]) -> bf16[64,1,128] {
+  %param_0 = bf16[32,64,128]{2,1,0} parameter(0)
+  %bitcast.1 = bf16[64,32,128]{2,1,0} bitcast(%param_0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = bf16[64,1,128]{2,1,0} dynamic-slice(%bitcast.1, %c, %param_1, %c), dynamic_slice_sizes={64,1,128}
+}
+
+ENTRY %main (p0: bf16[32,64,128], p1: s32[]) -> bf16[64,1,128] {
+  %p0 = bf16[32,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %f = bf16[64,1,128]{2,1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_ds
+}
+"""
+    (kernel,) = kernels_from_hlo(hlo)
+    layer = 64 * 128 * 2
+    assert kernel.bytes == layer + 4 + layer  # the slice and the index read, the slice written

@@ -156,7 +156,7 @@ def _fusion_bytes(body: list[str], operands: list[str], sizes: dict, written: fl
     """(bytes read, bytes written) of a fusion whose fused computation is ``body``: each
     distinct operand once, or only the slices taken of an operand the body only slices; an
     operand a ``dynamic-update-slice`` writes into is not read, and that output writes the
-    update only."""
+    update only (through bitcasts, which view a value in another shape)."""
     types = defined_types(body)
     instrs: dict[str, tuple[str, list[str]]] = {}  # local name -> (op, operands)
     params: dict[int, str] = {}
@@ -175,11 +175,28 @@ def _fusion_bytes(body: list[str], operands: list[str], sizes: dict, written: fl
             users[u].append((op, ops, local))
         if line.lstrip().startswith("ROOT"):
             roots = ops if op == "tuple" else [local]
+    # A bitcast is the value it views: its uses are its operand's.
+    base = {}
+    for local, (op, ops) in instrs.items():
+        if op == "bitcast" and ops:
+            base[local] = ops[0]
+
+    def root_of(v: str) -> str:
+        while v in base:
+            v = base[v]
+        return v
+
+    def uses_of(v: str) -> list:
+        out = []
+        for use in users.get(v, []):
+            out.extend(uses_of(use[2]) if use[0] == "bitcast" else [(use[0], [root_of(u) for u in use[1]], use[2])])
+        return out
+
     in_place: set[str] = set()
     for root in roots:
-        op, ops = instrs.get(root, ("", []))
+        op, ops = instrs.get(root_of(root), ("", []))
         if op == "dynamic-update-slice" and len(ops) > 1:
-            in_place.add(ops[0])
+            in_place.add(root_of(ops[0]))
             written += _shape_bytes(types.get(ops[1], "")) - _shape_bytes(types.get(root, ""))
     reads, seen = 0.0, set()
     for k, outer in enumerate(operands):
@@ -187,7 +204,7 @@ def _fusion_bytes(body: list[str], operands: list[str], sizes: dict, written: fl
         if local is None or outer in seen:
             continue
         seen.add(outer)
-        uses = users.get(local, [])
+        uses = uses_of(local)
         if local in in_place and all(op == "dynamic-update-slice" and ops[0] == local for op, ops, _ in uses):
             continue
         if uses and all(op in _SLICES and ops[0] == local for op, ops, _ in uses):
