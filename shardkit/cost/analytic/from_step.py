@@ -291,7 +291,9 @@ def _memory_seconds(s: StepFacts, mem: dict, hw: hw_lib.Hardware) -> float:
     bandwidth."""
     if s.pipe or hw.hbm_bandwidth <= 0:
         return 0.0
-    update = 2 * (mem["params"] + mem["opt_state"]) + mem["grads"]
+    # ZeRO-1/2 update the parameters' shard (then gather it), ZeRO-3 keeps only the shard.
+    params = sum(s.lv.zshard) * s.bp if s.zero in (1, 2) and s.n_data > 1 else mem["params"]
+    update = 2 * (params + mem["opt_state"]) + mem["grads"]
     return roofline_excess(s.reading.kernels, hw) * s.m + update / hw.hbm_bandwidth
 
 
