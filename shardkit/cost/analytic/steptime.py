@@ -51,7 +51,10 @@ class Efficiency:
     weak-scaling table, 2024), 33-39% (torchtitan, Llama-3.1-8B on 8 H100s, bf16), 52% (Megatron,
     1T parameters on 3072 A100s, Narayanan et al. 2021), 46.2% (PaLM, TPU v4, Chowdhery et al.
     2022) and 64-70% (MaxText, TPU v5p). The gap has these parts, each a number here (and the
-    non-matmul kernels' memory traffic, ``memory_bound_time``):
+    non-matmul kernels' memory traffic: ``memory_bound_time`` for a ``ModelShape``,
+    ``roofline_excess`` over the kernels of a traced step or a compiled program — which, with
+    ``matmul`` fitted beside the lighter formula, comes out ~10% pessimistic on transformers:
+    BENCHMARKS.md, "The step time's roofline"):
 
     Attributes:
         matmul: fraction of dense peak the step's matmuls reach with no communication at all.
