@@ -150,7 +150,10 @@ def test_the_recipes_dense_matmuls_are_fp8_gemms_on_h100():
     assert bf16.fp8_matmul_flops == 0 and fp8.matmul_flops == pytest.approx(bf16.matmul_flops, rel=0.01)
     share = fp8.fp8_matmul_flops / fp8.matmul_flops
     assert 0.5 < share < 1.0  # the projections and MLP, not the attention scores or the head
-    assert fp8.step_time["compute"] < bf16.step_time["compute"]
+    # The matmuls' time, at the fp8 peak for the fp8 GEMMs (the kernels' memory traffic aside:
+    # at d_model 128 fp8's quantization passes cost more than its GEMMs save).
+    matmuls = lambda r: r.step_time["compute"] - r.step_time["memory-bound"]  # noqa: E731
+    assert matmuls(fp8) < matmuls(bf16)
     assert "in fp8 GEMMs" in str(fp8)
     # The step's amaxes in one all-reduce after the layer scan (test_the_amax_all_reduces_are_
     # combined, on XLA:GPU): the only all-reduce over data that bf16 has not (it was one per

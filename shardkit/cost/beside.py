@@ -13,7 +13,7 @@ import functools
 
 from . import hardware as hw_lib
 from .analytic.from_step import step_estimate
-from .analytic.steptime import times
+from .analytic.steptime import roofline_excess, times
 from .compiled import simulated
 from .compiled.report import Report
 from .compiled.simulated import SAME
@@ -21,29 +21,38 @@ from .compiled.simulated import SAME
 
 def add_estimate(report: Report, step, state, batch, *, hardware: str | None = None,
                  flops_per_token: float | None = None) -> None:
-    """Sets ``step``'s analytic estimate beside ``report``'s compiled figures, and with
-    ``hardware`` (the accelerator the program was compiled for) the step time of the compiled
-    flops and collectives on it.
+    """Sets ``step``'s analytic estimate beside ``report``'s compiled figures, and for a
+    program compiled for (or on) GPUs or TPUs the step time of the compiled flops, kernels and
+    collectives on them.
 
     Args:
         report: the compiled ``Report`` of ``step``.
         step, state, batch: what was compiled (a ``TrainStep``; arrays or abstract inputs).
-        hardware: a ``HARDWARE`` name; None: this process's devices or simulated CPU devices
-            (the estimate is timed on the plan's devices, the report gets no step time).
+        hardware: a ``HARDWARE`` name; None: the plan's devices (simulated CPU devices get
+            no step time: the hardware table has no CPU entry).
         flops_per_token: as ``estimate_for_step``.
     """
     est = step_estimate(step, state, batch, flops_per_token=flops_per_token, hardware=hardware)
     report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
     report.notes.extend(est.notes)
     if hardware is None:
-        return
+        # A program compiled on this process's GPUs or TPUs is timed on them too.
+        device = getattr(step.plan.mesh.abstract_mesh, "abstract_device", None)
+        if device is None or device.platform == "cpu":
+            return
+        try:
+            hardware = hw_lib.lookup(device).name
+        except ValueError:
+            return
     chip = hw_lib.lookup(hardware)
     # fp8 GEMMs run at the chip's fp8 peak: counted as the bf16 flops that take as long.
     flops = report.matmul_flops - report.fp8_matmul_flops * (1 - chip.peak_flops / chip.fp8_flops) \
         if report.fp8_matmul_flops and chip.fp8_flops else report.matmul_flops
-    report.step_time = times(report.roles(), report.role_counts(), flops, chip, est.layout)
-    report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops and "
-                               f"collectives, {hardware} links")
+    # Each kernel at the longer of its flops and its device-memory bytes (the roofline).
+    memory = roofline_excess(report.kernels, chip) if chip.hbm_bandwidth > 0 else 0.0
+    report.step_time = times(report.roles(), report.role_counts(), flops, chip, est.layout, memory_seconds=memory)
+    report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops, kernels' "
+                               f"memory traffic and collectives, {hardware} links")
 
 
 def _beside(estimate: bool, flops_per_token: float | None):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from ...rules import entry_axes
 from .. import hardware as hw_lib
 from ..terms import Estimate, Layout, RoleTraffic, tokens_in
-from .steptime import times
+from .steptime import roofline_excess, times
 from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, kept_rings,
                               microbatch_rows, saved_bytes, w_forwarded_bytes)
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
@@ -53,7 +53,7 @@ def step_estimate(step, state, batch, *, pipeline=None, hardware=None, flops_per
                     fsdp=sizes.get("fsdp", 1), tensor=sizes.get("tensor", 1), pipe=pipe.stages if pipe else 1,
                     zero=s.zero, microbatches=pipe.microbatches if pipe else s.m,
                     schedule=pipe.schedule if pipe else "gpipe", repeats=pipe.repeats if pipe else 1)
-    t = times(col, counts, busy, hw, layout)
+    t = times(col, counts, busy, hw, layout, memory_seconds=_memory_seconds(s, mem, hw))
     n_dev = mesh.size
     notes = list(s.reading.notes)
     if not pipe and s.platform == "cpu":
@@ -280,6 +280,21 @@ def _explicit_roles(explicit: dict) -> dict[str, tuple[float, float]]:
         n0, b0 = out.get(role, (0.0, 0.0))
         out[role] = (n0 + n, b0 + nbytes)
     return out
+
+
+def _memory_seconds(s: StepFacts, mem: dict, hw: hw_lib.Hardware) -> float:
+    """What device memory adds to the step's matmul time (``steptime.roofline_excess``): the
+    traced pass's kernels, once per microbatch, and the optimizer's update — a pass outside
+    the traced loss that reads the parameters, their gradients and the optimizer state and
+    writes the parameters and the state back. 0 for a pipelined step (its kernels run per
+    tick and stage, which the reader's one pass does not time) or hardware without an HBM
+    bandwidth."""
+    if s.pipe or hw.hbm_bandwidth <= 0:
+        return 0.0
+    # ZeRO-1/2 update the parameters' shard (then gather it), ZeRO-3 keeps only the shard.
+    params = sum(s.lv.zshard) * s.bp if s.zero in (1, 2) and s.n_data > 1 else mem["params"]
+    update = 2 * (params + mem["opt_state"]) + mem["grads"]
+    return roofline_excess(s.reading.kernels, hw) * s.m + update / hw.hbm_bandwidth
 
 
 def _hardware(hardware, mesh) -> hw_lib.Hardware:

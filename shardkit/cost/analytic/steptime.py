@@ -51,7 +51,10 @@ class Efficiency:
     weak-scaling table, 2024), 33-39% (torchtitan, Llama-3.1-8B on 8 H100s, bf16), 52% (Megatron,
     1T parameters on 3072 A100s, Narayanan et al. 2021), 46.2% (PaLM, TPU v4, Chowdhery et al.
     2022) and 64-70% (MaxText, TPU v5p). The gap has these parts, each a number here (and the
-    non-matmul kernels' memory traffic, ``memory_bound_time``):
+    non-matmul kernels' memory traffic: ``memory_bound_time`` for a ``ModelShape``,
+    ``roofline_excess`` over the kernels of a traced step or a compiled program — which, with
+    ``matmul`` fitted beside the lighter formula, comes out ~10% pessimistic on transformers:
+    BENCHMARKS.md, "The step time's roofline"):
 
     Attributes:
         matmul: fraction of dense peak the step's matmuls reach with no communication at all.
@@ -163,6 +166,33 @@ def memory_bound_time(ms: ModelShape, layout: Layout, hw: hw_lib.Hardware, *, gl
     tokens = global_batch * s / (lo.data * lo.fsdp * lo.context)
     per_token = passes * per_layer * ms.layers / lo.pipe + 16 * ms.vocab / t / lo.pipe
     return tokens * per_token / hw.hbm_bandwidth
+
+
+def roofline_excess(kernels, hw: hw_lib.Hardware, model: Efficiency | None = None) -> float:
+    """Seconds the memory side of the roofline adds to a step's matmul time: over its
+    kernels, ``Σ n · max(flops / (peak · matmul), bytes / hbm_bandwidth)`` less
+    ``Σ n · flops / (peak · matmul)`` — each kernel takes the longer of its arithmetic at the
+    achievable matmul rate and its device-memory traffic at the HBM bandwidth (Williams et
+    al. 2009, "Roofline"). A memory-bound pass (a BatchNorm's statistics and normalisation, a
+    ReLU, a residual add, an optimizer update) costs its bytes; a matmul or convolution that
+    moves more bytes than it computes (a 1×1 convolution over few channels) costs its bytes
+    too; a large matmul costs its flops, as before. ``times(..., memory_seconds=)`` adds it to
+    the flops' time, so flops ``Σ n · flops`` and this give the roofline sum.
+
+    Args:
+        kernels: ``(flops, bytes, executions)`` per kernel, per device (``compiled.kernels``
+            of a compiled program, ``ProgramReading.kernels`` of a traced one).
+        hw: the hardware (its ``peak_flops`` and ``hbm_bandwidth``).
+        model: the efficiency model (``efficiency_for(hw)`` by default).
+
+    Raises:
+        ValueError: ``hw`` has no ``hbm_bandwidth``.
+    """
+    if hw.hbm_bandwidth <= 0:
+        raise ValueError(f"hardware {hw.name!r} has no hbm_bandwidth; register it with "
+                         "Hardware(..., hbm_bandwidth=bytes_per_s)")
+    rate = hw.peak_flops * (model or efficiency_for(hw)).matmul
+    return sum(n * max(0.0, b / hw.hbm_bandwidth - f / rate) for f, b, n in kernels)
 
 
 def collective_time(kind: str, nbytes: float, group: int, bandwidth: float, latency: float) -> float:

@@ -199,7 +199,7 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target, kernels: str 
     out = {"title": report.title, "memory": report.memory, "flops": report.flops,
            "optimal_seconds": float(cost.get("optimal_seconds", 0.0)), "layout": layout,
            "matmul_flops": report.matmul_flops, "fp8_matmul_flops": report.fp8_matmul_flops,
-           "unread_matmuls": report.unread_matmuls,
+           "unread_matmuls": report.unread_matmuls, "kernels": report.kernels,
            "collectives": [dataclasses.asdict(c) for c in report.collectives],
            "traffic": [dataclasses.asdict(t) for t in report.traffic],
            "seconds": {"compile": t_compile, "total": time.perf_counter() - t0}}

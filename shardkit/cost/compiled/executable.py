@@ -11,6 +11,7 @@ import re
 from .hlo.collectives import collectives_from_hlo, traffic_from_hlo
 from .hlo.matmuls import matmul_flops_from_hlo, rewritten_matmuls
 from .hlo.text import shape_bytes
+from .kernels import kernels_from_hlo
 from .report import Report
 from ..pipeline_note import pipeline_branch_weights
 
@@ -90,4 +91,5 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
                   matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
                   pipe_axis=(pipeline or {}).get("axis"),
                   fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True),
-                  unread_matmuls=rewritten_matmuls(hlo))
+                  unread_matmuls=rewritten_matmuls(hlo),
+                  kernels=[(k.flops, k.bytes, k.count) for k in kernels_from_hlo(hlo, weights)])

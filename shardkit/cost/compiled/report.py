@@ -78,6 +78,8 @@ class Report:
         unread_matmuls: matmuls XLA rewrote as elementwise multiply + reduce (a matrix-vector or
             outer product), whose flops ``matmul_flops`` cannot count; the report says so and
             compares no flops ratio (``unread_note``).
+        kernels: ``(flops, bytes, executions)`` of each kernel the program launches, per device
+            (``kernels.kernels_from_hlo``): what the step-time model's roofline times.
     """
 
     title: str
@@ -100,6 +102,7 @@ class Report:
     offloaded: tuple[str, ...] = ()
     fp8_matmul_flops: float = 0.0
     unread_matmuls: int = 0
+    kernels: list = dataclasses.field(default_factory=list)
 
     @property
     def fits(self) -> bool | None:

@@ -303,6 +303,7 @@ def _assemble(job: _Job, out: dict, *, beside: Beside | None) -> Report:
                  for t in out["traffic"]],
         matmul_flops=out["matmul_flops"], data_axes=tuple(plan.batch_axes),
         fp8_matmul_flops=out.get("fp8_matmul_flops", 0.0), unread_matmuls=out.get("unread_matmuls", 0),
+        kernels=[tuple(k) for k in out.get("kernels", ())],
         pipe_axis=(pipe or {}).get("axis"),
         compiled_on=compiled_on,
         notes=[*notes,

@@ -49,6 +49,9 @@ class ProgramReading:
         saved: the residuals the forward saves for the backward, ``[(aval, where)]`` as
             ``jax.ad_checkpoint.saved_residuals`` names them, read off the same trace
             (``trace``): what the pipeline memory model sizes (``leaf_sizes.residual_bytes``).
+        kernels: ``(flops, bytes, executions)`` of each kernel the pass launches, per device:
+            its matmul flops and the device-memory bytes it reads and writes
+            (``kernel_traffic``), what the step-time roofline times.
     """
 
     lookup: list[bool]
@@ -71,3 +74,4 @@ class ProgramReading:
     ragged: bool = False
     saved: list = dataclasses.field(default_factory=list)
     weight_shard_maps: int = 0
+    kernels: list = dataclasses.field(default_factory=list)

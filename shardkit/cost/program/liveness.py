@@ -29,6 +29,11 @@ class Pass:
         self.born: dict = {}
         self.flops = self.total = 0.0
         self.inner_peak: dict = {}
+        self.kernel_roots: dict = {}  # kernel_traffic's fusion: a fused value -> the values in memory it reads
+        self.widened: dict = {}  # kernel_traffic: an upcast a matmul folds in -> its width ratio
+        self.narrow: dict = {}  # kernel_traffic: a matmul result XLA writes narrower -> the ratio
+        self.reductions: set = set()  # kernel_traffic: the values each reduction so far read
+        self.inline = False  # kernel_traffic: the body of a call XLA inlines
         self.consumers: dict = frame.consumers
         self.jaxpr_out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
         if not outputs_live:

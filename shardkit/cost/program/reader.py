@@ -54,6 +54,7 @@ from .walk import (nbytes as _bytes, ragged_dot_flops as _ragged_dot_flops, ragg
 from .walker import Frame, Scope, Visitor, Walker, scopes
 from .head_splits import HeadSplits
 from .findings import ProgramReading as ProgramReading
+from .kernel_traffic import KernelTraffic
 from .tensor_splits import TensorSplits
 from .trace import trace_pass
 from .op_kinds import (FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE,
@@ -62,16 +63,17 @@ from .op_kinds import (FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, OPAQUE as _OPAQUE
 
 class _Token:
     """What the reader carries from an equation to its nested jaxprs and back (``after``)."""
-    __slots__ = ("kernel", "nested", "sub_peak", "whole_out")
+    __slots__ = ("kernel", "nested", "sub_peak", "whole_out", "flops0")
 
-    def __init__(self, kernel, nested: bool):
+    def __init__(self, kernel, nested: bool, flops0: float):
         self.kernel = kernel  # a kernel call's (name, flops): its body is not read
         self.nested = nested  # the equation has nested jaxprs
         self.sub_peak = 0.0
         self.whole_out = None
+        self.flops0 = flops0  # the pass's flops before the equation: its own are the difference
 
 
-class _Reader(TensorSplits, Liveness, Visitor):
+class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
     """The walk's main visitor (``walker``): parameter identity, flops, and the liveness
     simulation. Where it is in the program (trip counts, manual axes, name stacks, loops) is
     the scope of the jaxpr it reads (``walker.Scope``)."""
@@ -98,6 +100,8 @@ class _Reader(TensorSplits, Liveness, Visitor):
         self.sliced: set = set()  # vars holding a slice of a parameter (a use of it, not its layout)
         self.unsplit: set = set()  # vars known whole over the tensor axes (see ``split``)
         self.notes: list[str] = []
+        self.kernels: list = []  # (flops, bytes, executions) per kernel (kernel_traffic)
+        self._inline: list = []
         self.unseen: dict[str, str] = {}
         self.held: dict = {}  # a loop's stacked weights and gradients: var -> times smaller (loop_stacks)
         self.heads: HeadSplits | None = None  # activations split over several dims (heads)
@@ -138,18 +142,22 @@ class _Reader(TensorSplits, Liveness, Visitor):
         # written into its caller's buffers.
         outputs_live = not self._frames
         self._frames.append(frame)
-        return _Pass(frame, outputs_live,
-                     cpu_buffers.materialised_for_reductions(frame.jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
-                     if self.canonical_dots else set())
+        p = _Pass(frame, outputs_live,
+                  cpu_buffers.materialised_for_reductions(frame.jaxpr.eqns, _FUSIBLE, _VIEW, _REDUCE)
+                  if self.canonical_dots else set())
+        self._opened(p)
+        return p
 
     def close(self, p: _Pass, frame: Frame) -> tuple[float, float, float]:
         """Flops (one device's, all devices') and peak live bytes of the jaxpr (its inputs
         excluded)."""
         self._frames.pop()
+        self._closed(p, frame.jaxpr)
         return p.flops, p.total, self._sweep(p, frame.jaxpr, p.outputs_live)
 
     def equation(self, p: _Pass, frame: Frame, i: int, e, subs: list) -> _Token:
         name, origin = e.primitive.name, frame.origin
+        flops0 = p.flops
         src = frame.source(e)
         if (name in _VIEW or name in _SLICE) and src and src[0] is not None:
             for v in e.outvars:  # the walker made them views of the parameter
@@ -187,7 +195,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
             self._grouped(p, e, kernel[1])
         elif kernel is None and (name in _OPAQUE or "custom_call" in name):
             self.unseen.setdefault("kernel", f"a custom kernel ({name}) the reader cannot see into")
-        return _Token(kernel, bool(subs))
+        return _Token(kernel, bool(subs), flops0)
 
     def after(self, p: _Pass, frame: Frame, tok: _Token, i: int, e) -> None:
         if tok.kernel is None:  # a kernel's body holds tiles, not the program's values
@@ -195,6 +203,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
                 p.inner_peak[i] = p.inner_peak.get(i, 0.0) + tok.sub_peak
             self.unsplit.update(e.outvars[k] for k in (tok.whole_out or ()))
         self._buffer(p, i, e, frame.origin)
+        self._kernel(p, e, frame.origin, p.flops - tok.flops0, tok.nested and tok.kernel is None)
 
     def _scans_weights(self, e, origin: dict) -> bool:
         """Whether a ``scan`` walks over stacked parameters (a layer scan, forward or backward)
@@ -246,6 +255,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
             # activations only.
             self.weight_shard_maps += any(not isinstance(u, jcore.Literal) and u in origin for u in e.invars)
             self.split_followed &= self.weight_axes is not None and not inner.manual & self.weight_axes
+        self._into_call(p, e, sub, outer)
         return True
 
     def leave(self, p: _Pass, frame: Frame, tok: _Token, e, sub, outer: list, times: float, result) -> None:
@@ -263,6 +273,7 @@ class _Reader(TensorSplits, Liveness, Visitor):
                                     if v in self.weight_dims and v.aval.ndim == o.aval.ndim)
             kept = {k for k, v in enumerate(sub.outvars) if not isinstance(v, jcore.Literal) and v in self.unsplit}
             tok.whole_out = kept if tok.whole_out is None else tok.whole_out & kept
+        self._out_of_call(p, e)
         f, t, pk = result
         p.flops += f * times
         p.total += t * times
@@ -341,7 +352,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
                           reader.tensor_reduce, reader.tensor_reduce_ops, reader.notes,
                           {k: tuple(v) for k, v in explicit.explicit.items()}, reader.shard_maps, reader.unseen,
                           syncs.found(jaxpr), reader.weight_axes is not None and reader.split_followed,
-                          moved.moved, explicit.ragged, saved, reader.weight_shard_maps)
+                          moved.moved, explicit.ragged, saved, weight_shard_maps=reader.weight_shard_maps,
+                          kernels=reader.kernels)
 
 
 

@@ -52,35 +52,38 @@ def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | Non
         m = mult.get(name, 0)
         if not m:
             continue
-        shapes = {}
-        for line in lines:
-            if (d := _NAMED.match(line)) is not None:
-                shapes[d.group(1)] = d.group(2)
-        for line in lines:
-            if (g := _TPU_RAGGED_DOT.match(line)) is not None:
-                total += 0.0 if fp8_only else m * float(g.group(1))
-                continue
-            if (flash := _flash_flops(line, shapes)) is not None:
-                total += 0.0 if fp8_only else m * flash
-                continue
-            cv = _CONV.match(line)
-            cd = _CUDNN.match(line) if cv is None and "__cudnn$conv" in line else None
-            d = _DOT.match(line) if cv is None and cd is None else None
-            if (cv or cd or d) is None or (fp8_only and not _fp8_operands(line, shapes)):
-                continue
-            if cv is not None:
-                total += m * _conv_flops(line, cv, shapes)
-                continue
-            if cd is not None:
-                total += m * _cudnn_conv_flops(line, cd, shapes)
-                continue
-            lhs = d.group(2) or shapes.get(d.group(3), "")
-            lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
-            res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
-            c = _LHS_C.search(line)
-            k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
-            total += m * 2.0 * math.prod(res) * k
+        shapes = defined_types(lines)
+        total += m * sum(line_matmul_flops(line, shapes, fp8_only) for line in lines)
     return total
+
+
+def defined_types(lines: list[str]) -> dict[str, str]:
+    """Instruction name -> the type it defines, for one computation's lines."""
+    return {d.group(1): d.group(2) for d in map(_NAMED.match, lines) if d is not None}
+
+
+def line_matmul_flops(line: str, shapes: dict, fp8_only: bool = False) -> float:
+    """The flops of one HLO instruction (``matmul_flops_from_hlo``'s rules; 0 for an op that is
+    no matmul, convolution or flash kernel). ``shapes``: ``defined_types`` of its computation."""
+    if (g := _TPU_RAGGED_DOT.match(line)) is not None:
+        return 0.0 if fp8_only else float(g.group(1))
+    if (flash := _flash_flops(line, shapes)) is not None:
+        return 0.0 if fp8_only else flash
+    cv = _CONV.match(line)
+    cd = _CUDNN.match(line) if cv is None and "__cudnn$conv" in line else None
+    d = _DOT.match(line) if cv is None and cd is None else None
+    if (cv or cd or d) is None or (fp8_only and not _fp8_operands(line, shapes)):
+        return 0.0
+    if cv is not None:
+        return _conv_flops(line, cv, shapes)
+    if cd is not None:
+        return _cudnn_conv_flops(line, cd, shapes)
+    lhs = d.group(2) or shapes.get(d.group(3), "")
+    lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
+    res = _ints(d.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in d.group(1) else []
+    c = _LHS_C.search(line)
+    k = math.prod(lhs_dims[i] for i in _ints(c.group(1)) if i < len(lhs_dims)) if c else 1
+    return 2.0 * math.prod(res) * k
 
 
 def _flash_flops(line: str, shapes: dict) -> float | None:
