@@ -60,8 +60,7 @@ def _abstract_eval(*args, jaxpr):
 
 def _batch(axis_data, args, dims, *, jaxpr):
     """vmaps ``fn`` (its shard_maps batch with the vmap's spmd axis) and keeps it opaque."""
-    in_axes = tuple(None if d is batching.not_mapped else d for d in dims)
-    fn = jax.vmap(jcore.jaxpr_as_fun(jaxpr), in_axes=in_axes, axis_size=axis_data.size,
+    fn = jax.vmap(jcore.jaxpr_as_fun(jaxpr), in_axes=tuple(dims), axis_size=axis_data.size,  # None: unbatched
                   axis_name=axis_data.name, spmd_axis_name=axis_data.spmd_name)
     return opaque(fn)(*args), [0] * len(jaxpr.out_avals)
 
