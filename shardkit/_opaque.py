@@ -1,16 +1,17 @@
 """``opaque(fn)``: ``fn`` run as one primitive that JAX's partial evaluation cannot split.
 
-Why: a ``shard_map`` that ``jax.checkpoint``'s and ``lax.scan``'s partial evaluation sees is
-cut in two, and the piece that depends on none of its inputs (masks built from
-``axis_index``, zero inits, the empty index arrays of ``x.at[:, :].set``) becomes a
-``shard_map`` of its own, hoisted out of the layer loop. In jax 0.10.2 the compiler's import
-rejects that piece when its only operands are empty constants ("expected at least one operand
-of @xla.sdy.manual_computation_body to be produced by a xla.sdy.GlobalToLocalShape
-CustomCallOp", docs/upstream/shardy_scan_shard_map_empty_operands.py), and where it compiles
-it saves every such value for the whole loop (a ring's (T/c, T/c) masks per block). Under a
-remat policy this is what the layer scan does to ``sk.context_attention``'s ring: its custom
-VJP's forward, once the policy recomputes it in the backward, is traced again as the plain
-primal, and the scan splits that.
+Why: linearizing a ``lax.scan`` (a model's layer scan) partially evaluates its body with the
+loop-invariant values known, and a ``shard_map`` in it is cut in two: the piece that depends
+on none of its inputs (masks built from ``axis_index``, zero inits, the empty index arrays
+of ``x.at[:, :].set``) becomes a ``shard_map`` of its own, hoisted out of the loop. In jax
+0.10.2 the compiler's import rejects that piece when its only operands are empty constants
+("expected at least one operand of @xla.sdy.manual_computation_body to be produced by a
+xla.sdy.GlobalToLocalShape CustomCallOp", docs/upstream/shardy_scan_shard_map_empty_operands.py),
+and where it compiles it keeps every such value for the whole loop (a ring's masked score
+blocks). ``sk.context_attention``'s ring met it under every remat policy: its custom VJP
+(``optimize_remat=True``) bound the forward as one primitive, but once the policy recomputes
+the forward in the backward, the forward pass no longer uses that primitive's residuals and
+JAX replaces it there by the plain primal, a ``shard_map`` the scan then splits.
 
 A primitive with no partial-evaluation rule is kept whole: run when its inputs are known,
 staged (and recomputed under remat) when they are not. ``opaque`` is that primitive for any
