@@ -20,9 +20,10 @@ trace and so is given at every point, compiled or not. Results are written after
     python bench/seq_memory.py [--target h100 tpu-v5p] [--devices 64] [--context 8]
         [--seq 4096 8192 ...] [--remat dots] [--out bench/results/seq_memory.json] [--dry-run]
 
-CP with a remat policy (``dots``, ``full``, ...) fails the compiler's import of the exported
-program in jax 0.10.2 (recorded per point); the committed series are ``--remat dots`` and
-``--remat none`` without CP and ``--remat none`` with it (BENCHMARKS.md, issue 35's 7B section).
+The committed series are ``--remat dots`` and ``--remat none``, with and without CP
+(BENCHMARKS.md, issue 35's 7B section). CP with a remat policy compiles since the ring's
+forward is one opaque primitive (``shardkit/_opaque.py``); before, every such point failed the
+compiler's import (``docs/upstream/shardy_scan_shard_map_empty_operands.py``).
 
 ``--dry-run``: the points and their ModelShape estimates only (nothing traced, compiled or
 written). ``--estimate-only``: those estimates written for the points ``--out`` lacks

@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._context_blocks import F32, _NEG, _Config, _backward_body, _compiler_blockwise, _forward_body, _mask
 from ._axes import claim_axes
+from ._opaque import opaque
 from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
@@ -311,7 +312,9 @@ def _sharded(cfg: _Config) -> Callable:
 
     def forward(q, k, v, seg):
         args = (q, k, v) + ((seg,) if cfg.has_seg else ())
-        return smap(lambda *a: _forward_body(cfg, *a), len(args), 2)(*args)
+        # One primitive to partial evaluation (see _opaque): a layer scan under a remat
+        # policy would otherwise split this shard_map and hoist its input-free part.
+        return opaque(smap(lambda *a: _forward_body(cfg, *a), len(args), 2))(*args)
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
@@ -327,8 +330,5 @@ def _sharded(cfg: _Config) -> Callable:
         dq, dk, dv = smap(lambda *a: _backward_body(cfg, *a), len(args), 3)(*args)
         return dq, dk, dv, None
 
-    # optimize_remat makes the forward one opaque primitive to partial evaluation: without it
-    # lax.scan's hoisting of loop-invariant residuals (a model's layer scan) splits the
-    # shard_map (its masks are loop-invariant) into a program XLA's partitioner rejects.
-    attend.defvjp(fwd, bwd, optimize_remat=True)
+    attend.defvjp(fwd, bwd)
     return attend

@@ -119,7 +119,7 @@ EXTENDED_CASES: dict[str, set[str]] = {
                                                       "1-data=4,fsdp=2"},
     # Context parallelism with TP or with DP + FSDP against one device: ring attention's exchange is
     # cp's, and test_context.py checks attention on context=4,tensor=2 and data=2,context=4.
-    "test_transformer.py::test_context_parallel_layouts_match_one_device": {"cp_tp", "dp_cp_fsdp"},
+    "test_transformer.py::test_context_parallel_layouts_match_one_device": {"cp_tp-none", "dp_cp_fsdp-none"},
     # EP with a data axis / with FSDP: the same dispatch as ep; with TP inside the experts (ep_tp)
     # against one device in test_expert_parallel_equals_one_device[expert=4,tensor=2].
     "test_moe.py::test_recipe_ep_layouts_match_one_device": {"ep_dp", "ep_fsdp", "ep_tp"},

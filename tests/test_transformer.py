@@ -331,15 +331,19 @@ def test_bf16_layout_close_to_one_device(name, corpus, initial, reference):
     np.testing.assert_allclose(losses, reference["fp32"][0], rtol=5e-3)
 
 
-@pytest.mark.parametrize("name", ["cp", "cp_tp", "dp_cp_fsdp", "cp_pp"])
-def test_context_parallel_layouts_match_one_device(name, corpus, initial, reference):
+@pytest.mark.parametrize("name,remat", [("cp", "dots"), ("cp_tp", "none"), ("dp_cp_fsdp", "none"),
+                                         ("cp_pp", "none")])
+def test_context_parallel_layouts_match_one_device(name, remat, corpus, initial, reference):
     """6 steps on each context-parallel layout (ring attention over ``context``; with TP, with
     DP + FSDP, inside pipeline stages; the batch and RoPE positions in zig-zag order) equal one
     device: losses to 1e-5 relative (measured <= 2.1e-7 over 10 steps), parameters to 1e-4
-    absolute (measured <= 3.4e-6)."""
+    absolute (measured <= 3.4e-6). cp runs its layers under ``remat="dots"`` (the same weights;
+    the reference does not remat): the layer scan's remat around the ring's shard_map did not
+    compile before the ring's forward became one opaque primitive (shardkit/_opaque.py)."""
     ref_losses, _, ref_params = reference["fp32"]
     ref_losses = ref_losses[:CP_STEPS]
-    losses, params = train(LAYOUTS[name], corpus, initial, steps=CP_STEPS)
+    model = initial if remat == "none" else build(TRAIN_CFG.replace(remat=remat))
+    losses, params = train(LAYOUTS[name], corpus, model, steps=CP_STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=name)
