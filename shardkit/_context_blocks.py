@@ -197,16 +197,64 @@ def _compiler_blockwise(cfg: _Config, q, k, v, seg):
     return attend(q, k, v, seg)
 
 
+def _ring_loop(cfg: _Config, i, kv, state, kinds, branch, update):
+    """Runs ``update(state, block, j, kind)`` over the ``c`` K/V blocks (block ``j`` from device
+    ``(i - s) mod c`` at step ``s``), ``kind`` the part of the block with work, picked by
+    ``branch(i, j)`` among ``kinds`` (a ``lax.switch``) when there are several."""
+    fetch = _fetcher(cfg, kv, i)
+
+    def step(state, carried, s):
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        if len(kinds) == 1:
+            return update(state, block, j, kinds[0])
+        return lax.switch(branch(i, j), [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
+
+    return _steps(cfg, state, kv, step)
+
+
+def _grad_loop(cfg: _Config, i, kv, dq, every, kinds, branch, update):
+    """The backward's ring: ``update(dq, (dk, dv), block, j, kind)`` over the blocks as
+    ``_ring_loop``, each block's float32 dK/dV accumulators travelling with it (``ring``) or
+    kept for the whole sequence and reduce-scattered after (``allgather``). Returns dq and this
+    device's dK, dV (float32)."""
+    k, v = kv[0], kv[1]
+    if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
+        grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
+    else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
+        grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
+    fetch = _fetcher(cfg, kv, i)
+    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+
+    def step(carry, carried, s):
+        dq, grads = carry
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
+        if len(kinds) == 1:
+            dq, dkv = update(dq, dkv, block, j, kinds[0])
+        else:
+            dq, dkv = lax.switch(branch(i, j),
+                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
+        if cfg.strategy == "ring":  # hand the block's gradient on with it
+            return dq, lax.ppermute(dkv, cfg.axis, ring)
+        return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
+
+    dq, grads = _steps(cfg, (dq, grads), kv, step)
+    if cfg.strategy == "allgather":
+        grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
+    # After c steps the ring has carried each block's gradient back to the block's own device.
+    return dq, grads[0], grads[1]
+
+
 def _forward_body(cfg: _Config, q, k, v, seg=None):
     B, Tl, Hq, Dh = q.shape
     Hkv, C = k.shape[2], Tl // 2
     i = lax.axis_index(cfg.axis)
     q5, pq = _split_heads(q, Hkv), cfg.positions(i, Tl)
     kv = (k, v, seg) if cfg.has_seg else (k, v)
-    fetch = _fetcher(cfg, kv, i)
     m0 = jnp.full((B, Tl, Hkv, Hq // Hkv), _NEG, F32)
     state = vary_like((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q,) + kv)
-    kinds = _branches(cfg)
 
     def update(state, block, j, kind):
         if kind == _SKIP:
@@ -218,15 +266,7 @@ def _forward_body(cfg: _Config, q, k, v, seg=None):
         new = _online(tuple(a[:, qs] for a in state), q5[:, qs], kb, vb, mask, cfg.scale)
         return tuple(a.at[:, qs].set(b) for a, b in zip(state, new))
 
-    def step(state, carried, s):
-        block = fetch(s, carried)
-        j = (i - s) % cfg.c
-        if len(kinds) == 1:
-            return update(state, block, j, kinds[0])
-        return lax.switch(cfg.branch(i, j),
-                          [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
-
-    m, l, acc = _steps(cfg, state, kv, step)
+    m, l, acc = _ring_loop(cfg, i, kv, state, _branches(cfg), cfg.branch, update)
     l_safe = jnp.where(l > 0, l, 1.0)
     # Both outputs come from arithmetic, last: a remat policy that recomputes reshapes and
     # casts (sk.pipeline's) then saves them instead of splitting this shard_map, which JAX
@@ -243,14 +283,7 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
     q5, do5, pq = _split_heads(q, Hkv), _split_heads(dout, Hkv), cfg.positions(i, Tl)
     delta = jnp.sum(do5.astype(F32) * _split_heads(out, Hkv).astype(F32), axis=-1)  # (B, Tl, K, G)
     kv = (k, v, seg) if cfg.has_seg else (k, v)
-    fetch = _fetcher(cfg, kv, i)
-    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
-    kinds = _branches(cfg)
     every = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
-    if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
-        grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
-    else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
-        grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
     dq = vary_like(jnp.zeros(q5.shape, F32), every)
 
     def update(dq, dkv, block, j, kind):
@@ -273,22 +306,5 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
         dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(qb.dtype), qb, preferred_element_type=F32)
         return dq, (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
 
-    def step(carry, carried, s):
-        dq, grads = carry
-        block = fetch(s, carried)
-        j = (i - s) % cfg.c
-        dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
-        if len(kinds) == 1:
-            dq, dkv = update(dq, dkv, block, j, kinds[0])
-        else:
-            dq, dkv = lax.switch(cfg.branch(i, j),
-                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
-        if cfg.strategy == "ring":  # hand the block's gradient on with it
-            return dq, lax.ppermute(dkv, cfg.axis, ring)
-        return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
-
-    dq, grads = _steps(cfg, (dq, grads), kv, step)
-    if cfg.strategy == "allgather":
-        grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
-    # After c steps the ring has carried each block's gradient back to the block's own device.
-    return (dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype))
+    dq, dk, dv = _grad_loop(cfg, i, kv, dq, every, _branches(cfg), cfg.branch, update)
+    return dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
