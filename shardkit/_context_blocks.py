@@ -15,15 +15,17 @@ from ._vma import vary_like
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
 # Blocks a causal step touches (see _branch): all of it, K/V's first half (zig-zag, source
-# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after).
-_FULL, _KV_FIRST, _Q_SECOND, _SKIP = range(4)
+# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after);
+# for a flash kernel, which masks by position within the pair, the diagonal (causal) apart.
+_FULL, _KV_FIRST, _Q_SECOND, _SKIP, _DIAG = range(5)
 
 class _Config:
     """What one sharded call is specialised on (all static)."""
 
-    def __init__(self, mesh, axis, c, causal, zigzag, scale, strategy, has_seg):
+    def __init__(self, mesh, axis, c, causal, zigzag, scale, strategy, has_seg, blocks=None):
         self.mesh, self.axis, self.c, self.causal, self.zigzag = mesh, axis, c, causal, zigzag
         self.scale, self.strategy, self.has_seg = scale, strategy, has_seg
+        self.blocks = blocks  # a flash kernel's blocks (kernels/flash_blocks.py), None: blockwise
 
     def positions(self, d, Tl):
         """Global positions of device ``d``'s ``Tl`` tokens (contiguous or zig-zag)."""
@@ -94,7 +96,7 @@ def _steps(cfg, carry, kv, step):
 def _sub(branch, C):
     """(query slice, kv slice) of the block that has work, for a static branch."""
     whole = slice(None)
-    return {_FULL: (whole, whole), _KV_FIRST: (whole, slice(0, C)), _Q_SECOND: (slice(C, None), whole)}[branch]
+    return {_FULL: (whole, whole), _DIAG: (whole, whole), _KV_FIRST: (whole, slice(0, C)), _Q_SECOND: (slice(C, None), whole)}[branch]
 
 
 def _branches(cfg):
@@ -308,3 +310,58 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
 
     dq, dk, dv = _grad_loop(cfg, i, kv, dq, every, _branches(cfg), cfg.branch, update)
     return dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---- the same ring with a flash kernel per block (GPU and TPU targets) -----------------------
+
+def _flash_kinds(cfg: _Config):
+    """(kinds, branch) of the flash ring: the kernel masks by position within the pair, so
+    only the diagonal pair is causal. In zig-zag order the diagonal pair's local positions
+    order its tokens as the global ones do (chunk ``d`` before chunk ``2c-1-d``)."""
+    if not cfg.causal:
+        return (_FULL,), None
+    if cfg.zigzag:
+        return (_DIAG, _KV_FIRST, _Q_SECOND), cfg.branch
+    return (_DIAG, _FULL, _SKIP), lambda i, j: jnp.where(i == j, 0, jnp.where(j < i, 1, 2))
+
+
+def _flash_forward_body(cfg: _Config, q, k, v):
+    """The ring with ``cfg.blocks`` per step: each block's output and log-sum-exp, combined
+    by their log-sum-exps. Returns the output (B, Tl, H, Dh) and log-sum-exp (B, Tl, H),
+    float32."""
+    B, Tl, Hq, Dh = q.shape
+    C = Tl // 2
+    i = lax.axis_index(cfg.axis)
+    state = vary_like((jnp.zeros(q.shape, F32), jnp.full((B, Tl, Hq), _NEG, F32)), (q, k, v))
+
+    def update(state, block, j, kind):
+        if kind == _SKIP:
+            return state
+        qs, ks = _sub(kind, C)
+        o_b, lse_b = cfg.blocks.forward(q[:, qs], block[0][:, ks], block[1][:, ks], kind == _DIAG)
+        o, lse = state[0][:, qs], state[1][:, qs]
+        new = jnp.logaddexp(lse, lse_b)
+        o = o * jnp.exp(lse - new)[..., None] + o_b.astype(F32) * jnp.exp(lse_b - new)[..., None]
+        return state[0].at[:, qs].set(o), state[1].at[:, qs].set(new)
+
+    return _ring_loop(cfg, i, (k, v), state, *_flash_kinds(cfg), update)
+
+
+def _flash_backward_body(cfg: _Config, q, k, v, out, lse, dout):
+    """The kernel's backward per block with the row's whole output and log-sum-exp (exact
+    contributions; ``kernels/flash_blocks.py``), dK/dV travelling as in ``_grad_loop``."""
+    C = q.shape[1] // 2
+    i = lax.axis_index(cfg.axis)
+    every = (q, k, v, out, lse, dout)
+    dq = vary_like(jnp.zeros(q.shape, F32), every)
+
+    def update(dq, dkv, block, j, kind):
+        if kind == _SKIP:
+            return dq, dkv
+        qs, ks = _sub(kind, C)
+        dq_b, dk_b, dv_b = cfg.blocks.backward(q[:, qs], block[0][:, ks], block[1][:, ks], out[:, qs],
+                                               lse[:, qs], dout[:, qs], kind == _DIAG)
+        return dq.at[:, qs].add(dq_b), (dkv[0].at[:, ks].add(dk_b), dkv[1].at[:, ks].add(dv_b))
+
+    dq, dk, dv = _grad_loop(cfg, i, (k, v), dq, every, *_flash_kinds(cfg), update)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
