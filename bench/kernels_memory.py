@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--what", nargs="+", default=["attention"], choices=["attention", "context", "loss"])
     p.add_argument("--context-mesh", default="data=2,context=4",
                    help="context: mesh axes (the sequence over context, the batch over data)")
+    p.add_argument("--context-seq", type=int, default=None, help="context: the sequence (default --seq)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
@@ -117,11 +118,11 @@ def context_rows(mesh, a) -> list[dict]:
     """A causal CP attention layer's q/k/v gradients (zig-zag order, ring strategy): the
     sequence over ``context``, the batch over ``data`` and heads over ``tensor`` where the
     mesh has them (a plan names them, as the recipe's does)."""
-    names = mesh.axis_names
+    names, T = mesh.axis_names, a.context_seq or a.seq
     spec = P("data" if "data" in names else None, "context", "tensor" if "tensor" in names else None, None)
     dtype = jnp.dtype(a.dtype)
-    q = jax.ShapeDtypeStruct((a.batch, a.seq, a.heads, a.head_dim), dtype, sharding=NamedSharding(mesh, spec))
-    kv = jax.ShapeDtypeStruct((a.batch, a.seq, a.kv_heads, a.head_dim), dtype, sharding=NamedSharding(mesh, spec))
+    q = jax.ShapeDtypeStruct((a.batch, T, a.heads, a.head_dim), dtype, sharding=NamedSharding(mesh, spec))
+    kv = jax.ShapeDtypeStruct((a.batch, T, a.kv_heads, a.head_dim), dtype, sharding=NamedSharding(mesh, spec))
     plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"batch": "data", "heads": "tensor"},
                                                                       drop_missing=True))
     c = dict(mesh.shape)["context"]
@@ -133,8 +134,7 @@ def context_rows(mesh, a) -> list[dict]:
             return jnp.sum(o.astype(jnp.float32))
 
         name = f"sk.context_attention ({impl}, ring over context={c})"
-        row = _compiled_row(name, jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv), T=a.seq,
-                            ring=(a.seq // c, a.seq // (2 * c)))
+        row = _compiled_row(name, jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv), T=T, ring=(T // c, T // (2 * c)))
         row["implementation"] = impl if impl == "blockwise" else {"gpu": "triton", "tpu": "mosaic"}.get(
             jax.sharding.get_abstract_mesh().abstract_device.platform, "blockwise")
         rows.append(row)

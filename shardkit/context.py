@@ -15,6 +15,12 @@ an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with 
   scores are recomputed from the saved log-sum-exp, so a device keeps O(T/c) activations,
   never a (T, T) or (T/c, T) score matrix. Traffic per call and device: forward ``(c-1)``
   K/V blocks; backward ``(c-1)`` K/V blocks plus ``c`` dK/dV blocks in float32.
+  On GPU and TPU targets (``sk.target_platform()``) each step runs the target's Pallas flash
+  kernel on its (queries, K/V block) pair instead (``kernels/flash_blocks.py``): the forward
+  returns the block's output and log-sum-exp, which the ring combines by log-sum-exp; the
+  backward runs the kernel's backward per block with the row's final output and log-sum-exp,
+  which gives each block's exact dQ/dK/dV (ring flash attention). No step then holds the
+  (T/c)² float32 score block the blockwise form does.
 * ``strategy="allgather"``: K/V are all-gathered once (forward, and again in the backward,
   whose dK/dV are reduce-scattered); the same blockwise loop then reads the gathered copy.
   More memory (the whole sequence's K/V per device), no ring steps on the critical path.
@@ -146,7 +152,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
         return shard(o, inverse=True)
     claim_axes(axis)
     nested = bool(getattr(mesh, "manual_axes", ()))  # in another shard_map: see _compiler_blockwise
-    blocks = None if nested else _ring_blocks(implementation, q, n, segment_ids is not None, scale)
+    blocks = None if nested else _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag, "implementation": blocks.impl if blocks else "blockwise"})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None, blocks)
@@ -155,10 +161,17 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     return _sharded(cfg)(q, k, v, segment_ids)
 
 
-def _ring_blocks(implementation: str, q, n: int, has_seg: bool, scale: float):
+# XLA:TPU (jax 0.10.2's libtpu) fails to compile the Mosaic ring's backward in zig-zag order
+# over 2 devices ("Can't deep copy instruction tuple": the branches' operand tuples of its
+# lax.switch); over 4 and 8 it compiles.
+_MOSAIC_ZIGZAG_TWO = ("XLA:TPU fails to compile the Mosaic kernel's zig-zag ring backward over a context axis of 2 "
+                      "(\"Can't deep copy instruction tuple\"; 4 and more compile)")
+
+
+def _ring_blocks(implementation: str, q, c: int, zigzag: bool, has_seg: bool, scale: float):
     """The flash kernel's blocks (``kernels/flash_blocks.py``) each ring step runs, or None for
-    the blockwise online softmax; ``n`` the pieces the sequence is cut into (a block's
-    queries or keys are ``T/n`` or ``2T/n`` long)."""
+    the blockwise online softmax; the sequence is cut into ``c`` blocks (``2c`` halves in
+    zig-zag order)."""
     from .kernels.attention import KernelFallbackWarning, attention_implementation
     from .kernels.flash_blocks import FlashBlocks
 
@@ -169,17 +182,22 @@ def _ring_blocks(implementation: str, q, n: int, has_seg: bool, scale: float):
             raise ValueError(f"context_attention: implementation={implementation!r} takes no segment_ids "
                              "(neither Pallas kernel masks a (queries, K/V block) pair by both sides' ids); "
                              "use implementation='blockwise' or 'auto'")
+        if implementation == "mosaic" and zigzag and c == 2:
+            raise ValueError(f"context_attention: {_MOSAIC_ZIGZAG_TWO}; use implementation='blockwise' or 'auto'")
         return FlashBlocks(implementation, scale)
     B, T, H, Dh = q.shape
     # The non-causal choice: a ring's off-diagonal pairs run the kernel unmasked.
-    choice = attention_implementation((B, T // n, H, Dh), q.dtype, causal=False)
+    choice = attention_implementation((B, T // (2 * c if zigzag else c), H, Dh), q.dtype, causal=False)
     impl = "triton" if choice.implementation == "cudnn" else choice.implementation  # cuDNN gives no lse
-    reason = choice.reason or ("segment ids (neither Pallas kernel masks a (queries, K/V block) pair by "
-                               "both sides' ids)" if has_seg and impl != "blockwise" else "")
+    reason = choice.reason
+    if impl != "blockwise" and has_seg:
+        reason = "segment ids (neither Pallas kernel masks a (queries, K/V block) pair by both sides' ids)"
+    elif impl == "mosaic" and zigzag and c == 2:
+        reason = _MOSAIC_ZIGZAG_TWO
     if reason:
         warnings.warn(f"context_attention: the ring's blocks run the blockwise online softmax instead of the "
                       f"target's flash kernel: {reason} (q {tuple(q.shape)} {jnp.dtype(q.dtype).name}, "
-                      f"{n} ring pieces)", KernelFallbackWarning, stacklevel=3)
+                      f"context axis of {c})", KernelFallbackWarning, stacklevel=3)
         return None
     return None if impl == "blockwise" else FlashBlocks(impl, scale)
 

@@ -166,18 +166,19 @@ def test_flash_ring_combines_blocks_by_their_log_sum_exp(monkeypatch):
 
 def test_the_target_picks_the_ring_blocks_and_a_fallback_says_why():
     """Traced for an H100 or a v5p the ring's steps call the target's Pallas kernel; segment
-    ids (no kernel masks a pair by both sides' ids) or a block the kernel's tiles do not
-    divide fall back to the blockwise ring with a KernelFallbackWarning; on CPU the blockwise
+    ids (no kernel masks a pair by both sides' ids), a block the kernel's tiles do not divide
+    or Mosaic's zig-zag ring over 2 devices (XLA:TPU fails to compile it) fall back to the
+    blockwise ring with a KernelFallbackWarning; on CPU the blockwise
     ring runs. A forced kernel with segment ids, or an unknown implementation, is refused."""
     from shardkit.cost.compiled.simulated import abstract_mesh
 
-    def traced(target, n, seg=False):
+    def traced(target, n, seg=False, mesh="data=2,context=4"):
         shape = jax.ShapeDtypeStruct((2, n, 4, 128), jnp.bfloat16)
         ids = jax.ShapeDtypeStruct((2, n), jnp.int32) if seg else None
 
         def f(q, ids):
             return sk.context_attention(q, q, q, causal=True, order="zigzag", segment_ids=ids)
-        with jax.sharding.use_abstract_mesh(abstract_mesh("data=2,context=4", target=target)):
+        with jax.sharding.use_abstract_mesh(abstract_mesh(mesh, target=target)):
             return str(jax.make_jaxpr(f)(shape, ids))
 
     for target, kernel in (("h100", "mha_forward"), ("tpu-v5p", "flash_attention")):
@@ -187,6 +188,8 @@ def test_the_target_picks_the_ring_blocks_and_a_fallback_says_why():
             assert "pallas_call" not in traced(target, 2048, seg=True)
     with pytest.warns(sk.kernels.KernelFallbackWarning, match=r"sequence 64 is not a multiple .*block of 128"):
         assert "pallas_call" not in traced("tpu-v5p", 512)  # zig-zag halves of 512 / 8 = 64 tokens
+    with pytest.warns(sk.kernels.KernelFallbackWarning, match="XLA:TPU fails to compile .* context axis of 2"):
+        assert "pallas_call" not in traced("tpu-v5p", 2048, mesh="data=4,context=2")
     mesh = sk.make_mesh("context=8")
     q, k, v, _, seg = inputs()
     with jax.set_mesh(mesh):

@@ -253,11 +253,11 @@ def flash_rows():
             pass
     if not available:
         return {}
-    # The ring's pieces at data=4,context=2: 512 and 256 tokens (apart from head_dim 128, so a
-    # buffer with two such dims is a block's scores or mask).
+    # The ring's pieces at T=2048 over data=2,context=4: 512 and 256 tokens (apart from head_dim
+    # 128, so a buffer with two such dims is a block's scores or mask).
     proc = subprocess.run([sys.executable, "bench/kernels_memory.py", "--target", *available, "--json",
                            "--seq", "1024", "--heads", "4", "--kv-heads", "2", "--what", "attention", "context",
-                           "--context-mesh", "data=4,context=2"],
+                           "--context-mesh", "data=2,context=4", "--context-seq", "2048"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
@@ -297,7 +297,7 @@ def test_the_target_compiles_its_flash_kernel_deviceless(flash_rows, target, cal
 @pytest.mark.targets
 @pytest.mark.parametrize("target,call", sorted(FLASH_TARGETS.items()))
 def test_the_context_ring_runs_the_targets_flash_kernel_per_step(flash_rows, target, call):
-    """A causal CP attention layer's forward+backward (data=4,context=2, zig-zag ring, T=1024):
+    """A causal CP attention layer's forward+backward (data=2,context=4, zig-zag ring, T=2048):
     each ring step calls the target's flash kernel, and no buffer holds a ring block's scores
     or mask, which the blockwise ring's program has (bench/kernels_memory.py --what context;
     BENCHMARKS.md has the 7B-sized layer at 32K and 128K)."""
