@@ -96,7 +96,8 @@ def _steps(cfg, carry, kv, step):
 def _sub(branch, C):
     """(query slice, kv slice) of the block that has work, for a static branch."""
     whole = slice(None)
-    return {_FULL: (whole, whole), _DIAG: (whole, whole), _KV_FIRST: (whole, slice(0, C)), _Q_SECOND: (slice(C, None), whole)}[branch]
+    return {_FULL: (whole, whole), _DIAG: (whole, whole), _KV_FIRST: (whole, slice(0, C)),
+            _Q_SECOND: (slice(C, None), whole)}[branch]
 
 
 def _branches(cfg):
