@@ -161,11 +161,13 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     return _sharded(cfg)(q, k, v, segment_ids)
 
 
-# XLA:TPU (jax 0.10.2's libtpu) fails to compile the Mosaic ring's backward in zig-zag order
-# over 2 devices ("Can't deep copy instruction tuple": the branches' operand tuples of its
-# lax.switch); over 4 and 8 it compiles.
+# XLA:TPU (jax 0.10.2's libtpu) fails to compile the Mosaic ring's causal zig-zag backward over
+# 2 devices ("Can't deep copy instruction tuple", on a tuple of the step's dK/dV accumulators);
+# the non-causal ring over 2 and the causal one over 4 and 8 compile.
 _MOSAIC_ZIGZAG_TWO = ("XLA:TPU fails to compile the Mosaic kernel's zig-zag ring backward over a context axis of 2 "
                       "(\"Can't deep copy instruction tuple\"; 4 and more compile)")
+_NO_SEGMENTS = ("the ring's flash blocks take no segment ids (Triton's kernel masks queries and keys by one id "
+                "array, so not a pair from two places in the sequence; Mosaic's two arrays are not wired yet)")
 
 
 def _ring_blocks(implementation: str, q, c: int, zigzag: bool, has_seg: bool, scale: float):
@@ -179,9 +181,8 @@ def _ring_blocks(implementation: str, q, c: int, zigzag: bool, has_seg: bool, sc
         return None
     if implementation != "auto":
         if has_seg:
-            raise ValueError(f"context_attention: implementation={implementation!r} takes no segment_ids "
-                             "(neither Pallas kernel masks a (queries, K/V block) pair by both sides' ids); "
-                             "use implementation='blockwise' or 'auto'")
+            raise ValueError(f"context_attention: implementation={implementation!r} takes no segment_ids: "
+                             f"{_NO_SEGMENTS}; use implementation='blockwise' or 'auto'")
         if implementation == "mosaic" and zigzag and c == 2:
             raise ValueError(f"context_attention: {_MOSAIC_ZIGZAG_TWO}; use implementation='blockwise' or 'auto'")
         return FlashBlocks(implementation, scale)
@@ -191,7 +192,7 @@ def _ring_blocks(implementation: str, q, c: int, zigzag: bool, has_seg: bool, sc
     impl = "triton" if choice.implementation == "cudnn" else choice.implementation  # cuDNN gives no lse
     reason = choice.reason
     if impl != "blockwise" and has_seg:
-        reason = "segment ids (neither Pallas kernel masks a (queries, K/V block) pair by both sides' ids)"
+        reason = _NO_SEGMENTS
     elif impl == "mosaic" and zigzag and c == 2:
         reason = _MOSAIC_ZIGZAG_TWO
     if reason:

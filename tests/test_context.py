@@ -184,7 +184,7 @@ def test_the_target_picks_the_ring_blocks_and_a_fallback_says_why():
     for target, kernel in (("h100", "mha_forward"), ("tpu-v5p", "flash_attention")):
         jaxpr = traced(target, 2048)
         assert "pallas_call" in jaxpr and kernel in jaxpr
-        with pytest.warns(sk.kernels.KernelFallbackWarning, match="segment ids"):
+        with pytest.warns(sk.kernels.KernelFallbackWarning, match="take no segment ids"):
             assert "pallas_call" not in traced(target, 2048, seg=True)
     with pytest.warns(sk.kernels.KernelFallbackWarning, match=r"sequence 64 is not a multiple .*block of 128"):
         assert "pallas_call" not in traced("tpu-v5p", 512)  # zig-zag halves of 512 / 8 = 64 tokens
