@@ -1,6 +1,8 @@
 """Per-device temporaries of the kernels' programs, compiled deviceless for a target: an
-attention layer's forward+backward (``sk.attention``, the target's kernel) and the output
-projection + cross-entropy (``sk.chunked_cross_entropy``), each beside the plain form.
+attention layer's forward+backward (``sk.attention``, the target's kernel), a context-parallel
+attention layer's (``sk.context_attention``'s ring, its blocks by the target's kernel beside
+the blockwise online softmax) and the output projection + cross-entropy
+(``sk.chunked_cross_entropy``), each beside the plain form.
 
     PYTHONPATH=. python bench/kernels_memory.py --target h100 tpu-v5p [--out-dir bench/results]
 
@@ -9,7 +11,8 @@ PJRT plugin (``shardkit.cost.compiled.targets.device_mesh``). For each program i
 temporaries per device (``memory_analysis``), the kernels' custom calls in the compiled HLO,
 the matmul flops per device it runs (``hlo.matmul_flops_from_hlo``: dots, and the flash
 kernels' calls by the program reader's formula), and whether any buffer has a (T, T) score
-shape. Prints a table; ``--json`` prints the rows as
+shape (the ring's rows: whether any buffer has two dims of a ring block's query or key
+length, ``T/c`` or ``T/2c``: a block's scores or mask). Prints a table; ``--json`` prints the rows as
 one JSON line (what tests/test_kernels.py reads); ``--out-dir`` writes ``kernels_memory.json``.
 """
 
@@ -31,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", nargs="+", default=["h100", "tpu-v5p"])
     p.add_argument("--mesh", default="data=8", help="mesh axes (data for the batch, tensor for heads)")
-    p.add_argument("--what", nargs="+", default=["attention"], choices=["attention", "loss"])
+    p.add_argument("--what", nargs="+", default=["attention"], choices=["attention", "context", "loss"])
+    p.add_argument("--context-mesh", default="data=2,context=4",
+                   help="context: mesh axes (the sequence over context, the batch over data)")
+    p.add_argument("--context-seq", type=int, default=None, help="context: the sequence (default --seq)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
@@ -62,7 +68,7 @@ CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "tpu_custom_call", "__cudnn$fmha")
 MiB = 2 ** 20
 
 
-def _compiled_row(name, fn, args, T=None):
+def _compiled_row(name, fn, args, T=None, ring=None):
     compiled = jax.jit(fn).lower(*args).compile()
     text = compiled.as_text()
     row = {"program": name, "temporaries_mib": compiled.memory_analysis().temp_size_in_bytes / MiB,
@@ -70,6 +76,9 @@ def _compiled_row(name, fn, args, T=None):
            "matmul_flops": matmul_flops_from_hlo(text)}
     if T is not None:  # any array with two trailing-ish dims of T (a score matrix)
         row["TxT_buffer"] = bool(re.search(rf"\[[0-9,]*\b{T},{T}\b", text))
+    if ring is not None:  # a ring block's (queries, keys) pair: any two dims of its lengths
+        n = "|".join(str(x) for x in ring)
+        row["ring_block_buffer"] = bool(re.search(rf"\[[0-9,]*\b(?:{n}),[0-9,]*\b(?:{n})\b", text))
     return row
 
 
@@ -105,6 +114,33 @@ def attention_rows(mesh, a) -> list[dict]:
     return rows
 
 
+def context_rows(mesh, a) -> list[dict]:
+    """A causal CP attention layer's q/k/v gradients (zig-zag order, ring strategy): the
+    sequence over ``context``, the batch over ``data`` and heads over ``tensor`` where the
+    mesh has them (a plan names them, as the recipe's does)."""
+    names, T = mesh.axis_names, a.context_seq or a.seq
+    spec = P("data" if "data" in names else None, "context", "tensor" if "tensor" in names else None, None)
+    dtype = jnp.dtype(a.dtype)
+    q = jax.ShapeDtypeStruct((a.batch, T, a.heads, a.head_dim), dtype, sharding=NamedSharding(mesh, spec))
+    kv = jax.ShapeDtypeStruct((a.batch, T, a.kv_heads, a.head_dim), dtype, sharding=NamedSharding(mesh, spec))
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"batch": "data", "heads": "tensor"},
+                                                                      drop_missing=True))
+    c = dict(mesh.shape)["context"]
+    rows = []
+    for impl in ("blockwise", "auto"):
+        def loss(q, k, v, impl=impl):
+            with plan.active():
+                o = sk.context_attention(q, k, v, causal=True, order="zigzag", implementation=impl)
+            return jnp.sum(o.astype(jnp.float32))
+
+        name = f"sk.context_attention ({impl}, ring over context={c})"
+        row = _compiled_row(name, jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv), T=T, ring=(T // c, T // (2 * c)))
+        row["implementation"] = impl if impl == "blockwise" else {"gpu": "triton", "tpu": "mosaic"}.get(
+            jax.sharding.get_abstract_mesh().abstract_device.platform, "blockwise")
+        rows.append(row)
+    return rows
+
+
 def loss_rows(mesh, a) -> list[dict]:
     """The head's loss gradients (hidden states and output matrix): sequences over ``data``,
     the vocabulary over ``tensor`` where the mesh has it."""
@@ -124,20 +160,22 @@ def main(argv=None) -> list[dict]:
     a.kv_heads = a.kv_heads or a.heads
     rows = []
     for name in a.target:
-        mesh, _ = targets.device_mesh(targets.get(name), sk.parse_mesh_spec(a.mesh))
-        with jax.set_mesh(mesh):
-            for what in a.what:
-                for row in {"attention": attention_rows, "loss": loss_rows}[what](mesh, a):
-                    rows.append({"target": name, "mesh": a.mesh, "what": what, **row})
+        for what in a.what:
+            spec = a.context_mesh if what == "context" else a.mesh
+            mesh, _ = targets.device_mesh(targets.get(name), sk.parse_mesh_spec(spec))
+            with jax.set_mesh(mesh):
+                for row in {"attention": attention_rows, "context": context_rows, "loss": loss_rows}[what](mesh, a):
+                    rows.append({"target": name, "mesh": spec, "what": what, **row})
     if a.json:
         print(json.dumps(rows))
     else:
         print("| target | what | program | temporaries/device (MiB) | matmul GFLOP/device | custom calls "
-              "| (T,T) buffer |\n|---|---|---|---:|---:|---|---|")
+              "| (T,T) buffer | ring block buffer |\n|---|---|---|---:|---:|---|---|---|")
         for r in rows:
             calls = ", ".join(f"{k}×{v}" for k, v in r["custom_calls"].items()) or "none"
             print(f"| {r['target']} | {r['what']} | {r['program']} | {r['temporaries_mib']:,.1f} | {r['matmul_flops'] / 1e9:,.2f} | {calls} "
-                  f"| {'yes' if r.get('TxT_buffer') else 'no'} |")
+                  f"| {'yes' if r.get('TxT_buffer') else 'no'} "
+                  f"| {'–' if 'ring_block_buffer' not in r else 'yes' if r['ring_block_buffer'] else 'no'} |")
     if a.out_dir:
         out = pathlib.Path(a.out_dir)
         out.mkdir(parents=True, exist_ok=True)

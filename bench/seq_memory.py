@@ -8,8 +8,7 @@ loss) on ``--devices`` devices of a target, ZeRO-3, at one sequence length:
 
 * without CP: ``data=N``, one sequence per device (global batch N);
 * with CP: ``data=N/c,context=c``, one sequence per ``c`` devices (``sk.context_attention``'s
-  ring over ``context``; its per-step blocks are its own online-softmax form, not a Pallas
-  kernel).
+  ring over ``context``; each step runs the target's Pallas flash kernel on its block).
 
 Every point is compiled in its own ``sk.cost.simulate_many`` subprocess (a compile that fails
 or runs out of time is that point's answer: its reason is recorded), with ``estimate=True``:

@@ -15,15 +15,17 @@ from ._vma import vary_like
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
 # Blocks a causal step touches (see _branch): all of it, K/V's first half (zig-zag, source
-# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after).
-_FULL, _KV_FIRST, _Q_SECOND, _SKIP = range(4)
+# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after);
+# for a flash kernel, which masks by position within the pair, the diagonal (causal) apart.
+_FULL, _KV_FIRST, _Q_SECOND, _SKIP, _DIAG = range(5)
 
 class _Config:
     """What one sharded call is specialised on (all static)."""
 
-    def __init__(self, mesh, axis, c, causal, zigzag, scale, strategy, has_seg):
+    def __init__(self, mesh, axis, c, causal, zigzag, scale, strategy, has_seg, blocks=None):
         self.mesh, self.axis, self.c, self.causal, self.zigzag = mesh, axis, c, causal, zigzag
         self.scale, self.strategy, self.has_seg = scale, strategy, has_seg
+        self.blocks = blocks  # a flash kernel's blocks (kernels/flash_blocks.py), None: blockwise
 
     def positions(self, d, Tl):
         """Global positions of device ``d``'s ``Tl`` tokens (contiguous or zig-zag)."""
@@ -94,7 +96,8 @@ def _steps(cfg, carry, kv, step):
 def _sub(branch, C):
     """(query slice, kv slice) of the block that has work, for a static branch."""
     whole = slice(None)
-    return {_FULL: (whole, whole), _KV_FIRST: (whole, slice(0, C)), _Q_SECOND: (slice(C, None), whole)}[branch]
+    return {_FULL: (whole, whole), _DIAG: (whole, whole), _KV_FIRST: (whole, slice(0, C)),
+            _Q_SECOND: (slice(C, None), whole)}[branch]
 
 
 def _branches(cfg):
@@ -197,16 +200,64 @@ def _compiler_blockwise(cfg: _Config, q, k, v, seg):
     return attend(q, k, v, seg)
 
 
+def _ring_loop(cfg: _Config, i, kv, state, kinds, branch, update):
+    """Runs ``update(state, block, j, kind)`` over the ``c`` K/V blocks (block ``j`` from device
+    ``(i - s) mod c`` at step ``s``), ``kind`` the part of the block with work, picked by
+    ``branch(i, j)`` among ``kinds`` (a ``lax.switch``) when there are several."""
+    fetch = _fetcher(cfg, kv, i)
+
+    def step(state, carried, s):
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        if len(kinds) == 1:
+            return update(state, block, j, kinds[0])
+        return lax.switch(branch(i, j), [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
+
+    return _steps(cfg, state, kv, step)
+
+
+def _grad_loop(cfg: _Config, i, kv, dq, every, kinds, branch, update):
+    """The backward's ring: ``update(dq, (dk, dv), block, j, kind)`` over the blocks as
+    ``_ring_loop``, each block's float32 dK/dV accumulators travelling with it (``ring``) or
+    kept for the whole sequence and reduce-scattered after (``allgather``). Returns dq and this
+    device's dK, dV (float32)."""
+    k, v = kv[0], kv[1]
+    if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
+        grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
+    else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
+        grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
+    fetch = _fetcher(cfg, kv, i)
+    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+
+    def step(carry, carried, s):
+        dq, grads = carry
+        block = fetch(s, carried)
+        j = (i - s) % cfg.c
+        dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
+        if len(kinds) == 1:
+            dq, dkv = update(dq, dkv, block, j, kinds[0])
+        else:
+            dq, dkv = lax.switch(branch(i, j),
+                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
+        if cfg.strategy == "ring":  # hand the block's gradient on with it
+            return dq, lax.ppermute(dkv, cfg.axis, ring)
+        return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
+
+    dq, grads = _steps(cfg, (dq, grads), kv, step)
+    if cfg.strategy == "allgather":
+        grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
+    # After c steps the ring has carried each block's gradient back to the block's own device.
+    return dq, grads[0], grads[1]
+
+
 def _forward_body(cfg: _Config, q, k, v, seg=None):
     B, Tl, Hq, Dh = q.shape
     Hkv, C = k.shape[2], Tl // 2
     i = lax.axis_index(cfg.axis)
     q5, pq = _split_heads(q, Hkv), cfg.positions(i, Tl)
     kv = (k, v, seg) if cfg.has_seg else (k, v)
-    fetch = _fetcher(cfg, kv, i)
     m0 = jnp.full((B, Tl, Hkv, Hq // Hkv), _NEG, F32)
     state = vary_like((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q,) + kv)
-    kinds = _branches(cfg)
 
     def update(state, block, j, kind):
         if kind == _SKIP:
@@ -218,15 +269,7 @@ def _forward_body(cfg: _Config, q, k, v, seg=None):
         new = _online(tuple(a[:, qs] for a in state), q5[:, qs], kb, vb, mask, cfg.scale)
         return tuple(a.at[:, qs].set(b) for a, b in zip(state, new))
 
-    def step(state, carried, s):
-        block = fetch(s, carried)
-        j = (i - s) % cfg.c
-        if len(kinds) == 1:
-            return update(state, block, j, kinds[0])
-        return lax.switch(cfg.branch(i, j),
-                          [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
-
-    m, l, acc = _steps(cfg, state, kv, step)
+    m, l, acc = _ring_loop(cfg, i, kv, state, _branches(cfg), cfg.branch, update)
     l_safe = jnp.where(l > 0, l, 1.0)
     # Both outputs come from arithmetic, last: a remat policy that recomputes reshapes and
     # casts (sk.pipeline's) then saves them instead of splitting this shard_map, which JAX
@@ -243,14 +286,7 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
     q5, do5, pq = _split_heads(q, Hkv), _split_heads(dout, Hkv), cfg.positions(i, Tl)
     delta = jnp.sum(do5.astype(F32) * _split_heads(out, Hkv).astype(F32), axis=-1)  # (B, Tl, K, G)
     kv = (k, v, seg) if cfg.has_seg else (k, v)
-    fetch = _fetcher(cfg, kv, i)
-    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
-    kinds = _branches(cfg)
     every = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
-    if cfg.strategy == "ring":  # dK/dV accumulators travel with their block
-        grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
-    else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
-        grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
     dq = vary_like(jnp.zeros(q5.shape, F32), every)
 
     def update(dq, dkv, block, j, kind):
@@ -273,22 +309,60 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
         dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(qb.dtype), qb, preferred_element_type=F32)
         return dq, (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
 
-    def step(carry, carried, s):
-        dq, grads = carry
-        block = fetch(s, carried)
-        j = (i - s) % cfg.c
-        dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
-        if len(kinds) == 1:
-            dq, dkv = update(dq, dkv, block, j, kinds[0])
-        else:
-            dq, dkv = lax.switch(cfg.branch(i, j),
-                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
-        if cfg.strategy == "ring":  # hand the block's gradient on with it
-            return dq, lax.ppermute(dkv, cfg.axis, ring)
-        return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
+    dq, dk, dv = _grad_loop(cfg, i, kv, dq, every, _branches(cfg), cfg.branch, update)
+    return dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    dq, grads = _steps(cfg, (dq, grads), kv, step)
-    if cfg.strategy == "allgather":
-        grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
-    # After c steps the ring has carried each block's gradient back to the block's own device.
-    return (dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype))
+
+# ---- the same ring with a flash kernel per block (GPU and TPU targets) -----------------------
+
+def _flash_kinds(cfg: _Config):
+    """(kinds, branch) of the flash ring: the kernel masks by position within the pair, so
+    only the diagonal pair is causal. In zig-zag order the diagonal pair's local positions
+    order its tokens as the global ones do (chunk ``d`` before chunk ``2c-1-d``)."""
+    if not cfg.causal:
+        return (_FULL,), None
+    if cfg.zigzag:
+        return (_DIAG, _KV_FIRST, _Q_SECOND), cfg.branch
+    return (_DIAG, _FULL, _SKIP), lambda i, j: jnp.where(i == j, 0, jnp.where(j < i, 1, 2))
+
+
+def _flash_forward_body(cfg: _Config, q, k, v):
+    """The ring with ``cfg.blocks`` per step: each block's output and log-sum-exp, combined
+    by their log-sum-exps. Returns the output (B, Tl, H, Dh) and log-sum-exp (B, Tl, H),
+    float32."""
+    B, Tl, Hq, Dh = q.shape
+    C = Tl // 2
+    i = lax.axis_index(cfg.axis)
+    state = vary_like((jnp.zeros(q.shape, F32), jnp.full((B, Tl, Hq), _NEG, F32)), (q, k, v))
+
+    def update(state, block, j, kind):
+        if kind == _SKIP:
+            return state
+        qs, ks = _sub(kind, C)
+        o_b, lse_b = cfg.blocks.forward(q[:, qs], block[0][:, ks], block[1][:, ks], kind == _DIAG)
+        o, lse = state[0][:, qs], state[1][:, qs]
+        new = jnp.logaddexp(lse, lse_b)
+        o = o * jnp.exp(lse - new)[..., None] + o_b.astype(F32) * jnp.exp(lse_b - new)[..., None]
+        return state[0].at[:, qs].set(o), state[1].at[:, qs].set(new)
+
+    return _ring_loop(cfg, i, (k, v), state, *_flash_kinds(cfg), update)
+
+
+def _flash_backward_body(cfg: _Config, q, k, v, out, lse, dout):
+    """The kernel's backward per block with the row's whole output and log-sum-exp (exact
+    contributions; ``kernels/flash_blocks.py``), dK/dV travelling as in ``_grad_loop``."""
+    C = q.shape[1] // 2
+    i = lax.axis_index(cfg.axis)
+    every = (q, k, v, out, lse, dout)
+    dq = vary_like(jnp.zeros(q.shape, F32), every)
+
+    def update(dq, dkv, block, j, kind):
+        if kind == _SKIP:
+            return dq, dkv
+        qs, ks = _sub(kind, C)
+        dq_b, dk_b, dv_b = cfg.blocks.backward(q[:, qs], block[0][:, ks], block[1][:, ks], out[:, qs],
+                                               lse[:, qs], dout[:, qs], kind == _DIAG)
+        return dq.at[:, qs].add(dq_b), (dkv[0].at[:, ks].add(dk_b), dkv[1].at[:, ks].add(dv_b))
+
+    dq, dk, dv = _grad_loop(cfg, i, (k, v), dq, every, *_flash_kinds(cfg), update)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -15,6 +15,12 @@ an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with 
   scores are recomputed from the saved log-sum-exp, so a device keeps O(T/c) activations,
   never a (T, T) or (T/c, T) score matrix. Traffic per call and device: forward ``(c-1)``
   K/V blocks; backward ``(c-1)`` K/V blocks plus ``c`` dK/dV blocks in float32.
+  On GPU and TPU targets (``sk.target_platform()``) each step runs the target's Pallas flash
+  kernel on its (queries, K/V block) pair instead (``kernels/flash_blocks.py``): the forward
+  returns the block's output and log-sum-exp, which the ring combines by log-sum-exp; the
+  backward runs the kernel's backward per block with the row's final output and log-sum-exp,
+  which gives each block's exact dQ/dK/dV (ring flash attention). No step then holds the
+  (T/c)² float32 score block the blockwise form does.
 * ``strategy="allgather"``: K/V are all-gathered once (forward, and again in the backward,
   whose dK/dV are reduce-scattered); the same blockwise loop then reads the gathered copy.
   More memory (the whole sequence's K/V per device), no ring steps on the critical path.
@@ -50,6 +56,7 @@ Usage (causal, load-balanced)::
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._context_blocks import F32, _NEG, _Config, _backward_body, _compiler_blockwise, _forward_body, _mask
+from ._context_blocks import (F32, _NEG, _Config, _backward_body, _compiler_blockwise, _flash_backward_body,
+                              _flash_forward_body, _forward_body, _mask)
 from ._axes import claim_axes
 from ._opaque import opaque
 from .mesh import block_shard_map
@@ -67,12 +75,14 @@ from .rules import ShardingError
 
 STRATEGIES = ("ring", "allgather")
 ORDERS = ("natural", "zigzag")
+IMPLEMENTATIONS = ("auto", "blockwise", "triton", "mosaic")
 
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                       axis: str = "context", strategy: str = "ring", load_balance: bool = True,
                       order: str | None = None, scale: float | None = None,
-                      segment_ids: jax.Array | None = None, mesh: Any = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None, mesh: Any = None,
+                      implementation: str = "auto") -> jax.Array:
     """Softmax attention with the sequence split over the ``axis`` mesh axis.
 
     Args:
@@ -98,6 +108,13 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
             tokens with the same id. In the same (possibly reordered) order as ``q``.
         mesh: the mesh; default the ambient one (``jax.set_mesh``, as inside
             ``sk.train_step`` and ``sk.pipeline``), else the active plan's.
+        implementation: what attends each (queries, K/V block) pair: ``"auto"`` picks by the
+            platform compiled for (``sk.target_platform()``): the target's Pallas flash
+            kernel on GPU (``"triton"``) and TPU (``"mosaic"``), per device over the batch and
+            head axes the plan names (as ``sk.attention``), the blockwise online softmax
+            (``"blockwise"``) on CPU, or where the kernel cannot take the block (segment ids,
+            a block its tiles do not divide: a ``KernelFallbackWarning`` says why). Inside
+            another ``shard_map`` the blockwise form runs.
 
     Returns:
         ``(B, T, Hq, Dh)`` in ``q``'s dtype; float32 softmax and accumulation inside.
@@ -105,12 +122,15 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     Raises:
         ValueError: wrong ranks or shapes, ``Hq`` not a multiple of ``Hkv``, ``segment_ids``
             not ``(B, T)``, an unknown strategy or order, a causal load-balanced call
-            without ``order``, or ``order="zigzag"`` with ``load_balance=False``.
+            without ``order``, or ``order="zigzag"`` with ``load_balance=False``, an unknown
+            implementation or segment ids with a forced flash kernel.
         ShardingError: ``T`` not divisible by the axis size (twice it under causal load
             balancing).
     """
     _check(q, k, v, segment_ids, strategy)
     _check_order(causal, load_balance, order)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"context_attention: implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mesh = _resolve_mesh(mesh)
     c = dict(mesh.shape).get(axis, 1) if mesh is not None else 1
@@ -128,15 +148,60 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     if zigzag and order == "natural":
         shard = lambda a, inverse=False: None if a is None else _exchange(a, axis, c, mesh, inverse)  # noqa: E731
         o = context_attention(shard(q), shard(k), shard(v), causal=True, axis=axis, strategy=strategy,
-                              order="zigzag", scale=scale, segment_ids=shard(segment_ids), mesh=mesh)
+                              order="zigzag", scale=scale, segment_ids=shard(segment_ids), mesh=mesh,
+                              implementation=implementation)
         return shard(o, inverse=True)
     claim_axes(axis)
+    nested = bool(getattr(mesh, "manual_axes", ()))  # in another shard_map: see _compiler_blockwise
+    blocks = None if nested else _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
-                               "load_balance": zigzag})
-    cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None)
-    if getattr(mesh, "manual_axes", ()):  # nested in another shard_map: see _compiler_blockwise
+                               "load_balance": zigzag, "implementation": blocks.impl if blocks else "blockwise"})
+    cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None, blocks)
+    if nested:
         return _compiler_blockwise(cfg, q, k, v, segment_ids)
     return _sharded(cfg)(q, k, v, segment_ids)
+
+
+# XLA:TPU (jax 0.10.2's libtpu) fails to compile the Mosaic ring's causal zig-zag backward over
+# 2 devices ("Can't deep copy instruction tuple", on a tuple of the step's dK/dV accumulators);
+# the non-causal ring over 2 and the causal one over 4 and 8 compile.
+_MOSAIC_ZIGZAG_TWO = ("XLA:TPU fails to compile the Mosaic kernel's zig-zag ring backward over a context axis of 2 "
+                      "(\"Can't deep copy instruction tuple\"; 4 and more compile)")
+_NO_SEGMENTS = ("the ring's flash blocks take no segment ids (Triton's kernel masks queries and keys by one id "
+                "array, so not a pair from two places in the sequence; Mosaic's two arrays are not wired yet)")
+
+
+def _ring_blocks(implementation: str, q, c: int, zigzag: bool, has_seg: bool, scale: float):
+    """The flash kernel's blocks (``kernels/flash_blocks.py``) each ring step runs, or None for
+    the blockwise online softmax; the sequence is cut into ``c`` blocks (``2c`` halves in
+    zig-zag order)."""
+    from .kernels.attention import KernelFallbackWarning, attention_implementation
+    from .kernels.flash_blocks import FlashBlocks
+
+    if implementation == "blockwise":
+        return None
+    if implementation != "auto":
+        if has_seg:
+            raise ValueError(f"context_attention: implementation={implementation!r} takes no segment_ids: "
+                             f"{_NO_SEGMENTS}; use implementation='blockwise' or 'auto'")
+        if implementation == "mosaic" and zigzag and c == 2:
+            raise ValueError(f"context_attention: {_MOSAIC_ZIGZAG_TWO}; use implementation='blockwise' or 'auto'")
+        return FlashBlocks(implementation, scale)
+    B, T, H, Dh = q.shape
+    # The non-causal choice: a ring's off-diagonal pairs run the kernel unmasked.
+    choice = attention_implementation((B, T // (2 * c if zigzag else c), H, Dh), q.dtype, causal=False)
+    impl = "triton" if choice.implementation == "cudnn" else choice.implementation  # cuDNN gives no lse
+    reason = choice.reason
+    if impl != "blockwise" and has_seg:
+        reason = _NO_SEGMENTS
+    elif impl == "mosaic" and zigzag and c == 2:
+        reason = _MOSAIC_ZIGZAG_TWO
+    if reason:
+        warnings.warn(f"context_attention: the ring's blocks run the blockwise online softmax instead of the "
+                      f"target's flash kernel: {reason} (q {tuple(q.shape)} {jnp.dtype(q.dtype).name}, "
+                      f"context axis of {c})", KernelFallbackWarning, stacklevel=3)
+        return None
+    return None if impl == "blockwise" else FlashBlocks(impl, scale)
 
 
 def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
@@ -310,11 +375,14 @@ def _sharded(cfg: _Config) -> Callable:
         body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
         out_specs=(seq,) * n_out if n_out > 1 else seq)
 
+    forward_body, backward_body = ((_flash_forward_body, _flash_backward_body) if cfg.blocks
+                                   else (_forward_body, _backward_body))
+
     def forward(q, k, v, seg):
         args = (q, k, v) + ((seg,) if cfg.has_seg else ())
         # One primitive to partial evaluation (see _opaque): a layer scan under a remat
         # policy would otherwise split this shard_map and hoist its input-free part.
-        return opaque(smap(lambda *a: _forward_body(cfg, *a), len(args), 2))(*args)
+        return opaque(smap(lambda *a: forward_body(cfg, *a), len(args), 2))(*args)
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
@@ -327,7 +395,7 @@ def _sharded(cfg: _Config) -> Callable:
     def bwd(res, dout):
         q, k, v, seg, out, lse = res
         args = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
-        dq, dk, dv = smap(lambda *a: _backward_body(cfg, *a), len(args), 3)(*args)
+        dq, dk, dv = smap(lambda *a: backward_body(cfg, *a), len(args), 3)(*args)
         return dq, dk, dv, None
 
     attend.defvjp(fwd, bwd)

@@ -103,6 +103,104 @@ def test_matches_one_device_attention(mesh_spec):
             assert err <= 1e-5, f"{case}: d{name} relative error {err:.2e}"
 
 
+# (strategy, causal, load balance): every kind of block pair the flash ring runs (zig-zag's
+# causal diagonal and unmasked halves; contiguous order's diagonal, whole and skipped pairs),
+# by the ring and by the all-gather.
+FLASH_CASES = [("ring", True, "zigzag"), ("allgather", True, False)]
+
+
+def test_flash_ring_combines_blocks_by_their_log_sum_exp(monkeypatch):
+    """The ring with a flash kernel per step (GPU and TPU targets' path): a stand-in with the
+    Triton kernel's rules (plain JAX, base-2 log-sum-exp; the Pallas interpreter cannot run in
+    the ring's type-checked shard_map) in the nested region over ``data``, kv heads repeated
+    per block and their gradients summed back. Blocks combined by log-sum-exp, and each
+    block's backward given the row's whole output and log-sum-exp: fp32 loss and dq/dk/dv
+    equal the oracle's (1e-5), zig-zag and contiguous, GQA."""
+    import importlib
+
+    from test_kernels import _kernel_like
+
+    attention_mod = importlib.import_module("shardkit.kernels.attention")
+    lengths = []
+
+    def rules(impl, q, causal, scale, kv_len=None):
+        lengths.append((q.shape[1], kv_len or q.shape[1]))
+        return _kernel_like(causal, scale)
+
+    monkeypatch.setattr(attention_mod, "_rules", rules)
+    mesh = sk.make_mesh("data=2,context=2", devices=jax.devices()[:4])
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules({"batch": "data", "heads": None}))
+    q, k, v, target, _ = inputs()
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data", "context")))  # noqa: E731
+
+    def attend(causal, strategy, balance):
+        shard = (lambda a: sk.context_shard(a, mesh=mesh)) if balance else (lambda a: a)
+
+        def f(q, k, v):
+            o = sk.context_attention(shard(q), shard(k), shard(v), causal=causal, strategy=strategy,
+                                     load_balance=bool(balance), order=balance or None, mesh=mesh,
+                                     implementation="triton")
+            return sk.context_unshard(o, mesh=mesh) if balance else o
+        return f
+
+    def all_cases(q, k, v):
+        with plan.active():
+            return [jax.value_and_grad(loss_of(attend(c, s, b), target), argnums=(0, 1, 2))(q, k, v)
+                    for s, c, b in FLASH_CASES]
+
+    def all_references(q, k, v):
+        return [jax.value_and_grad(loss_of(lambda q, k, v, c=c: oracle(q, k, v, c, None), target),
+                                   argnums=(0, 1, 2))(q, k, v) for _, c, _ in FLASH_CASES]
+
+    with jax.set_mesh(mesh):
+        got = jax.device_get(jax.jit(all_cases)(put(q), put(k), put(v)))
+    want = jax.device_get(jax.jit(all_references)(q, k, v))
+    # Zig-zag's off-diagonal pairs are half blocks: (16, 8) and (8, 16) queries x keys.
+    assert {(16, 16), (16, 8), (8, 16)} <= set(lengths), lengths
+    for case, (val, grads), (ref_val, ref_grads) in zip(FLASH_CASES, got, want):
+        np.testing.assert_allclose(val, ref_val, rtol=1e-5, err_msg=str(case))
+        for name, a, b in zip("qkv", grads, ref_grads):
+            err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+            assert err <= 1e-5, f"{case}: d{name} relative error {err:.2e}"
+
+
+def test_the_target_picks_the_ring_blocks_and_a_fallback_says_why():
+    """Traced for an H100 or a v5p the ring's steps call the target's Pallas kernel; segment
+    ids (no kernel masks a pair by both sides' ids), a block the kernel's tiles do not divide
+    or Mosaic's zig-zag ring over 2 devices (XLA:TPU fails to compile it) fall back to the
+    blockwise ring with a KernelFallbackWarning; on CPU the blockwise
+    ring runs. A forced kernel with segment ids, or an unknown implementation, is refused."""
+    from shardkit.cost.compiled.simulated import abstract_mesh
+
+    def traced(target, n, seg=False, mesh="data=2,context=4"):
+        shape = jax.ShapeDtypeStruct((2, n, 4, 128), jnp.bfloat16)
+        ids = jax.ShapeDtypeStruct((2, n), jnp.int32) if seg else None
+
+        def f(q, ids):
+            return sk.context_attention(q, q, q, causal=True, order="zigzag", segment_ids=ids)
+        with jax.sharding.use_abstract_mesh(abstract_mesh(mesh, target=target)):
+            return str(jax.make_jaxpr(f)(shape, ids))
+
+    for target, kernel in (("h100", "mha_forward"), ("tpu-v5p", "flash_attention")):
+        jaxpr = traced(target, 2048)
+        assert "pallas_call" in jaxpr and kernel in jaxpr
+        with pytest.warns(sk.kernels.KernelFallbackWarning, match="take no segment ids"):
+            assert "pallas_call" not in traced(target, 2048, seg=True)
+    with pytest.warns(sk.kernels.KernelFallbackWarning, match=r"sequence 64 is not a multiple .*block of 128"):
+        assert "pallas_call" not in traced("tpu-v5p", 512)  # zig-zag halves of 512 / 8 = 64 tokens
+    with pytest.warns(sk.kernels.KernelFallbackWarning, match="XLA:TPU fails to compile .* context axis of 2"):
+        assert "pallas_call" not in traced("tpu-v5p", 2048, mesh="data=4,context=2")
+    mesh = sk.make_mesh("context=8")
+    q, k, v, _, seg = inputs()
+    with jax.set_mesh(mesh):
+        assert "pallas_call" not in str(jax.make_jaxpr(
+            lambda q: sk.context_attention(q, k, v, causal=False, mesh=mesh))(q))
+    with pytest.raises(ValueError, match=r"implementation='mosaic' takes no segment_ids"):
+        sk.context_attention(q, k, v, order="zigzag", segment_ids=seg, mesh=mesh, implementation="mosaic")
+    with pytest.raises(ValueError, match=r"implementation='flash' is not one of"):
+        sk.context_attention(q, k, v, order="zigzag", mesh=mesh, implementation="flash")
+
+
 def test_inside_a_pipeline_stage():
     """context=2,pipe=2,data=2: attention layers run by sk.pipeline (GPipe, 2 microbatches;
     the stage's default remat and full recomputation), the batch reordered once with

@@ -103,8 +103,10 @@ def test_the_pallas_kernels_run_per_device_in_a_plan(monkeypatch):
 def _kernel_like(causal, scale):
     """A stand-in with the Pallas Triton kernel's interface (a ``jax.custom_vjp`` called as
     ``op(q, k, v, segment_ids, *fixed)``; residuals q, k, v, None, out and a (B, H, T)
-    log-sum-exp; a backward rule whose gradients carry no manual axes' type), computed by the
-    plain form: the Pallas interpreter cannot run inside a type-checked shard_map."""
+    log-sum-exp in base 2, as Triton keeps it; a backward rule whose gradients carry no manual
+    axes' type), computed by the plain form: the Pallas interpreter cannot run inside a
+    type-checked shard_map. Queries and keys may differ in length (a ring's block pairs);
+    ``causal`` masks by position within the pair."""
     import functools
 
     def out_lse(q, k, v):
@@ -119,13 +121,13 @@ def _kernel_like(causal, scale):
 
     def fwd(q, k, v, segment_ids, tag):
         out, lse = out_lse(q, k, v)
-        return out, (q, k, v, segment_ids, out, lse)
+        return out, (q, k, v, segment_ids, out, lse * np.log2(np.e))
 
     def bwd(tag, res, g):  # written out, as a kernel's is (Dao et al. 2022, alg. 2)
-        q, k, v, _, out, lse = res
+        q, k, v, _, out, lse2 = res
         s = jnp.einsum("bthq,bshq->bhts", q, k) * scale
         s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf) if causal else s
-        p = jnp.exp(s - lse[..., None])
+        p = jnp.exp2(s * np.log2(np.e) - lse2[..., None])
         dp = jnp.einsum("bthq,bshq->bhts", g, v)
         ds = p * (dp - jnp.einsum("bthq,bthq->bht", g, out)[..., None]) * scale
         return (jnp.einsum("bhts,bshq->bthq", ds, k), jnp.einsum("bhts,bthq->bshq", ds, q),
@@ -251,13 +253,18 @@ def flash_rows():
             pass
     if not available:
         return {}
+    # The ring's pieces at T=2048 over data=2,context=4: 512 and 256 tokens (apart from head_dim
+    # 128, so a buffer with two such dims is a block's scores or mask).
     proc = subprocess.run([sys.executable, "bench/kernels_memory.py", "--target", *available, "--json",
-                           "--seq", "1024", "--heads", "4", "--kv-heads", "2"],
+                           "--seq", "1024", "--heads", "4", "--kv-heads", "2", "--what", "attention", "context",
+                           "--context-mesh", "data=2,context=4", "--context-seq", "2048"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for r in json.loads(proc.stdout.strip().splitlines()[-1]):
         name = r["program"].split(" ")[0] + (" manual" if "manual over" in r["program"] else "")
+        if r["what"] == "context":
+            name = f"ring {r['implementation']}"
         rows.setdefault(r["target"], {})[name] = r
     return rows
 
@@ -284,6 +291,25 @@ def test_the_target_compiles_its_flash_kernel_deviceless(flash_rows, target, cal
     assert manual["custom_calls"] == kernel["custom_calls"] and not manual["TxT_buffer"]
     assert manual["temporaries_mib"] == pytest.approx(kernel["temporaries_mib"], rel=0.05)
 
+
+
+@pytest.mark.subprocess
+@pytest.mark.targets
+@pytest.mark.parametrize("target,call", sorted(FLASH_TARGETS.items()))
+def test_the_context_ring_runs_the_targets_flash_kernel_per_step(flash_rows, target, call):
+    """A causal CP attention layer's forward+backward (data=2,context=4, zig-zag ring, T=2048):
+    each ring step calls the target's flash kernel, and no buffer holds a ring block's scores
+    or mask, which the blockwise ring's program has (bench/kernels_memory.py --what context;
+    BENCHMARKS.md has the 7B-sized layer at 32K and 128K)."""
+    from target_sweep import require
+
+    require(target)
+    rows = flash_rows[target]
+    kernel = "triton" if target == "h100" else "mosaic"
+    blockwise, flash = rows["ring blockwise"], rows[f"ring {kernel}"]
+    assert call not in blockwise["custom_calls"] and blockwise["ring_block_buffer"]
+    # forward and backward, on each kind of block pair
+    assert flash["custom_calls"].get(call, 0) >= 6 and not flash["ring_block_buffer"], flash
 
 
 @pytest.mark.subprocess

@@ -51,7 +51,8 @@ def flash_call_flops(kernel: str, causal: bool, operands: Sequence[Array], resul
     or ``"mosaic"``) and ``causal`` from ``flash_kernel``; the call's ``operands`` and
     ``results`` in order, queries and keys first."""
     q, k = tuple(operands[0][0]), tuple(operands[1][0])
-    same = lambda a: tuple(a[0]) == q and a[1]  # noqa: E731
+    # Query- or key-shaped float arrays (a ring's block pairs queries and keys of two lengths).
+    same = lambda a: tuple(a[0]) in (q, k) and a[1]  # noqa: E731
     n_in, n_out = sum(map(same, operands)), sum(map(same, results))
     matmuls = 0 if n_out == 0 else 2 if n_in <= 3 else 2 + n_out
     T, S = q[_SEQ_DIM[kernel]], k[_SEQ_DIM[kernel]]

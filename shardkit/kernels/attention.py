@@ -176,18 +176,23 @@ def _mosaic(q, k, v, causal, scale):
 _INTERPRET = False  # tests: run the Triton kernel in Pallas's interpreter (on CPU)
 
 
-def _rules(impl: str, q, causal: bool, scale: float):
+def _rules(impl: str, q, causal: bool, scale: float, kv_len: int | None = None):
     """``(op, fixed, nones)`` of a Pallas flash kernel for queries ``q`` in its own layout
-    ((B, T, H, Q) for Triton, (B, H, T, Q) for Mosaic): ``op`` is its ``jax.custom_vjp``
-    (``op.fwd``/``op.bwd`` its rules), called as ``op(q, k, v, *nones, *fixed)`` — ``nones``
-    the optional differentiable inputs left out (segment ids, a bias), ``fixed`` its trailing
-    non-differentiable arguments."""
+    ((B, T, H, Q) for Triton, (B, H, T, Q) for Mosaic) and keys of ``kv_len`` (default q's):
+    ``op`` is its ``jax.custom_vjp`` (``op.fwd``/``op.bwd`` its rules), called as
+    ``op(q, k, v, *nones, *fixed)`` — ``nones`` the optional differentiable inputs left out
+    (segment ids, a bias), ``fixed`` its trailing non-differentiable arguments."""
     if impl == "triton":
         from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
         block = _triton_block(q.shape[-1], q.dtype.itemsize) or _TRITON_BLOCKS[-1]
-        sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32,
-                                         block_q_dq=32, block_kv_dq=32)
+        # Triton's fused backward walks the queries (dq) and the keys (dk, dv) in as many
+        # blocks each: unequal lengths (a ring's half blocks) take a larger block on the longer.
+        T = q.shape[1]
+        S = T if kv_len is None else kv_len
+        sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=32,
+                                         block_kv_dkv=32 * max(1, S // T), block_q_dq=32 * max(1, T // S),
+                                         block_kv_dq=32)
         # sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages, grid,
         # interpret, debug, return_residuals
         return gpu_attention.mha, (scale, causal, sizes, "triton", None, 2, None, _INTERPRET, False, False), \

@@ -16,6 +16,9 @@ same forward, the same backward from the same residuals, no recomputed forward.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -23,53 +26,96 @@ from jax.sharding import PartitionSpec as P
 from .._vma import varying
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelRegion:
+    """A Pallas flash kernel's rules and the nested unchecked region they run in.
+
+    Attributes:
+        op: the kernel's ``jax.custom_vjp`` (``op.fwd``, ``op.bwd`` its rules), called as
+            ``op(q, k, v, *nones, *fixed)`` in its own layout.
+        fixed: its trailing non-differentiable arguments.
+        nones: the optional differentiable inputs left out (segment ids, a bias).
+        heads_first: its layout is (B, H, T, Q) (Mosaic), else (B, T, H, Q) (Triton).
+        kspec: how its (B, ., ., Q) operands are split over the region's axes.
+        stats: how its (B, H, T) row statistics (log-sum-exp; Mosaic's l and m) are split.
+        mesh: the ambient (abstract) mesh.
+        free: the mesh axes the region makes manual (those still left to the compiler).
+    """
+    op: Callable
+    fixed: tuple
+    nones: tuple
+    heads_first: bool
+    kspec: P
+    stats: P
+    mesh: object
+    free: tuple
+
+    def to_kernel(self, a):
+        """(B, T, H, Q) to the kernel's layout, and back (the transpose is its own inverse)."""
+        return a.transpose(0, 2, 1, 3) if self.heads_first else a
+
+    def __call__(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, axis_names=set(self.free), in_specs=in_specs,
+                             out_specs=out_specs, check_vma=False)
+
+
+def kernel_region(impl: str, q, causal: bool, scale: float, spec: P | None,
+                  kv_len: int | None = None) -> KernelRegion:
+    """The ``impl`` kernel (``"triton"`` or ``"mosaic"``) for (B, T, H, Q) queries ``q`` (and
+    keys of ``kv_len``, default T) in a region manual over the axes not yet manual; ``spec``
+    as ``sk.attention``'s (default: the plan's batch and head axes)."""
+    from .attention import _free_axes, _rules, _spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    free = _free_axes(mesh)
+    spec = (_spec(q, mesh, free) if free else P()) if spec is None else spec
+    entries = tuple(spec) + (None,) * (4 - len(spec))
+    heads_first = impl == "mosaic"
+    extra = {} if kv_len is None or kv_len == q.shape[1] else {"kv_len": kv_len}
+    op, fixed, nones = _rules(impl, q.transpose(0, 2, 1, 3) if heads_first else q, causal, scale, **extra)
+    kspec = P(entries[0], entries[2], entries[1], entries[3]) if heads_first else P(*entries)
+    return KernelRegion(op, fixed, nones, heads_first, kspec, P(entries[0], entries[2], None), mesh, free)
+
+
+def varying_axes(*arrays) -> tuple[str, ...]:
+    """The manual axes any of ``arrays`` varies over: those a region's outputs are typed with."""
+    return tuple(sorted(frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))))
+
+
 def flash_in_manual_region(impl: str, q, k, v, causal: bool, scale: float, spec: P | None):
     """``sk.attention``'s ``impl`` kernel (``"triton"`` or ``"mosaic"``) on (B, T, H, Q) inputs
     inside a manual region (module docstring); ``spec`` as ``sk.attention``'s."""
-    from .attention import _free_axes, _repeat_kv_heads, _rules, _spec, flash_scope
+    from .attention import _repeat_kv_heads, flash_scope
 
     k, v = _repeat_kv_heads(q, k, v)
-    mesh = jax.sharding.get_abstract_mesh()
-    free = _free_axes(mesh)
-    axes = tuple(sorted(frozenset().union(*(jax.typeof(a).mat.varying for a in (q, k, v)))))
-    spec = (_spec(q, mesh, free) if free else P()) if spec is None else spec
-    entries = tuple(spec) + (None,) * (4 - len(spec))
-    heads_first = impl == "mosaic"  # Mosaic's layout is (B, H, T, Q)
-    op, fixed, nones = _rules(impl, q.transpose(0, 2, 1, 3) if heads_first else q, causal, scale)
-    to_kernel = (lambda a: a.transpose(0, 2, 1, 3)) if heads_first else (lambda a: a)
-    kspec = P(entries[0], entries[2], entries[1], entries[3]) if heads_first else P(*entries)
-    stats = P(entries[0], entries[2], None)  # the log-sum-exp (and Mosaic's l, m): (B, H, T)
+    axes = varying_axes(q, k, v)
+    r = kernel_region(impl, q, causal, scale, spec)
+    op, fixed, nones, kspec = r.op, r.fixed, r.nones, r.kspec
     scope = flash_scope(impl, causal)
-
-    def region(fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=mesh, axis_names=set(free), in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-
-    qk, kk, vk = to_kernel(q), to_kernel(k), to_kernel(v)
+    qk, kk, vk = r.to_kernel(q), r.to_kernel(k), r.to_kernel(v)
     # The residuals' structure: each leaf's rank, traced inside the region (a pallas_call
     # cannot be traced where types are checked).
-    ranks = jax.eval_shape(region(lambda a, b, c: jax.tree.map(
-        lambda r: jnp.zeros((r.ndim,)), op.fwd(a, b, c, *nones, *fixed)[1]), (kspec,) * 3, P()), qk, kk, vk)
-    res_specs = jax.tree.map(lambda r: kspec if r.shape == (4,) else stats, ranks)
+    ranks = jax.eval_shape(r(lambda a, b, c: jax.tree.map(
+        lambda x: jnp.zeros((x.ndim,)), op.fwd(a, b, c, *nones, *fixed)[1]), (kspec,) * 3, P()), qk, kk, vk)
+    res_specs = jax.tree.map(lambda x: kspec if x.shape == (4,) else r.stats, ranks)
 
     @jax.custom_vjp
     def call(a, b, c):
         with jax.named_scope(scope):
-            out = region(lambda a, b, c: op(a, b, c, *nones, *fixed), (kspec,) * 3, kspec)(a, b, c)
+            out = r(lambda a, b, c: op(a, b, c, *nones, *fixed), (kspec,) * 3, kspec)(a, b, c)
         return varying(out, axes)
 
     def fwd(a, b, c):
         with jax.named_scope(scope):
-            out, res = region(lambda a, b, c: op.fwd(a, b, c, *nones, *fixed), (kspec,) * 3,
-                              (kspec, res_specs))(a, b, c)
+            out, res = r(lambda a, b, c: op.fwd(a, b, c, *nones, *fixed), (kspec,) * 3,
+                         (kspec, res_specs))(a, b, c)
         return varying(out, axes), res
 
     def bwd(res, g):
         with jax.named_scope(scope):
-            grads = region(lambda res, g: tuple(op.bwd(*fixed, res, g)[:3]), (res_specs, kspec),
-                           (kspec,) * 3)(res, g)
+            grads = r(lambda res, g: tuple(op.bwd(*fixed, res, g)[:3]), (res_specs, kspec),
+                      (kspec,) * 3)(res, g)
         return tuple(varying(d, axes) for d in grads)
 
     call.defvjp(fwd, bwd)
-    return to_kernel(call(qk, kk, vk))
-
+    return r.to_kernel(call(qk, kk, vk))
