@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from .branches import branch_collectives
 from .hlo import (_shape_bytes, collectives_from_hlo, matmul_flops_from_hlo,
                   pipeline_branch_weights as _pipeline_branch_weights, rewritten_matmuls, traffic_from_hlo)
 from .report import Report
@@ -88,4 +89,5 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
                   matmul_flops=matmul_flops_from_hlo(hlo, weights), data_axes=tuple(data_axes),
                   pipe_axis=(pipeline or {}).get("axis"),
                   fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True),
-                  unread_matmuls=rewritten_matmuls(hlo))
+                  unread_matmuls=rewritten_matmuls(hlo),
+                  branch_collectives=branch_collectives(hlo, dict(mesh.shape)) if mesh is not None else [])

@@ -77,16 +77,9 @@ def _trip_from_condition(lines: list[str]) -> int | None:
     return None
 
 
-def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
-          ) -> tuple[dict[str, list[str]], dict[str, float]]:
-    """Splits HLO text into computations and counts how often each runs per step: an entry
-    computation once, a ``while`` body ``known_trip_count`` times its caller (or, without one,
-    the bound of its ``i < N`` condition), others as called.
-
-    A conditional runs one branch per call, which the text cannot tell; each branch counts
-    once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
-    whose line contains ``marker`` (a named scope, which HLO keeps in the op's metadata), the
-    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
+def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+    """HLO text split into its computations (name -> instruction lines) and the entry
+    computation's name (None where the text has none)."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -102,6 +95,31 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
                 current = None
             else:
                 comps[current].append(line)
+    return comps, entry
+
+
+def callees(line: str) -> list[tuple[str, str]]:
+    """The computations an instruction calls, as ``(role, name)``: ``body``, ``condition``,
+    ``calls``, ``to_apply``, ``true_computation``/``false_computation``, and for a
+    ``conditional`` with ``branch_computations`` each branch as ``branch<i>``."""
+    found = _CALLEE.findall(line)
+    for group in _BRANCHES.findall(line):
+        branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+        found.extend((f"branch{i}", b) for i, b in enumerate(branches))
+    return found
+
+
+def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
+          ) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Splits HLO text into computations and counts how often each runs per step: an entry
+    computation once, a ``while`` body ``known_trip_count`` times its caller (or, without one,
+    the bound of its ``i < N`` condition), others as called.
+
+    A conditional runs one branch per call, which the text cannot tell; each branch counts
+    once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
+    whose line contains ``marker`` (a named scope, which HLO keeps in the op's metadata), the
+    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
+    comps, entry = computations(hlo)
     mult: dict[str, float] = defaultdict(float)
     if entry is None:
         return comps, mult
@@ -112,13 +130,13 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
             n = int(trip.group(1)) if trip else None
             if n is None and (cond := _COND.search(line)) is not None:
                 n = _trip_from_condition(comps.get(cond.group(1), []))
-            for role, callee in _CALLEE.findall(line):
-                calls[name].append((callee, n if (role == "body" and n is not None) else 1))
-            for group in _BRANCHES.findall(line):
-                branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-                w = next((ws for marker, ws in (branch_weights or {}).items()
-                          if marker in line and len(ws) == len(branches)), [1.0] * len(branches))
-                calls[name].extend(zip(branches, w))
+            found = callees(line)
+            branches = [c for role, c in found if role.startswith("branch")]
+            w = next((ws for marker, ws in (branch_weights or {}).items()
+                      if marker in line and len(ws) == len(branches)), [1.0] * len(branches))
+            for role, callee in found:
+                k = n if (role == "body" and n is not None) else 1
+                calls[name].append((callee, w[int(role[6:])] if role.startswith("branch") else k))
 
     def visit(name: str, m: int, depth: int = 0):
         if depth > 64 or name not in comps:
@@ -129,6 +147,23 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
 
     visit(entry, 1)
     return comps, mult
+
+
+def op_name(line: str) -> str:
+    """An instruction's ``op_name`` metadata (the JAX op and named scopes it came from), or ""."""
+    m = _OP_NAME.search(line)
+    return m.group(1) if m else ""
+
+
+def collective_kind(line: str) -> str | None:
+    """The collective an instruction starts or runs (``all-reduce`` for ``all-reduce-start``),
+    None for any other instruction (a ``-done`` included: its start was counted)."""
+    ins = _INSTR.match(line)
+    if not ins:
+        return None
+    op = ins.group(2)
+    base = op[:-6] if op.endswith("-start") else op
+    return base if base in COLLECTIVES and not op.endswith("-done") else None
 
 
 def _collective_ops(hlo: str, branch_weights=None, walked=None):
@@ -145,8 +180,8 @@ def _collective_ops(hlo: str, branch_weights=None, walked=None):
             if not ins:
                 continue
             result, op = ins.group(1), ins.group(2)
-            base = op[:-6] if op.endswith("-start") else op
-            if base not in COLLECTIVES or op.endswith("-done"):
+            base = collective_kind(line)
+            if base is None:
                 continue
             b = _shape_bytes(result)
             if base == "ragged-all-to-all":
@@ -283,6 +318,22 @@ def _pairs_axes(pairs: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str
     for pair in pairs:
         crossed.update(_axes_of([pair], mesh_shape))
     return tuple(n for n in mesh_shape if n in crossed)
+
+
+def participant_axes(kind: str, line: str, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes over which the devices that meet in one execution of the collective
+    ``kind`` on ``line`` differ: any of its replica groups', and for a collective-permute
+    every device its pairs name (XLA's runtimes wait for them all together: one XLA:CPU
+    rendezvous, one NCCL clique), not only the axes a pair crosses (``Traffic.axes``).
+
+    Raises:
+        HloParseError: its device groups cannot be read (``_device_groups``).
+    """
+    groups = _device_groups(line, math.prod(mesh_shape.values()) if mesh_shape else 1)
+    if kind == "collective-permute":
+        groups = [sorted({d for pair in groups for d in pair})]
+    spanned = {a for g in groups for a in (_axes_of([g], mesh_shape) if mesh_shape and g else ())}
+    return tuple(a for a in mesh_shape if a in spanned)
 
 
 def _is_shift(pairs: list[list[int]], mesh_shape: dict[str, int]) -> bool:
