@@ -581,13 +581,16 @@ def _tick_scan_carry(closed) -> list:
     return carry
 
 
-def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices):
-    """Issue 37: with ``keep="all"`` the loss's F keeps its pullback's residuals in the loss ring
+@pytest.mark.parametrize("keep", ["all", "dots"])
+def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices, keep):
+    """Issue 37: with residuals kept the loss's F keeps its pullback's residuals in the loss ring
     (``Schedule.loss_res_ring`` slots, on every stage; the executor's scan carry ends with it).
     For ``sk.chunked_cross_entropy`` that is what its custom VJP keeps, per device (rows over
     ``data``): the hidden states, the labels and each position's log-sum-exp as (chunks, rows,
     positions per chunk) f32 — not the (rows, T, V) logits the chunking exists to avoid; the
-    output matrix is not stored (the backward op has it again). Traced, not compiled."""
+    output matrix is not stored (the backward op has it again). Under ``keep="dots"`` too: the
+    policy reached into the loss's forward and kept every chunk's f32 logits instead of the
+    log-sum-exp (``Kept.loss_shapes`` keeps whichever stores less). Traced, not compiled."""
     D_, T, V, rows, chunk, m = 8, 8, 32, 8, 4, 4
     mesh = make_mesh("data=2,pipe=2", devices=devices[:4])
     params, head = {"w": jnp.zeros((4, D_, D_), jnp.bfloat16)}, {"w": jnp.zeros((V, D_), jnp.bfloat16)}
@@ -595,7 +598,7 @@ def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices):
 
     def loss(params, head):
         return pipeline(lambda lp, h: jnp.tanh(h @ lp["w"]), params, x, microbatches=m, schedule="1f1b",
-                        keep="all", mesh=mesh, loss_params=head, targets=t,
+                        keep=keep, mesh=mesh, loss_params=head, targets=t,
                         loss_fn=lambda hp, y, t: sk.chunked_cross_entropy(y, hp["w"], t, chunk=chunk))
 
     carry = _tick_scan_carry(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, head))
