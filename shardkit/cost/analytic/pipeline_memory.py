@@ -28,7 +28,7 @@ def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
     its critical path): the cotangent of each loss-param matmul's output (the logits'), in f32
     — the loss's dtype (measured: the recipe's 62.5 MiB f32 logits gradient alive through
     GPipe's backward on H100)."""
-    pipe, lv = s.pipe, s.lv
+    pipe = s.pipe
     rows, k = microbatch_rows(s), chunk_layers(s)
     act_mb = act_carried / pipe.microbatches
     stage_res = saved_bytes(s, "stage_residuals", rows, k)
