@@ -323,8 +323,9 @@ def _pairs_axes(pairs: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str
 def participant_axes(kind: str, line: str, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes over which the devices that meet in one execution of the collective
     ``kind`` on ``line`` differ: any of its replica groups', and for a collective-permute
-    every device its pairs name (XLA's runtimes wait for them all together: one XLA:CPU
-    rendezvous, one NCCL clique), not only the axes a pair crosses (``Traffic.axes``).
+    every device its pairs name (one op for all of them: XLA:CPU's rendezvous waits for every
+    device the pairs name, its own-block pairs included), not only the axes a pair crosses
+    (``Traffic.axes``).
 
     Raises:
         HloParseError: its device groups cannot be read (``_device_groups``).
