@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "two shapes the formula was not fitted on")
     ap.add_argument("--keep", action="store_true", help="(d) what each explicit schedule keeps for its "
                     "backward ops (sk.pipeline(keep=...)): temporaries and matmul flops on H100, every shape")
+    ap.add_argument("--shapes", default="c,d1024,pipe4", help="the shapes --keep compiles, comma-separated "
+                    "(default all three: c,d1024,pipe4); the results file keeps the other shapes' last run")
     return ap.parse_args(argv)
 
 
@@ -254,6 +256,9 @@ def keep(target="h100", shape="c"):
 
 def main(argv=None):
     args = parse_args(argv)
+    shapes = args.shapes.split(",")
+    if unknown := sorted(set(shapes) - set(SHAPES)):
+        raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
     path = pathlib.Path(__file__).parent / "results" / "pipeline_schedules.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results["bubbles"] = bubbles()
@@ -264,7 +269,7 @@ def main(argv=None):
     if args.validate:
         results["validate"] = validate()
     if args.keep:
-        results["keep"] = {shape: keep("h100", shape) for shape in SHAPES}
+        results["keep"] = {**results.get("keep", {}), **{shape: keep("h100", shape) for shape in shapes}}
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=float))
 

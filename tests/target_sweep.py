@@ -17,6 +17,7 @@ import shardkit as sk
 from models.transformer.config import SIZES
 from models.transformer.layouts import LAYOUTS, Layout
 from models.transformer.plan import layout_step
+from shardkit.pipeline.schedules import EXPLICIT
 
 CFG = SIZES["test"].replace(layers=4)  # d_model 32, 4 heads / 2 kv heads, seq 16, vocab 256; 4 layers for pipe=4 and 2 stages × 2 chunks
 MOE = CFG.replace(moe_experts=8)
@@ -170,8 +171,16 @@ def check(name: str, case: Case, report, target: str) -> None:
         assert roles["tensor-reduce"] + roles["tensor-gather"] > 0, roles  # Megatron's row-parallel sums
     if lo.sequence_parallel:
         assert roles["tensor-gather"] > 0, roles  # the sequence gathered into each TP region
+    # Issue 37: no collective inside a conditional branch that devices of its group can skip
+    # (the explicit schedules' per-stage switch: a group spanning the pipe axis; any other
+    # conditional: every collective), which would hang on real devices (cost.compiled.branches).
+    assert not report.hang_risks(), f"{name} can hang on {target}:\n" + "\n".join(map(str, report.hang_risks()))
     if shape.get("pipe", 1) > 1:
         assert roles["pipe-permute"] > 0, roles  # microbatches move between stages
+        if lo.schedule in EXPLICIT and shape.get("tensor", 1) > 1:
+            # The reader sees into the per-stage switch: the stages' tensor sums run in its branches.
+            assert any(c.pipeline_switch and c.axes == ("tensor",) for c in report.branch_collectives), \
+                report.branch_collectives
         if lo.zero == 3:
             # ZeRO-3 inside a pipeline: each stage's weights are gathered per step, not per
             # microbatch tick: at most a forward and a backward gather of the stage's bf16

@@ -320,3 +320,51 @@ def test_a_report_renders_once_in_a_notebook_with_plain_text(monkeypatch):
     r._repr_pretty_(type("P", (), {"text": lambda self, t: printed.append(t)})(), False)
     assert not shown and "a title" in html
     assert printed == [r.render()] and "\x1b[" not in printed[0] and "per-device memory" in printed[0]
+
+
+@pytest.mark.parametrize("two_auto_axes", [True, False])
+def test_a_collective_a_stage_can_skip_inside_the_pipeline_switch_is_a_hang_risk(two_auto_axes):
+    """Issue 37: docs/upstream/xla_partitioner_two_auto_axes.py's program (a per-tick switch by
+    stage, manual over pipe, the weights split over an auto axis) compiled, not run: with two
+    auto axes XLA reshards inside the branches with permutes naming every device, which the
+    stages on another branch never reach (it hangs when run); with one, the branches' tensor
+    sums stay inside a stage. ``Report.hang_risks`` (the target sweeps' check) tells them apart."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardkit.cost.compiled.branches import branch_collectives
+    from shardkit.cost.compiled.report import Report
+    from shardkit.pipeline.schedules import EXPLICIT_SCOPE
+
+    mesh = sk.make_mesh("pipe=2,context=2,tensor=2" if two_auto_axes else "pipe=2,tensor=4")
+    table = jnp.array([[1, 0], [1, 1], [0, 2], [0, 1], [2, 2], [2, 0]], jnp.int32)  # idle 0, F 1, BW 2
+    stage = lambda w, h: jnp.tanh(h @ w)  # noqa: E731
+
+    def body(w, x):
+        w, i = w[0], jax.lax.axis_index("pipe")
+        branches = [lambda h, g, acc: (jnp.zeros_like(h), jnp.zeros_like(g), acc),
+                    lambda h, g, acc: (stage(w, h), jnp.zeros_like(g), acc),
+                    lambda h, g, acc: (jnp.zeros_like(h), *(lambda dw, dh: (dh, acc + dw))(
+                        *jax.vjp(stage, w, h)[1](g)))]
+
+        def tick(carry, row):
+            with jax.named_scope(EXPLICIT_SCOPE):
+                down, up, acc = jax.lax.switch(row[i], branches, *carry)
+            return (jax.lax.ppermute(down, "pipe", [(0, 1)]), jax.lax.ppermute(up, "pipe", [(1, 0)]), acc), None
+
+        return jax.lax.scan(tick, (x, x, jnp.zeros_like(w)), table)[0][2][None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipe"), P()), out_specs=P("pipe"),
+                              axis_names={"pipe"}, check_vma=False))
+    w = jax.ShapeDtypeStruct((2, 64, 64), jnp.float32, sharding=NamedSharding(mesh, P("pipe", None, "tensor")))
+    found = branch_collectives(f.lower(w, jax.ShapeDtypeStruct((16, 64), jnp.float32)).compile().as_text(),
+                               dict(mesh.shape))
+    risks = Report("", {}, [], 0.0, pipe_axis="pipe", branch_collectives=found).hang_risks()
+    assert found and all(c.pipeline_switch for c in found), found  # the reader sees into the branches
+    if two_auto_axes:
+        assert {c.kind for c in risks} == {"collective-permute"} and all("pipe" in c.axes for c in risks), risks
+        assert "collective-permute over pipe" in str(risks[0]) and "branch " in str(risks[0])
+    else:
+        assert not risks and {c.axes for c in found} == {("tensor",)}, found
+    # Outside the pipeline's switch the reader cannot tell who takes which branch: all are risks.
+    assert Report("", {}, [], 0.0, branch_collectives=found).hang_risks() == found

@@ -563,6 +563,53 @@ def test_kept_residual_rings_and_pictures():
     assert "*" not in zb.picture("all") and "~" not in zb.picture("all")
 
 
+def _tick_scan_carry(closed) -> list:
+    """The avals of the explicit executor's tick scan carry (the scan whose body holds the
+    per-tick switch), found anywhere in a traced program."""
+    def scans(jaxpr):
+        for eqn in jaxpr.eqns:
+            body = eqn.params.get("jaxpr") if eqn.primitive.name == "scan" else None
+            if body is not None and any(e.primitive.name == "cond" for e in body.jaxpr.eqns):
+                start = eqn.params["num_consts"]
+                yield [v.aval for v in body.jaxpr.invars[start:start + eqn.params["num_carry"]]]
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from scans(inner)
+
+    (carry,) = list(scans(closed.jaxpr))
+    return carry
+
+
+@pytest.mark.parametrize("keep", ["all", "dots"])
+def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices, keep):
+    """Issue 37: with residuals kept the loss's F keeps its pullback's residuals in the loss ring
+    (``Schedule.loss_res_ring`` slots, on every stage; the executor's scan carry ends with it).
+    For ``sk.chunked_cross_entropy`` that is what its custom VJP keeps, per device (rows over
+    ``data``): the hidden states, the labels and each position's log-sum-exp as (chunks, rows,
+    positions per chunk) f32 — not the (rows, T, V) logits the chunking exists to avoid; the
+    output matrix is not stored (the backward op has it again). Under ``keep="dots"`` too: the
+    policy reached into the loss's forward and kept every chunk's f32 logits instead of the
+    log-sum-exp (``Kept.loss_shapes`` keeps whichever stores less). Traced, not compiled."""
+    D_, T, V, rows, chunk, m = 8, 8, 32, 8, 4, 4
+    mesh = make_mesh("data=2,pipe=2", devices=devices[:4])
+    params, head = {"w": jnp.zeros((4, D_, D_), jnp.bfloat16)}, {"w": jnp.zeros((V, D_), jnp.bfloat16)}
+    x, t = jnp.zeros((rows, T, D_), jnp.bfloat16), jnp.zeros((rows, T), jnp.int32)
+
+    def loss(params, head):
+        return pipeline(lambda lp, h: jnp.tanh(h @ lp["w"]), params, x, microbatches=m, schedule="1f1b",
+                        keep=keep, mesh=mesh, loss_params=head, targets=t,
+                        loss_fn=lambda hp, y, t: sk.chunked_cross_entropy(y, hp["w"], t, chunk=chunk))
+
+    carry = _tick_scan_carry(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, head))
+    slots = sched.pipeline_schedule("1f1b", 2, m).loss_res_ring
+    local, n = rows // m // 2, T // chunk  # a microbatch's rows on one data shard; the loss's chunks
+    want = [((slots, local, T, D_), jnp.bfloat16), ((slots, local, T), jnp.int32),
+            ((slots, n, local, chunk), jnp.float32)]
+    assert [(tuple(a.shape), a.dtype) for a in carry[-len(want):]] == want, carry
+
+
 def test_a_pending_w_says_which_of_its_values_the_forward_made():
     """What one pending W holds (``SplitBackward.saved_local``), per value: a residual of the
     layer's forward (its input, which the weight's gradient matmul multiplies) or a value B

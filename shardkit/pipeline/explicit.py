@@ -330,8 +330,7 @@ def kept_shapes(chunk, split, keep: Kept, weights, loss_params, h, extras, targe
                               weights, h, ctx)
     else:
         kept = keep.chunk.shapes(lambda ctx: lambda W, h: chunk(W, 0, h, *ctx), (weights, h), ctx, reuse_at=(0, 1))
-    loss_kept = keep.loss.shapes(lambda t: lambda LP, y: keep.loss_fn(LP, y, t).astype(jnp.float32),
-                                 (loss_params, h), targets, reuse_at=(0,))
+    loss_kept = keep.loss_shapes(loss_params, h, targets)
     return kept, loss_kept
 
 

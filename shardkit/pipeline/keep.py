@@ -8,7 +8,8 @@ the chunk's ``jax.vjp`` (Megatron-LM's 1F1B: no recompute; Narayanan et al. 2021
 that policy's saved set (selective recompute: Korthikanti et al. 2022 keep the matmul
 outputs and recompute the rest). The kept residuals wait in a ring sized from the schedule
 table (``Schedule.res_ring``: the most chunk-microbatches in flight on a stage), the loss's
-in a second one (``Schedule.loss_res_ring``); a zero-bubble B reads them instead of
+in a second one (``Schedule.loss_res_ring``: under a policy, the policy's saved set or all of
+the loss's own residuals, whichever is smaller, ``Kept.loss_shapes``); a zero-bubble B reads them instead of
 recomputing, and its W still reads what B left it (``split``).
 
 A pullback is stored as its residual leaves: ``jax.vjp``'s pullback is a pytree whose leaves
@@ -19,9 +20,11 @@ stored: the backward op has them again and puts them back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from .stage import REMAT
 
@@ -81,9 +84,29 @@ class Pullbacks:
 
 class Kept:
     """An explicit schedule's kept residuals: the chunk's pullbacks, the loss's, and the loss
-    function under the keep policy (``keep_policy``; the chunk is wrapped by its runner)."""
+    function F runs (``loss_shapes``; the chunk is wrapped in the keep policy by its runner)."""
 
     def __init__(self, loss_fn: Callable, policy):
         self.policy = policy
-        self.loss_fn = loss_fn if policy == "none" else jax.checkpoint(loss_fn, policy=policy)
+        # Under a policy, the loss as it is too: ``loss_shapes`` keeps the one that stores less.
+        self._loss_fns = (loss_fn,) if policy == "none" else (jax.checkpoint(loss_fn, policy=policy), loss_fn)
+        self.loss_fn = self._loss_fns[0]
         self.chunk, self.loss = Pullbacks(), Pullbacks()
+
+    def loss_shapes(self, loss_params, y, targets) -> list:
+        """Shapes and dtypes of what the loss's F stores (one slot of the loss ring), for a
+        microbatch's ``y`` and ``targets``; settles the loss F runs, before any op traces it:
+        under the policy, or — where that stores more — the loss with all its own residuals.
+        A loss with its own VJP keeps less than a policy that reaches into it:
+        ``sk.chunked_cross_entropy`` keeps each position's log-sum-exp, and ``dots`` would
+        save every chunk's logits there, the (rows, T, V) f32 its chunking exists to avoid."""
+        def stored(fn, pulls):
+            return pulls.shapes(lambda t: lambda LP, y: fn(LP, y, t).astype(jnp.float32), (loss_params, y),
+                                targets, reuse_at=(0,))
+
+        options = [(fn, Pullbacks()) for fn in self._loss_fns]
+        shapes = [stored(fn, pulls) for fn, pulls in options]
+        nbytes = [sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(s)) for s in shapes]
+        best = nbytes.index(min(nbytes))  # the policy's on a tie
+        (self.loss_fn, self.loss), kept = options[best], shapes[best]
+        return kept

@@ -19,7 +19,7 @@ from .. import hardware as hw_lib
 from ..terms import Estimate, Layout, RoleTraffic, tokens_in
 from .steptime import roofline_excess, times
 from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, kept_rings,
-                              microbatch_rows, saved_bytes, w_forwarded_bytes)
+                              loss_out_bytes, microbatch_rows, saved_bytes, w_forwarded_bytes)
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
@@ -139,6 +139,7 @@ def _pipeline_memory(s: StepFacts, grad_bytes: float) -> dict[str, float]:
                                     w_saved=w_saved,  # ZB's pending W's (pipeline.split)
                                     w_forwarded=w_forwarded_bytes(s, rows, k),
                                     **kept_rings(s, rows, k, stage_res),
+                                    loss_out=loss_out_bytes(s) / pipe.microbatches,
                                     op_peak=op_peak, acc_ratio=4 / wire,
                                     chunk_weights=chunk_weights(s))
     elif gpipe_like and s.platform != "cpu" and pipe.stage_residuals is not None:

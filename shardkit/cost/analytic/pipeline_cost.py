@@ -91,7 +91,8 @@ def pipeline_buffers(pipe: PipelineNote, act_elems_x4: float, grad_bytes: float)
 def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float, rest_grads: float,
                       stage_residuals: float, stage_layers: int, w_saved: float = 0.0,
                       op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0,
-                      kept: float = 0.0, loss_kept: float = 0.0, w_forwarded: float = 0.0) -> float:
+                      kept: float = 0.0, loss_kept: float = 0.0, w_forwarded: float = 0.0,
+                      loss_out: float = 0.0) -> float:
     """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B, ZB-H1,
     ZB-V; rings sized from the table) at its peak, a backward op, per device.
 
@@ -117,6 +118,20 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
     it twice — ZB-H1 at d=512 on H100 659.5 MiB, ZB-V 639.2; read-only in the switch, 546.6 and
     438.2.]
 
+    With residuals kept (``kept``) the op reads them instead of recomputing, and ``op_peak``
+    (the recomputing op's jaxpr, whose forward's saved values stand for the slot's copy the op
+    reads) is corrected where the kept op differs from it. ZB's B runs each layer's VJP on its
+    own (``pipeline.split``): of the chunk's recompute under the policy, which ``op_peak``
+    counts for all ``stage_layers`` layers at once (1F1B's fused op checkpoints its layer scan
+    whole: XLA materialises every layer's recomputed values before the first layer's
+    backward), B holds one layer's. On the loss's chunk the loss's backward runs first, from
+    its kept values, and XLA runs the loss params' weight-gradient matmul after the chunk's
+    backward (off the critical path, as in GPipe's backward): its operand, the loss's matmul
+    output cotangent in f32 (``loss_out`` bytes, a microbatch's logits), stays alive through
+    the chunk's backward. [issue 37, H100 shape (c): 1F1B keep="dots" 0.89 of the compiled
+    temporaries without it (the op on the loss chunk held the f32 logits' cotangent), ZB-H1
+    keep="dots" 1.10 (the whole-chunk recompute counted for B).]
+
     Without ``op_peak`` (no jaxpr in the note): the stage's residuals for the microbatch and
     one layer's share of them again in cotangents, a fresh stage gradient and a second copy of
     the accumulators [issue 24's form, which missed the layer's recomputed intermediates: 0.52
@@ -139,6 +154,10 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
         # ``loss_res_ring``, allocated on every device; the slot a backward op reads stands in
         # for the recomputed residuals ``op_peak`` counts.
         throughout += tab.res_ring * kept + tab.loss_res_ring * loss_kept
+        if kept:
+            if tab.name in sched.SPLIT:
+                op_peak = kept + (op_peak - kept) / stage_layers
+            op_peak += loss_out
         return throughout + max(operands + op_peak + rest_grads + chunk_weights, 2 * operands)
     rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
     carry = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + rings + pm * act_mb

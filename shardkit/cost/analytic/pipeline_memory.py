@@ -28,17 +28,26 @@ def gpipe_backward(s, act_carried: float, g_comp: float) -> float:
     its critical path): the cotangent of each loss-param matmul's output (the logits'), in f32
     — the loss's dtype (measured: the recipe's 62.5 MiB f32 logits gradient alive through
     GPipe's backward on H100)."""
-    pipe, lv = s.pipe, s.lv
+    pipe = s.pipe
     rows, k = microbatch_rows(s), chunk_layers(s)
     act_mb = act_carried / pipe.microbatches
     stage_res = saved_bytes(s, "stage_residuals", rows, k)
     op = backward_op_peak(s, rows) or 0.0
+    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights(s)
+            + pipeline_buffers(pipe, act_carried, g_comp) + loss_out_bytes(s))
+
+
+def loss_out_bytes(s) -> float:
+    """Per-device bytes, in f32 (the loss's dtype), of the outputs of the loss params' matmuls
+    (an output head's logits) over a step microbatch's tokens: the cotangent the loss params'
+    weight-gradient matmul reads, which XLA's scheduler runs after the pipeline's backward
+    (GPipe) or the chunk's (an explicit schedule's op on the loss chunk, one pipeline
+    microbatch's share)."""
+    lv = s.lv
     tokens = tokens_in(s.batch) / s.n_data / s.m
-    head = sum(tokens * math.prod(l.shape) / lv.width / (math.prod(l.shape) / c) * 4
+    return sum(tokens * math.prod(l.shape) / lv.width / (math.prod(l.shape) / c) * 4
                for l, c, q, mm in zip(lv.leaves, lv.comp, lv.piped, s.reading.matmul)
                if mm and not q and len(l.shape) == 2 and lv.width in l.shape)
-    return (pipeline_ticks(pipe) * (stage_res + act_mb) + op + chunk_weights(s)
-            + pipeline_buffers(pipe, act_carried, g_comp) + head)
 
 
 def microbatch_rows(s) -> int:

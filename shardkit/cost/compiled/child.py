@@ -202,6 +202,7 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target, kernels: str 
            "unread_matmuls": report.unread_matmuls, "kernels": report.kernels,
            "collectives": [dataclasses.asdict(c) for c in report.collectives],
            "traffic": [dataclasses.asdict(t) for t in report.traffic],
+           "branch_collectives": [dataclasses.asdict(c) for c in report.branch_collectives],
            "seconds": {"compile": t_compile, "total": time.perf_counter() - t0}}
     return out
 

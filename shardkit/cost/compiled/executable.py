@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from .branches import branch_collectives
 from .hlo.collectives import collectives_from_hlo, traffic_from_hlo
 from .hlo.matmuls import matmul_flops_from_hlo, rewritten_matmuls
 from .hlo.text import shape_bytes
@@ -92,4 +93,5 @@ def report_from_compiled(compiled, title: str, memory: dict[str, int] | None = N
                   pipe_axis=(pipeline or {}).get("axis"),
                   fp8_matmul_flops=matmul_flops_from_hlo(hlo, weights, fp8_only=True),
                   unread_matmuls=rewritten_matmuls(hlo),
-                  kernels=[(k.flops, k.bytes, k.count) for k in kernels_from_hlo(hlo, weights)])
+                  kernels=[(k.flops, k.bytes, k.count) for k in kernels_from_hlo(hlo, weights)],
+                  branch_collectives=branch_collectives(hlo, dict(mesh.shape)) if mesh is not None else [])

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from ..terms import COMPILED_ROLES
+from .branches import BranchCollective as BranchCollective
 from .hlo.collectives import Collective as Collective, Traffic as Traffic
 
 
@@ -80,6 +81,9 @@ class Report:
             compares no flops ratio (``unread_note``).
         kernels: ``(flops, bytes, executions)`` of each kernel the program launches, per device
             (``kernels.kernels_from_hlo``): what the step-time model's roofline times.
+        branch_collectives: collectives inside ``conditional`` branches (``branches``), where a
+            device that took another branch would leave the program hanging;
+            ``hang_risks()`` are those that can.
     """
 
     title: str
@@ -103,6 +107,7 @@ class Report:
     fp8_matmul_flops: float = 0.0
     unread_matmuls: int = 0
     kernels: list = dataclasses.field(default_factory=list)
+    branch_collectives: list[BranchCollective] = dataclasses.field(default_factory=list)
 
     @property
     def fits(self) -> bool | None:
@@ -114,6 +119,12 @@ class Report:
     def headroom(self) -> float | None:
         """Device memory left at the compiled peak (negative: over by that much)."""
         return None if self.fits is None else self.device_memory - self.memory["peak"]
+
+    def hang_risks(self) -> list[BranchCollective]:
+        """The collectives inside conditional branches that devices of one group may reach on
+        different branches (``BranchCollective.may_hang``): on real devices the program hangs
+        at the first tick that splits them."""
+        return [c for c in self.branch_collectives if c.may_hang(self.pipe_axis)]
 
     def collective_bytes(self) -> dict[str, int]:
         return {c.kind: c.bytes for c in self.collectives}
@@ -252,6 +263,8 @@ class Report:
                  "plan's layout; modelled: the analytic estimate"
                  + ("" if self.estimate else " (none here)"),
                  *(f"note: {n}" for n in self.notes),
+                 *(f"[bold red]may hang on real devices[/bold red]: a collective inside a conditional branch that "
+                   f"devices of its group can skip: {c}" for c in self.hang_risks()),
                  *self._target_lines(),
                  mem, col, f"flops per device per step: matmuls through loops {self.matmul_flops:,.0f}"
                  + (f" ({self.fp8_matmul_flops / self.matmul_flops:.0%} in fp8 GEMMs)"

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
+from .branches import BranchCollective
 from .hlo.collectives import Collective, Traffic
 from .report import Report, shard_bytes
 from ...mesh import parse_mesh_spec
@@ -305,6 +306,7 @@ def _assemble(job: _Job, out: dict, *, beside: Beside | None) -> Report:
         fp8_matmul_flops=out.get("fp8_matmul_flops", 0.0), unread_matmuls=out.get("unread_matmuls", 0),
         kernels=[tuple(k) for k in out.get("kernels", ())],
         pipe_axis=(pipe or {}).get("axis"),
+        branch_collectives=[BranchCollective(**{**c, "axes": tuple(c["axes"])}) for c in out["branch_collectives"]],
         compiled_on=compiled_on,
         notes=[*notes,
                f"export {t_export:.1f} s; subprocess {out['seconds']['total']:.1f} s "

@@ -14,7 +14,7 @@ from collections import defaultdict
 import numpy as np
 
 from . import permutes
-from .text import _INSTR, _NAMED, _SHAPE, HloParseError, _ints, _split_tuple, _walk, shape_bytes
+from .text import _INSTR, _NAMED, _OP_NAME, _SHAPE, HloParseError, _ints, _split_tuple, _walk, shape_bytes
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
@@ -39,6 +39,23 @@ class Collective:
     static_count: int
 
 
+def op_name(line: str) -> str:
+    """An instruction's ``op_name`` metadata (the JAX op and named scopes it came from), or ""."""
+    m = _OP_NAME.search(line)
+    return m.group(1) if m else ""
+
+
+def collective_kind(line: str) -> str | None:
+    """The collective an instruction starts or runs (``all-reduce`` for ``all-reduce-start``),
+    None for any other instruction (a ``-done`` included: its start was counted)."""
+    ins = _INSTR.match(line)
+    if not ins:
+        return None
+    op = ins.group(2)
+    base = op[:-6] if op.endswith("-start") else op
+    return base if base in COLLECTIVES and not op.endswith("-done") else None
+
+
 def _collective_ops(hlo: str, branch_weights=None, walked=None):
     """Yields ``(kind, multiplicity, result_bytes, line)`` for every collective op (``walked``:
     ``_walk``'s result, where the caller has it)."""
@@ -53,8 +70,8 @@ def _collective_ops(hlo: str, branch_weights=None, walked=None):
             if not ins:
                 continue
             result, op = ins.group(1), ins.group(2)
-            base = op[:-6] if op.endswith("-start") else op
-            if base not in COLLECTIVES or op.endswith("-done"):
+            base = collective_kind(line)
+            if base is None:
                 continue
             b = shape_bytes(result)
             if base == "ragged-all-to-all":
@@ -162,6 +179,23 @@ def _pairs_axes(pairs: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str
     for pair in pairs:
         crossed.update(_axes_of([pair], mesh_shape))
     return tuple(n for n in mesh_shape if n in crossed)
+
+
+def participant_axes(kind: str, line: str, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes over which the devices that meet in one execution of the collective
+    ``kind`` on ``line`` differ: any of its replica groups', and for a collective-permute
+    every device its pairs name (one op for all of them: XLA:CPU's rendezvous waits for every
+    device the pairs name, its own-block pairs included), not only the axes a pair crosses
+    (``Traffic.axes``).
+
+    Raises:
+        HloParseError: its device groups cannot be read (``_device_groups``).
+    """
+    groups = _device_groups(line, math.prod(mesh_shape.values()) if mesh_shape else 1)
+    if kind == "collective-permute":
+        groups = [sorted({d for pair in groups for d in pair})]
+    spanned = {a for g in groups for a in (_axes_of([g], mesh_shape) if mesh_shape and g else ())}
+    return tuple(a for a in mesh_shape if a in spanned)
 
 
 def _is_shift(pairs: list[list[int]], mesh_shape: dict[str, int]) -> bool:

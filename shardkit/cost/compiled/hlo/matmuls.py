@@ -10,7 +10,7 @@ import math
 import re
 
 from ...flash_flops import flash_call_flops, flash_kernel
-from .text import _INSTR, _NAMED, _SHAPE, HloParseError, _ints, _split_tuple, _walk
+from .text import _INSTR, _NAMED, _OP_NAME, _SHAPE, HloParseError, _ints, _split_tuple, _walk
 
 _DOT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\S+)\s+dot\(\s*(?:(\S+\[[0-9,]*\])\S*\s+)?%?([\w.\-]+)")
 _LHS_C = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
@@ -28,7 +28,6 @@ _TPU_RAGGED_DOT = re.compile(r'^\s*(?:ROOT\s+)?%ragged-dot-(?!metadata)[\w.\-]*\
 # sk.attention's Pallas flash kernels: custom calls no compiler counts flops for (Triton's on
 # GPU, Mosaic's on TPU), told apart from other kernels by the named scope in their metadata.
 _KERNEL_CALL = re.compile(r'custom_call_target="(?:__gpu\$xla\.gpu\.triton|tpu_custom_call)"')
-_OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")

@@ -18,6 +18,7 @@ _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)\((.*)$")
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
 
@@ -54,16 +55,9 @@ def _trip_from_condition(lines: list[str]) -> int | None:
     return None
 
 
-def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
-          ) -> tuple[dict[str, list[str]], dict[str, float]]:
-    """Splits HLO text into computations and counts how often each runs per step: an entry
-    computation once, a ``while`` body ``known_trip_count`` times its caller (or, without one,
-    the bound of its ``i < N`` condition), others as called.
-
-    A conditional runs one branch per call, which the text cannot tell; each branch counts
-    once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
-    whose line contains ``marker`` (a named scope, which HLO keeps in the op's metadata), the
-    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
+def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+    """HLO text split into its computations (name -> instruction lines) and the entry
+    computation's name (None where the text has none)."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo.splitlines():
@@ -79,6 +73,31 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
                 current = None
             else:
                 comps[current].append(line)
+    return comps, entry
+
+
+def callees(line: str) -> list[tuple[str, str]]:
+    """The computations an instruction calls, as ``(role, name)``: ``body``, ``condition``,
+    ``calls``, ``to_apply``, ``true_computation``/``false_computation``, and for a
+    ``conditional`` with ``branch_computations`` each branch as ``branch<i>``."""
+    found = _CALLEE.findall(line)
+    for group in _BRANCHES.findall(line):
+        branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+        found.extend((f"branch{i}", b) for i, b in enumerate(branches))
+    return found
+
+
+def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
+          ) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Splits HLO text into computations and counts how often each runs per step: an entry
+    computation once, a ``while`` body ``known_trip_count`` times its caller (or, without one,
+    the bound of its ``i < N`` condition), others as called.
+
+    A conditional runs one branch per call, which the text cannot tell; each branch counts
+    once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
+    whose line contains ``marker`` (a named scope, which HLO keeps in the op's metadata), the
+    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
+    comps, entry = computations(hlo)
     mult: dict[str, float] = defaultdict(float)
     if entry is None:
         return comps, mult
@@ -89,13 +108,13 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
             n = int(trip.group(1)) if trip else None
             if n is None and (cond := _COND.search(line)) is not None:
                 n = _trip_from_condition(comps.get(cond.group(1), []))
-            for role, callee in _CALLEE.findall(line):
-                calls[name].append((callee, n if (role == "body" and n is not None) else 1))
-            for group in _BRANCHES.findall(line):
-                branches = [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-                w = next((ws for marker, ws in (branch_weights or {}).items()
-                          if marker in line and len(ws) == len(branches)), [1.0] * len(branches))
-                calls[name].extend(zip(branches, w))
+            found = callees(line)
+            branches = [c for role, c in found if role.startswith("branch")]
+            w = next((ws for marker, ws in (branch_weights or {}).items()
+                      if marker in line and len(ws) == len(branches)), [1.0] * len(branches))
+            for role, callee in found:
+                k = n if (role == "body" and n is not None) else 1
+                calls[name].append((callee, w[int(role[6:])] if role.startswith("branch") else k))
 
     def visit(name: str, m: int, depth: int = 0):
         if depth > 64 or name not in comps:
