@@ -222,6 +222,8 @@ def published_row(key: str, pl: Pipe, r) -> dict:
                    memory_seconds=est.time["memory-bound"])
     row.update({"mesh": str(lo_c), "fits": bool(r.fits), "device_memory": float(r.device_memory),
                 "matmul_flops": float(r.matmul_flops), "roles": r.roles(), "step_time": t,
+                # what each role is made of: kind, axes, executions and bytes per device
+                "traffic": [[x.kind, "+".join(x.axes), x.count, float(x.bytes)] for x in r.traffic],
                 "model_flops_per_gpu": published.source_flops(run) / run.devices,
                 "tflops": published.source_flops(run) / (run.devices * t["step"]) / 1e12})
     return row
