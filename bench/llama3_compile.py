@@ -30,7 +30,7 @@ traced here) at 8K; at 128K the context axis runs ``sk.context_attention``'s blo
 nested in the stage (the compiler moves K/V); ``sk.pipeline``'s executor stands for the
 paper's, 128 layers for 126.
 
-    python bench/llama3_compile.py              # all three parts (18 compiles; the 7 whole layouts took 69–184 s each on loaded shared cores)
+    python bench/llama3_compile.py              # all three parts, 18 compiles (69–184 s each whole layout, loaded cores)
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context[,keep]]]] [--seq N]
     python bench/llama3_compile.py --published all|KEY:KEEP,...   # e.g. llama3-405b-128k-16384gpu:input
 
