@@ -30,7 +30,7 @@ traced here) at 8K; at 128K the context axis runs ``sk.context_attention``'s blo
 nested in the stage (the compiler moves K/V); ``sk.pipeline``'s executor stands for the
 paper's, 128 layers for 126.
 
-    python bench/llama3_compile.py              # all three parts, 18 compiles (69–184 s each whole layout, loaded cores)
+    python bench/llama3_compile.py              # all three parts, 18 compiles
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context[,keep]]]] [--seq N]
     python bench/llama3_compile.py --published all|KEY:KEEP,...   # e.g. llama3-405b-128k-16384gpu:input
 
@@ -93,7 +93,8 @@ class Pipe(NamedTuple):
 
 
 PIPELINES = (Pipe("interleaved-1f1b", 32, 8), Pipe("interleaved-1f1b", 32, 4), Pipe("interleaved-1f1b", 32, 4, 64),
-             Pipe("1f1b", 32, 1), Pipe("interleaved-1f1b", 32, 8, 128, 64, 3), Pipe("interleaved-1f1b", 16, 8, 128, 128, 3))
+             Pipe("1f1b", 32, 1), Pipe("interleaved-1f1b", 32, 8, 128, 64, 3),
+             Pipe("interleaved-1f1b", 16, 8, 128, 128, 3))
 # The paper's layouts (``bench/published.py``'s scale rows) whole, each ``keep`` compiled.
 PUBLISHED = {"llama3-405b-8k-8192gpu": Pipe("interleaved-1f1b", 32, 8, 128, 64, 3),
              "llama3-405b-8k-16384gpu": Pipe("interleaved-1f1b", 16, 8, 128, 128, 3),
@@ -236,7 +237,8 @@ def _published_line(row: dict) -> str:
     return (f"{row['key']} keep={row['keep']}: compiled peak {row['compiled']['peak'] / GIB:.2f} GiB "
             f"({'fits' if row['fits'] else 'does not fit'} {row['device_memory'] / GIB:.1f}); step {t['step']:.2f} s "
             f"(compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, exposed {t['exposed']:.2f}): "
-            f"{row['tflops']:.1f} TFLOP/s per GPU vs {row['published']:.0f} ({row['tflops'] / row['published'] - 1:+.1%}); "
+            f"{row['tflops']:.1f} TFLOP/s per GPU vs {row['published']:.0f} "
+            f"({row['tflops'] / row['published'] - 1:+.1%}); "
             f"matmul flops {row['matmul_flops'] / row['model_flops_per_gpu']:.2f}x the model's; compile "
             f"{row['seconds'].get('compile', 0):.0f} s")
 
@@ -249,7 +251,8 @@ def _published_jobs(spec: str) -> list[tuple[str, Pipe]]:
     for item in spec.split(","):
         key, _, keep = item.partition(":")
         if key not in PUBLISHED or keep not in KEEPS:
-            raise SystemExit(f"--published {item!r}: want KEY:KEEP, KEY one of {sorted(PUBLISHED)}, KEEP one of {KEEPS}")
+            raise SystemExit(f"--published {item!r}: want KEY:KEEP, KEY one of {sorted(PUBLISHED)}, "
+                             f"KEEP one of {KEEPS}")
         out.append((key, PUBLISHED[key]._replace(keep=keep)))
     return out
 
@@ -282,7 +285,8 @@ def main(argv=None) -> dict:
     rest = reports[len(grid):]
     for pl, r in zip(pipes, rest):
         row = _pipe_row(pl, r, a.seq)
-        out["pipelines"] = [x for x in out["pipelines"] if (x["pipeline"], x.get("seq", a.seq)) != (row["pipeline"], row["seq"])]
+        same = (row["pipeline"], row["seq"])
+        out["pipelines"] = [x for x in out["pipelines"] if (x["pipeline"], x.get("seq", a.seq)) != same]
         out["pipelines"].append(row)
         print(_line(f"{row['mesh']}, {pl.layers} layers, keep={pl.keep}", row))
     for (key, pl), r in zip(pubs, rest[len(pipes):]):
