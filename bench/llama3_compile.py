@@ -9,22 +9,30 @@ with ``ModelShape.activations="xla"``) counts each same layout.
    2 sequences of 8,192 tokens, and 8 layers x 1 (one pipeline stage of the 8K runs, one
    microbatch). The saved activations per layer and sequence are the mixed difference of the
    four temporaries (what grows with layers alone or with sequences alone cancels).
-2. The pipeline as ``sk.pipeline`` runs it (stage inputs kept, the forward recomputed in each
-   backward op: not the paper's executor, which keeps every in-flight microbatch's residuals;
-   that one no compiler here can run) with the real shapes and 128 layers (the paper's 126
+2. The pipeline as ``sk.pipeline`` runs it by default (``keep="input"``: stage inputs kept, the
+   forward recomputed in each backward op; the paper's executor keeps every in-flight
+   microbatch's residuals, ``keep="all"``, part 3) with the real shapes and 128 layers (the paper's 126
    padded to its 128 slots): one DP replica on pipe=16 x tensor=8 (128 GPUs; interleaved 1F1B
    v 8 and v 4, 1F1B; 64 layers at v 4), and the 8K runs' whole meshes, pipe=16 x data=64 x
    tensor=8 (8,192 GPUs, 32 microbatches) and x data=128 (16,384 GPUs, 16 microbatches), ZeRO-3.
 
-Reduced against the published runs: the attention is ``flash_like`` (cuDNN's kernel cannot be
-traced here), ``sk.pipeline``'s executor stands for the paper's, 128 layers for 126, and the
-128K row (context=16) is not in the default run: XLA's SPMD partitioner aborted on pipe x context
-x tensor (``--pipeline interleaved-1f1b,16,8,128,8,3,16 --seq 131072``), on a gather in the loss
-that the recipe no longer emits (``sk.kernels.cross_entropy``, issue 37); that command is the
-way to compile it.
+3. The paper's layouts whole (``PUBLISHED``, ``bench/published.py``'s scale rows), each with
+   ``sk.pipeline(keep=)`` = ``"input"`` (the stage input: each backward op recomputes its
+   chunk's forward), ``"all"`` (every residual: Megatron's executor, no recompute) and
+   ``"dots"`` (the matmul outputs kept, the rest recomputed): 8K on 8,192 and 16,384 GPUs, and
+   128K (131,072 tokens) on pipe=16 x data=8 x context=16 x tensor=8 (16,384 GPUs, 16
+   microbatches). Each row: the compiled peak against the H100's memory, and TFLOP/s per GPU in
+   the paper's flop convention of a step timed by ``sk.cost.times`` on the compiled matmul
+   flops and collectives (H100 links) plus the analytic memory-bound kernels' time.
 
-    python bench/llama3_compile.py              # both parts, ~5 min on 2 shared cores
-    python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context]]]
+Reduced against the published runs: the attention is ``flash_like`` (cuDNN's kernel cannot be
+traced here) at 8K; at 128K the context axis runs ``sk.context_attention``'s blockwise form
+nested in the stage (the compiler moves K/V); ``sk.pipeline``'s executor stands for the
+paper's, 128 layers for 126.
+
+    python bench/llama3_compile.py              # all three parts, 18 compiles
+    python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context[,keep]]]] [--seq N]
+    python bench/llama3_compile.py --published all|KEY:KEEP,...   # e.g. llama3-405b-128k-16384gpu:input
 
 Writes bench/results/llama3_compile.json.
 """
@@ -36,9 +44,11 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # published.py: the paper's runs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=3000.0)
     p.add_argument("--pipeline", default="", help="compile one pipeline only: SCHEDULE,m,v[,layers[,data,zero"
-                                                   "[,context]]] (e.g. interleaved-1f1b,32,8)")
+                                                   "[,context[,keep]]]] (e.g. interleaved-1f1b,32,8)")
+    p.add_argument("--published", default="", help="compile the paper's layouts only: 'all' or KEY:KEEP,... "
+                                                    "(e.g. llama3-405b-128k-16384gpu:input)")
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
     return p.parse_args(argv)
 
@@ -60,11 +72,33 @@ import shardkit as sk  # noqa: E402
 from shardkit import cost  # noqa: E402
 
 GIB = 2 ** 30
+KEEPS = ("input", "all", "dots")  # sk.pipeline(keep=...): the stage input, every residual, a policy's
 GRID = ((2, 1), (4, 1), (2, 2), (4, 2), (8, 1))  # (layers, sequences) on tensor=8
-# (schedule, microbatches, chunks per stage, layers, data, zero): the pipelines compiled.
-PIPELINES = (("interleaved-1f1b", 32, 8, 128, 1, 0), ("interleaved-1f1b", 32, 4, 128, 1, 0),
-             ("interleaved-1f1b", 32, 4, 64, 1, 0), ("1f1b", 32, 1, 128, 1, 0),
-             ("interleaved-1f1b", 32, 8, 128, 64, 3), ("interleaved-1f1b", 16, 8, 128, 128, 3))
+
+
+class Pipe(NamedTuple):
+    """One pipeline compiled: ``sk.pipeline``'s schedule, microbatches per replica, chunks per
+    stage, layers, the data axis and ZeRO stage, the context axis, ``keep`` and the sequence
+    length (0: ``--seq``)."""
+
+    schedule: str
+    m: int
+    v: int
+    layers: int = 128
+    data: int = 1
+    zero: int = 0
+    context: int = 1
+    keep: str = "input"
+    seq: int = 0
+
+
+PIPELINES = (Pipe("interleaved-1f1b", 32, 8), Pipe("interleaved-1f1b", 32, 4), Pipe("interleaved-1f1b", 32, 4, 64),
+             Pipe("1f1b", 32, 1), Pipe("interleaved-1f1b", 32, 8, 128, 64, 3),
+             Pipe("interleaved-1f1b", 16, 8, 128, 128, 3))
+# The paper's layouts (``bench/published.py``'s scale rows) whole, each ``keep`` compiled.
+PUBLISHED = {"llama3-405b-8k-8192gpu": Pipe("interleaved-1f1b", 32, 8, 128, 64, 3),
+             "llama3-405b-8k-16384gpu": Pipe("interleaved-1f1b", 16, 8, 128, 128, 3),
+             "llama3-405b-128k-16384gpu": Pipe("interleaved-1f1b", 16, 8, 128, 8, 3, 16, "input", 131072)}
 
 
 def config(layers: int, seq: int, attention: str = "xla"):
@@ -125,16 +159,16 @@ def layer_job(layers: int, seqs: int, seq: int):
     return step, state, batch, spec
 
 
-def pipeline_job(schedule: str, microbatches: int, repeats: int, layers: int = 128, data: int = 1, zero: int = 0,
-                 context: int = 1, seq: int = 8192):
-    """One step of ``layers`` layers through ``sk.pipeline`` on pipe=16 x data x context x
-    tensor=8, ``microbatches`` sequences per replica."""
+def pipeline_job(pl: Pipe, seq: int):
+    """One step of ``pl.layers`` layers through ``sk.pipeline`` on pipe=16 x data x context x
+    tensor=8, ``pl.m`` sequences per replica of ``pl.seq or seq`` tokens."""
     from models.transformer.plan import abstract_step
 
-    spec, amesh = _mesh(data, context, pipe=16)
-    step, state, batch = abstract_step(config(layers, seq), amesh, global_batch=microbatches * data, zero=zero,
-                                       precision="bf16", sequence_parallel=True, schedule=schedule,
-                                       repeats=repeats, pipeline_microbatches=microbatches, target="h100")
+    spec, amesh = _mesh(pl.data, pl.context, pipe=16)
+    step, state, batch = abstract_step(config(pl.layers, pl.seq or seq), amesh, global_batch=pl.m * pl.data,
+                                       zero=pl.zero, precision="bf16", sequence_parallel=True,
+                                       schedule=pl.schedule, repeats=pl.v, pipeline_microbatches=pl.m,
+                                       target="h100", keep=pl.keep)
     return step, state, batch, spec
 
 
@@ -160,34 +194,108 @@ def _line(name: str, row: dict) -> str:
             f"{row['seconds'].get('compile', 0):.0f} s")
 
 
+def _pipe_row(pl: Pipe, r, seq: int) -> dict:
+    lo = cost.Layout(pipe=16, data=pl.data, context=pl.context, tensor=8, zero=pl.zero, microbatches=pl.m,
+                     schedule=pl.schedule, repeats=pl.v, sequence_parallel=True)
+    return {"pipeline": list(pl[:8]), "seq": pl.seq or seq, "mesh": str(lo),
+            "analytic": analytic(pl.layers, pl.seq or seq, pl.m * pl.data, lo), **_compiled(r)}
+
+
+def published_row(key: str, pl: Pipe, r) -> dict:
+    """A paper layout's compile: its peak against the H100's memory, and the step time of the
+    compiled matmul flops and collectives (``sk.cost.times``, the H100 links) plus the analytic
+    memory-bound kernels' time (``steptime.memory_bound_time``, which a compile does not
+    count), as TFLOP/s per GPU in the paper's flop convention (``published.source_flops``)."""
+    import published
+
+    run = next(x for x in published.RUNS if x.key == key)
+    row = {"key": key, "keep": pl.keep, "pipeline": list(pl[:8]), "seq": run.seq, "published": run.value,
+           **_compiled(r)}
+    if isinstance(r, Exception):
+        return row
+    # The memory-bound kernels of one forward and backward: keep="input"'s recomputed forward
+    # runs its norms and activations again, which this leaves out (0.075 s of a ~10 s step).
+    est = cost.estimate(published.model(run), published.layout(run), "h100", global_batch=run.global_batch,
+                        precision="bf16")
+    lo_c = cost.Layout(pipe=16, data=pl.data, context=pl.context, tensor=8, zero=pl.zero, microbatches=pl.m,
+                       schedule=pl.schedule, repeats=pl.v, sequence_parallel=True)
+    t = cost.times(r.roles(), r.role_counts(), r.matmul_flops, cost.hardware.lookup("h100"), lo_c,
+                   memory_seconds=est.time["memory-bound"])
+    row.update({"mesh": str(lo_c), "fits": bool(r.fits), "device_memory": float(r.device_memory),
+                "matmul_flops": float(r.matmul_flops), "roles": r.roles(), "step_time": t,
+                # what each role is made of: kind, axes, executions and bytes per device
+                "traffic": [[x.kind, "+".join(x.axes), x.count, float(x.bytes)] for x in r.traffic],
+                "model_flops_per_gpu": published.source_flops(run) / run.devices,
+                "tflops": published.source_flops(run) / (run.devices * t["step"]) / 1e12})
+    return row
+
+
+def _published_line(row: dict) -> str:
+    if "compiled" not in row:
+        return f"{row['key']} keep={row['keep']}: {row['error'][:300]}"
+    t = row["step_time"]
+    return (f"{row['key']} keep={row['keep']}: compiled peak {row['compiled']['peak'] / GIB:.2f} GiB "
+            f"({'fits' if row['fits'] else 'does not fit'} {row['device_memory'] / GIB:.1f}); step {t['step']:.2f} s "
+            f"(compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, exposed {t['exposed']:.2f}): "
+            f"{row['tflops']:.1f} TFLOP/s per GPU vs {row['published']:.0f} "
+            f"({row['tflops'] / row['published'] - 1:+.1%}); "
+            f"matmul flops {row['matmul_flops'] / row['model_flops_per_gpu']:.2f}x the model's; compile "
+            f"{row['seconds'].get('compile', 0):.0f} s")
+
+
+def _published_jobs(spec: str) -> list[tuple[str, Pipe]]:
+    """``--published``: ``all`` (every row x every keep) or ``KEY:KEEP,...``."""
+    if spec == "all":
+        return [(k, pl._replace(keep=keep)) for k, pl in PUBLISHED.items() for keep in KEEPS]
+    out = []
+    for item in spec.split(","):
+        key, _, keep = item.partition(":")
+        if key not in PUBLISHED or keep not in KEEPS:
+            raise SystemExit(f"--published {item!r}: want KEY:KEEP, KEY one of {sorted(PUBLISHED)}, "
+                             f"KEEP one of {KEEPS}")
+        out.append((key, PUBLISHED[key]._replace(keep=keep)))
+    return out
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     _use_flash_like()
+    grid, pipes, pubs = [], [], []
     if a.pipeline:
-        schedule, *nums = a.pipeline.split(",")
-        pipes, grid = [(schedule, *map(int, nums))], []
+        schedule, *rest = a.pipeline.split(",")
+        nums, keep = (rest[:-1], rest[-1]) if len(rest) == 7 else (rest, "input")
+        pipes = [Pipe(schedule, *map(int, nums), keep=keep)]
+    elif a.published:
+        pubs = _published_jobs(a.published)
     else:
-        pipes, grid = list(PIPELINES), list(GRID)
+        grid, pipes, pubs = list(GRID), list(PIPELINES), _published_jobs("all")
     t0 = time.perf_counter()
     jobs = [layer_job(L, n, a.seq) for L, n in grid]
-    jobs += [pipeline_job(*pl, seq=a.seq) for pl in pipes]
+    jobs += [pipeline_job(pl, a.seq) for pl in pipes] + [pipeline_job(pl, a.seq) for _, pl in pubs]
     reports = sk.cost.simulate_many(jobs, target="h100", timeout=a.timeout)
-    out = {"seq": a.seq, "target": "h100", "wall_s": time.perf_counter() - t0, "layers": [], "pipelines": []}
+    # A partial run (--pipeline, --published) replaces its own rows of the JSON and keeps the rest.
+    old = json.load(open(a.json)) if os.path.exists(a.json) and (a.pipeline or a.published) else {}
+    out = {"seq": a.seq, "target": "h100", "layers": [], "pipelines": [], "published": [], **old,
+           "wall_s": time.perf_counter() - t0}
     for (L, n), r in zip(grid, reports):
         row = {"layers": L, "seqs": n, "mesh": "tensor=8",
                "analytic": analytic(L, a.seq, n, cost.Layout(tensor=8, sequence_parallel=True)), **_compiled(r)}
         out["layers"].append(row)
         print(_line(f"tensor=8, {L} layers x {n} sequences", row))
-    for pl, r in zip(pipes, reports[len(grid):]):
-        schedule, m, v, L, data, zero, context = (tuple(pl) + (128, 1, 0, 1)[len(pl) - 3:])[:7]
-        lo = cost.Layout(pipe=16, data=data, context=context, tensor=8, zero=zero, microbatches=m,
-                         schedule=schedule, repeats=v, sequence_parallel=True)
-        row = {"pipeline": [schedule, m, v, L, data, zero, context], "mesh": str(lo),
-               "analytic": analytic(L, a.seq, m * data, lo), **_compiled(r)}
+    rest = reports[len(grid):]
+    for pl, r in zip(pipes, rest):
+        row = _pipe_row(pl, r, a.seq)
+        same = (row["pipeline"], row["seq"])
+        out["pipelines"] = [x for x in out["pipelines"] if (x["pipeline"], x.get("seq", a.seq)) != same]
         out["pipelines"].append(row)
-        print(_line(f"{lo}, {L} layers", row))
+        print(_line(f"{row['mesh']}, {pl.layers} layers, keep={pl.keep}", row))
+    for (key, pl), r in zip(pubs, rest[len(pipes):]):
+        row = published_row(key, pl, r)
+        out["published"] = [x for x in out["published"] if (x["key"], x["pipeline"]) != (key, row["pipeline"])]
+        out["published"].append(row)
+        print(_published_line(row))
     by = {(r["layers"], r["seqs"]): r for r in out["layers"] if "compiled" in r}
-    if all(k in by for k in ((2, 1), (4, 1), (2, 2), (4, 2))):
+    if grid and all(k in by for k in ((2, 1), (4, 1), (2, 2), (4, 2))):
         def mixed(get):
             return (get(by[4, 2]) - get(by[2, 2]) - get(by[4, 1]) + get(by[2, 1])) / 2
 
@@ -203,7 +311,6 @@ def main(argv=None) -> dict:
         json.dump(out, f, indent=1)
     print(f"{out['wall_s']:.0f} s; wrote {a.json}")
     return out
-
 
 if __name__ == "__main__":
     main()

@@ -177,6 +177,23 @@ def test_llama3_scale_rows_map_the_paper():
         cost.estimate("1b", cost.Layout(pipe=2, microbatches=4, keep_residuals=True), global_batch=8)
 
 
+def test_llama3_compile_runs_the_published_layouts():
+    """bench/llama3_compile.py's whole-layout compiles are the scale rows' layouts (pipe, data,
+    context, microbatches, chunks, ZeRO, sequence, layer slots), each with every ``keep``; a bad
+    ``--published`` item names the choices."""
+    lc = repo_files.load("bench/llama3_compile.py", "bench_llama3_compile")
+    jobs = lc._published_jobs("all")
+    runs = {r.key: r for r in published.RUNS if r.source == "llama3_24"}
+    assert sorted({key for key, _ in jobs}) == sorted(runs)
+    for key, pl in jobs:
+        run, lo = runs[key], published.layout(runs[key])
+        assert (16, pl.data, pl.context, pl.m, pl.v, pl.zero, pl.seq or 8192, pl.layers, pl.schedule) == (
+            lo.pipe, lo.data, lo.context, lo.microbatches, lo.repeats, lo.zero, run.seq, run.layer_slots, lo.schedule)
+        assert [p.keep for k, p in jobs if k == key] == list(lc.KEEPS)
+    with pytest.raises(SystemExit, match="KEEP one of"):
+        lc._published_jobs("llama3-405b-8k-8192gpu:everything")
+
+
 def test_xla_activation_count_follows_the_recipes_residuals():
     """ModelShape.activations='xla' counts the residuals JAX saves for the recipe's layer (RMSNorm
     in f32, SwiGLU, K/V repeated for the Pallas flash kernels), term by term. Against XLA:GPU's
