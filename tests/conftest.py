@@ -239,6 +239,11 @@ EXTENDED_CASES.setdefault("test_step.py::test_layout_matches_one_device", set())
 EXTENDED_CASES.setdefault("test_resnet.py::test_layouts_match_one_device", set()).update({"0-data=8"})
 # Whole tests whose promise another default-lane test keeps (named beside each): --extended.
 EXTENDED_TESTS = {
+    # The CP ring's deviceless compiles, blockwise and flash, for H100 and v5p (~35 CPU s):
+    # test_context.py::test_the_target_picks_the_ring_blocks_and_a_fallback_says_why traces the
+    # ring for both targets and finds each step's kernel call, and
+    # test_flash_ring_combines_blocks_by_their_log_sum_exp holds its values and gradients.
+    "test_kernels.py::test_the_context_ring_runs_the_targets_flash_kernel_per_step",
     # A checkpoint saved by one process resumed by two, training as one: the transformer
     # recipe's interrupted run resumed on two processes (test_recipe_data.py, losses equal) and
     # test_tensor_and_zero3_axes_across_two_processes_train_like_one (arrays split across

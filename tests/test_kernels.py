@@ -238,8 +238,7 @@ def test_bad_calls_say_what_is_wrong():
 FLASH_TARGETS = {"h100": "__gpu$xla.gpu.triton", "tpu-v5p": "tpu_custom_call"}
 
 
-@pytest.fixture(scope="module")
-def flash_rows():
+def _kernel_rows(*what: str) -> dict:
     """bench/kernels_memory.py's rows for every target whose compiler is installed, from ONE
     subprocess (each start of JAX and the targets' plugins costs seconds): target -> rows."""
     from target_sweep import require
@@ -256,7 +255,7 @@ def flash_rows():
     # The ring's pieces at T=2048 over data=2,context=4: 512 and 256 tokens (apart from head_dim
     # 128, so a buffer with two such dims is a block's scores or mask).
     proc = subprocess.run([sys.executable, "bench/kernels_memory.py", "--target", *available, "--json",
-                           "--seq", "1024", "--heads", "4", "--kv-heads", "2", "--what", "attention", "context",
+                           "--seq", "1024", "--heads", "4", "--kv-heads", "2", "--what", *what,
                            "--context-mesh", "data=2,context=4", "--context-seq", "2048"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -267,6 +266,16 @@ def flash_rows():
             name = f"ring {r['implementation']}"
         rows.setdefault(r["target"], {})[name] = r
     return rows
+
+
+@pytest.fixture(scope="module")
+def flash_rows():
+    return _kernel_rows("attention")
+
+
+@pytest.fixture(scope="module")
+def ring_rows():
+    return _kernel_rows("context")
 
 
 @pytest.mark.subprocess
@@ -296,7 +305,7 @@ def test_the_target_compiles_its_flash_kernel_deviceless(flash_rows, target, cal
 @pytest.mark.subprocess
 @pytest.mark.targets
 @pytest.mark.parametrize("target,call", sorted(FLASH_TARGETS.items()))
-def test_the_context_ring_runs_the_targets_flash_kernel_per_step(flash_rows, target, call):
+def test_the_context_ring_runs_the_targets_flash_kernel_per_step(ring_rows, target, call):
     """A causal CP attention layer's forward+backward (data=2,context=4, zig-zag ring, T=2048):
     each ring step calls the target's flash kernel, and no buffer holds a ring block's scores
     or mask, which the blockwise ring's program has (bench/kernels_memory.py --what context;
@@ -304,7 +313,7 @@ def test_the_context_ring_runs_the_targets_flash_kernel_per_step(flash_rows, tar
     from target_sweep import require
 
     require(target)
-    rows = flash_rows[target]
+    rows = ring_rows[target]
     kernel = "triton" if target == "h100" else "mosaic"
     blockwise, flash = rows["ring blockwise"], rows[f"ring {kernel}"]
     assert call not in blockwise["custom_calls"] and blockwise["ring_block_buffer"]
