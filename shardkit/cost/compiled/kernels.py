@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 
 from .hlo.collectives import COLLECTIVES
-from .hlo.matmuls import defined_types, line_matmul_flops
+from .hlo.matmuls import defined_types, line_matmul_flops, operand_words
 from .hlo.text import _INSTR, _SHAPE, _split_tuple, _walk, shape_bytes
 
 # Instructions that launch nothing (plumbing, control flow whose bodies are walked) or whose
@@ -108,17 +108,7 @@ def _stepped(comps: dict[str, list[str]]) -> list[str]:
 
 def _operands(ins) -> list[str]:
     """The operand names of an instruction (``_INSTR`` match), in order."""
-    text, depth, end = ins.group(3), 1, 0
-    for end, ch in enumerate(text):  # the operand list ends at the op's closing parenthesis
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            break
-    names = []
-    for operand in _split_tuple(f"({re.sub(r'/[*].*?[*]/', '', text[:end])})"):
-        words = operand.split()
-        if words:
-            names.append(words[-1].lstrip("%"))
-    return names
+    return [words[-1].lstrip("%") for words in operand_words(ins)]
 
 
 def _result_bytes(result: str, op: str) -> float:

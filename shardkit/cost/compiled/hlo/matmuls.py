@@ -134,24 +134,24 @@ _FP8 = re.compile(r"^f8e\d")
 _COMMENT = re.compile(r"/\*.*?\*/")  # HLO numbers long operand lists: /*index=5*/
 
 
+def operand_words(ins) -> list[list[str]]:
+    """Each operand of an instruction (an ``_INSTR`` match), in order, as its words: the type
+    written before its name and the name, or the name alone."""
+    text, depth, end = ins.group(3), 1, 0
+    for end, ch in enumerate(text):  # the operand list ends at the op's closing parenthesis
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    return [w for w in (o.split() for o in _split_tuple(f"({_COMMENT.sub('', text[:end])})")) if w]
+
+
 def _operand_types(line: str, shapes: dict) -> list[str]:
     """The types of an instruction's operands, in order: the one written before an operand's
     name, or else the one its defining instruction gave it ("" where neither is known)."""
     ins = _INSTR.match(line)
     if ins is None:
         return []
-    text, depth, end = ins.group(3), 1, 0
-    for end, ch in enumerate(text):  # the operand list ends at the op's closing parenthesis
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            break
-    types = []
-    for operand in _split_tuple(f"({_COMMENT.sub('', text[:end])})"):
-        words = operand.split()
-        if not words:
-            continue
-        types.append(words[0] if len(words) > 1 else shapes.get(words[-1].lstrip("%"), ""))
-    return types
+    return [w[0] if len(w) > 1 else shapes.get(w[-1].lstrip("%"), "") for w in operand_words(ins)]
 
 
 def _fp8_operands(line: str, shapes: dict) -> bool:
