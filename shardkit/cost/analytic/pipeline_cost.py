@@ -225,7 +225,7 @@ def pipeline_traffic(pipe: PipelineNote, *, stage: float, rest: float, tied: flo
       ticks × a layer group), every backward op of 1F1B (m × the stage) — and 1F1B's loss
       params m times on the last stage (m/p per device).
     """
-    p, pm, v, sched_ = pipe.stages, pipe.microbatches, pipe.repeats, pipe.schedule
+    p, pm, v = pipe.stages, pipe.microbatches, pipe.repeats
     ticks = pipeline_ticks(pipe)
     col, counts = defaultdict(float), defaultdict(float)
     col["pipe-permute"] += 2 * ticks * act_mb * step_m
