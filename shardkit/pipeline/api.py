@@ -53,7 +53,7 @@ Several compiler-owned axes beside the pipe axis (``pipe × context × tensor``,
 there whose operand is split over two of them (``docs/upstream/
 xla_partitioner_gather_two_auto_axes.py``): shardkit's own blocks avoid it
 (``sk.kernels.cross_entropy`` picks the label's logit without one; ``sk.moe`` nested in a stage
-keeps its slot buffers whole). Keep a stage's activations constrained (``sk.constrain``, as the
+keeps its slot buffers and its routing whole). Keep a stage's activations constrained (``sk.constrain``, as the
 recipe's layers are): left free, XLA may move them between the two axes with a
 collective-permute inside the explicit schedules' per-stage branch, which the other stages never
 reach, and the program hangs (``docs/upstream/xla_partitioner_two_auto_axes.py``).
