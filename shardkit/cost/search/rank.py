@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ...precision import Precision
 from .. import hardware as hw_lib
 from ..compiled.bands import underestimate
 from ..analytic.from_shape import estimate
@@ -145,7 +146,8 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
             f"no layout of {devices} devices splits a global batch of {global_batch} (model "
             f"{ms.name}: {ms.layers} layers, {ms.heads} heads); use a batch that is a multiple "
             "of the device count, or loosen the options")
-    ests = [estimate(ms, lo, hw, global_batch=global_batch, precision=precision,
+    prec = Precision.resolve(precision)  # once, not per layout
+    ests = [estimate(ms, lo, hw, global_batch=global_batch, precision=prec,
                      memory_limit=memory_limit) for lo in cands]
     ests.sort(key=lambda e: (not e.fits, e.step_time, e.memory["peak"], _complexity(e.layout)))
     kept, same = _dedupe(ests)
