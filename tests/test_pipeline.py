@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,19 +140,28 @@ def table_reference(n_layers):
     return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*make_problem(n_layers)))
 
 
+def lean_table_layer(lp, h_BxD):
+    """``table_layer`` with its matmul output named for ``keep="lean"``: the tanh and the
+    bias add are recomputed from it, the scaled input from the stage input."""
+    z_BxD = checkpoint_name((h_BxD * TABLE[None]) @ lp["w"], "mlp_up")
+    return jnp.tanh(z_BxD + lp["b"][None])
+
+
 @pytest.mark.parametrize("schedule,v,keep", [
     (s, v, k) for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))
-    for k in ("input", "all", "dots" if s != "1f1b" else jax.checkpoint_policies.dots_saveable)])
+    for k in ("input", "all", "dots" if s != "1f1b" else jax.checkpoint_policies.dots_saveable, "lean")])
 def test_kept_residuals_match_sequential(devices, schedule, v, keep):
-    """keep= (the stage input, every residual, or a checkpoint policy's saved set, from F to
-    its B/BW): loss and gradients equal the model's, for a layer that closes over a constant
-    table the policy keeps (ZB's B re-binds its layers' recompute on the copy read back from
-    the ring, which varies over the manual axes where the table did not)."""
+    """keep= (the stage input, every residual, a checkpoint policy's saved set, or the values
+    named ``sk.LEAN_RESIDUALS``, from F to its B/BW): loss and gradients equal the model's, for
+    a layer that closes over a constant table the policy keeps (ZB's B re-binds its layers'
+    recompute on the copy read back from the ring, which varies over the manual axes where the
+    table did not)."""
     params, head, x, t = make_problem(4 * v)
     want = table_reference(4 * v)
     mesh = make_mesh("pipe=2", devices=devices[:2])
+    stage = lean_table_layer if keep == "lean" else table_layer
     got = jax.jit(jax.value_and_grad(
-        lambda params, head, x: pipeline(table_layer, params, x, microbatches=4, schedule=schedule, repeats=v,
+        lambda params, head, x: pipeline(stage, params, x, microbatches=4, schedule=schedule, repeats=v,
                                          keep=keep, loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
         argnums=(0, 1, 2)))(params, head, x)
     assert_close(got, want)
@@ -159,9 +169,10 @@ def test_kept_residuals_match_sequential(devices, schedule, v, keep):
 
 def test_kept_residuals_remove_the_recompute(devices):
     """1F1B's compiled program (CPU, pipe=2, m=4): with the residuals kept (all, or the matmul
-    outputs) the backward op runs no forward matmul — the matmul flops are exactly F + 2F of
-    the layers and the head, per device — and the temporaries grow with what is kept:
-    input < dots < all."""
+    outputs, or the ones named ``sk.LEAN_RESIDUALS``) the backward op runs no forward matmul —
+    the matmul flops are exactly F + 2F of the layers and the head, per device — and the
+    temporaries grow with what is kept: input < dots < all, and lean (the matmul output only)
+    below all."""
     from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
     from shardkit.cost.pipeline_note import pipeline_branch_weights
 
@@ -173,18 +184,23 @@ def test_kept_residuals_remove_the_recompute(devices):
     mesh = make_mesh("pipe=2", devices=devices[:2])
     weights = pipeline_branch_weights({"schedule": "1f1b", "stages": 2, "microbatches": 4})
     flops, temp = {}, {}
-    for keep in ("input", "dots", "all"):
+    def lean_layer(lp, h_BxD):
+        return jnp.tanh(checkpoint_name(h_BxD @ lp["w"], "mlp_up") + lp["b"][None])
+
+    for keep in ("input", "dots", "all", "lean"):
+        stage = lean_layer if keep == "lean" else layer
         compiled = jax.jit(jax.grad(
-            lambda params, head: pipeline(layer, params, x, microbatches=4, schedule="1f1b", keep=keep,
+            lambda params, head: pipeline(stage, params, x, microbatches=4, schedule="1f1b", keep=keep,
                                           loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
             argnums=(0, 1))).lower(params, head).compile()
         flops[keep] = matmul_flops_from_hlo(compiled.as_text(), weights)
         temp[keep] = compiled.memory_analysis().temp_size_in_bytes
     m, per_stage = 4, 2  # 4 layers on 2 stages; the head on one stage of two
     forward = m * per_stage * 2 * (rows // m) * d * d + m * 2 * (rows // m) * d * OUT / 2
-    assert flops["all"] == flops["dots"] == 3 * forward
+    assert flops["all"] == flops["dots"] == flops["lean"] == 3 * forward
     assert flops["input"] > 3 * forward  # the recompute (XLA:CPU keeps part of it)
     assert temp["input"] < temp["dots"] < temp["all"], temp
+    assert temp["lean"] < temp["all"], temp
 
 
 @pytest.mark.parametrize("mesh_spec,schedule,v", [
@@ -394,6 +410,8 @@ def test_errors(devices):
         (dict(keep=3, **explicit), "keep must be one of"),
         (dict(keep="all"), "keep='all' is for the explicit schedules"),
         (dict(keep="dots", remat="full", **explicit), "keep='dots' with remat='full'"),
+        # a layer that names nothing would keep nothing and recompute all: said, not run
+        (dict(keep="lean", **explicit), "keep='lean' keeps the values.*names none of them"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -6,7 +6,14 @@ and one microbatch's residuals are alive at a time. ``keep="all"`` keeps every r
 the chunk's ``jax.vjp`` (Megatron-LM's 1F1B: no recompute; Narayanan et al. 2021), and a
 ``jax.checkpoint`` policy (``keep=jax.checkpoint_policies.dots_saveable``, ``"dots"``) keeps
 that policy's saved set (selective recompute: Korthikanti et al. 2022 keep the matmul
-outputs and recompute the rest). The kept residuals wait in a ring sized from the schedule
+outputs and recompute the rest). ``keep="lean"`` keeps the values a layer names with
+``jax.ad_checkpoint.checkpoint_name`` as one of ``LEAN_RESIDUALS``: what the backward needs
+that only a matmul could give again (the residual stream between the attention and the MLP,
+q, k, v, the attention's output, the MLP's gate and up projections); the norms, the
+activation function and the sequence-parallel gathers of a normed input are recomputed from
+them and the layer's input (the stage input, kept anyway) — Korthikanti et al. 2022's
+selective recompute less the normed inputs, about 19 bytes per token and d_model over the
+tensor ranks per layer for Llama-like widths. The kept residuals wait in a ring sized from the schedule
 table (``Schedule.res_ring``: the most chunk-microbatches in flight on a stage), the loss's
 in a second one (``Schedule.loss_res_ring``: under a policy, the policy's saved set or all of
 the loss's own residuals, whichever is smaller, ``Kept.loss_shapes``); a zero-bubble B reads them instead of
@@ -28,7 +35,20 @@ import jax.numpy as jnp
 
 from .stage import REMAT
 
-KEEP = ("input", "all", "dots")
+KEEP = ("input", "all", "dots", "lean")
+
+# keep="lean": the values a layer's backward needs that no elementwise op, norm or gather can
+# give again — the outputs of its matmuls and of its residual add between the attention and the
+# MLP (the layer input is the stage input, or a layer scan's saved carry). A layer names them
+# with jax.ad_checkpoint.checkpoint_name(x, name); the same policy works as a plain remat
+# (jax.checkpoint(layer, policy=lean_policy())).
+LEAN_RESIDUALS = ("residual", "attention_q", "attention_k", "attention_v", "attention_out", "mlp_gate", "mlp_up")
+
+
+def lean_policy() -> Callable:
+    """The ``jax.checkpoint`` policy of ``keep="lean"``: save the values named as one of
+    ``LEAN_RESIDUALS``, recompute the rest."""
+    return jax.checkpoint_policies.save_only_these_names(*LEAN_RESIDUALS)
 
 
 def keep_policy(keep) -> Callable | str | None:
@@ -39,6 +59,8 @@ def keep_policy(keep) -> Callable | str | None:
             raise ValueError(f"unknown keep {keep!r}; choose one of {KEEP} or pass a jax.checkpoint "
                              "policy (e.g. jax.checkpoint_policies.dots_saveable, or "
                              "jax.checkpoint_policies.save_only_these_names('name', ...))")
+        if keep == "lean":
+            return lean_policy()
         return None if keep == "input" else "none" if keep == "all" else REMAT[keep]
     if callable(keep):
         return keep
