@@ -628,6 +628,33 @@ def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices, keep
     assert [(tuple(a.shape), a.dtype) for a in carry[-len(want):]] == want, carry
 
 
+def test_kept_pullbacks_store_no_constant_and_lean_keeps_the_loss_matmul():
+    """Issue 37 (keep="lean"): a chunk's residual that depends on none of its inputs (a table
+    the layer closes over, as the recipe's RoPE tables: 4 MiB per slot at Llama 3 405B, 8K) is
+    not stored in the ring but computed again by the backward op, with the same gradients;
+    and under ``keep="lean"`` the loss keeps its matmul output (``dots``), not nothing (which
+    recomputes the head's matmul). Traced, one small CPU jit."""
+    from shardkit.pipeline.keep import Kept, Pullbacks
+
+    policy = jax.checkpoint_policies.dots_saveable
+    fn = jax.checkpoint(lean_table_layer, policy=policy)
+    lp, x = jax.tree.map(lambda a: a[0], make_problem(2)[0]), make_problem(2)[2]
+    pulls = Pullbacks()
+
+    @jax.jit
+    def grads(lp, x):
+        stored = pulls.shapes(lambda _: fn, (lp, x), (), reuse_at=(0, 1))
+        assert [a.shape for a in stored] == [x.shape], stored  # the matmul output, no (1, D) table
+        y, res = pulls.vjp(fn, (lp, x), (lp, x))
+        return pulls.pullback(res, (lp, x))(jnp.ones_like(y))
+
+    want = jax.vjp(table_layer, lp, x)[1](jnp.ones_like(x))
+    assert_close(grads(lp, x), want)
+    head, t = make_problem(2)[1], make_problem(2)[3]
+    kept = Kept(head_loss, sk.lean_policy(), policy).loss_shapes(head, x, t)
+    assert (x.shape[0], OUT) in [a.shape for a in kept], kept
+
+
 def test_a_pending_w_says_which_of_its_values_the_forward_made():
     """What one pending W holds (``SplitBackward.saved_local``), per value: a residual of the
     layer's forward (its input, which the weight's gradient matmul multiplies) or a value B

@@ -195,7 +195,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    kept = None if policy is None else (Kept(loss_fn, policy), loss_params, targets_mb)
+    kept = None if policy is None else (Kept(loss_fn, policy, REMAT["dots"] if keep == "lean" else None),
+                                        loss_params, targets_mb)
     _note_for_estimates(info, chunk, split_ops, kept, params_s, x_mb, extras_mb, rng,
                         math.prod(mesh.shape[a] for a in data))
     note("pipeline", info)

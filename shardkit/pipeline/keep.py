@@ -70,24 +70,44 @@ def keep_policy(keep) -> Callable | str | None:
 
 class Pullbacks:
     """``jax.vjp`` of one function, its pullback stored as the residual leaves that are not
-    among ``reuse`` (values the backward op has again). The structure is recorded by the
-    trace that makes the residuals and read by the traces that rebuild them."""
+    among ``reuse`` (values the backward op has again) and not constants. The structure is
+    recorded by the trace that makes the residuals and read by the traces that rebuild them.
+
+    A constant residual — one that depends on none of the op's inputs, such as the RoPE tables
+    a layer closes over (4 MiB per Llama 3 405B layer at 8K, whole on every tensor rank) — is
+    the same for every microbatch: ``shapes`` finds them in its trace, the ring holds none
+    of them, and the backward op computes them again from what they were computed from."""
 
     def __init__(self):
         self._structure = None  # (treedef, ((leaf position, reuse leaf index), ...))
+        self._constants = None  # (jaxpr of the constant leaves, closed-over values, their positions)
 
     def vjp(self, fn, primals: tuple, reuse) -> tuple:
         """``(fn(*primals), stored residual leaves)``."""
         out, pull = jax.vjp(fn, *primals)
         leaves, treedef = jax.tree.flatten(pull)
         again = {id(a): i for i, a in enumerate(jax.tree.leaves(reuse))}
+        fixed = set(self._constants[2]) if self._constants else set()
         self._structure = (treedef, tuple((n, again[id(a)]) for n, a in enumerate(leaves) if id(a) in again))
-        return out, [a for a in leaves if id(a) not in again]
+        return out, [a for n, a in enumerate(leaves) if id(a) not in again and n not in fixed]
 
     def shapes(self, fn_of, primals: tuple, context, reuse_at) -> list:
         """Shapes and dtypes of the stored leaves (for the ring): of ``fn_of(context)``'s
         ``vjp`` at ``primals``, ``reuse_at`` the positions of the primals the backward op has
-        again. ``context`` (what the op's function closes over) is traced, as in the op."""
+        again. ``context`` (what the op's function closes over) is traced, as in the op. Run
+        before the ops are traced: it settles which leaves are constants."""
+        from jax._src.interpreters.partial_eval import dce_jaxpr
+
+        closed = jax.make_jaxpr(lambda primals, context: jax.tree.leaves(jax.vjp(fn_of(context), *primals)[1]))(
+            primals, context)
+        n_out = len(closed.jaxpr.outvars)
+        fixed = tuple(n for n in range(n_out)
+                      if not any(dce_jaxpr(closed.jaxpr, [i == n for i in range(n_out)])[1]))
+        self._constants = None
+        if fixed:
+            jaxpr = dce_jaxpr(closed.jaxpr, [n in fixed for n in range(n_out)])[0]
+            self._constants = (jaxpr, closed.consts, fixed)
+
         def stored(primals, context):
             return self.vjp(fn_of(context), primals, tuple(primals[i] for i in reuse_at))[1]
 
@@ -95,12 +115,18 @@ class Pullbacks:
 
     def pullback(self, stored, reuse):
         """The pullback again, from what ``vjp`` stored and the same ``reuse`` values."""
+        from jax._src.core import eval_jaxpr
+
         if self._structure is None:
             raise RuntimeError("Pullbacks.pullback traced before vjp or shapes")
         treedef, at = self._structure
-        leaves, again = list(stored), jax.tree.leaves(reuse)
-        for n, i in at:
-            leaves.insert(n, again[i])
+        again, stored = dict(at), iter(stored)
+        reused, constants = jax.tree.leaves(reuse), {}
+        if self._constants:
+            jaxpr, consts, fixed = self._constants
+            constants = dict(zip(fixed, eval_jaxpr(jaxpr, consts)))
+        leaves = [reused[again[n]] if n in again else constants[n] if n in constants else next(stored)
+                  for n in range(treedef.num_leaves)]
         return jax.tree.unflatten(treedef, leaves)
 
 
@@ -108,10 +134,15 @@ class Kept:
     """An explicit schedule's kept residuals: the chunk's pullbacks, the loss's, and the loss
     function F runs (``loss_shapes``; the chunk is wrapped in the keep policy by its runner)."""
 
-    def __init__(self, loss_fn: Callable, policy):
+    def __init__(self, loss_fn: Callable, policy, loss_policy=None):
+        """``loss_policy``: the loss's policy where it is not the chunk's (``keep="lean"``: a
+        loss names no layer residuals, so its matmul outputs, ``dots_saveable``, and never a
+        recompute of the head's matmul)."""
         self.policy = policy
+        loss_policy = policy if loss_policy is None else loss_policy
         # Under a policy, the loss as it is too: ``loss_shapes`` keeps the one that stores less.
-        self._loss_fns = (loss_fn,) if policy == "none" else (jax.checkpoint(loss_fn, policy=policy), loss_fn)
+        self._loss_fns = (loss_fn,) if loss_policy == "none" else (jax.checkpoint(loss_fn, policy=loss_policy),
+                                                                   loss_fn)
         self.loss_fn = self._loss_fns[0]
         self.chunk, self.loss = Pullbacks(), Pullbacks()
 
