@@ -67,6 +67,37 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return sk.constrain(x, names)
 
 
+def gather_region_input(x_BxTxD: jax.Array) -> jax.Array:
+    """A tensor-parallel region's input whole over ``tensor``: under sequence parallelism the
+    residual stream arrives split over the sequence, and Megatron gathers it once per region
+    (Korthikanti et al. 2022, sec. 4.2.2: the all-gather ``g``), not once per matmul that reads
+    it — XLA's partitioner, left to itself, gathers it for each of q, k, v (gate, up) in the
+    forward and again for each weight gradient in the backward. Without sequence parallelism
+    the input is already whole over ``tensor`` and this is the layout it has."""
+    return constrain(x_BxTxD, ("batch", "context", None))
+
+
+@jax.custom_vjp
+def gather_output_gradient(y_BxTxD: jax.Array) -> jax.Array:
+    """The identity on a region's (row-parallel) output whose gradient, in the backward, is
+    gathered whole over ``tensor`` once: under sequence parallelism it arrives split over the
+    sequence, and both matmuls of the region's last weight read it (its input gradient and its
+    weight gradient). Megatron gathers it once (the transpose of the forward's
+    reduce-scatter); XLA's partitioner, left to itself, gathers it for each."""
+    return y_BxTxD
+
+
+def _gather_output_gradient_fwd(y_BxTxD):
+    return y_BxTxD, None
+
+
+def _gather_output_gradient_bwd(_, g_BxTxD):
+    return (constrain(g_BxTxD, ("batch", "context", None)),)
+
+
+gather_output_gradient.defvjp(_gather_output_gradient_fwd, _gather_output_gradient_bwd)
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None):
     init = nnx.initializers.ones if std is None else nnx.initializers.normal(std)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, F32))
@@ -141,6 +172,7 @@ class Attention(nnx.Module):
         self.dots = Dots(cfg, ("q", "k", "v", "o"))
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
+        x_BxTxD = gather_region_input(x_BxTxD)
         q_BxTxHxQ = self.dots("q", "btd,dhq->bthq", x_BxTxD, self.q[...])
         k_BxTxKxQ = self.dots("k", "btd,dkq->btkq", x_BxTxD, self.k[...])
         v_BxTxKxQ = self.dots("v", "btd,dkq->btkq", x_BxTxD, self.v[...])
@@ -159,7 +191,7 @@ class Attention(nnx.Module):
         else:
             o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, self.attention)
         o_BxTxHxQ = checkpoint_name(constrain(o_BxTxHxQ, ("batch", "context", "heads", None)), "attention_out")
-        return self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...])
+        return gather_output_gradient(self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...]))
 
 
 def context_size() -> int:
@@ -230,12 +262,13 @@ class MLP(nnx.Module):
         self.dots = Dots(cfg, ("gate", "up", "down"))
 
     def __call__(self, x_BxTxD):
+        x_BxTxD = gather_region_input(x_BxTxD)
         gate_BxTxF = self.dots("gate", "btd,df->btf", x_BxTxD, self.gate[...])
         up_BxTxF = self.dots("up", "btd,df->btf", x_BxTxD, self.up[...])
         # SwiGLU's backward needs gate and up; the product is recomputed from them.
         gate_BxTxF, up_BxTxF = checkpoint_name(gate_BxTxF, "mlp_gate"), checkpoint_name(up_BxTxF, "mlp_up")
         h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "context", "mlp"))
-        return self.dots("down", "btf,fd->btd", h_BxTxF, self.down[...])
+        return gather_output_gradient(self.dots("down", "btf,fd->btd", h_BxTxF, self.down[...]))
 
 
 class MoE(nnx.Module):

@@ -234,9 +234,13 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # the forward; again in 1F1B's recomputed forward) and open with a column-parallel one
         # (reduced in the backward); the vocab-parallel embedding and head add one each.
         recomputed = 2 * L_dev if s.one_f_one_b else 0
+        # Under sequence parallelism every region gathers its input a third time, as Megatron
+        # does (it keeps the sequence shard and gathers it again for the weight gradients): the
+        # runs this model is calibrated on. A recipe step that keeps the gathered input gathers
+        # twice where its forward is not recomputed (``from_step`` counts what the traced step does).
         parts.append(tensor_traffic(forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
-                                    head_gather=True, tokens=tokens_dev, width=ms.d_model, wire=bc, microbatches=m,
-                                    sequence_parallel=lo.sequence_parallel))
+                                    regathered=2 * L_dev, head_gather=True, tokens=tokens_dev, width=ms.d_model,
+                                    wire=bc, microbatches=m, sequence_parallel=lo.sequence_parallel))
     if lo.expert > 1 and ms.experts:
         # Every MoE layer of every microbatch sends its tokens to their experts and back,
         # forward and backward (sk.moe; inside a pipeline's stages XLA moves them instead).
