@@ -628,28 +628,33 @@ def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices, keep
     assert [(tuple(a.shape), a.dtype) for a in carry[-len(want):]] == want, carry
 
 
-def test_kept_pullbacks_store_no_constant_and_lean_keeps_the_loss_matmul():
-    """Issue 37 (keep="lean"): a chunk's residual that depends on none of its inputs (a table
-    the layer closes over, as the recipe's RoPE tables: 4 MiB per slot at Llama 3 405B, 8K) is
-    not stored in the ring but computed again by the backward op, with the same gradients;
-    and under ``keep="lean"`` the loss keeps its matmul output (``dots``), not nothing (which
-    recomputes the head's matmul). Traced, one small CPU jit."""
+def test_kept_pullbacks_store_nothing_shared_and_lean_keeps_the_loss_matmul():
+    """Issue 37: a chunk's residual that depends on no per-microbatch value — a table the
+    layer closes over (the recipe's RoPE tables: 4 MiB per slot at Llama 3 405B, 8K), a value
+    of the weights alone (the layer scan's bf16 weight slices: 760 MiB per slot there under
+    keep="all") — is not stored in the ring but computed again by the backward op, with the
+    same gradients; and under ``keep="lean"`` the loss keeps its matmul output (``dots``), not
+    nothing (which recomputes the head's matmul). Traced, two small CPU jits."""
     from shardkit.pipeline.keep import Kept, Pullbacks
 
     policy = jax.checkpoint_policies.dots_saveable
-    fn = jax.checkpoint(lean_table_layer, policy=policy)
     lp, x = jax.tree.map(lambda a: a[0], make_problem(2)[0]), make_problem(2)[2]
-    pulls = Pullbacks()
 
-    @jax.jit
-    def grads(lp, x):
-        stored = pulls.shapes(lambda _: fn, (lp, x), (), reuse_at=(0, 1))
-        assert [a.shape for a in stored] == [x.shape], stored  # the matmul output, no (1, D) table
-        y, res = pulls.vjp(fn, (lp, x), (lp, x))
-        return pulls.pullback(res, (lp, x))(jnp.ones_like(y))
+    def doubled_layer(lp, h_BxD):  # table_layer on twice the table and half the weights
+        return table_layer({"w": 0.5 * lp["w"], "b": lp["b"]}, 2.0 * h_BxD)
 
-    want = jax.vjp(table_layer, lp, x)[1](jnp.ones_like(x))
-    assert_close(grads(lp, x), want)
+    for fn in (jax.checkpoint(lean_table_layer, policy=policy), doubled_layer):
+        pulls = Pullbacks()
+
+        @jax.jit
+        def grads(lp, x):
+            stored = pulls.shapes(lambda _: fn, (lp, x), (), reuse_at=(0, 1))  # noqa: B023
+            # per-microbatch values only (lean: the matmul output): no (D,) table, no (D, D) weights
+            assert stored and all(a.shape == x.shape for a in stored), stored
+            y, res = pulls.vjp(fn, (lp, x), (lp, x))  # noqa: B023
+            return pulls.pullback(res, (lp, x))(jnp.ones_like(y))  # noqa: B023
+
+        assert_close(grads(lp, x), jax.vjp(table_layer, lp, x)[1](jnp.ones_like(x)))
     head, t = make_problem(2)[1], make_problem(2)[3]
     kept = Kept(head_loss, sk.lean_policy(), policy).loss_shapes(head, x, t)
     assert (x.shape[0], OUT) in [a.shape for a in kept], kept

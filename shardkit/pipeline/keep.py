@@ -70,43 +70,58 @@ def keep_policy(keep) -> Callable | str | None:
 
 class Pullbacks:
     """``jax.vjp`` of one function, its pullback stored as the residual leaves that are not
-    among ``reuse`` (values the backward op has again) and not constants. The structure is
-    recorded by the trace that makes the residuals and read by the traces that rebuild them.
+    among ``reuse`` (values the backward op has again) and not the same for every microbatch.
+    The structure is recorded by the trace that makes the residuals and read by the traces
+    that rebuild them.
 
-    A constant residual — one that depends on none of the op's inputs, such as the RoPE tables
-    a layer closes over (4 MiB per Llama 3 405B layer at 8K, whole on every tensor rank) — is
-    the same for every microbatch: ``shapes`` finds them in its trace, the ring holds none
-    of them, and the backward op computes them again from what they were computed from."""
+    A residual that depends on no per-microbatch value — a constant such as the RoPE tables a
+    layer closes over (4 MiB per Llama 3 405B layer at 8K, whole on every tensor rank), or a
+    view of the weights such as the layer scan's per-layer slice of them (the layer's bf16
+    weights: 760 MiB per slot at 405B under ``keep="all"``, 0.74 of its 1.76 GiB) — is not
+    stored: ``shapes`` finds them in its trace, and the backward op computes them again from
+    the weights it has and the values they close over."""
 
     def __init__(self):
         self._structure = None  # (treedef, ((leaf position, reuse leaf index), ...))
-        self._constants = None  # (jaxpr of the constant leaves, closed-over values, their positions)
+        # (jaxpr of the shared leaves, its closed-over values, their positions, the reuse
+        # leaf each of its inputs is)
+        self._shared = None
 
     def vjp(self, fn, primals: tuple, reuse) -> tuple:
         """``(fn(*primals), stored residual leaves)``."""
         out, pull = jax.vjp(fn, *primals)
         leaves, treedef = jax.tree.flatten(pull)
         again = {id(a): i for i, a in enumerate(jax.tree.leaves(reuse))}
-        fixed = set(self._constants[2]) if self._constants else set()
+        fixed = set(self._shared[2]) if self._shared else set()
         self._structure = (treedef, tuple((n, again[id(a)]) for n, a in enumerate(leaves) if id(a) in again))
         return out, [a for n, a in enumerate(leaves) if id(a) not in again and n not in fixed]
 
-    def shapes(self, fn_of, primals: tuple, context, reuse_at) -> list:
+    def shapes(self, fn_of, primals: tuple, context, reuse_at, shared_at=(0,)) -> list:
         """Shapes and dtypes of the stored leaves (for the ring): of ``fn_of(context)``'s
         ``vjp`` at ``primals``, ``reuse_at`` the positions of the primals the backward op has
-        again. ``context`` (what the op's function closes over) is traced, as in the op. Run
-        before the ops are traced: it settles which leaves are constants."""
+        again, ``shared_at`` those of them that are the same for every microbatch (the
+        weights). ``context`` (what the op's function closes over) is traced, as in the op.
+        Run before the ops are traced: it settles which leaves are not stored."""
         from jax._src.interpreters.partial_eval import dce_jaxpr
 
         closed = jax.make_jaxpr(lambda primals, context: jax.tree.leaves(jax.vjp(fn_of(context), *primals)[1]))(
             primals, context)
+        # the jaxpr's inputs are the primals' leaves, then the context's
+        sizes = [len(jax.tree.leaves(p)) for p in primals]
+        starts = [sum(sizes[:i]) for i in range(len(primals))]
+        reuse_flat = [starts[i] + j for i in reuse_at for j in range(sizes[i])]
+        shared = {starts[i] + j for i in shared_at for j in range(sizes[i])}
         n_out = len(closed.jaxpr.outvars)
-        fixed = tuple(n for n in range(n_out)
-                      if not any(dce_jaxpr(closed.jaxpr, [i == n for i in range(n_out)])[1]))
-        self._constants = None
+
+        def needs(n):
+            return {i for i, u in enumerate(dce_jaxpr(closed.jaxpr, [i == n for i in range(n_out)])[1]) if u}
+
+        fixed = tuple(n for n in range(n_out) if needs(n) <= shared)
+        self._shared = None
         if fixed:
-            jaxpr = dce_jaxpr(closed.jaxpr, [n in fixed for n in range(n_out)])[0]
-            self._constants = (jaxpr, closed.consts, fixed)
+            jaxpr, used = dce_jaxpr(closed.jaxpr, [n in fixed for n in range(n_out)])
+            at = tuple(reuse_flat.index(i) for i, u in enumerate(used) if u)
+            self._shared = (jaxpr, closed.consts, fixed, at)
 
         def stored(primals, context):
             return self.vjp(fn_of(context), primals, tuple(primals[i] for i in reuse_at))[1]
@@ -121,11 +136,11 @@ class Pullbacks:
             raise RuntimeError("Pullbacks.pullback traced before vjp or shapes")
         treedef, at = self._structure
         again, stored = dict(at), iter(stored)
-        reused, constants = jax.tree.leaves(reuse), {}
-        if self._constants:
-            jaxpr, consts, fixed = self._constants
-            constants = dict(zip(fixed, eval_jaxpr(jaxpr, consts)))
-        leaves = [reused[again[n]] if n in again else constants[n] if n in constants else next(stored)
+        reused, shared = jax.tree.leaves(reuse), {}
+        if self._shared:
+            jaxpr, consts, fixed, args = self._shared
+            shared = dict(zip(fixed, eval_jaxpr(jaxpr, consts, *[reused[i] for i in args])))
+        leaves = [reused[again[n]] if n in again else shared[n] if n in shared else next(stored)
                   for n in range(treedef.num_leaves)]
         return jax.tree.unflatten(treedef, leaves)
 
