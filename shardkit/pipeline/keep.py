@@ -11,7 +11,8 @@ outputs and recompute the rest). ``keep="lean"`` keeps the values a layer names 
 that only a matmul could give again (the residual stream between the attention and the MLP,
 q, k, v, the attention's output, the MLP's gate and up projections); the norms, the
 activation function and the sequence-parallel gathers of a normed input are recomputed from
-them and the layer's input (the stage input, kept anyway) — Korthikanti et al. 2022's
+them and the layer's input (the stage input, kept anyway, or in a chunk of several
+layers each layer's input, which the pipeline's layer scan names ``"layer_input"``) — Korthikanti et al. 2022's
 selective recompute less the normed inputs, about 19 bytes per token and d_model over the
 tensor ranks per layer for Llama-like widths. The kept residuals wait in a ring sized from the schedule
 table (``Schedule.res_ring``: the most chunk-microbatches in flight on a stage), the loss's
@@ -42,7 +43,9 @@ KEEP = ("input", "all", "dots", "lean")
 # MLP (the layer input is the stage input, or a layer scan's saved carry). A layer names them
 # with jax.ad_checkpoint.checkpoint_name(x, name); the same policy works as a plain remat
 # (jax.checkpoint(layer, policy=lean_policy())).
-LEAN_RESIDUALS = ("residual", "attention_q", "attention_k", "attention_v", "attention_out", "mlp_gate", "mlp_up")
+# "layer_input" is named by sk.pipeline's own layer scan (a chunk of several layers).
+LEAN_RESIDUALS = ("layer_input", "residual", "attention_q", "attention_k", "attention_v", "attention_out",
+                  "mlp_gate", "mlp_up")
 
 
 def lean_policy() -> Callable:

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .._vma import varying as varying  # re-exported: the schedules import it from here
@@ -62,6 +63,11 @@ def chunk_runner(stage_fn, k, has_extras, rng, remat, own_remat=False):
     def chunk(params_l, rep, h, group, mb, extras_mb):
         def layer(h, xs):
             lp, j = xs
+            if k > 1:
+                # Named for keep="lean" (LEAN_RESIDUALS): a remat'd layer scan keeps no carry
+                # a policy does not name, and rebuilds layer j's input through layer j - 1's
+                # matmuls. (One layer: its input is the chunk's, which the op has.)
+                h = checkpoint_name(h, "layer_input")
             return one(lp, h, j, group, mb, extras_mb), None
 
         # The weights are the scan's xs: autodiff then reads them from the operand in the
