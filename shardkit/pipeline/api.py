@@ -93,7 +93,7 @@ from .._axes import claim_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline, kept_shapes
 from .forward import forward
-from .keep import LEAN_RESIDUALS, Kept, keep_policy
+from .keep import Kept, check_named, keep_policy
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
 from .order import LAYER_ORDERS
 from .split import SplitBackward
@@ -397,8 +397,5 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
                          "output to the next layer, so project to another width outside "
                          "pipeline() (before it, or in loss_fn)")
     own_remat, names = layer_facts(layer, layer0, x_mb, kw)
-    if keep == "lean" and not names & set(LEAN_RESIDUALS):
-        raise ValueError(f"keep='lean' keeps the values stage_fn names with jax.ad_checkpoint.checkpoint_name "
-                         f"as one of {LEAN_RESIDUALS}, but it names none of them (names found: {sorted(names)}); "
-                         "name its matmul outputs so, or pass keep='all', 'dots', or a jax.checkpoint policy")
+    check_named(keep, names)
     return L, own_remat

@@ -54,6 +54,15 @@ def lean_policy() -> Callable:
     return jax.checkpoint_policies.save_only_these_names(*LEAN_RESIDUALS)
 
 
+def check_named(keep, names) -> None:
+    """``keep="lean"`` with a layer that names none of ``LEAN_RESIDUALS`` (``names``: the
+    checkpoint names its trace gives) would keep nothing and recompute all: refuse it."""
+    if keep == "lean" and not set(names) & set(LEAN_RESIDUALS):
+        raise ValueError(f"keep='lean' keeps the values stage_fn names with jax.ad_checkpoint.checkpoint_name "
+                         f"as one of {LEAN_RESIDUALS}, but it names none of them (names found: {sorted(names)}); "
+                         "name its matmul outputs so, or pass keep='all', 'dots', or a jax.checkpoint policy")
+
+
 def keep_policy(keep) -> Callable | str | None:
     """The ``with_remat`` setting of the kept forward: ``None`` for ``"input"`` (nothing kept
     beyond the stage input), ``"none"`` (save everything) for ``"all"``, else the policy."""
