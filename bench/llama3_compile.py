@@ -19,7 +19,8 @@ with ``ModelShape.activations="xla"``) counts each same layout.
 3. The paper's layouts whole (``PUBLISHED``, ``bench/published.py``'s scale rows), each with
    ``sk.pipeline(keep=)`` = ``"input"`` (the stage input: each backward op recomputes its
    chunk's forward), ``"all"`` (every residual: Megatron's executor, no recompute) and
-   ``"dots"`` (the matmul outputs kept, the rest recomputed): 8K on 8,192 and 16,384 GPUs, and
+   ``"dots"`` (the matmul outputs kept, the rest recomputed), ``"lean"`` (the values the recipe
+   names ``sk.LEAN_RESIDUALS``: no matmul recomputed): 8K on 8,192 and 16,384 GPUs, and
    128K (131,072 tokens) on pipe=16 x data=8 x context=16 x tensor=8 (16,384 GPUs, 16
    microbatches). Each row: the compiled peak against the H100's memory, and TFLOP/s per GPU in
    the paper's flop convention of a step timed by ``sk.cost.times`` on the compiled matmul
@@ -33,6 +34,7 @@ paper's, 128 layers for 126.
     python bench/llama3_compile.py              # all three parts, 18 compiles
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context[,keep]]]] [--seq N]
     python bench/llama3_compile.py --published all|KEY:KEEP,...   # e.g. llama3-405b-128k-16384gpu:input
+    python bench/llama3_compile.py --layer-remat lean,none --json PATH  # part 1's layers under a recipe remat
 
 Writes bench/results/llama3_compile.json.
 """
