@@ -128,9 +128,20 @@ def test_scan_matches_python_loop_and_remat():
     batch = {"inputs": x, "targets": tokens(2, CFG.seq, seed=1)}
     grad = nnx.jit(lambda m: nnx.grad(loss_fn)(m, batch))
     g_plain = grad(model)
-    g_remat = grad(build(CFG.replace(layers=3, remat="full")))
-    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for remat in ("full", "lean"):
+        g_remat = grad(build(CFG.replace(layers=3, remat=remat)))
+        for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # remat="lean" (keep="lean" in a pipeline) saves exactly the values the layer names
+    # sk.LEAN_RESIDUALS, and of its inputs only the layer input (beside the weights).
+    from jax._src.ad_checkpoint import saved_residuals
+
+    lean = build(CFG.replace(layers=3, remat="lean"))
+    layer, params = lean.layer_fn(CFG.seq), jax.tree.map(lambda a: a[0], nnx.state(lean.blocks))
+    saved = saved_residuals(layer, params, lean.embed_tokens(x))
+    named = sorted(w.split("'")[1] for _, w in saved if w.startswith("named"))
+    assert named == sorted(set(sk.LEAN_RESIDUALS) - {"layer_input"}), saved  # that one sk.pipeline names
+    assert not [w for _, w in saved if not w.startswith(("named", "from the argument", "from a constant"))], saved
 
 
 def test_config_errors():
