@@ -55,21 +55,19 @@ def _add(acc, d):
 @dataclasses.dataclass(frozen=True)
 class _Op:
     """One device's operation at one tick: what its ``lax.switch`` branches read (the chunk's
-    weights, the saved stage input ``h``, the output cotangent ``g``) and how they add into the
-    accumulators ``(d params, d loss_params, d x rows, loss total)``."""
+    weights, the saved stage input ``h``, the output cotangent ``g``) and what they hand back
+    to add into the accumulators: the op's *delta* ``(d chunk weights, d loss_params, loss)``,
+    zeros where the op makes none (the input gradient is the cotangent it sends up)."""
 
     chunk: Callable
     loss_fn: Callable
     split: SplitBackward | None
-    ring: bool  # several chunks per device: the weight accumulator is selected per chunk
-    v: int
     seed: jax.Array  # the local loss's cotangent, 1 / (m · n_data)
     zero_h: jax.Array
     groups: jax.Array
     stage: jax.Array
     c: jax.Array
     mb: jax.Array
-    dx: jax.Array  # the row of the input-gradient accumulator (m: discarded)
     w_at: jax.Array
     h: jax.Array
     g: jax.Array
@@ -88,38 +86,32 @@ class _Op:
     def loss(self, Wc, LP, h):
         return self.loss_fn(LP, self.out(Wc, h), take(self.targets_mb, self.mb)).astype(jnp.float32)
 
-    def add_w(self, acc, d_w, d_l=None):
-        gp, gl, gx, total = acc
-        if d_w is None:
-            pass
-        elif self.ring:  # an elementwise select over the chunks: updated in place
-            def upd(a, d):
-                hit = (jnp.arange(self.v) == self.c).reshape((self.v,) + (1,) * (a.ndim - 1))
-                return jnp.where(hit, a + d.astype(a.dtype), a)
-            gp = jax.tree.map(upd, gp, d_w)
-        else:
-            gp = _add(gp, d_w)
-        return gp, gl if d_l is None else _add(gl, d_l), gx, total
-
-    def add_x(self, acc, d_h):  # only stage 0's first chunk owns dx (row m = discard)
-        gp, gl, gx, total = acc
-        return gp, gl, put(gx, d_h.astype(gx.dtype), self.dx), total
+    def delta(self, d_w=None, d_l=None, loss=None):
+        """The op's contribution, typed alike in every branch: the weight and loss-params
+        gradients in their own (compute) dtype, the loss in f32. (The f32 accumulators are
+        added to after the switch: handed through a branch whole, XLA held each twice — the
+        switch's operand and its result.)"""
+        zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a)), t)  # noqa: E731
+        cast = lambda d, a: jax.tree.map(lambda d, a: d.astype(jnp.result_type(a)), d, a)  # noqa: E731
+        d_w = zeros(self.weights) if d_w is None else cast(d_w, self.weights)
+        d_l = zeros(self.loss_params) if d_l is None else cast(d_l, self.loss_params)
+        return varying((d_w, d_l, jnp.float32(0) if loss is None else loss), self.axes)
 
     def branch(self, op, on_loss):
-        """The switch branch of ``op`` (on the loss's chunk or not): ``(acc, rings) -> (send
-        down, send up, acc, the op's slot of each ring to write back)``; the rings are ZB's
-        pending W's and the kept residuals (chunk, loss), each None where unused."""
-        def branch_fn(acc, rings):
+        """The switch branch of ``op`` (on the loss's chunk or not): ``rings -> (send down,
+        send up, the op's delta, the op's slot of each ring to write back)``; the rings are
+        ZB's pending W's and the kept residuals (chunk, loss), each None where unused."""
+        def branch_fn(rings):
             own = [None if r is None else take(r, at) for r, at in zip(rings, (self.w_at, self.res_at, self.loss_at))]
             if self.keep is not None and op in (F, B, BW):
-                return self.kept_op(op, on_loss, acc, own)
+                return self.kept_op(op, on_loss, own)
             if self.split is not None and op in (B, W):
-                send_h, send_g, acc, own[0] = self.split_op(op, on_loss, acc, own[0])
-                return send_h, send_g, acc, tuple(own)
-            return (*self.run(op, on_loss, acc), tuple(own))
+                send_h, send_g, delta, own[0] = self.split_op(op, on_loss, own[0])
+                return send_h, send_g, delta, tuple(own)
+            return (*self.run(op, on_loss), tuple(own))
         return branch_fn
 
-    def kept_op(self, op, on_loss, acc, own):
+    def kept_op(self, op, on_loss, own):
         """F keeping its residuals (``keep``), or the B/BW that reads them: no recompute of
         the forward beyond what the keep policy left out."""
         keep, zero_h, weights, h = self.keep, self.zero_h, self.weights, self.h
@@ -131,11 +123,10 @@ class _Op:
                 y, res = keep.chunk.vjp(self.out, (weights, h), reuse=(weights, h))
             res = varying(res, self.axes)
             if not on_loss:
-                return y, zero_h, acc, (w_slot, res, loss_res)
+                return y, zero_h, self.delta(), (w_slot, res, loss_res)
             l, loss_res = keep.loss.vjp(self.loss_of_y(keep.loss_fn), (self.loss_params, y),
                                         reuse=(self.loss_params,))
-            gp, gl, gx, total = acc
-            return zero_h, zero_h, (gp, gl, gx, total + l), (w_slot, res, varying(loss_res, self.axes))
+            return zero_h, zero_h, self.delta(loss=l), (w_slot, res, varying(loss_res, self.axes))
         d_l, g_y = None, self.g
         if on_loss:
             d_l, g_y = keep.loss.pullback(loss_res, (self.loss_params,))(self.seed)
@@ -147,10 +138,9 @@ class _Op:
             # makes it from constants alone (a policy's recompute of a value from the layer's
             # tables, a zero cotangent): the switch's branches must agree on the slot's type.
             w_slot = varying(w_slot, self.axes)
-            acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
-            return zero_h, d_h, acc, (w_slot, res, loss_res)
+            return zero_h, d_h, self.delta(d_l=d_l), (w_slot, res, loss_res)
         d_w, d_h = keep.chunk.pullback(res, (weights, h))(g_y)
-        return zero_h, d_h, self.add_x(self.add_w(acc, d_w, d_l), d_h), tuple(own)
+        return zero_h, d_h, self.delta(d_w, d_l), tuple(own)
 
     def ctx(self):
         return self.groups[self.stage, self.c], self.mb, take(self.extras_mb, self.mb)
@@ -159,35 +149,34 @@ class _Op:
         targets = take(self.targets_mb, self.mb)
         return lambda LP, y: loss_fn(LP, y, targets).astype(jnp.float32)
 
-    def run(self, op, on_loss, acc):
+    def run(self, op, on_loss):
         """Idle, F, or a backward op that recomputes the chunk's forward (B, W, fused BW)."""
         zero_h, weights, h = self.zero_h, self.weights, self.h
         if op == IDLE:
-            return zero_h, zero_h, acc
+            return zero_h, zero_h, self.delta()
         if op == F and not on_loss:
-            return self.out(weights, h), zero_h, acc
+            return self.out(weights, h), zero_h, self.delta()
         if op == F:
-            gp, gl, gx, total = acc
-            return zero_h, zero_h, (gp, gl, gx, total + self.loss(weights, self.loss_params, h))
+            return zero_h, zero_h, self.delta(loss=self.loss(weights, self.loss_params, h))
         if op == B:  # input gradient only, sent upstream now
             if on_loss:
                 d_h = jax.vjp(lambda h: self.loss(weights, self.loss_params, h), h)[1](self.seed)[0]
             else:
                 d_h = jax.vjp(lambda h: self.out(weights, h), h)[1](self.g)[0]
-            return zero_h, d_h, self.add_x(acc, d_h)
+            return zero_h, d_h, self.delta()
         if op == W:  # weight gradient, deferred into the bubble by the table
             if on_loss:
                 d_w, d_l = jax.vjp(lambda Wc, LP: self.loss(Wc, LP, h), weights, self.loss_params)[1](self.seed)
-                return zero_h, zero_h, self.add_w(acc, d_w, d_l)
+                return zero_h, zero_h, self.delta(d_w, d_l)
             d_w = jax.vjp(lambda Wc: self.out(Wc, h), weights)[1](self.g)[0]
-            return zero_h, zero_h, self.add_w(acc, d_w)
+            return zero_h, zero_h, self.delta(d_w)
         if on_loss:  # BW: both at once (1F1B)
             d_w, d_l, d_h = jax.vjp(self.loss, weights, self.loss_params, h)[1](self.seed)
         else:
             (d_w, d_h), d_l = jax.vjp(self.out, weights, h)[1](self.g), None
-        return zero_h, d_h, self.add_x(self.add_w(acc, d_w, d_l), d_h)
+        return zero_h, d_h, self.delta(d_w, d_l)
 
-    def split_op(self, op, on_loss, acc, slot):
+    def split_op(self, op, on_loss, slot):
         """B: the chunk's forward once, its input gradient sent upstream now, what W needs kept
         in the W ring; W: the weight-gradient matmuls from it (``split``). ``slot``: the op's
         W ring slot."""
@@ -195,7 +184,7 @@ class _Op:
         w_k = jax.tree.map(lambda a: a[0], self.weights)  # (k, ...)
         if op == W:
             d_w = split.weight_grad(w_k, slot)
-            return zero_h, zero_h, self.add_w(acc, jax.tree.map(lambda a: a[None], d_w)), slot
+            return zero_h, zero_h, self.delta(jax.tree.map(lambda a: a[None], d_w)), slot
         y, kept = split.forward(w_k, self.h, self.ctx())
         d_l = None
         if on_loss:  # the head's gradients here: they are the loss's, not the chunk's
@@ -203,8 +192,21 @@ class _Op:
         else:
             g_y = self.g
         d_h, saved = split.input_grad(w_k, kept, g_y.astype(y.dtype))
-        acc = self.add_x(acc if d_l is None else self.add_w(acc, None, d_l), d_h)
-        return zero_h, d_h, acc, saved
+        return zero_h, d_h, self.delta(d_l=d_l), saved
+
+
+def _accumulate(acc, delta, d_h, c, dx, ring):
+    """``acc`` with the op's ``delta`` and input gradient ``d_h`` added, in place: the weight
+    gradient into its chunk's row (``ring``: several chunks per device), ``d_h`` into
+    microbatch row ``dx`` (row m, discarded, except on stage 0's first chunk's B/BW)."""
+    gp, gl, gx, total = acc
+    d_w, d_l, loss = delta
+    if ring:
+        gp = jax.tree.map(lambda a, d: lax.dynamic_update_slice_in_dim(
+            a, lax.dynamic_slice_in_dim(a, c, 1, 0) + d.astype(a.dtype), c, 0), gp, d_w)
+    else:
+        gp = _add(gp, d_w)
+    return gp, _add(gl, d_l), put(gx, d_h.astype(gx.dtype), dx), total + loss
 
 
 def _routes(p: int, around: bool):
@@ -263,12 +265,13 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
             c = c if ring else 0
             weights = (jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c, 1, 0), params_l)
                        if ring else params_l)
-            op = _Op(chunk, loss_fn, split, ring, v, seed, zero_h, groups, stage, c, mb, dx, w_at, h, g, weights,
+            op = _Op(chunk, loss_fn, split, seed, zero_h, groups, stage, c, mb, w_at, h, g, weights,
                      loss_params, extras_mb, targets_mb, keep, res_at, loss_at, everywhere)
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.pipeline_note.pipeline_branch_weights``) and no other.
             with jax.named_scope(EXPLICIT_SCOPE):
-                send_h, send_g, acc, slots = lax.switch(br, [op.branch(o, l) for o, l in pairs], acc, rings)
+                send_h, send_g, delta, slots = lax.switch(br, [op.branch(o, l) for o, l in pairs], rings)
+            acc = _accumulate(acc, delta, send_g, c, dx, ring)
             # The rings are only read inside the switch and written here, in place: the op's
             # new entry (B: W's share; F: the kept residuals), or (every other op) the slot's
             # own content back. Returned from the branches whole, a ring was copied and, in
