@@ -99,22 +99,22 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
     What the scan carries from tick to tick: the f32 gradient accumulators (the stage's, the
     loss params', the input's ``(m + 1)`` microbatch rows — f32 too, ``acc_ratio`` times a
     microbatch's activation bytes) and ZB's ring of pending W's (``w_ring`` slots of
-    ``w_saved`` bytes, ``pipeline.split``). The accumulators are the ``lax.switch``'s operands,
-    which every branch updates; the W ring is only read there and written after it, in place
-    (the branch hands back one slot). Alive throughout: the W ring, the rings of stage inputs
+    ``w_saved`` bytes, ``pipeline.split``). The accumulators are held once: a branch of the
+    ``lax.switch`` hands back only its op's gradients (compute dtype), added in place after it;
+    the W ring is only read there and written after it, in place (the branch hands back one
+    slot). Alive throughout: the W ring, the rings of stage inputs
     and cotangents (one spare slot each) and the pipeline's input (all microbatches of a
     device's rows).
 
-    At its peak the tick holds either a second copy of the switch's operands (XLA copies a
-    loop-carried value into the conditional that updates it, and back) or, inside a backward
-    op, ``op_peak`` beside them: the liveness peak of the chunk's recomputed forward and its
+    At its peak, inside a backward op, the tick holds ``op_peak`` beside them: the liveness peak of the chunk's recomputed forward and its
     VJP for one microbatch (``pipeline_memory`` reads it off the jaxpr the trace note keeps: the
     layers' saved inputs, one layer's recomputed intermediates with their cotangents, the
     chunk's weight gradients), the branch's new loss-params accumulator and ``chunk_weights``:
     the chunk's compute-dtype weights once more, as the layer scan's loop carries them (XLA
     gives a loop's carry buffers of its own, and the weights stay alive after the loop for
-    the next op: they are copied in). Under remat the
-    op's peak wins for 1F1B. [issue 25: when the branches returned the W ring whole, XLA held
+    the next op: they are copied in). [issue 37: when every branch handed back the
+    accumulators whole, XLA held them twice (the conditional's operand and its result): Llama 3
+    405B keep="lean" on 16,384 H100s 79.42 GiB, 67.53 with them once. issue 25: when the branches returned the W ring whole, XLA held
     it twice — ZB-H1 at d=512 on H100 659.5 MiB, ZB-V 639.2; read-only in the switch, 546.6 and
     438.2.]
 
@@ -133,8 +133,7 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
     keep="dots" 1.10 (the whole-chunk recompute counted for B).]
 
     Without ``op_peak`` (no jaxpr in the note): the stage's residuals for the microbatch and
-    one layer's share of them again in cotangents, a fresh stage gradient and a second copy of
-    the accumulators [issue 24's form, which missed the layer's recomputed intermediates: 0.52
+    one layer's share of them again in cotangents and a fresh stage gradient [issue 24's form, which missed the layer's recomputed intermediates: 0.52
     to 0.79 of the compiled temporaries on H100]."""
     pm = pipe.microbatches
     act_mb = act_elems_x4 / pm
@@ -158,10 +157,10 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
             if tab.name in sched.SPLIT:
                 op_peak = kept + (op_peak - kept) / stage_layers
             op_peak += loss_out
-        return throughout + max(operands + op_peak + rest_grads + chunk_weights, 2 * operands)
+        return throughout + operands + op_peak + rest_grads + chunk_weights
     rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
     carry = stage_grads + rest_grads + (pm + 1) * act_mb * acc_ratio + rings + pm * act_mb
-    backward_op = stage_grads + rest_grads + stage_grads + stage_residuals * (1 + 1 / stage_layers)
+    backward_op = stage_grads + rest_grads + stage_residuals * (1 + 1 / stage_layers)
     # [issue 25] ZB-H1/ZB-V: B keeps what its W reads (``w_saved`` bytes per pending W, the
     # trace note's ``w_saved``; ``pipeline.split``) in a ring of ``w_ring`` slots, carried
     # through the loop, and the switch hands back one slot (the ring itself is only read there).
