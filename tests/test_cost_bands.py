@@ -241,6 +241,28 @@ def test_cudnn_convolutions_count_their_flops():
     assert matmul_flops_from_hlo(hlo) == 3 * 2 * (8 * 16 * 16 * 64) * 9 * 32
 
 
+def test_a_tpu_dot_written_as_a_padded_window_counts_one_tap_per_output():
+    # XLA:TPU writes the scanned GPT's q/k/v projection (btd,dhk->bthk) as a convolution whose
+    # window of 8 (the heads) slides over an input of extent 1 padded 7 each side: each output
+    # meets one tap. Counting the whole window read the GPT's v5p flops 2.2x its matmuls (283.1M
+    # for 129.0M on data=8); a 3x3 window over an 8x8 map keeps its 9 taps.
+    from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
+
+    hlo = "\n".join([
+        "HloModule m", "",
+        "ENTRY %main (x: f32[4,32,64,1], w: bf16[64,8,8,1], m: f32[8,8,8,32], k: f32[64,3,3,32]) -> f32[8,8,8,64] {",
+        "  %x = f32[4,32,64,1]{2,1,3,0} parameter(0)",
+        "  %w = bf16[64,8,8,1]{0,2,1,3} parameter(1)",
+        "  %m = f32[8,8,8,32]{3,2,1,0} parameter(2)",
+        "  %k = f32[64,3,3,32]{3,2,1,0} parameter(3)",
+        "  %q = bf16[4,32,8,8]{1,3,2,0} convolution(%x, %w), window={size=1x8 pad=0_0x7_7 rhs_reversal=0x1}, "
+        "dim_labels=0bf1_i1o0->0b1f",
+        "  ROOT %c = f32[8,8,8,64]{3,2,1,0} convolution(%m, %k), window={size=3x3 pad=1_1x1_1}, "
+        "dim_labels=b01f_o01i->b01f",
+        "}"])
+    assert matmul_flops_from_hlo(hlo) == 2 * (4 * 32 * 8 * 8) * 64 + 2 * (8 * 8 * 8 * 64) * 9 * 32
+
+
 def test_strided_convolution_flops_skip_the_dilation_zeros():
     # The CNN family's strided convolution: its input gradient convolves the gradient dilated
     # by the stride; the zeros are not work. By hand, 2 x forward output x 3x3 x input
