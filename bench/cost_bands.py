@@ -189,6 +189,8 @@ def main(argv=None) -> None:
             key = f"{family}|{mesh}|{zero}|{args.target}"
             if args.reestimate and key in cache:
                 cache[key]["rows"] = reestimate(family, module, mesh, zero, args.target, cache[key]["rows"])
+                save({key: cache[key]})  # this key only: runs for other families or targets may be saving theirs
+                console.print(f"{key}: re-estimated")
                 continue
             if args.reuse and key in cache:
                 continue
@@ -199,8 +201,6 @@ def main(argv=None) -> None:
                 continue
             console.print(f"{key}: {cache[key]['seconds']:.1f} s")
             save({key: cache[key]})
-    if args.reestimate:
-        save({k: v for k, v in cache.items() if k.endswith("|" + args.target)})
     held = args.held_out
     fitted = bands(cache, args.target, lambda f: f != held and f in fams)
     held_band = bands(cache, args.target, lambda f: f == held)
