@@ -97,8 +97,8 @@ def tensor_traffic(*, forward: float = 0.0, backward: float = 0.0, regions: floa
 
 
 def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
-                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, zero12_ops: float = 1.0, bg: int, wire: int,
-                 bp: int) -> RoleTraffic:
+                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, zero12_ops: float = 1.0,
+                 regathered: float = 0.0, bg: int, wire: int, bp: int) -> RoleTraffic:
     """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020): the one
     formula both estimators use, fed by a ``ModelShape`` (``estimate``) or by a real step's leaf
     sums (``from_step``).
@@ -110,7 +110,8 @@ def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
       elements over ``gather_ops`` collectives, in the compute dtype on the wire);
     * ``param-gather`` under ZeRO-1/2: the updated shards are gathered once per step into the
       replicated parameters (``zero12_gathered`` elements, in the parameter dtype; ``zero12_ops``
-      collectives).
+      collectives), and ``regathered`` elements of gradient reduced into the shard and gathered
+      back whole (in the gradient dtype): a tied table's, whose lookup scatter-adds into it.
     """
     col, counts = defaultdict(float), defaultdict(float)
     col["grad-reduce"] += reduced * bg
@@ -119,7 +120,7 @@ def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
         col["param-gather"] += gathered * wire
         counts["param-gather"] += gather_ops
     elif zero12_gathered:
-        col["param-gather"] += zero12_gathered * bp
+        col["param-gather"] += zero12_gathered * bp + regathered * bg
         counts["param-gather"] += zero12_ops
     return RoleTraffic(dict(col), dict(counts))
 
