@@ -19,6 +19,7 @@ Compiled figures are cached in bench/results/cost_bands.json (``--reuse`` reads 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import pathlib
 import re
@@ -117,7 +118,10 @@ def reestimate(family, module, mesh, zero, target, rows: dict) -> dict:
     from shardkit.cost.compiled.report import Report
     from shardkit.plan import detailed_notes
 
-    step, state, batch = module.build(family, mesh, zero)
+    # Traced only: a builder that can leaves the state abstract (ResNet-18's init alone took
+    # minutes of CPU per layout on the shared machine).
+    abstract = {"abstract": True} if "abstract" in inspect.signature(module.build).parameters else {}
+    step, state, batch = module.build(family, mesh, zero, **abstract)
     tgt = targets.get(target)
     amesh = simulated.abstract_mesh(mesh, max_devices=simulated.MAX_TARGET_DEVICES, target=tgt)
     sim = step.with_plan(simulated.simulated_plan(step.plan, amesh))
