@@ -490,18 +490,19 @@ def test_a_hybrid_layout_stays_inside_its_bands(target):
     assert not _outside_band("mlp", "data=2,fsdp=2,tensor=2", 1, target, compiled)
 
 
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,tensor=4"])
 @pytest.mark.parametrize("target", ["h100", "tpu-v5p"])
-def test_a_tied_tables_gradient_gathered_back_under_zero1_is_a_parameter_gather(target):
+def test_a_tied_tables_gradient_gathered_back_under_zero1_is_a_parameter_gather(target, mesh):
     # Reducing into its shard (ZeRO-1, one microbatch), the scanned GPT's tied table has its
     # head gradient reduce-scattered, then gathered back whole for the lookup's scatter-add: the
     # recorded compiles' param-gather on data=8 is the updated shards' 632,576 B plus the
     # table's 32,768 (665,344 on H100, 665,088 on v5p); the estimate counted the shards only
-    # (0.95; GPT-2, BERT, Griffin 0.85-0.88 on H100).
+    # (0.95; GPT-2, BERT, Griffin 0.85-0.88 on H100). Beside tensor=4 no such gather is made.
     import json
 
-    comp = json.loads(BENCH.read_text())[f"gpt|data=8|1|{target}"]["rows"]["collective/param-gather"][1]
-    est = _target_estimate("gpt", "data=8", 1, target).as_dict()["collective/param-gather"]
-    assert est == pytest.approx(comp, rel=1e-3)
+    comp = json.loads(BENCH.read_text())[f"gpt|{mesh}|1|{target}"]["rows"]["collective/param-gather"][1]
+    est = _target_estimate("gpt", mesh, 1, target).as_dict()["collective/param-gather"]
+    assert est == pytest.approx(comp, rel=2e-3)
 
 
 @pytest.mark.parametrize("target", ["h100", "tpu-v5p"])
