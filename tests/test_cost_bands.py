@@ -182,7 +182,7 @@ def test_a_tensor_split_weight_larger_than_its_activations_is_flagged_not_modell
     rules = [(r"w", (None, "tensor"))]
     why = "not modelled: some tensor-split weights are larger than the activations they multiply"
     small = _estimate(loss, params, {"x": np.ones((8, 64), np.float32)}, mesh="data=4,tensor=2", rules=rules)
-    for q in ("collective/tensor-reduce", "collective/tensor-gather", "flops"):
+    for q in ("collective/tensor-reduce", "collective/tensor-gather", "flops", "collective/grad-reduce"):
         assert small.caveats[q].startswith(why), small.caveats
     big = _estimate(loss, params, {"x": np.ones((256, 64), np.float32)}, mesh="data=4,tensor=2", rules=rules)
     assert not any(c.startswith(why) for c in big.caveats.values()), big.caveats

@@ -77,12 +77,14 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     if not piped and any(t and m for t, m in zip(tensor_split, reading.moved)):
         # The same choice over the tensor axes: flaxmodels' ResNet-18 at 16x16 with its kernels'
         # output channels split, on tensor=8 and the hybrids of 8 H100s and 8 v5p chips: 320 B of
-        # tensor reductions placed where XLA moves 0.25-0.45 MB of activations (tensor-reduce and
-        # tensor-gather), its flops 0.27-0.99 of the compile (``gather_or_move``).
+        # tensor reductions placed where XLA moves 0.15-0.62 MB of activations (tensor-reduce and
+        # tensor-gather), its flops 0.27-0.99 of the compile, and those kernels' gradients reduced
+        # over data in XLA's own layout (grad-reduce 0.69-0.87, exact without tensor).
         why = ("not modelled: some tensor-split weights are larger than the activations they multiply; "
                "XLA may move those activations between the tensor devices instead of reducing partial "
-               "sums, and splits their work its own way (the figures assume the reductions)")
-        for q in ("collective/tensor-reduce", "collective/tensor-gather", "flops"):
+               "sums, and splits their work and their gradients' reduction its own way (the figures "
+               "assume the reductions)")
+        for q in ("collective/tensor-reduce", "collective/tensor-gather", "flops", "collective/grad-reduce"):
             out[q] = why
     if not piped:
         out.update(unseen_caveats(reading, data_axes, moe))

@@ -18,7 +18,7 @@ from __future__ import annotations
 BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
     'h100': {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
-        'collective/grad-reduce': (-0.314, 0.221, 84, 7),
+        'collective/grad-reduce': (-0.000, 0.221, 80, 7),
         'collective/param-gather': (-0.541, 0.053, 72, 7),
         'collective/tensor-gather': (-1.000, -1.000, 5, 1),
         'collective/tensor-reduce': (-0.111, 0.000, 36, 6),
@@ -28,7 +28,7 @@ BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
     },
     'tpu-v5p': {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
-        'collective/grad-reduce': (-0.315, 0.160, 73, 7),
+        'collective/grad-reduce': (-0.086, 0.160, 69, 7),
         'collective/param-gather': (-0.303, 2.953, 64, 7),
         'collective/tensor-gather': (-1.000, -1.000, 5, 1),
         'collective/tensor-reduce': (-0.111, 0.012, 34, 6),
