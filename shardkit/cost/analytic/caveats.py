@@ -28,7 +28,8 @@ def step_caveats(reading, gathered: list[bool], tensor_split: list[bool], piped:
     if any(g and c for g, c in zip(gathered, reading.conv)):
         out["collective/param-gather"] = ("approximate: XLA decides how often to gather a convolution kernel "
                                           "(counted: once per convolution that reads it, the backward's "
-                                          "input-gradient one reading it reversed; exact on the CNN family)")
+                                          "input-gradient one reading it reversed; exact on the CNN family "
+                                          "on H100, where XLA:TPU gathers each once, cast to bf16: 0.25x)")
     elif not piped and any(g and loop for g, loop in zip(gathered, reading.loop_use)):
         out["collective/param-gather"] = ("approximate: inside a loop XLA decides per weight how often to "
                                           "gather it for the backward (counted: forward + backward, once each; "
