@@ -19,7 +19,8 @@ with ``ModelShape.activations="xla"``) counts each same layout.
 3. The paper's layouts whole (``PUBLISHED``, ``bench/published.py``'s scale rows), each with
    ``sk.pipeline(keep=)`` = ``"input"`` (the stage input: each backward op recomputes its
    chunk's forward), ``"all"`` (every residual: Megatron's executor, no recompute) and
-   ``"dots"`` (the matmul outputs kept, the rest recomputed): 8K on 8,192 and 16,384 GPUs, and
+   ``"dots"`` (the matmul outputs kept, the rest recomputed), ``"lean"`` (the values the recipe
+   names ``sk.LEAN_RESIDUALS``: no matmul recomputed): 8K on 8,192 and 16,384 GPUs, and
    128K (131,072 tokens) on pipe=16 x data=8 x context=16 x tensor=8 (16,384 GPUs, 16
    microbatches). Each row: the compiled peak against the H100's memory, and TFLOP/s per GPU in
    the paper's flop convention of a step timed by ``sk.cost.times`` on the compiled matmul
@@ -33,6 +34,7 @@ paper's, 128 layers for 126.
     python bench/llama3_compile.py              # all three parts, 18 compiles
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context[,keep]]]] [--seq N]
     python bench/llama3_compile.py --published all|KEY:KEEP,...   # e.g. llama3-405b-128k-16384gpu:input
+    python bench/llama3_compile.py --layer-remat lean,none --json PATH  # part 1's layers under a recipe remat
 
 Writes bench/results/llama3_compile.json.
 """
@@ -60,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                    "[,context[,keep]]]] (e.g. interleaved-1f1b,32,8)")
     p.add_argument("--published", default="", help="compile the paper's layouts only: 'all' or KEY:KEEP,... "
                                                     "(e.g. llama3-405b-128k-16384gpu:input)")
+    p.add_argument("--layer-remat", default="", help="compile part 1's layers only, under each of these recipe "
+                                                     "remat settings (e.g. none,lean): saved bytes and matmul "
+                                                     "flops per layer and sequence")
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
     return p.parse_args(argv)
 
@@ -72,7 +77,8 @@ import shardkit as sk  # noqa: E402
 from shardkit import cost  # noqa: E402
 
 GIB = 2 ** 30
-KEEPS = ("input", "all", "dots")  # sk.pipeline(keep=...): the stage input, every residual, a policy's
+KEEPS = ("input", "all", "dots", "lean")  # sk.pipeline(keep=...): the stage input, every residual, a policy's,
+# the values the recipe names sk.LEAN_RESIDUALS
 GRID = ((2, 1), (4, 1), (2, 2), (4, 2), (8, 1))  # (layers, sequences) on tensor=8
 
 
@@ -101,11 +107,11 @@ PUBLISHED = {"llama3-405b-8k-8192gpu": Pipe("interleaved-1f1b", 32, 8, 128, 64, 
              "llama3-405b-128k-16384gpu": Pipe("interleaved-1f1b", 16, 8, 128, 8, 3, 16, "input", 131072)}
 
 
-def config(layers: int, seq: int, attention: str = "xla"):
+def config(layers: int, seq: int, attention: str = "xla", remat: str = "none"):
     from models.transformer.config import Config
 
     return Config(vocab=128256, d_model=16384, layers=layers, heads=128, kv_heads=8, d_ff=53248, seq=seq,
-                  tie_embeddings=False, rope_theta=500000.0, remat="none", attention=attention)
+                  tie_embeddings=False, rope_theta=500000.0, remat=remat, attention=attention)
 
 
 def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla", block=512):
@@ -150,11 +156,11 @@ def _mesh(data: int = 1, context: int = 1, pipe: int = 1):
     return spec, sk.cost.abstract_mesh(spec, target="h100", max_devices=65536)
 
 
-def layer_job(layers: int, seqs: int, seq: int):
+def layer_job(layers: int, seqs: int, seq: int, remat: str = "none"):
     from models.transformer.plan import abstract_step
 
     spec, amesh = _mesh()
-    step, state, batch = abstract_step(config(layers, seq), amesh, global_batch=seqs, zero=0, precision="bf16",
+    step, state, batch = abstract_step(config(layers, seq, remat=remat), amesh, global_batch=seqs, zero=0, precision="bf16",
                                        sequence_parallel=True, target="h100")
     return step, state, batch, spec
 
@@ -257,10 +263,46 @@ def _published_jobs(spec: str) -> list[tuple[str, Pipe]]:
     return out
 
 
+def layer_remat(a) -> dict:
+    """``--layer-remat``: part 1's four layer compiles (2/4 layers x 1/2 sequences, tensor=8 +
+    SP) under each recipe remat; the mixed differences are the temporaries kept and the matmul
+    flops run per layer and sequence (what a pipeline's in-flight chunk-microbatch of one layer
+    keeps under the ``keep`` of the same policy, and what its backward recomputes)."""
+    remats, grid = a.layer_remat.split(","), GRID[:4]
+    jobs = [layer_job(L, n, a.seq, r) for r in remats for L, n in grid]
+    reports = iter(sk.cost.simulate_many(jobs, target="h100", timeout=a.timeout))
+    model = cost.model_shape(config(1, a.seq))  # one layer's weights (norms' scales: 2 x d of 0.9 G)
+    out = json.load(open(a.json)) if os.path.exists(a.json) else {}
+    for r in remats:
+        by = {g: next(reports) for g in grid}
+        if bad := [g for g, x in by.items() if isinstance(x, Exception)]:
+            print(f"remat {r}: {bad[0]} failed: {str(by[bad[0]])[:300]}")
+            continue
+
+        def mixed(get):
+            return (get(by[4, 2]) - get(by[2, 2]) - get(by[4, 1]) + get(by[2, 1])) / 2
+
+        kept = mixed(lambda x: float(x.memory["temporaries"]))
+        flops = mixed(lambda x: float(x.matmul_flops))
+        # the model's: 6 x a layer's matmul weights x tokens, over the tensor ranks (no attention)
+        dense = 6 * model.layer_params * a.seq / 8
+        out.setdefault("layer_remat", {})[r] = {"kept": kept, "matmul_flops": flops, "dense_flops": dense,
+                                                "seq": a.seq}
+        print(f"remat {r}: kept {kept / GIB:.3f} GiB per layer and sequence (tensor=8 + SP, {a.seq} tokens); "
+              f"matmul flops {flops / 1e12:.2f} T per layer and sequence, {flops / dense:.2f}x 6 x the layer's "
+              "matmul weights x tokens")
+    os.makedirs(os.path.dirname(a.json), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     _use_flash_like()
     grid, pipes, pubs = [], [], []
+    if a.layer_remat:
+        return layer_remat(a)
     if a.pipeline:
         schedule, *rest = a.pipeline.split(",")
         nums, keep = (rest[:-1], rest[-1]) if len(rest) == 7 else (rest, "input")

@@ -18,8 +18,9 @@ per-GPU temporaries against the un-pipelined data=2,fsdp=2,tensor=4 and against 
 estimate's (``explain``'s formula), matmul flops over 1F1B's, and the all-to-alls in the
 program (the natural layer order's relayout); ``--tpu``: the same on 16 TPU v5p chips;
 (c') ``--validate``: estimate / compiled on H100 for (c) and two shapes the formula was not
-fitted on; (d) ``--keep``: every explicit schedule with ``keep="input"``, ``"dots"`` and
-``"all"`` on the three shapes, H100 temporaries and matmul flops against ``keep="input"``.
+fitted on; (d) ``--keep``: every explicit schedule with ``keep="input"``, ``"dots"``, ``"all"``
+and ``"lean"`` (``--keeps``: some of them) on the three shapes, H100 temporaries and matmul
+flops against ``keep="input"`` (of this run, else the results file's).
 Writes bench/results/pipeline_schedules.json.
 """
 
@@ -38,6 +39,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
+KEEPS = ("input", "dots", "all", "lean")  # (d): sk.pipeline(keep=...) compiled
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, read before JAX is imported: ``--help`` answers at once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "two shapes the formula was not fitted on")
     ap.add_argument("--keep", action="store_true", help="(d) what each explicit schedule keeps for its "
                     "backward ops (sk.pipeline(keep=...)): temporaries and matmul flops on H100, every shape")
+    ap.add_argument("--keeps", default=",".join(KEEPS), help="the keep settings --keep compiles, comma-separated; "
+                    "the results file keeps the others' last run")
     ap.add_argument("--shapes", default="c,d1024,pipe4", help="the shapes --keep compiles, comma-separated "
                     "(default all three: c,d1024,pipe4); the results file keeps the other shapes' last run")
     return ap.parse_args(argv)
@@ -214,24 +220,24 @@ def validate():
     return out
 
 
-KEEPS = ("input", "dots", "all")
 
 
-def keep(target="h100", shape="c"):
+def keep(target="h100", shape="c", keeps=KEEPS, stored=None):
     """(d) what each explicit schedule keeps for its backward ops (``sk.pipeline(keep=...)``):
     the recipe transformer of ``shape`` without remat (the keep setting is the only recompute
     choice), compiled for ``target`` (deviceless), layers stored stage-major; per-device
-    temporaries and matmul flops against the same schedule with ``keep="input"``."""
+    temporaries and matmul flops against the same schedule with ``keep="input"`` (``stored``:
+    the results file's rows of the shape, where ``keeps`` leaves it out)."""
     from models.transformer.config import SIZES
     from models.transformer.plan import abstract_step
 
     kw, pmesh, _, pm = SHAPES[shape]
     cfg = SIZES["1b"].replace(**kw, remat="none")
-    cases = [(s, v, k) for s, v in SCHEDULES if s != "gpipe" for k in KEEPS]
+    cases = [(s, v, k) for s, v in SCHEDULES if s != "gpipe" for k in keeps]
     jobs = [(*abstract_step(cfg, pmesh, global_batch=32, schedule=s, repeats=v if s == "interleaved-1f1b" else 1,
                             pipeline_microbatches=pm, target=target, layer_order="stage-major", keep=k), pmesh)
             for s, v, k in cases]
-    out = {}
+    out = dict(stored or {})
     for (s, _, k), r in zip(cases, sk.cost.simulate_many(jobs, target=target, estimate=True)):
         if isinstance(r, Exception):
             out[f"{s}/{k}"] = {"error": repr(r)[:200]}
@@ -243,7 +249,7 @@ def keep(target="h100", shape="c"):
     for c in ("schedule", "keep", "temporaries", "vs input", "estimate", "matmul flops", "vs input"):
         tab.add_column(c)
     for (s, _, k) in cases:
-        r, base = out[f"{s}/{k}"], out[f"{s}/input"]
+        r, base = out[f"{s}/{k}"], out.get(f"{s}/input", {"error": "no keep='input' row"})
         if "error" in r or "error" in base:
             tab.add_row(s, k, r.get("error", base.get("error", ""))[:60], "", "", "", "")
             continue
@@ -269,7 +275,11 @@ def main(argv=None):
     if args.validate:
         results["validate"] = validate()
     if args.keep:
-        results["keep"] = {**results.get("keep", {}), **{shape: keep("h100", shape) for shape in shapes}}
+        old = results.get("keep", {})
+        keeps = tuple(args.keeps.split(","))
+        if unknown := sorted(set(keeps) - set(KEEPS)):
+            raise SystemExit(f"--keeps: unknown {unknown}; choose from {KEEPS}")
+        results["keep"] = {**old, **{shape: keep("h100", shape, keeps, old.get(shape)) for shape in shapes}}
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=float))
 

@@ -24,6 +24,8 @@ from .mesh import use_cpu_devices as use_cpu_devices
 from .moe import moe as moe
 from .moe import RaggedFallbackWarning as RaggedFallbackWarning
 from .pipeline import pipeline as pipeline
+from .pipeline import LEAN_RESIDUALS as LEAN_RESIDUALS
+from .pipeline import lean_policy as lean_policy
 from .pipeline import pipeline_schedule as pipeline_schedule
 from .pipeline import pipeline_layer_order as pipeline_layer_order
 from .pipeline import pipeline_layers_natural as pipeline_layers_natural

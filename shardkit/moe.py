@@ -356,7 +356,11 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize, 
     expert axis), because XLA's partitioner aborts on the gather of a token's rows from a
     buffer split over the expert axis with its indices split too, inside a manual region
     with another compiler-owned axis beside it (jax 0.10.2, ``spmd_partitioner_util.cc:497``:
-    ``sk.pipeline`` over pipe × expert × tensor; ``docs/upstream/``)."""
+    ``sk.pipeline`` over pipe × expert × tensor; ``docs/upstream/``). So is the routing (tokens,
+    probabilities, slots, rows, picked rows): every device computes the same indices, and no
+    gather is left a token split to place. Left open, XLA:TPU split the combine's indices over
+    ``expert`` and ``tensor`` and swapped them with a permute naming every device inside the
+    explicit schedules' per-stage branch: a hang (``Report.hang_risks``; BENCHMARKS, issue 37)."""
     Do, _ = out
     E_loc = E // n
     if whole is None:
@@ -366,6 +370,7 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize, 
 
     def local(x_NxD, probs_NxE, params):
         N, D = x_NxD.shape
+        x_NxD, probs_NxE = keep_whole(x_NxD), keep_whole(probs_NxE)
         gates_NxK, idx_NxK = top_k_gates(probs_NxE, k, renormalize)
         group = N if g is None else g
         G = N // group
@@ -379,8 +384,8 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize, 
         keep_NxK = pos_NxK < C
         group_N = jnp.arange(N, dtype=jnp.int32) // group
         slot_NxK = idx_NxK * S + group_N[:, None] * C + pos_NxK
-        slot_NxK = jnp.where(keep_NxK, slot_NxK, E * S)  # out of range: dropped
-        rows_NxKxD = jnp.broadcast_to(x_NxD[:, None, :], (N, k, D))
+        slot_NxK = keep_whole(jnp.where(keep_NxK, slot_NxK, E * S))  # out of range: dropped
+        rows_NxKxD = keep_whole(jnp.broadcast_to(x_NxD[:, None, :], (N, k, D)))
         buf_EsxD = jnp.zeros((E * S, D), x_NxD.dtype)
         buf_EsxD = keep_whole(buf_EsxD.at[slot_NxK].add(rows_NxKxD, mode="drop"))
         buf_ExSxD = buf_EsxD.reshape(E, S, D)
@@ -391,7 +396,8 @@ def _dispatcher(expert_fn, E, n, k, capacity_factor, g, axis, out, renormalize, 
         y_ExSxDo = jnp.swapaxes(y_loc.reshape(E_loc, n, S, Do), 0, 1).reshape(E, S, Do)
         if n > 1:  # back to the tokens' devices, in global expert order
             y_ExSxDo = lax.all_to_all(y_ExSxDo, axis, 0, 0, tiled=True)
-        picked_NxKxDo = keep_whole(y_ExSxDo.reshape(E * S, Do)).at[slot_NxK].get(mode="fill", fill_value=0)
+        y_EsxDo = keep_whole(y_ExSxDo.reshape(E * S, Do))
+        picked_NxKxDo = keep_whole(y_EsxDo.at[slot_NxK].get(mode="fill", fill_value=0))
         w_NxK = jnp.where(keep_NxK, gates_NxK, 0.0)
         y_NxDo = jnp.einsum("nk,nkd->nd", w_NxK, picked_NxKxDo.astype(F32))
         return y_NxDo.astype(x_NxD.dtype), idx_NxK, keep_NxK

@@ -161,8 +161,11 @@ EXTENDED_CASES: dict[str, set[str]] = {
     # ZB-V's (split B/W ops, two chunks), whose keep="all" and policy cases stay. keep="input"
     # is the default of every other test of the file (test_loss_and_grads_match_sequential,
     # test_new_schedules_match_sequential); with the constant table, a policy's case stays.
+    # keep="lean" is a names policy (save_only_these_names) through the same rings as 1F1B's
+    # policy case (keep2): zb-v-2-lean stays (split B/W, two chunks).
     "test_pipeline.py::test_kept_residuals_match_sequential": {
         "interleaved-1f1b-2-dots", "zb-h1-1-dots", "interleaved-1f1b-2-all", "zb-h1-1-all",
+        "1f1b-1-lean", "interleaved-1f1b-2-lean", "zb-h1-1-lean",
         *(f"{s}-input" for s in ("1f1b-1", "interleaved-1f1b-2", "zb-h1-1", "zb-v-2"))},
     # Circular's stage weights over `tensor`: GPipe's case runs the same autodiff executor with
     # TP in the stage (circular's repeats stay on pipe-only and data=2,pipe=4 meshes).

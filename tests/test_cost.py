@@ -125,9 +125,63 @@ def test_search_folds_identical_layouts():
         for b in ests[i + 1:]:
             la, lb = a.layout, b.layout
             fam = lambda lo, e: (lo.tensor, lo.pipe, lo.microbatches, lo.remat, lo.schedule,  # noqa: E731
-                                 lo.repeats, lo.sequence_parallel, e.fits)
+                                 lo.repeats, lo.sequence_parallel, lo.context, lo.keep, e.fits)
             if fam(la, a) == fam(lb, b):
                 assert abs(a.step_time - b.step_time) > 0.005 * min(a.step_time, b.step_time)
+
+
+def test_search_keeps_residuals_where_memory_allows():
+    """Issue 37: an explicit schedule's ``keep`` (``sk.pipeline(keep=)``) is one of the search's
+    choices. keep="all" skips the recomputed forward (3/4 of keep="input"'s flops) and holds
+    every in-flight microbatch's residuals; the search takes it where it fits and keep="input"
+    under a memory limit that only the stage inputs fit."""
+    from shardkit.pipeline.keep import KEEP
+
+    ests = {k: cost.estimate("1b", cost.Layout(data=2, pipe=4, microbatches=8, schedule="1f1b", keep=k), "h100",
+                             global_batch=16) for k in KEEP}
+    assert ests["all"].flops == pytest.approx(0.75 * ests["input"].flops)
+    assert ests["all"].step_time < ests["dots"].step_time < ests["input"].step_time
+    assert ests["input"].memory["peak"] < ests["dots"].memory["peak"] < ests["all"].memory["peak"]
+    opts = dict(global_batch=16, pipe=(4,), tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,), remat=("none",),
+                schedules=("1f1b",))
+    roomy = sk.search("1b", 8, "h100", memory_limit=1e15, **opts)
+    assert [r["keep"] for r in roomy.rows] == ["all", "dots", "input"]
+    assert "keep=all" in str(roomy)  # the table's pipeline column says what is kept
+    tight = sk.search("1b", 8, "h100", memory_limit=(ests["input"].memory["peak"] + ests["dots"].memory["peak"]) / 2,
+                      **opts)
+    assert tight.best.layout.keep == "input" and tight.best.fits and not any(r["fits"] for r in tight.rows[1:])
+
+
+def test_search_candidates_take_keep_chunks_and_a_context_axis():
+    """Issue 37: ``keep`` on the explicit schedules without remat, every chunk count dividing a
+    stage's layers, and a context axis only where each shard keeps ``CONTEXT_MIN_TOKENS``."""
+    from shardkit.cost.search.candidates import CONTEXT_MIN_TOKENS, layouts
+
+    kw = dict(layers=16, heads=8, global_batch=32, tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,))
+    los = layouts(8, seq=2048, schedules=("1f1b", "interleaved-1f1b", "circular"), **kw)
+    explicit = [lo for lo in los if lo.pipe > 1 and lo.schedule != "circular"]
+    assert {lo.keep for lo in explicit if lo.remat == "none"} == {"input", "all", "dots"}
+    assert {lo.keep for lo in los if lo not in explicit or lo.remat != "none"} == {"input"}
+    assert {lo.repeats for lo in los if lo.schedule == "interleaved-1f1b" and lo.pipe == 2} == {2, 4, 8}
+    assert {lo.repeats for lo in los if lo.schedule == "circular" and lo.pipe == 8} == {2}
+    assert {lo.context for lo in los} == {1}
+    long = layouts(32, seq=131072, pipe=(1,), **dict(kw, microbatches=(1,)))
+    assert {lo.context for lo in long} == {1, 2, 4, 8, 16} and 131072 // 16 == CONTEXT_MIN_TOKENS
+    # Two 128K sequences on 32 devices: only a context axis gives every device work.
+    best = sk.search("1b", 32, "h100", global_batch=2, seq=131072, pipe=(1,), tensor=(1,), fsdp=(1,)).best
+    assert best.layout.context == 16 and best.layout.data == 2
+    with pytest.raises(ValueError, match="no layout"):
+        sk.search("1b", 32, "h100", global_batch=2, seq=131072, pipe=(1,), tensor=(1,), fsdp=(1,), context=(1,))
+
+
+def test_layout_keep_is_checked_as_sk_pipeline_checks_it():
+    for lo, match in [(cost.Layout(pipe=2, microbatches=4, schedule="1f1b", keep="most"), "use one of"),
+                      (cost.Layout(pipe=2, microbatches=4, schedule="gpipe", keep="all"), "explicit schedules"),
+                      (cost.Layout(data=2, keep="all"), "explicit schedules"),
+                      (cost.Layout(pipe=2, microbatches=4, schedule="1f1b", remat="full", keep="dots"),
+                       "remat='none' with keep")]:
+        with pytest.raises(ValueError, match=match):
+            cost.estimate("1b", lo, global_batch=8)
 
 
 def test_weak_scaling_and_plan_cli(tmp_path, capsys):

@@ -385,7 +385,8 @@ def test_recipe_pipe_expert_tensor_matches_one_device(schedule, every_layer_moe_
     """MoE with TP inside the experts, in every explicit pipeline schedule (pipe=2,expert=2,
     tensor=2: two compiler-owned axes beside the pipe axis, refused before issue 37; sk.moe
     nested there keeps its slot buffers whole, as XLA's partitioner aborts on the combine's
-    gather otherwise): the same losses as one device."""
+    gather otherwise, and its routing whole, which XLA:TPU otherwise permuted inside the
+    per-stage branch: target_sweep's ep_tp_pp): the same losses as one device."""
     import dataclasses
 
     from models.transformer.layouts import LAYOUTS

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,19 +140,28 @@ def table_reference(n_layers):
     return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*make_problem(n_layers)))
 
 
+def lean_table_layer(lp, h_BxD):
+    """``table_layer`` with its matmul output named for ``keep="lean"``: the tanh and the
+    bias add are recomputed from it, the scaled input from the stage input."""
+    z_BxD = checkpoint_name((h_BxD * TABLE[None]) @ lp["w"], "mlp_up")
+    return jnp.tanh(z_BxD + lp["b"][None])
+
+
 @pytest.mark.parametrize("schedule,v,keep", [
     (s, v, k) for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))
-    for k in ("input", "all", "dots" if s != "1f1b" else jax.checkpoint_policies.dots_saveable)])
+    for k in ("input", "all", "dots" if s != "1f1b" else jax.checkpoint_policies.dots_saveable, "lean")])
 def test_kept_residuals_match_sequential(devices, schedule, v, keep):
-    """keep= (the stage input, every residual, or a checkpoint policy's saved set, from F to
-    its B/BW): loss and gradients equal the model's, for a layer that closes over a constant
-    table the policy keeps (ZB's B re-binds its layers' recompute on the copy read back from
-    the ring, which varies over the manual axes where the table did not)."""
+    """keep= (the stage input, every residual, a checkpoint policy's saved set, or the values
+    named ``sk.LEAN_RESIDUALS``, from F to its B/BW): loss and gradients equal the model's, for
+    a layer that closes over a constant table the policy keeps (ZB's B re-binds its layers'
+    recompute on the copy read back from the ring, which varies over the manual axes where the
+    table did not)."""
     params, head, x, t = make_problem(4 * v)
     want = table_reference(4 * v)
     mesh = make_mesh("pipe=2", devices=devices[:2])
+    stage = lean_table_layer if keep == "lean" else table_layer
     got = jax.jit(jax.value_and_grad(
-        lambda params, head, x: pipeline(table_layer, params, x, microbatches=4, schedule=schedule, repeats=v,
+        lambda params, head, x: pipeline(stage, params, x, microbatches=4, schedule=schedule, repeats=v,
                                          keep=keep, loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
         argnums=(0, 1, 2)))(params, head, x)
     assert_close(got, want)
@@ -159,9 +169,10 @@ def test_kept_residuals_match_sequential(devices, schedule, v, keep):
 
 def test_kept_residuals_remove_the_recompute(devices):
     """1F1B's compiled program (CPU, pipe=2, m=4): with the residuals kept (all, or the matmul
-    outputs) the backward op runs no forward matmul — the matmul flops are exactly F + 2F of
-    the layers and the head, per device — and the temporaries grow with what is kept:
-    input < dots < all."""
+    outputs, or the ones named ``sk.LEAN_RESIDUALS`` and each layer's input) the backward op
+    runs no forward matmul —
+    the matmul flops are exactly F + 2F of the layers and the head, per device — and the
+    temporaries grow with what is kept: input < dots < all."""
     from shardkit.cost.compiled.hlo import matmul_flops_from_hlo
     from shardkit.cost.pipeline_note import pipeline_branch_weights
 
@@ -173,9 +184,13 @@ def test_kept_residuals_remove_the_recompute(devices):
     mesh = make_mesh("pipe=2", devices=devices[:2])
     weights = pipeline_branch_weights({"schedule": "1f1b", "stages": 2, "microbatches": 4})
     flops, temp = {}, {}
-    for keep in ("input", "dots", "all"):
+    def lean_layer(lp, h_BxD):  # two matmuls, the second's output (the next layer's input) not named
+        return h_BxD + jnp.tanh(checkpoint_name(h_BxD @ lp["w"], "mlp_up") + lp["b"][None]) @ lp["w"]
+
+    for keep in ("input", "dots", "all", "lean"):
+        stage = lean_layer if keep == "lean" else layer
         compiled = jax.jit(jax.grad(
-            lambda params, head: pipeline(layer, params, x, microbatches=4, schedule="1f1b", keep=keep,
+            lambda params, head: pipeline(stage, params, x, microbatches=4, schedule="1f1b", keep=keep,
                                           loss_fn=head_loss, loss_params=head, targets=t, mesh=mesh),
             argnums=(0, 1))).lower(params, head).compile()
         flops[keep] = matmul_flops_from_hlo(compiled.as_text(), weights)
@@ -183,6 +198,9 @@ def test_kept_residuals_remove_the_recompute(devices):
     m, per_stage = 4, 2  # 4 layers on 2 stages; the head on one stage of two
     forward = m * per_stage * 2 * (rows // m) * d * d + m * 2 * (rows // m) * d * OUT / 2
     assert flops["all"] == flops["dots"] == 3 * forward
+    # lean: each layer's input is kept too (the pipeline's layer scan names it), so the
+    # second layer of a stage does not rebuild it through the first one's matmuls
+    assert flops["lean"] == 3 * (forward + m * per_stage * 2 * (rows // m) * d * d)
     assert flops["input"] > 3 * forward  # the recompute (XLA:CPU keeps part of it)
     assert temp["input"] < temp["dots"] < temp["all"], temp
 
@@ -394,6 +412,8 @@ def test_errors(devices):
         (dict(keep=3, **explicit), "keep must be one of"),
         (dict(keep="all"), "keep='all' is for the explicit schedules"),
         (dict(keep="dots", remat="full", **explicit), "keep='dots' with remat='full'"),
+        # a layer that names nothing would keep nothing and recompute all: said, not run
+        (dict(keep="lean", **explicit), "keep='lean' keeps the values.*names none of them"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -608,6 +628,38 @@ def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices, keep
     want = [((slots, local, T, D_), jnp.bfloat16), ((slots, local, T), jnp.int32),
             ((slots, n, local, chunk), jnp.float32)]
     assert [(tuple(a.shape), a.dtype) for a in carry[-len(want):]] == want, carry
+
+
+def test_kept_pullbacks_store_nothing_shared_and_lean_keeps_the_loss_matmul():
+    """Issue 37: a chunk's residual that depends on no per-microbatch value — a table the
+    layer closes over (the recipe's RoPE tables: 4 MiB per slot at Llama 3 405B, 8K), a value
+    of the weights alone (the layer scan's bf16 weight slices: 760 MiB per slot there under
+    keep="all") — is not stored in the ring but computed again by the backward op, with the
+    same gradients; and under ``keep="lean"`` the loss keeps its matmul output (``dots``), not
+    nothing (which recomputes the head's matmul). Traced, two small CPU jits."""
+    from shardkit.pipeline.keep import Kept, Pullbacks
+
+    policy = jax.checkpoint_policies.dots_saveable
+    lp, x = jax.tree.map(lambda a: a[0], make_problem(2)[0]), make_problem(2)[2]
+
+    def doubled_layer(lp, h_BxD):  # table_layer on twice the table and half the weights
+        return table_layer({"w": 0.5 * lp["w"], "b": lp["b"]}, 2.0 * h_BxD)
+
+    for fn in (jax.checkpoint(lean_table_layer, policy=policy), doubled_layer):
+        pulls = Pullbacks()
+
+        @jax.jit
+        def grads(lp, x):
+            stored = pulls.shapes(lambda _: fn, (lp, x), (), reuse_at=(0, 1))  # noqa: B023
+            # per-microbatch values only (lean: the matmul output): no (D,) table, no (D, D) weights
+            assert stored and all(a.shape == x.shape for a in stored), stored
+            y, res = pulls.vjp(fn, (lp, x), (lp, x))  # noqa: B023
+            return pulls.pullback(res, (lp, x))(jnp.ones_like(y))  # noqa: B023
+
+        assert_close(grads(lp, x), jax.vjp(table_layer, lp, x)[1](jnp.ones_like(x)))
+    head, t = make_problem(2)[1], make_problem(2)[3]
+    kept = Kept(head_loss, sk.lean_policy(), policy).loss_shapes(head, x, t)
+    assert (x.shape[0], OUT) in [a.shape for a in kept], kept
 
 
 def test_a_pending_w_says_which_of_its_values_the_forward_made():

@@ -161,6 +161,24 @@ def test_search_verify_replans_a_given_step_on_each_layout():
         sk.search(state.params, 8, global_batch=32, verify=1)
 
 
+@pytest.mark.extended  # default lane: tests/test_cost.py::test_search_keeps_residuals_where_memory_allows (analytic)
+def test_search_verify_compiles_each_keep_through_the_recipe_builder():
+    """Issue 37: ``verify=k`` compiles the candidates' ``keep`` through the recipe
+    (``models.transformer.plan.builder``): keep="all" holds every in-flight microbatch's
+    residuals, a larger compiled peak than keep="input"'s stage inputs (the same program
+    twice if the builder dropped it)."""
+    from models.transformer.config import SIZES
+    from models.transformer.plan import builder
+
+    cfg = SIZES["test"].replace(layers=4)
+    res = sk.search(cfg, 8, "h100", global_batch=16, verify=2, build=builder(cfg, global_batch=16),
+                    memory_limit=1e12, pipe=(2,), tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(4,),
+                    remat=("none",), schedules=("1f1b",), keep=("input", "all"), sequence_parallel=(False,))
+    peaks = {e.layout.keep: v.peak for e, v in zip(res.estimates, res.verified) if v is not None and not v.error}
+    assert set(peaks) == {"input", "all"} and peaks["all"] > peaks["input"], (peaks, res.verified)
+    assert {r["keep"] for r in res.rows} == {"input", "all"}
+
+
 @pytest.mark.slow
 def test_search_verify_recompiles_and_reranks_the_top_layouts():
     from models.transformer.config import SIZES

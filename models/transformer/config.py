@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload", "lean")
 ATTENTION = ("auto", "reference", "xla", "cudnn", "triton", "mosaic", "blockwise")
 
 
@@ -30,7 +30,9 @@ class Config:
         remat: activation checkpointing per layer: ``"none"``, ``"full"`` (recompute
             everything), ``"dots"`` (save matmul outputs) or ``"dots_no_batch"`` (save only
             matmuls without batch dims, i.e. weight-stationary ones) or ``"offload"`` (as
-            ``"dots_no_batch"``, saved in pinned host memory: ``sk.offload.remat_policy``).
+            ``"dots_no_batch"``, saved in pinned host memory: ``sk.offload.remat_policy``) or
+            ``"lean"`` (the values named ``sk.LEAN_RESIDUALS``: the matmul outputs and the
+            mid-layer residual stream; norms, SwiGLU and SP gathers recomputed).
         fp8: the attention projections and MLP matmuls in fp8 (``sk.fp8.Fp8Dot``: E4M3
             forward, E5M2 gradients, delayed scaling; the recipe's ``--precision fp8``);
             attention scores, MoE experts and the output head stay in the compute dtype.

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import shardkit as sk
 
@@ -49,8 +50,8 @@ class PipelineSpec:
         layer_order: ``"natural"``, or ``"stage-major"``: the model's stacked layers are
             stored in the order the schedule reads them (``sk.pipeline_layer_order``; its
             checkpoints hold that order), so the step moves no weights.
-        keep: ``sk.pipeline``'s ``keep`` (explicit schedules): ``"input"``, ``"all"`` or
-            ``"dots"``.
+        keep: ``sk.pipeline``'s ``keep`` (explicit schedules): ``"input"``, ``"all"``,
+            ``"dots"`` or ``"lean"`` (the layer names its residuals ``sk.LEAN_RESIDUALS``).
     """
 
     microbatches: int = 4
@@ -64,6 +65,37 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Activation layout by logical names (``sk.constrain``: a no-op outside a shardkit step;
     inside ``sk.pipeline``'s stages only the compiler-managed axes are constrained)."""
     return sk.constrain(x, names)
+
+
+def gather_region_input(x_BxTxD: jax.Array) -> jax.Array:
+    """A tensor-parallel region's input whole over ``tensor``: under sequence parallelism the
+    residual stream arrives split over the sequence, and Megatron gathers it once per region
+    (Korthikanti et al. 2022, sec. 4.2.2: the all-gather ``g``), not once per matmul that reads
+    it — XLA's partitioner, left to itself, gathers it for each of q, k, v (gate, up) in the
+    forward and again for each weight gradient in the backward. Without sequence parallelism
+    the input is already whole over ``tensor`` and this is the layout it has."""
+    return constrain(x_BxTxD, ("batch", "context", None))
+
+
+@jax.custom_vjp
+def gather_output_gradient(y_BxTxD: jax.Array) -> jax.Array:
+    """The identity on a region's (row-parallel) output whose gradient, in the backward, is
+    gathered whole over ``tensor`` once: under sequence parallelism it arrives split over the
+    sequence, and both matmuls of the region's last weight read it (its input gradient and its
+    weight gradient). Megatron gathers it once (the transpose of the forward's
+    reduce-scatter); XLA's partitioner, left to itself, gathers it for each."""
+    return y_BxTxD
+
+
+def _gather_output_gradient_fwd(y_BxTxD):
+    return y_BxTxD, None
+
+
+def _gather_output_gradient_bwd(_, g_BxTxD):
+    return (constrain(g_BxTxD, ("batch", "context", None)),)
+
+
+gather_output_gradient.defvjp(_gather_output_gradient_fwd, _gather_output_gradient_bwd)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None):
@@ -140,14 +172,17 @@ class Attention(nnx.Module):
         self.dots = Dots(cfg, ("q", "k", "v", "o"))
 
     def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
+        x_BxTxD = gather_region_input(x_BxTxD)
         q_BxTxHxQ = self.dots("q", "btd,dhq->bthq", x_BxTxD, self.q[...])
         k_BxTxKxQ = self.dots("k", "btd,dkq->btkq", x_BxTxD, self.k[...])
         v_BxTxKxQ = self.dots("v", "btd,dkq->btkq", x_BxTxD, self.v[...])
         q_BxTxHxQ = constrain(q_BxTxHxQ, ("batch", "context", "heads", None))
         k_BxTxKxQ = constrain(k_BxTxKxQ, ("batch", "context", "kv_heads", None))
         v_BxTxKxQ = constrain(v_BxTxKxQ, ("batch", "context", "kv_heads", None))
-        q_BxTxHxQ = apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2)
-        k_BxTxKxQ = apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2)
+        # Named for keep="lean" / remat="lean" (sk.LEAN_RESIDUALS): what only a matmul gives again.
+        q_BxTxHxQ = checkpoint_name(apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2), "attention_q")
+        k_BxTxKxQ = checkpoint_name(apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2), "attention_k")
+        v_BxTxKxQ = checkpoint_name(v_BxTxKxQ, "attention_v")
 
         if context_size() > 1:  # the sequence stays split: attention over "context"
             # the loss put the batch in sk.context_shard's zig-zag order (_context_order)
@@ -155,8 +190,8 @@ class Attention(nnx.Module):
                                              strategy=self.context_strategy)
         else:
             o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, self.attention)
-        o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", "context", "heads", None))
-        return self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...])
+        o_BxTxHxQ = checkpoint_name(constrain(o_BxTxHxQ, ("batch", "context", "heads", None)), "attention_out")
+        return gather_output_gradient(self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...]))
 
 
 def context_size() -> int:
@@ -227,10 +262,13 @@ class MLP(nnx.Module):
         self.dots = Dots(cfg, ("gate", "up", "down"))
 
     def __call__(self, x_BxTxD):
+        x_BxTxD = gather_region_input(x_BxTxD)
         gate_BxTxF = self.dots("gate", "btd,df->btf", x_BxTxD, self.gate[...])
         up_BxTxF = self.dots("up", "btd,df->btf", x_BxTxD, self.up[...])
+        # SwiGLU's backward needs gate and up; the product is recomputed from them.
+        gate_BxTxF, up_BxTxF = checkpoint_name(gate_BxTxF, "mlp_gate"), checkpoint_name(up_BxTxF, "mlp_up")
         h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "context", "mlp"))
-        return self.dots("down", "btf,fd->btd", h_BxTxF, self.down[...])
+        return gather_output_gradient(self.dots("down", "btf,fd->btd", h_BxTxF, self.down[...]))
 
 
 class MoE(nnx.Module):
@@ -280,7 +318,8 @@ class Block(nnx.Module):
         keys = (None, None) if rng is None else jax.random.split(rng)
         attn_BxTxD = self.attn(self.attn_norm(x_BxTxD), cos_TxQ2, sin_TxQ2)
         x_BxTxD = x_BxTxD + dropout(attn_BxTxD, self.dropout, keys[0])
-        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
+        # sequence-split under SP: the MLP's norm and its gather are recomputed from it
+        x_BxTxD = checkpoint_name(constrain(x_BxTxD, ("batch", "seq", None)), "residual")
         mlp = self.mlp(self.mlp_norm(x_BxTxD))
         mlp_BxTxD, aux = mlp if isinstance(mlp, tuple) else (mlp, None)
         x_BxTxD = x_BxTxD + dropout(mlp_BxTxD, self.dropout, keys[1])
@@ -306,6 +345,7 @@ def _remat(fn, policy: str):
         "dots": jax.checkpoint_policies.checkpoint_dots,
         "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
         "offload": sk.offload.remat_policy(),  # as dots_no_batch, saved in pinned host memory
+        "lean": sk.lean_policy(),  # the values named sk.LEAN_RESIDUALS: matmul outputs, no norm
     }
     return jax.checkpoint(fn, policy=policies[policy])
 

@@ -70,14 +70,15 @@ def layout_step(layout: Layout, cfg: Config, *, global_batch: int, target: str =
 def builder(cfg: Config, *, global_batch: int, precision: str = "bf16",
             target: str = "cpu") -> Callable[[sk.cost.Layout], tuple]:
     """``search(..., build=)``: a cost-model ``Layout`` → the recipe's step on its mesh (its
-    ZeRO stage, sequence parallelism, pipeline schedule and microbatches, remat policy)."""
+    ZeRO stage, sequence parallelism, pipeline schedule, chunks, microbatches and ``keep``,
+    remat policy; a ``context`` axis is in its mesh)."""
     def build(lo: sk.cost.Layout):
         model = cfg.replace(remat=lo.remat) if lo.remat != cfg.remat else cfg
         piped = lo.pipe > 1
         return abstract_step(model, lo.mesh, global_batch=global_batch, zero=lo.zero, precision=precision,
                              sequence_parallel=lo.sequence_parallel, schedule=lo.schedule, repeats=lo.repeats,
                              pipeline_microbatches=lo.microbatches if piped else None,
-                             microbatches=1 if piped else lo.microbatches, target=target)
+                             microbatches=1 if piped else lo.microbatches, target=target, keep=lo.keep)
     return build
 
 

@@ -93,8 +93,10 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
            precision: str = "bf16", top: int | None = None, **options) -> "SearchResult":
     """Ranks every layout of ``model`` on ``devices`` accelerators by estimated step time.
 
-    Enumerates ``data × fsdp × tensor × pipe`` factorizations of ``devices`` (tensor within a
-    node), ZeRO stages, microbatches and remat policies; see ``rank.search``.
+    Enumerates ``data × fsdp × context × tensor × pipe`` factorizations of ``devices`` (tensor
+    within a node, context where the sequence is long), ZeRO stages, microbatches, remat
+    policies, pipeline schedules with their chunks per stage and, for the explicit ones, what
+    each in-flight microbatch keeps (``Layout.keep``); see ``search.candidates.layouts``.
 
     Args:
         model: a recipe size name (``"1b"``, ``"7b"``), a recipe ``Config``, a
@@ -107,13 +109,14 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
         precision: a ``sk.Precision`` preset.
         top: keep only the best ``top`` rows.
         **options: restrict the enumeration (``zero=(1, 3)``, ``remat=("none",)``,
-            ``microbatches=(1, 8)``, ``tensor=(1, 8)``, ``pipe=(1,)``, ``flops_per_token=``),
+            ``microbatches=(1, 8)``, ``tensor=(1, 8)``, ``pipe=(1,)``, ``context=(1, 16)``,
+            ``repeats=(4, 8)``, ``keep=("input", "all")``, ``schedules=``, ``flops_per_token=``),
             or verify the best ones: ``verify=k`` compiles the top ``k`` layouts on simulated
             meshes (``simulate``) and re-ranks them by compiled peak memory (layouts that do
             not fit go last) and by the step time re-timed with their compiled collective
             bytes; the step comes from ``build=layout -> (step, state, batch)`` (a step
-            planned on ``abstract_mesh(layout.mesh)``: the way to honour remat, schedules
-            and sequence parallelism), or ``step=, state=, batch=`` (re-planned on each
+            planned on ``abstract_mesh(layout.mesh)``: the way to honour remat, schedules,
+            ``keep`` and sequence parallelism), or ``step=, state=, batch=`` (re-planned on each
             layout's mesh, ZeRO stage and microbatches); ``timeout=`` per compile.
 
     Returns:

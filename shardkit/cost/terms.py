@@ -154,6 +154,8 @@ def model_shape(model: Any, *, flops_per_token: float | None = None, seq: int | 
         ValueError: an unknown size name.
     """
     if isinstance(model, ModelShape):
+        if seq in (None, model.seq) and flops_per_token is None:
+            return model  # frozen: the search's thousands of estimates share it
         ms = dataclasses.replace(model, seq=seq or model.seq)
         return dataclasses.replace(ms, flops_per_token=flops_per_token) if flops_per_token else ms
     if isinstance(model, str):
@@ -248,6 +250,10 @@ class Layout:
             resharding after the forward), and the stage's gradients accumulate in one f32
             buffer (``from_shape._memory``). ``sk.pipeline`` keeps the residuals with ``keep="all"``; its
             weights and gradient buffers are still as the other explicit layouts'.
+        keep: what an explicit schedule's forward keeps for its chunk-microbatch's backward
+            op (``sk.pipeline(keep=)``, with ``remat="none"``): ``"input"`` (the stage input;
+            the op recomputes the chunk's forward), ``"all"`` (every residual, no recompute)
+            or ``"dots"`` (the remat policy's saved set, in a ring of in-flight slots).
     """
 
     data: int = 1
@@ -266,6 +272,7 @@ class Layout:
     replica: int = 1
     diloco_every: int = 1
     keep_residuals: bool = False
+    keep: str = "input"
 
     @property
     def devices(self) -> int:
@@ -287,6 +294,7 @@ class Layout:
         sp = ",sp" if self.sequence_parallel else ""
         diloco = f",diloco={self.diloco_every}" if self.replica > 1 else ""
         keep = ",keep-residuals" if self.keep_residuals and self.pipe > 1 else ""
+        keep += f",keep={self.keep}" if self.keep != "input" and self.pipe > 1 else ""
         return f"{self.mesh} zero={self.zero} m={self.microbatches} remat={self.remat}{extra}{keep}{sp}{diloco}"
 
 

@@ -10,6 +10,8 @@ op codes in ``ops``), ``stage`` (what every executor shares), ``forward``
 """
 
 from .api import pipeline as pipeline
+from .keep import LEAN_RESIDUALS as LEAN_RESIDUALS
+from .keep import lean_policy as lean_policy
 from .order import pipeline_layer_order as pipeline_layer_order
 from .order import pipeline_layers_natural as pipeline_layers_natural
 from .order import pipeline_layers_stage_major as pipeline_layers_stage_major

@@ -53,7 +53,7 @@ Several compiler-owned axes beside the pipe axis (``pipe × context × tensor``,
 there whose operand is split over two of them (``docs/upstream/
 xla_partitioner_gather_two_auto_axes.py``): shardkit's own blocks avoid it
 (``sk.kernels.cross_entropy`` picks the label's logit without one; ``sk.moe`` nested in a stage
-keeps its slot buffers whole). Keep a stage's activations constrained (``sk.constrain``, as the
+keeps its slot buffers and its routing whole). Keep a stage's activations constrained (``sk.constrain``, as the
 recipe's layers are): left free, XLA may move them between the two axes with a
 collective-permute inside the explicit schedules' per-stage branch, which the other stages never
 reach, and the program hangs (``docs/upstream/xla_partitioner_two_auto_axes.py``).
@@ -93,11 +93,11 @@ from .._axes import claim_axes
 from ..plan import note, noting
 from .explicit import explicit_pipeline, kept_shapes
 from .forward import forward
-from .keep import Kept, keep_policy
+from .keep import Kept, check_named, keep_policy
 from .schedules import EXPLICIT, SCHEDULES, SPLIT, check_schedule, pipeline_schedule
 from .order import LAYER_ORDERS
 from .split import SplitBackward
-from .stage import (REMAT, chunk_backward, chunk_runner, has_own_remat, layer_runner, mean_loss, merge, split,
+from .stage import (REMAT, chunk_backward, chunk_runner, layer_facts, layer_runner, mean_loss, merge, split,
                     stage_residuals, with_remat)
 
 _BATCH_AXES = ("replica", "data", "fsdp")  # as Plan's default batch axes
@@ -138,7 +138,10 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         keep: what an explicit schedule's F keeps for its chunk-microbatch's backward op
             (``keep``): ``"input"`` (the stage input only: the backward op recomputes the
             chunk's forward), ``"all"`` (every residual, as Megatron-LM: no recompute, the most
-            memory), or a ``jax.checkpoint`` policy (``"dots"`` or e.g.
+            memory), ``"lean"`` (the values a layer names as one of ``sk.LEAN_RESIDUALS`` with
+            ``jax.ad_checkpoint.checkpoint_name``: its matmul outputs and mid-layer residual
+            stream; norms, activations and sequence-parallel gathers are recomputed), or a
+            ``jax.checkpoint`` policy (``"dots"`` or e.g.
             ``jax.checkpoint_policies.save_only_these_names(...)``: its saved set is kept, the
             rest recomputed). Kept residuals wait in rings sized from the schedule table
             (``Schedule.res_ring``). Not ``"input"``: ``remat`` must be ``"none"``.
@@ -164,8 +167,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         ValueError: unknown schedule or remat, no mesh or ``axis`` not in it, too few
             microbatches, indivisible batch or layer count, a shape-changing ``stage_fn``,
             an explicit schedule without ``loss_fn``, ``batch_axes`` naming non-data axes or given
-            with ``rng``, or ``keep`` other than ``"input"`` with ``remat`` or a GPipe/circular
-            schedule.
+            with ``rng``, ``keep`` other than ``"input"`` with ``remat`` or a GPipe/circular
+            schedule, or ``keep="lean"`` with a ``stage_fn`` that names none of ``LEAN_RESIDUALS``.
     """
     mesh = _resolve_mesh(mesh, axis)
     claim_axes(axis)
@@ -174,7 +177,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     data = _data_axes(mesh, axis, batch_axes, rng)
     _check_vmapped(mesh, axis, data)
     L, own_remat = _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
-                               extras, targets, rng)
+                               extras, targets, rng, keep)
     k = L // (p * v)
     policy = _check_keep(keep, schedule, remat)
     if policy is not None:  # the chunk runs under the keep policy; F keeps what it saves
@@ -192,7 +195,8 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    kept = None if policy is None else (Kept(loss_fn, policy), loss_params, targets_mb)
+    kept = None if policy is None else (Kept(loss_fn, policy, REMAT["dots"] if keep == "lean" else None),
+                                        loss_params, targets_mb)
     _note_for_estimates(info, chunk, split_ops, kept, params_s, x_mb, extras_mb, rng,
                         math.prod(mesh.shape[a] for a in data))
     note("pipeline", info)
@@ -340,7 +344,7 @@ def _data_axes(mesh, axis, batch_axes, rng) -> tuple[str, ...]:
 
 
 def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, mesh, axis,
-                extras, targets, rng) -> int:
+                extras, targets, rng, keep) -> tuple[int, bool]:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     if remat not in REMAT:
@@ -392,4 +396,6 @@ def _check_args(stage_fn, stage_params, x, m, schedule, v, p, loss_fn, remat, me
                          f"{x_mb.dtype}, but returned {got}; the pipeline hands each layer's "
                          "output to the next layer, so project to another width outside "
                          "pipeline() (before it, or in loss_fn)")
-    return L, has_own_remat(layer, layer0, x_mb, kw)
+    own_remat, names = layer_facts(layer, layer0, x_mb, kw)
+    check_named(keep, names)
+    return L, own_remat

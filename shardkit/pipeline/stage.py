@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .._vma import varying as varying  # re-exported: the schedules import it from here
@@ -62,6 +63,11 @@ def chunk_runner(stage_fn, k, has_extras, rng, remat, own_remat=False):
     def chunk(params_l, rep, h, group, mb, extras_mb):
         def layer(h, xs):
             lp, j = xs
+            if k > 1:
+                # Named for keep="lean" (LEAN_RESIDUALS): a remat'd layer scan keeps no carry
+                # a policy does not name, and rebuilds layer j's input through layer j - 1's
+                # matmuls. (One layer: its input is the chunk's, which the op has.)
+                h = checkpoint_name(h, "layer_input")
             return one(lp, h, j, group, mb, extras_mb), None
 
         # The weights are the scan's xs: autodiff then reads them from the operand in the
@@ -77,14 +83,28 @@ def chunk_runner(stage_fn, k, has_extras, rng, remat, own_remat=False):
 def has_own_remat(stage_fn, *args) -> bool:
     """Whether ``stage_fn(*args)`` runs under its own ``jax.checkpoint`` (a recipe's
     ``remat="full"`` layer): then the stage must not be wrapped again (``with_remat``)."""
-    from jax._src.ad_checkpoint import remat_p
+    return layer_facts(stage_fn, *args)[0]
+
+
+def layer_facts(stage_fn, *args) -> tuple[bool, frozenset[str]]:
+    """``(has_own_remat, checkpoint names)`` of ``stage_fn(*args)``, one trace: whether it runs
+    under its own ``jax.checkpoint``, and the names it gives values with
+    ``jax.ad_checkpoint.checkpoint_name`` (what a names policy such as ``keep="lean"`` saves)."""
+    from jax._src.ad_checkpoint import name_p, remat_p
     from jax.extend.core import jaxprs_in_params
 
-    def walk(jaxpr) -> bool:
-        return any(e.primitive is remat_p or any(walk(j) for j in jaxprs_in_params(e.params))
-                   for e in jaxpr.eqns)
+    remat, names = [False], set()
 
-    return walk(jax.make_jaxpr(stage_fn)(*args).jaxpr)
+    def walk(jaxpr) -> None:
+        for e in jaxpr.eqns:
+            remat[0] |= e.primitive is remat_p
+            if e.primitive is name_p:
+                names.add(e.params["name"])
+            for j in jaxprs_in_params(e.params):
+                walk(j)
+
+    walk(jax.make_jaxpr(stage_fn)(*args).jaxpr)
+    return remat[0], frozenset(names)
 
 
 def stage_residuals(chunk, params_s, x_mb, extras_mb, n_data) -> list[tuple[tuple[int, ...], Any]]:

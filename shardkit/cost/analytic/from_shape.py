@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ...pipeline.keep import KEEP
+from ...pipeline.schedules import EXPLICIT
 from ...precision import Precision
 from .. import hardware as hw_lib
 from ..pipeline_note import PipelineNote, is_explicit, schedule_table
@@ -43,7 +45,9 @@ def estimate(model: Any, layout: Layout, hardware: str | hw_lib.Hardware = "h100
     sequence parallelism, 2sbh under full recompute (+ one layer recomputed); a GPipe pipeline
     keeps m microbatches alive; ``sk.pipeline``'s 1F1B keeps p stage inputs and recomputes each
     stage's forward in its backward op (one microbatch's residuals alive; +2/6 flops, +2 TP
-    all-reduces per layer); ``Layout.keep_residuals`` runs Megatron's (interleaved) 1F1B instead,
+    all-reduces per layer), or with ``Layout.keep`` keeps each in-flight chunk-microbatch's
+    residuals (``"all"``) or a policy's saved set (``"dots"``) in ``Schedule.res_ring`` slots
+    instead of recomputing; ``Layout.keep_residuals`` runs Megatron's (interleaved) 1F1B instead,
     holding every in-flight chunk-microbatch's residuals (``in_flight``) without recompute. Traffic: DP ≈ Ψ reduced per microbatch, ZeRO-1/2
     + one gather of Ψ, ZeRO-3/FSDP 2 gathers + 1 reduction per microbatch (3Ψ, ZeRO paper);
     Megatron TP 4 all-reduces of b·s·h per layer (2 forward, 2 backward) plus 2 for the
@@ -120,6 +124,7 @@ class _Sizes:
     pipe_note: PipelineNote | None
     one_f_one_b: bool  # an explicit schedule as sk.pipeline runs it: 1F1B, interleaved 1F1B, ZB-H1
     keep: bool  # an explicit schedule as Megatron-LM runs it (``Layout.keep_residuals``)
+    recompute: str  # the remat policy the backward recomputes under: ``Layout.remat``, or its ``keep`` policy
 
 
 def _sizes(ms: ModelShape, lo: Layout, prec: Precision, global_batch: int) -> _Sizes:
@@ -142,11 +147,29 @@ def _sizes(ms: ModelShape, lo: Layout, prec: Precision, global_batch: int) -> _S
         raise ValueError(f"Layout.keep_residuals describes Megatron's 1F1B and interleaved 1F1B; {lo} has "
                          f"pipe={lo.pipe}, schedule={lo.schedule!r}: use schedule='1f1b' or "
                          "'interleaved-1f1b' with pipe > 1, or keep_residuals=False")
+    _check_keep(lo, explicit)
     return _Sizes(bp, bc, bg, bo, replicas, global_batch // replicas // lo.microbatches, p_expert, p_layers, p_dev,
                   lo.fsdp * (lo.data if lo.zero == 3 else 1), state,
                   lo.fsdp > 1 or (lo.zero == 3 and lo.data * lo.expert > 1), L_dev,
                   p_layers / L_dev if ms.layers else 0.0, pipe_note, explicit and not lo.keep_residuals,
-                  explicit and lo.keep_residuals)
+                  explicit and lo.keep_residuals, lo.remat if lo.keep in ("input", "all") else lo.keep)
+
+
+def _check_keep(lo: Layout, explicit: bool) -> None:
+    """``Layout.keep`` as ``sk.pipeline`` accepts it: a name it knows, on an explicit schedule,
+    with ``remat="none"`` (both say what the backward recomputes)."""
+    if lo.keep not in KEEP:
+        raise ValueError(f"Layout.keep={lo.keep!r}: use one of {KEEP} (sk.pipeline's keep=)")
+    if lo.keep == "input":
+        return
+    if not explicit or lo.keep_residuals:
+        raise ValueError(f"Layout.keep={lo.keep!r} is for sk.pipeline's explicit schedules {EXPLICIT} with "
+                         f"pipe > 1 (and without keep_residuals); {lo} has pipe={lo.pipe}, schedule="
+                         f"{lo.schedule!r}: leave keep='input' there")
+    if lo.remat != "none":
+        raise ValueError(f"Layout.keep={lo.keep!r} with remat={lo.remat!r}: both say what the backward "
+                         "recomputes; use remat='none' with keep (keep='dots' keeps what remat='dots' saves), "
+                         "or keep='input' with remat")
 
 
 def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[str, float]:
@@ -160,7 +183,17 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         # over ``context``, and over ``tensor`` under sequence parallelism, as on the wire.
         table = schedule_table(s.pipe_note)
         stage_input = b * T / lo.context * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1)
-        act = act / lo.repeats + (table.act_ring + table.grad_ring + 2 * lo.microbatches + 1) * stage_input
+        rings = (table.act_ring + table.grad_ring + 2 * lo.microbatches + 1) * stage_input
+        if lo.keep == "input":
+            act = act / lo.repeats + rings
+        else:
+            # ``sk.pipeline(keep=)``: every in-flight chunk-microbatch's residuals (the policy's
+            # saved set) wait in ``res_ring`` slots, the loss's in ``loss_res_ring``; a backward
+            # op reads its slot and adds one layer's cotangents at a time.
+            kept = activation_bytes(ms, dataclasses.replace(lo, remat=s.recompute), b, T // lo.context, bc) * s.L_dev
+            kept /= lo.repeats
+            layer = kept * lo.repeats / s.L_dev
+            act = table.res_ring * kept + layer + rings + table.loss_res_ring * loss_bytes(ms, lo, b, bc)
     elif s.keep:
         # The busiest stage holds ceil(L/p) layers, in v chunks, and the residuals of every
         # chunk-microbatch between its forward and its backward (``in_flight``).
@@ -233,10 +266,14 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
         # Each layer's 2 TP regions (attention, MLP) close with a row-parallel weight (reduced in
         # the forward; again in 1F1B's recomputed forward) and open with a column-parallel one
         # (reduced in the backward); the vocab-parallel embedding and head add one each.
-        recomputed = 2 * L_dev if s.one_f_one_b else 0
+        recomputed = 2 * L_dev if s.one_f_one_b and lo.keep == "input" else 0
+        # Under sequence parallelism every region gathers its input a third time, as Megatron
+        # does (it keeps the sequence shard and gathers it again for the weight gradients): the
+        # runs this model is calibrated on. A recipe step that keeps the gathered input gathers
+        # twice where its forward is not recomputed (``from_step`` counts what the traced step does).
         parts.append(tensor_traffic(forward=2 * L_dev + recomputed + 1, backward=2 * L_dev + 1, regions=2 * L_dev,
-                                    head_gather=True, tokens=tokens_dev, width=ms.d_model, wire=bc, microbatches=m,
-                                    sequence_parallel=lo.sequence_parallel))
+                                    regathered=2 * L_dev, head_gather=True, tokens=tokens_dev, width=ms.d_model,
+                                    wire=bc, microbatches=m, sequence_parallel=lo.sequence_parallel))
     if lo.expert > 1 and ms.experts:
         # Every MoE layer of every microbatch sends its tokens to their experts and back,
         # forward and backward (sk.moe; inside a pipeline's stages XLA moves them instead).
@@ -280,8 +317,8 @@ def _collectives(s: _Sizes, ms: ModelShape, lo: Layout) -> tuple[dict, dict]:
 def _flops(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> tuple[float, float, float]:
     """(flops executed, flops timed, model flops) per device per step."""
     model_flops = ms.flops_per_token * global_batch * ms.seq / lo.devices
-    recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(lo.remat, 1.0)
-    if s.one_f_one_b:  # backward ops recompute the chunk's forward from its saved input
+    recompute = {"none": 1.0, "dots": 7.0 / 6.0, "full": 8.0 / 6.0}.get(s.recompute, 1.0)
+    if s.one_f_one_b and lo.keep == "input":  # backward ops recompute the chunk's forward from its saved input
         recompute += recompute_factor(s.pipe_note) - 1.0
     flops = busy = model_flops * recompute
     if lo.pipe > 1 and not (s.one_f_one_b or s.keep) and ms.layer_params:

@@ -217,10 +217,10 @@ def _collectives(s: StepFacts) -> tuple[dict, dict]:
     # Tensor-parallel traffic (``roles.tensor_traffic``): without a pipeline or sequence
     # parallelism the traced program's tensor-split contractions give the reductions; with them,
     # Megatron's per-use count (``leaf_sizes.tensor_uses``).
-    fwd, bwd, regions, tables, n_tables = (tensor_uses(plan, lv, lookup, tied, pipe, sp) if (pipe or sp)
-                                           else (0.0,) * 5)
-    tensor = tensor_traffic(forward=fwd, backward=bwd, regions=regions, head_gather=any(lookup),
-                            tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
+    fwd, bwd, regions, recomputed, tables, n_tables = (tensor_uses(plan, lv, lookup, tied, pipe, sp)
+                                                       if (pipe or sp) else (0.0,) * 6)
+    tensor = tensor_traffic(forward=fwd, backward=bwd, regions=regions, regathered=recomputed,
+                            head_gather=any(lookup), tokens=tok_dev_mb, width=lv.width, wire=s.wire, microbatches=m, sequence_parallel=sp,
                             tables=(tables, n_tables), param_bytes=s.bp, grad_bytes=s.bg,
                             measured=None if (pipe or sp) else (reading.tensor_reduce, reading.tensor_reduce_ops))
     parts.append(tensor)

@@ -231,16 +231,17 @@ def argument_memory(step, state, batch, lv: Leaves) -> dict[str, float]:
 
 
 def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: PipelineNote | None,
-                sp: bool) -> tuple[float, float, float, float, float]:
+                sp: bool) -> tuple[float, float, float, float, float, float]:
     """Megatron's per-use count of tensor-parallel reductions, one use per tensor-sharded weight
     (XLA does not merge the q/k/v or gate/up input-gradient reductions): a row-parallel one
     (split on its input dim) in the forward — again in 1F1B's recomputed forward —, a
     column-parallel one in the backward, a vocab-parallel lookup in the forward and, tied, as
     the output head in the backward.
 
-    Returns (forward uses, backward uses, sequence-parallel regions, whole-table elements looked
-    up under sequence parallelism, their count)."""
-    fwd = bwd = regions = tables = n_tables = 0.0
+    Returns (forward uses, backward uses, sequence-parallel regions, those of them whose forward
+    the backward recomputes (an explicit schedule's backward ops: their input gathered again),
+    whole-table elements looked up under sequence parallelism, their count)."""
+    fwd = bwd = regions = recomputed = tables = n_tables = 0.0
     for l, s, t, tie, staged in zip(lv.leaves, lv.stacked, lookup, tied, lv.piped):
         dims = [d for d, e in enumerate(l.spec)
                 if any(a not in plan.batch_axes and a != "pipe" for a in entry_axes(e))]
@@ -266,4 +267,6 @@ def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: Pi
                 fwd += stack
         if sp and s and l.shape[-1] == lv.width and not vocab_lookup:
             regions += stack  # a region closes with a row-parallel weight into the residual stream
-    return fwd, bwd, regions, tables, n_tables
+            if staged and is_explicit(pipe):
+                recomputed += stack
+    return fwd, bwd, regions, recomputed, tables, n_tables

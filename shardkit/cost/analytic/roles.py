@@ -53,8 +53,8 @@ def step_temporaries(*, pass_peak: float, grads: float, update: float, reduced: 
 
 
 def tensor_traffic(*, forward: float = 0.0, backward: float = 0.0, regions: float = 0.0,
-                   head_gather: bool = False, tokens: float = 0.0, width: float = 0.0, wire: int,
-                   microbatches: float = 1, sequence_parallel: bool = False,
+                   regathered: float = 0.0, head_gather: bool = False, tokens: float = 0.0, width: float = 0.0,
+                   wire: int, microbatches: float = 1, sequence_parallel: bool = False,
                    tables: tuple[float, float] = (0.0, 0.0), param_bytes: int = 4, grad_bytes: int = 4,
                    measured: tuple[float, float] | None = None) -> RoleTraffic:
     """Tensor-parallel collectives per device per step: the one formula both estimators use.
@@ -65,12 +65,15 @@ def tensor_traffic(*, forward: float = 0.0, backward: float = 0.0, regions: floa
     column-parallel weight's input gradient in the backward. ``forward``/``backward``: how many
     such uses one microbatch makes. Under sequence parallelism (Korthikanti et al. 2022, sec.
     4.2.2) each becomes a reduce-scatter (the same bytes reduced) and each of the ``regions`` (a
-    column-parallel → row-parallel pair) adds three all-gathers: its input in the forward, the
-    transpose in the backward, and a re-gather of the saved sequence shard for the weight
-    gradients; ``head_gather``: one more for the output head's input. A vocab-parallel lookup
-    there sees tokens split over ``tensor``: it gathers its whole table (``param_bytes``) and
-    reduces its gradient at full size (``grad_bytes``) instead of reducing its output
-    (``tables``: ``(elements, tables)``, not counted in ``forward``).
+    column-parallel → row-parallel pair) adds two all-gathers: its input in the forward (kept
+    whole for the weight gradients) and its output's gradient in the backward (the transpose of
+    the forward's reduce-scatter); ``regathered``: regions that gather their input a third
+    time — where the backward recomputes the forward, or Megatron's executor, which keeps the
+    sequence shard and gathers it again for the weight gradients; ``head_gather``: one more for
+    the output head's input. A vocab-parallel lookup there sees tokens split over ``tensor``: it
+    gathers its whole table (``param_bytes``) and reduces its gradient at full size
+    (``grad_bytes``) instead of reducing its output (``tables``: ``(elements, tables)``, not
+    counted in ``forward``).
 
     ``measured``: ``(elements, reductions)`` per microbatch read off a traced program's
     tensor-split contractions, which replace the per-use count.
@@ -90,7 +93,7 @@ def tensor_traffic(*, forward: float = 0.0, backward: float = 0.0, regions: floa
         counts["tensor-gather"] += m * tables[1]
         counts["tensor-reduce"] += m * tables[1]
     if sequence_parallel:
-        n_gather = 3 * regions + (1 if head_gather else 0)
+        n_gather = 2 * regions + regathered + (1 if head_gather else 0)
         col["tensor-gather"] += m * n_gather * act
         counts["tensor-gather"] += m * n_gather
     return RoleTraffic(dict(col), dict(counts))

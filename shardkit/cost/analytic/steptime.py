@@ -11,6 +11,7 @@ published runs by ``bench/published.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -227,13 +228,26 @@ def _link(hw: hw_lib.Hardware, layout: Layout, axes: tuple[str, ...]) -> tuple[f
     group members that share a node pool their NICs: k × the per-chip inter-node bandwidth,
     which is the scaling book's per-node figure when a whole node is in the group.
     """
-    group = math.prod(getattr(layout, a) for a in axes)
+    sizes = tuple((a, getattr(layout, a)) for a in _MESH_ORDER)
+    return _link_of(hw, sizes, tuple(axes))
+
+
+# The mesh order of ``Layout`` (outermost first): a collective's link depends on these sizes
+# only, so ``_link_of`` is cached on them (``search`` times thousands of layouts).
+_MESH_ORDER = ("replica", "pipe", "data", "fsdp", "expert", "context", "tensor")
+
+
+@functools.lru_cache(maxsize=4096)
+def _link_of(hw: hw_lib.Hardware, sizes: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> tuple[float, float, int]:
+    size = dict(sizes)
+    stride = {a: math.prod(s for _, s in sizes[i + 1:]) for i, (a, _) in enumerate(sizes)}
+    group = math.prod(size[a] for a in axes)
     node, intra_lat, inter_lat = links(hw)
-    live = [a for a in axes if getattr(layout, a) > 1]
-    span = max((getattr(layout, a) * layout.axis_stride(a) for a in live), default=1)
+    live = [a for a in axes if size[a] > 1]
+    span = max((size[a] * stride[a] for a in live), default=1)
     if span <= node:
         return hw.intra_node_bw, intra_lat, group
-    stride = min((layout.axis_stride(a) for a in live), default=1)
+    stride = min((stride[a] for a in live), default=1)
     k = max(1, min(group, node // max(stride, 1)))
     return min(hw.intra_node_bw, k * hw.inter_node_bw), inter_lat, group
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import jax
 from jax._src import core as jcore
 
+from ...rules import entry_axes
 from . import cpu_buffers
 from .explicit import ExplicitCollectives
 from .flash import chunked_loss, kernel_call
@@ -85,6 +86,7 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
         self.weight_dims: dict = {}
         self.rows = 0  # the microbatch's rows, where weight_dims are followed
         self.weight_axes: frozenset | None = None  # the mesh axes weight_dims are split over
+        self.tensor_axes: frozenset = frozenset()  # the tensor-like mesh axes (read_program's weight_axes)
         self.split_followed = True  # weight_dims followed into every shard_map
         self.reducing: dict = {}  # a tensor-parallel reduction's result -> (its elements, executions)
         self.shard_maps = 0
@@ -169,6 +171,10 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
                     self.weight_dims[e.outvars[0]] = dims
         elif name == "gather" and src and src[0] is not None and not self.weight_dims.get(e.invars[0], {0}):
             self.unsplit.update(e.outvars)  # rows looked up in a table whole over the tensor axes
+        elif name == "sharding_constraint" and self.tensor_axes and not constrained_axes(e) & self.tensor_axes:
+            # An activation the program constrains whole over the tensor-like axes (under
+            # sequence parallelism, a tensor-parallel region's gathered input): XLA keeps it so.
+            self.unsplit.update(e.outvars)
         if self._scope.loops:
             for s_ in src:
                 if s_ is not None:
@@ -280,6 +286,12 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
         tok.sub_peak = max(tok.sub_peak, pk)
 
 
+def constrained_axes(e) -> frozenset:
+    """The mesh axes a ``sharding_constraint`` equation splits its value over."""
+    spec = getattr(e.params.get("sharding"), "spec", None) or ()
+    return frozenset(a for entry in spec for a in entry_axes(entry))
+
+
 def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: int,
                  canonical_dots: bool = False, weight_dims: list | None = None,
                  weight_axes: frozenset | None = None, feature_dims: Callable | None = None,
@@ -320,6 +332,7 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
     jaxpr, saved = trace_pass(fn, params, batch)
     reader = _Reader(split_of, n_params, canonical_dots)
     reader.grouped_ragged_dots = grouped_ragged_dots
+    reader.tensor_axes = weight_axes or frozenset()
     if stored_split is not None or grad_split is not None:
         ones = [1.0] * n_params
         reader.held = loop_held(jaxpr, n_params, stored_split or ones, grad_split or ones)

@@ -12,13 +12,14 @@ from typing import Any
 
 from rich.table import Table
 
+from ...precision import Precision
 from .. import hardware as hw_lib
 from ..compiled.bands import underestimate
 from ..analytic.from_shape import estimate
 from ..terms import Estimate, Layout, model_shape
 from ..analytic.steptime import efficiency_for, links, times
+from .candidates import layouts
 
-POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclasses.dataclass
@@ -52,14 +53,15 @@ class SearchResult:
     @property
     def rows(self) -> list[dict]:
         """One dict per layout: ``layout``, ``mesh``, ``zero``, ``microbatches``, ``remat``,
-        ``schedule``, ``step_time`` (s), ``mfu``, ``tokens_per_s``, ``memory`` (peak bytes per
+        ``schedule``, ``repeats``, ``keep`` (``sk.pipeline(keep=)``), ``step_time`` (s), ``mfu``, ``tokens_per_s``, ``memory`` (peak bytes per
         device), ``fits``, and the time parts (``t_compute``, ``t_grad-reduce``, ...)."""
         out = []
         for rank, e in enumerate(self.estimates, 1):
             lo = e.layout
             row = {"rank": rank, "layout": str(lo), "mesh": lo.mesh, "zero": lo.zero,
                    "microbatches": lo.microbatches, "remat": lo.remat,
-                   "schedule": lo.schedule if lo.pipe > 1 else "", "sequence_parallel": lo.sequence_parallel,
+                   "schedule": lo.schedule if lo.pipe > 1 else "", "repeats": lo.repeats, "keep": lo.keep,
+                   "sequence_parallel": lo.sequence_parallel,
                    "step_time": e.step_time, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
                    "memory": e.memory["peak"], "fits": e.fits,
                    "equivalent": self.equivalents[rank - 1] if rank <= len(self.equivalents) else []}
@@ -111,7 +113,7 @@ class SearchResult:
             parts = {k[2:]: v for k, v in r.items() if k.startswith("t_") and k not in ("t_bubble", "t_exposed")}
             bound = max(parts, key=parts.get)
             t.add_row(str(r["rank"]), mesh, str(r["zero"]),
-                      str(r["microbatches"]), r["remat"], r["schedule"], f"{r['step_time']:.3f}",
+                      str(r["microbatches"]), r["remat"], _schedule_cell(r), f"{r['step_time']:.3f}",
                       f"{r['mfu']:.1%}", f"{r['tokens_per_s'] / self.devices:,.0f}",
                       f"{r['memory'] / 1e9:.1f}", "yes" if r["fits"] else "[red]no[/red]", bound,
                       str(len(r["equivalent"])) if r["equivalent"] else "", *(_compiled_cells(r) if checked else ()))
@@ -130,58 +132,6 @@ class SearchResult:
         printer.text(str(self))
 
 
-def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_size: int = 8,
-            zero=(0, 1, 3), microbatches=(1, 2, 4, 8, 16, 32), remat=("none", "dots", "full"),
-            tensor=None, pipe=None, fsdp=None, schedules=("1f1b", "gpipe", "circular"),
-            sequence_parallel=(False, True), replicas=(1,), diloco_every=(100,)) -> list[Layout]:
-    """Every layout of ``devices`` the search considers: power-of-two ``tensor`` within a node
-    dividing the heads, ``pipe`` dividing the layers, the rest split between ``data`` and
-    ``fsdp``; ZeRO stages over ``data``; microbatches that divide the batch (≥ stages).
-    ``schedules`` may also name ``"interleaved-1f1b"`` (2 chunks per stage, microbatches a
-    multiple of the stages) and ``"zb-h1"``; they are not searched by default (as built they
-    recompute more than 1F1B: ``cost.analytic.pipeline_cost.recompute_factor``).
-    ``replicas`` > 1 adds DiLoCo layouts (``sk.DiLoCo``): that many copies of each layout of
-    ``devices / replicas``, outermost, syncing every ``diloco_every`` steps (asked for, never
-    by default: DiLoCo trains differently from data parallelism)."""
-    if tuple(replicas) != (1,):
-        kw = dict(node_size=node_size, zero=zero, microbatches=microbatches, remat=remat, tensor=tensor, pipe=pipe,
-                  fsdp=fsdp, schedules=schedules, sequence_parallel=sequence_parallel)
-        out = []
-        for r in replicas:
-            if devices % r or global_batch % r:
-                continue
-            for h in (diloco_every if r > 1 else (1,)):
-                out += [dataclasses.replace(lo, replica=r, diloco_every=h)
-                        for lo in layouts(devices // r, layers=layers, heads=heads, global_batch=global_batch // r, **kw)]
-        return out
-    out = []
-    tensors = tensor or [t for t in POW2 if t <= node_size and heads % t == 0]
-    pipes = pipe or [p for p in POW2 if p <= layers and layers % p == 0]
-    for t in tensors:
-        for p in pipes:
-            if devices % (t * p):
-                continue
-            rest = devices // (t * p)
-            for f in (fsdp or [x for x in POW2 if x <= rest]):
-                if rest % f:
-                    continue
-                d = rest // f
-                for z in zero:
-                    if d == 1 and z:
-                        continue
-                    for m in microbatches:
-                        if global_batch % (d * f * m) or (p > 1 and m < p):
-                            continue
-                        for r in remat:
-                            for sched in (schedules if p > 1 else ("gpipe",)):
-                                v = 2 if sched in ("circular", "interleaved-1f1b") else 1
-                                if layers % (p * v) or (sched == "interleaved-1f1b" and m % p):
-                                    continue
-                                for sp in (sequence_parallel if t > 1 else (False,)):
-                                    out.append(Layout(d, f, t, p, z, m, sched, v, r, sp))
-    return out
-
-
 def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *, global_batch: int,
            memory_limit: float | None = None, seq: int | None = None, precision: str = "bf16",
            top: int | None = None, flops_per_token: float | None = None, verify: int = 0,
@@ -189,14 +139,15 @@ def search(model: Any, devices: int, hardware: str | hw_lib.Hardware = "h100", *
            timeout: float = 1800.0, target: str = "cpu", **options) -> SearchResult:
     ms = model_shape(model, flops_per_token=flops_per_token, seq=seq)
     hw = hardware if isinstance(hardware, hw_lib.Hardware) else hw_lib.lookup(hardware)
-    cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch,
+    cands = layouts(devices, layers=ms.layers, heads=max(ms.heads, 1), global_batch=global_batch, seq=ms.seq,
                     node_size=min(links(hw)[0], 8 if hw.name.startswith(("h", "a")) else 16), **options)
     if not cands:
         raise ValueError(
             f"no layout of {devices} devices splits a global batch of {global_batch} (model "
             f"{ms.name}: {ms.layers} layers, {ms.heads} heads); use a batch that is a multiple "
             "of the device count, or loosen the options")
-    ests = [estimate(ms, lo, hw, global_batch=global_batch, precision=precision,
+    prec = Precision.resolve(precision)  # once, not per layout
+    ests = [estimate(ms, lo, hw, global_batch=global_batch, precision=prec,
                      memory_limit=memory_limit) for lo in cands]
     ests.sort(key=lambda e: (not e.fits, e.step_time, e.memory["peak"], _complexity(e.layout)))
     kept, same = _dedupe(ests)
@@ -301,6 +252,15 @@ def compiled_flags(e: Estimate, v: Verified) -> list[str]:
     return [f for f in flags if f]
 
 
+def _schedule_cell(row: dict) -> str:
+    """The pipeline column: schedule, chunks per stage (``x4``), and a ``keep`` other than the
+    stage input."""
+    if not row["schedule"]:
+        return ""
+    v = f"x{row['repeats']}" if row["repeats"] > 1 else ""
+    return row["schedule"] + v + (f" keep={row['keep']}" if row["keep"] != "input" else "")
+
+
 def _compiled_cells(row: dict) -> tuple[str, str, str]:
     if "compiled_memory" not in row:
         return "", "", ""
@@ -331,14 +291,15 @@ def _render(renderable, html: bool = False, width: int = 180) -> str:
 
 def _complexity(lo: Layout) -> tuple:
     """Tie-break among equal estimates: fewer mesh axes, lower ZeRO stage, fewer microbatches,
-    less remat, no sequence parallelism."""
-    axes = sum(getattr(lo, a) > 1 for a in ("data", "fsdp", "tensor", "pipe"))
-    return (axes, lo.zero, lo.microbatches, ("none", "dots", "full").index(lo.remat), lo.sequence_parallel)
+    less remat, fewer chunks per stage, the stage input kept only, no sequence parallelism."""
+    axes = sum(getattr(lo, a) > 1 for a in ("data", "fsdp", "tensor", "pipe", "context"))
+    return (axes, lo.zero, lo.microbatches, ("none", "dots", "full").index(lo.remat), lo.repeats,
+            lo.keep != "input", lo.sequence_parallel)
 
 
 def _dedupe(ests: list[Estimate], rel: float = 0.005) -> tuple[list[Estimate], list[list[str]]]:
     """Folds near-identical layouts into the first (fastest, then smallest) one: same tensor,
-    pipe, microbatches, remat, schedule and sequence parallelism, and a step time within
+    pipe, context, microbatches, remat, schedule, chunks, keep and sequence parallelism, and a step time within
     ``rel`` — i.e. layouts that differ only in how the data-parallel devices split between
     ``data`` and ``fsdp`` or in the ZeRO stage, where that changes (almost) nothing. Layouts
     with identical estimates (e.g. 1F1B and GPipe when microbatches = stages) fold too."""
@@ -349,7 +310,7 @@ def _dedupe(ests: list[Estimate], rel: float = 0.005) -> tuple[list[Estimate], l
     for e in ests:
         lo = e.layout
         family = (e.fits, lo.tensor, lo.pipe, lo.microbatches, lo.remat, lo.schedule, lo.repeats,
-                  lo.sequence_parallel, lo.replica, lo.diloco_every)
+                  lo.sequence_parallel, lo.replica, lo.diloco_every, lo.context, lo.keep)
         key = (e.fits, f"{e.step_time:.6g}", f"{e.memory['peak']:.6g}")
         hit = exact.get(key)
         if hit is None:

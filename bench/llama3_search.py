@@ -1,0 +1,64 @@
+"""``sk.search`` on Llama 3 405B (issue 37): the analytic ranking picks a layout and what each
+in-flight pipeline microbatch keeps (``Layout.keep``) for the paper's rows (8K on 8,192 and
+16,384 H100s, 128K on 16,384, where the search adds a context axis).
+
+The model is ``published.model`` of the paper's rows at 128 layers, the recipe's depth
+(``bench/llama3_compile.py``: the paper's 126 layers sit in 128 pipeline slots, and the search
+takes pipeline sizes that divide the layers); global batch 16M tokens; H100 80 GB at the
+search's default limit (90% of it). Three searches per row: the paper's family (pipe 16 ×
+tensor 8 with sequence parallelism, ZeRO-3 over data, 1F1B or interleaved 1F1B: the search picks
+the data/context split, microbatches, chunks, remat and ``keep``), the same without a memory
+limit, and the whole space. Nothing is compiled (``bench/llama3_compile.py --published`` compiles the paper's
+layouts; ``sk.search(..., verify=k, build=models.transformer.plan.builder(...), target="h100")``
+would compile the best k through the recipe).
+
+    python bench/llama3_search.py      # prints the rows, writes bench/results/llama3_search.json
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import published  # noqa: E402
+
+import shardkit as sk  # noqa: E402
+
+GIB = 2**30
+PAPER = dict(pipe=(16,), tensor=(8,), fsdp=(1,), zero=(3,), sequence_parallel=(True,),
+             schedules=("1f1b", "interleaved-1f1b"))
+SEARCHES = {"paper family": PAPER, "paper family, no memory limit": dict(PAPER, memory_limit=1e15),
+            "every layout": dict(schedules=("1f1b", "interleaved-1f1b", "gpipe", "circular"))}
+
+
+ROWS = ("llama3-405b-8k-8192gpu", "llama3-405b-8k-16384gpu", "llama3-405b-128k-16384gpu")
+
+
+def search(key: str, top: int = 3, **options):
+    run = next(r for r in published.RUNS if r.key == key)
+    ms = published.model(dataclasses.replace(run, layers=run.layer_slots))
+    return sk.search(ms, run.devices, "h100", global_batch=run.global_batch, target="h100", top=top, **options)
+
+
+def main() -> dict:
+    out = {}
+    for key in ROWS:
+        for name, options in SEARCHES.items():
+            rows = [{k: r[k] for k in ("layout", "keep", "step_time", "mfu", "memory", "fits")}
+                    for r in search(key, **options).rows]
+            out[f"{key} {name}"] = rows
+            for i, r in enumerate(rows, 1):
+                keep = "" if "keep=" in r["layout"] else " keep=input"
+                print(f"{key}, {name} #{i}: {r['layout']}{keep}: step {r['step_time']:.2f} s, "
+                      f"MFU {r['mfu']:.1%}, peak {r['memory'] / GIB:.1f} GiB{'' if r['fits'] else ' (does not fit)'}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "llama3_search.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
