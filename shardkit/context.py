@@ -65,8 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._context_blocks import (F32, _NEG, _Config, _backward_body, _compiler_blockwise, _flash_backward_body,
-                              _flash_forward_body, _forward_body, _mask)
+from ._context_blocks import (F32, _NEG, _Config, _backward_body, _flash_backward_body, _flash_forward_body,
+                              _forward_body, _mask)
 from ._axes import claim_axes
 from ._opaque import opaque
 from .mesh import block_shard_map
@@ -152,13 +152,10 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
                               implementation=implementation)
         return shard(o, inverse=True)
     claim_axes(axis)
-    nested = bool(getattr(mesh, "manual_axes", ()))  # in another shard_map: see _compiler_blockwise
-    blocks = None if nested else _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
+    blocks = _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag, "implementation": blocks.impl if blocks else "blockwise"})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None, blocks)
-    if nested:
-        return _compiler_blockwise(cfg, q, k, v, segment_ids)
     return _sharded(cfg)(q, k, v, segment_ids)
 
 
