@@ -73,25 +73,39 @@ def _split_heads(q, Hkv):
     return q.reshape(B, Tl, Hkv, Hq // Hkv, Dh)
 
 
-def _fetcher(cfg: _Config, kv_local, i):
+def _ring(cfg: _Config, turn: int):
+    """The ring's pairs: each device sends to its neighbour ``turn`` (+1 or -1) along the axis.
+    The forward turns +1, the backward -1: its first send (a device's own K/V) would otherwise
+    be the forward's, same operands and pairs, which XLA merges where both sit in one
+    computation (XLA:CPU drops an optimization barrier first), keeping the received block
+    alive from forward to backward; either direction visits every block."""
+    return [(d, (d + turn) % cfg.c) for d in range(cfg.c)]
+
+
+def _source(cfg: _Config, i, s, turn: int):
+    """The device whose K/V block device ``i`` holds at step ``s`` of a ring turning ``turn``."""
+    return (i - turn * s) % cfg.c
+
+
+def _fetcher(cfg: _Config, kv_local, i, turn: int):
     """``fetch(s, carried) -> block``: the K/V block a device works on at step ``s`` (from
-    device ``(i - s) mod c``): the one the ring carried in, or read from the all-gathered copy
-    (the same order, so both strategies sum in the same order)."""
+    device ``_source``): the one the ring carried in, or read from the all-gathered copy (the
+    same order, so both strategies sum in the same order)."""
     if cfg.strategy == "ring":
         return lambda s, carried: carried
     gathered = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis), kv_local)  # (c, ...) each
     return lambda s, carried: jax.tree.map(
-        lambda a: lax.dynamic_index_in_dim(a, (i - s) % cfg.c, 0, keepdims=False), gathered)
+        lambda a: lax.dynamic_index_in_dim(a, _source(cfg, i, s, turn), 0, keepdims=False), gathered)
 
 
-def _steps(cfg, carry, kv, step):
+def _steps(cfg, carry, kv, step, turn: int):
     """Runs ``step(carry, kv_block, s)`` for s = 0..c-1 with the ring's ``c-1`` transfers:
     each step sends the block it holds before using it (the send overlaps the compute). Step
     0 (a device's own block, the diagonal pair) runs apart with ``s`` a Python 0, so its kind
     is static and the loop's steps are all off-diagonal."""
     if cfg.strategy == "allgather":
         return lax.fori_loop(1, cfg.c, lambda s, cr: step(cr, None, s), step(carry, None, 0))
-    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+    ring = _ring(cfg, turn)
 
     def body(state, s):
         carry, block = state
@@ -140,14 +154,14 @@ def _kind_of(cfg: _Config, i, j, s, run):
 
 def _ring_loop(cfg: _Config, i, kv, state, update):
     """Runs ``update(state, block, j, kind)`` over the ``c`` K/V blocks (block ``j`` from device
-    ``(i - s) mod c`` at step ``s``), ``kind`` the part of the pair with work."""
-    fetch = _fetcher(cfg, kv, i)
+    ``_source(cfg, i, s, 1)`` at step ``s``), ``kind`` the part of the pair with work."""
+    fetch = _fetcher(cfg, kv, i, 1)
 
     def step(state, carried, s):
-        block, j = fetch(s, carried), (i - s) % cfg.c
+        block, j = fetch(s, carried), _source(cfg, i, s, 1)
         return _kind_of(cfg, i, j, s, lambda kd: update(state, block, j, kd))
 
-    return _steps(cfg, state, kv, step)
+    return _steps(cfg, state, kv, step, 1)
 
 
 def _grad_loop(cfg: _Config, i, kv, dq, every, update):
@@ -160,20 +174,20 @@ def _grad_loop(cfg: _Config, i, kv, dq, every, update):
         grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
     else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
         grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
-    fetch = _fetcher(cfg, kv, i)
-    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+    fetch = _fetcher(cfg, kv, i, -1)
+    ring = _ring(cfg, -1)  # the other way round (``_ring``)
 
     def step(carry, carried, s):
         dq, grads = carry
         block = fetch(s, carried)
-        j = (i - s) % cfg.c
+        j = _source(cfg, i, s, -1)
         dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
         dq, dkv = _kind_of(cfg, i, j, s, lambda kd: update(dq, dkv, block, j, kd))
         if cfg.strategy == "ring":  # hand the block's gradient on with it
             return dq, ppermute(dkv, cfg.axis, ring)
         return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
 
-    dq, grads = _steps(cfg, (dq, grads), kv, step)
+    dq, grads = _steps(cfg, (dq, grads), kv, step, -1)
     if cfg.strategy == "allgather":
         grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
     # After c steps the ring has carried each block's gradient back to the block's own device.
