@@ -39,9 +39,13 @@ an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with 
   the axis): the two orders hold the same tokens, so a wrong guess would be silently wrong.
 
 Without the axis in the mesh (or at size 1) it is ordinary attention, so the same model code
-runs on one device. Called inside another ``shard_map`` (an ``sk.pipeline`` stage) the same
-blockwise computation runs on global arrays instead, with the compiler moving K/V
-(``_compiler_blockwise``: JAX 0.10.2 cannot partially evaluate a nested ``shard_map``).
+runs on one device. Called inside another ``shard_map`` (an ``sk.pipeline`` stage, manual
+over the pipe and data axes) the same ring runs in a ``shard_map`` nested in it: its forward
+is one opaque primitive (``_opaque``), which a stage's remat or keep policy cannot split, and
+in the explicit schedules' per-stage branches its permutes stay inside the stage
+(``_branches.ppermute``: one permute per stage, switched on the stage; on XLA:CPU the block is
+read off an all-gather over the axis, as XLA:CPU meets all of a program's permutes in one
+rendezvous).
 
 Usage (causal, load-balanced)::
 
@@ -113,8 +117,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
             kernel on GPU (``"triton"``) and TPU (``"mosaic"``), per device over the batch and
             head axes the plan names (as ``sk.attention``), the blockwise online softmax
             (``"blockwise"``) on CPU, or where the kernel cannot take the block (segment ids,
-            a block its tiles do not divide: a ``KernelFallbackWarning`` says why). Inside
-            another ``shard_map`` the blockwise form runs.
+            a block its tiles do not divide: a ``KernelFallbackWarning`` says why), nested in a
+            pipeline stage too.
 
     Returns:
         ``(B, T, Hq, Dh)`` in ``q``'s dtype; float32 softmax and accumulation inside.
