@@ -51,6 +51,11 @@ def branching_over(axis: str, size: int) -> Iterator[None]:
         _BRANCHING.reset(token)
 
 
+def branching_axis() -> tuple[str, int] | None:
+    """``(axis, size)`` of the enclosing ``branching_over``, or None."""
+    return _BRANCHING.get()
+
+
 def ppermute(x, axis: str, perm: Sequence[tuple[int, int]]):
     """``lax.ppermute(x, axis, perm)``, kept inside the devices that take the same branch of
     the enclosing ``branching_over`` conditional (see the module docstring): ``perm`` is

@@ -45,7 +45,8 @@ is one opaque primitive (``_opaque``), which a stage's remat or keep policy cann
 in the explicit schedules' per-stage branches its permutes stay inside the stage
 (``_branches.ppermute``: one permute per stage, switched on the stage; on XLA:CPU the block is
 read off an all-gather over the axis, as XLA:CPU meets all of a program's permutes in one
-rendezvous).
+rendezvous). XLA:TPU cannot partition the ring in such a branch: there the compiler moves
+K/V for a blockwise form (``_context_tpu_nested``).
 
 Usage (causal, load-balanced)::
 
@@ -72,10 +73,13 @@ from jax.sharding import PartitionSpec as P
 from ._context_blocks import (F32, _NEG, _Config, _backward_body, _flash_backward_body, _flash_forward_body,
                               _forward_body, _mask)
 from ._axes import claim_axes
+from ._branches import branching_axis
+from ._context_tpu_nested import compiler_blockwise
 from ._opaque import opaque
 from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
+from .xla import target_platform
 
 STRATEGIES = ("ring", "allgather")
 ORDERS = ("natural", "zigzag")
@@ -156,10 +160,14 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
                               implementation=implementation)
         return shard(o, inverse=True)
     claim_axes(axis)
-    blocks = _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
+    # XLA:TPU cannot partition the ring nested in a per-stage branch (_context_tpu_nested).
+    tpu_branch = branching_axis() is not None and target_platform() == "tpu"
+    blocks = None if tpu_branch else _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag, "implementation": blocks.impl if blocks else "blockwise"})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None, blocks)
+    if tpu_branch:
+        return compiler_blockwise(cfg, q, k, v, segment_ids)
     return _sharded(cfg)(q, k, v, segment_ids)
 
 
