@@ -201,13 +201,16 @@ def test_the_target_picks_the_ring_blocks_and_a_fallback_says_why():
         sk.context_attention(q, k, v, order="zigzag", mesh=mesh, implementation="flash")
 
 
-def test_inside_a_pipeline_stage():
+def test_inside_a_pipeline_stage(monkeypatch):
     """context=2,pipe=2,data=2: attention layers run by sk.pipeline — GPipe (the stage's
     default remat and full recomputation) and 1F1B (keep="input": the backward op recomputes
-    the ring), 2 microbatches, the batch
+    the ring; and the form an XLA:TPU program runs in 1F1B's branches, the compiler-moved
+    blockwise attention), 2 microbatches, the batch
     reordered once with context_shard; loss and every weight's gradient equal the un-pipelined
     1-device model's (1e-5; measured 7e-7). The ring runs in 1F1B's per-stage branches: no
     collective there can wait for a device of another stage (``Report.hang_risks``)."""
+    import shardkit.context as context
+
     from shardkit.cost.compiled.branches import branch_collectives
 
     E, L = 16, 4
@@ -235,9 +238,13 @@ def test_inside_a_pipeline_stage():
     square = lambda _, y, __: jnp.mean(y ** 2)  # noqa: E731  (the mean over equal microbatches)
     # keep="all" (the ring's residuals kept, not recomputed): extended,
     # test_transformer.py::test_pipe_context_tensor_matches_one_device[1f1b-all].
-    cases = [("gpipe", "none", "input"), ("gpipe", "full", "input"), ("1f1b", "none", "input")]
+    cases = [("gpipe", "none", "input"), ("gpipe", "full", "input"), ("1f1b", "none", "input"),
+             ("1f1b", "none", "input", "tpu")]
+    platform = {}  # the platform context_attention compiles for, per case (traced one by one)
+    monkeypatch.setattr(context, "target_platform", lambda: platform["now"])
 
-    def piped(W, x, schedule, remat, keep):
+    def piped(W, x, schedule, remat, keep, target="cpu"):
+        platform["now"] = target
         if schedule == "gpipe":
             return jnp.mean(sk.pipeline(stage, W, sk.context_shard(x), microbatches=2, remat=remat) ** 2)
         return sk.pipeline(stage, W, sk.context_shard(x), microbatches=2, schedule=schedule, keep=keep,
