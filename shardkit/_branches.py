@@ -6,12 +6,14 @@ is the device's stage's operation: the stages take different branches, every dev
 stage the same. A collective in such a branch must not wait for a device of another stage. A
 collective with replica groups (an all-reduce or all-gather over ``context`` or ``tensor``)
 has groups inside a stage; a ``ppermute`` does not: it lowers to ONE collective-permute whose
-pairs name every stage's devices, which XLA:CPU and XLA:GPU treat as one rendezvous of all of
-them — a device of another stage that took another branch never arrives (a hang on GPUs;
-XLA:CPU matched it with that stage's next permute of the same channel and returned wrong
-blocks). ``ppermute`` here is the one that stays in the stage: under ``branching_over(axis)``
-(set by the executor while it traces its branches) it switches on the device's coordinate on
-that axis among one permute per coordinate, each naming that stage's devices only.
+pairs name every stage's devices, which ``cost.compiled.branches`` reads as one rendezvous of
+all of them: a device of another stage that took another branch never arrives (a hang).
+``ppermute`` here is the one that stays in the stage: under ``branching_over(axis)`` (set by
+the executor while it traces its branches) it switches on the device's coordinate on that
+axis among one permute per coordinate, each naming that stage's devices only. XLA:CPU meets
+every permute of a program in one rendezvous whatever its pairs (``_gathered``), so there
+the block is read off an all-gather; XLA:TPU cannot partition the context ring in such a
+branch at all (``_context_tpu_nested``).
 
 The readers of a compiled program (``cost.compiled``) find these conditionals by their named
 scopes: ``STAGE_SCOPE`` (the branch is the stage: each device of a stage takes the same one)
