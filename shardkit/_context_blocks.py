@@ -1,5 +1,5 @@
 """The per-device blocks of ``sk.context_attention`` (``context.py``): the ring / all-gather
-forward and backward bodies run inside its ``shard_map`` and their online-softmax steps
+forward and backward bodies, the ``shard_map`` they run in (``sharded``), their online-softmax steps
 (or a flash kernel's, ``kernels/flash_blocks.py``). See ``context.py``'s docstring for the
 algorithm and its sources.
 
@@ -10,11 +10,17 @@ that the stage's partial evaluation cannot split."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
 from ._branches import even_switch, ppermute
+from ._opaque import opaque
 from ._vma import vary_like
+from .mesh import block_shard_map
 
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
@@ -299,3 +305,39 @@ def _flash_backward_body(cfg: _Config, q, k, v, out, lse, dout):
 
     dq, dk, dv = _grad_loop(cfg, i, (k, v), dq, every, update)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---- the shard_map around the bodies ---------------------------------------------------------
+
+def sharded(cfg: _Config) -> Callable:
+    """``f(q, k, v, seg) -> out`` with the ring (or all-gather) forward and backward."""
+    seq = P(None, cfg.axis)
+    smap = lambda body, n_in, n_out: block_shard_map(  # noqa: E731
+        body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
+        out_specs=(seq,) * n_out if n_out > 1 else seq)
+
+    forward_body, backward_body = ((_flash_forward_body, _flash_backward_body) if cfg.blocks
+                                   else (_forward_body, _backward_body))
+
+    def forward(q, k, v, seg):
+        args = (q, k, v) + ((seg,) if cfg.has_seg else ())
+        # One primitive to partial evaluation (see _opaque): a layer scan under a remat
+        # policy would otherwise split this shard_map and hoist its input-free part.
+        return opaque(smap(lambda *a: forward_body(cfg, *a), len(args), 2))(*args)
+
+    @jax.custom_vjp
+    def attend(q, k, v, seg):
+        return forward(q, k, v, seg)[0].astype(q.dtype)
+
+    def fwd(q, k, v, seg):
+        out, lse = forward(q, k, v, seg)
+        return out.astype(q.dtype), (q, k, v, seg, out, lse)
+
+    def bwd(res, dout):
+        q, k, v, seg, out, lse = res
+        args = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
+        dq, dk, dv = smap(lambda *a: backward_body(cfg, *a), len(args), 3)(*args)
+        return dq, dk, dv, None
+
+    attend.defvjp(fwd, bwd)
+    return attend

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -70,12 +69,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._context_blocks import (F32, _NEG, _Config, _backward_body, _flash_backward_body, _flash_forward_body,
-                              _forward_body, _mask)
+from ._context_blocks import F32, _NEG, _Config, _mask, sharded
 from ._axes import claim_axes
 from ._branches import branching_axis
 from ._context_tpu_nested import compiler_blockwise
-from ._opaque import opaque
 from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
@@ -168,7 +165,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None, blocks)
     if tpu_branch:
         return compiler_blockwise(cfg, q, k, v, segment_ids)
-    return _sharded(cfg)(q, k, v, segment_ids)
+    return sharded(cfg)(q, k, v, segment_ids)
 
 
 # XLA:TPU (jax 0.10.2's libtpu) fails to compile the Mosaic ring's causal zig-zag backward over
@@ -375,37 +372,3 @@ def _exchange(x: jax.Array, axis: str, c: int, mesh: Any, inverse: bool) -> jax.
 
     seq = P(None, axis)
     return block_shard_map(body, mesh=mesh, axis_names={axis}, in_specs=(seq,), out_specs=seq)(x)
-
-
-def _sharded(cfg: _Config) -> Callable:
-    """``f(q, k, v, seg) -> out`` with the ring (or all-gather) forward and backward."""
-    seq = P(None, cfg.axis)
-    smap = lambda body, n_in, n_out: block_shard_map(  # noqa: E731
-        body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
-        out_specs=(seq,) * n_out if n_out > 1 else seq)
-
-    forward_body, backward_body = ((_flash_forward_body, _flash_backward_body) if cfg.blocks
-                                   else (_forward_body, _backward_body))
-
-    def forward(q, k, v, seg):
-        args = (q, k, v) + ((seg,) if cfg.has_seg else ())
-        # One primitive to partial evaluation (see _opaque): a layer scan under a remat
-        # policy would otherwise split this shard_map and hoist its input-free part.
-        return opaque(smap(lambda *a: forward_body(cfg, *a), len(args), 2))(*args)
-
-    @jax.custom_vjp
-    def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0].astype(q.dtype)
-
-    def fwd(q, k, v, seg):
-        out, lse = forward(q, k, v, seg)
-        return out.astype(q.dtype), (q, k, v, seg, out, lse)
-
-    def bwd(res, dout):
-        q, k, v, seg, out, lse = res
-        args = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
-        dq, dk, dv = smap(lambda *a: backward_body(cfg, *a), len(args), 3)(*args)
-        return dq, dk, dv, None
-
-    attend.defvjp(fwd, bwd)
-    return attend
