@@ -181,6 +181,12 @@ def check(name: str, case: Case, report, target: str) -> None:
             # The reader sees into the per-stage switch: the stages' tensor sums run in its branches.
             assert any(c.pipeline_switch and c.axes == ("tensor",) for c in report.branch_collectives), \
                 report.branch_collectives
+        if shape.get("context", 1) > 1 and (target.startswith("h") or lo.schedule not in EXPLICIT):
+            # sk.context_attention's ring runs nested in the stages (it was the compiler's
+            # all-gathers of K/V before): K/V blocks permuted, in the explicit schedules'
+            # branches one permute per stage (``_branches``). XLA:TPU cannot partition the
+            # ring in those branches: the compiler gathers K/V there (``_context_tpu_nested``).
+            assert roles["context-permute"] > 0 and roles["context-gather"] == 0, roles
         if lo.zero == 3:
             # ZeRO-3 inside a pipeline: each stage's weights are gathered per step, not per
             # microbatch tick: at most a forward and a backward gather of the stage's bf16
