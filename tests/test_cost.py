@@ -311,6 +311,35 @@ def test_analytic_pipeline_estimate_matches_the_step_estimate(name):
     assert more.collectives["grad-reduce"] == analytic.collectives["grad-reduce"]  # once per step
 
 
+def test_sequence_parallel_pipeline_gathers_again_where_the_backward_recomputes():
+    """Under sequence parallelism inside an explicit schedule, a backward op that recomputes its
+    chunk's forward (``keep="input"``, a policy's: the gather is no matmul) gathers each region's
+    input again; ``keep="all"`` holds the gathered input (XLA:GPU at Llama 3 405B's widths, 8K:
+    6.5 / 6.4 / 4.4 all-gathers over tensor per layer and microbatch under input / dots / all).
+    The step estimate's tensor-gather bytes differ by one activation per region and pipeline
+    microbatch: 2 regions x 2 layers a stage x 4 microbatches here."""
+    from flax import nnx
+
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import make_plan
+    from models.transformer.model import PipelineSpec, Transformer, loss_fn
+
+    cfg = SIZES["test"].replace(layers=4)
+    plan = make_plan(sk.make_mesh("pipe=2,tensor=4"), cfg, sequence_parallel=True)
+    tokens = jnp.zeros((8, cfg.seq), jnp.int32)
+    gathered = {}
+    for keep in ("input", "all"):
+        pipe = PipelineSpec(4, "1f1b", keep=keep)
+        step = sk.train_step(plan, optax.adam(1e-3))(lambda model, batch, pipe=pipe: loss_fn(model, batch, pipe))
+        state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        gathered[keep] = cost.estimate_for_step(step, state, {"inputs": tokens, "targets": tokens}
+                                                ).collectives["tensor-gather"]
+    # One microbatch of the pipeline: 2 rows of 16 tokens, split over tensor (SP) and gathered
+    # whole, f32 on XLA:CPU.
+    activation = 2 * cfg.seq * cfg.d_model * 4
+    assert gathered["input"] - gathered["all"] == pytest.approx(2 * 2 * 4 * activation)
+
+
 # ---- pipelines (sk.pipeline's trace note drives the estimate) --------------------------------
 
 PD, PB, PL, PM = 128, 32, 8, 4
