@@ -142,10 +142,14 @@ def test_search_keeps_residuals_where_memory_allows():
     assert ests["all"].flops == pytest.approx(0.75 * ests["input"].flops)
     assert ests["all"].step_time < ests["dots"].step_time < ests["input"].step_time
     assert ests["input"].memory["peak"] < ests["dots"].memory["peak"] < ests["all"].memory["peak"]
+    # keep="lean" (the layer's named residuals): no matmul recomputed, dots' set and the attention
+    # output kept, so all's flops and step at little more than dots' memory; it ranks first.
+    assert ests["lean"].flops == ests["all"].flops and ests["lean"].step_time == ests["all"].step_time
+    assert ests["dots"].memory["peak"] < ests["lean"].memory["peak"] < ests["all"].memory["peak"]
     opts = dict(global_batch=16, pipe=(4,), tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,), remat=("none",),
                 schedules=("1f1b",))
     roomy = sk.search("1b", 8, "h100", memory_limit=1e15, **opts)
-    assert [r["keep"] for r in roomy.rows] == ["all", "dots", "input"]
+    assert [r["keep"] for r in roomy.rows] == ["lean", "all", "dots", "input"]
     assert "keep=all" in str(roomy)  # the table's pipeline column says what is kept
     tight = sk.search("1b", 8, "h100", memory_limit=(ests["input"].memory["peak"] + ests["dots"].memory["peak"]) / 2,
                       **opts)
@@ -160,7 +164,7 @@ def test_search_candidates_take_keep_chunks_and_a_context_axis():
     kw = dict(layers=16, heads=8, global_batch=32, tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,))
     los = layouts(8, seq=2048, schedules=("1f1b", "interleaved-1f1b", "circular"), **kw)
     explicit = [lo for lo in los if lo.pipe > 1 and lo.schedule != "circular"]
-    assert {lo.keep for lo in explicit if lo.remat == "none"} == {"input", "all", "dots"}
+    assert {lo.keep for lo in explicit if lo.remat == "none"} == {"input", "all", "dots", "lean"}
     assert {lo.keep for lo in los if lo not in explicit or lo.remat != "none"} == {"input"}
     assert {lo.repeats for lo in los if lo.schedule == "interleaved-1f1b" and lo.pipe == 2} == {2, 4, 8}
     assert {lo.repeats for lo in los if lo.schedule == "circular" and lo.pipe == 8} == {2}
