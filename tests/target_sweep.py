@@ -63,29 +63,31 @@ CASES_8["pp_zero3_zb_tp"] = Case(Layout("data=2,pipe=2,tensor=2", zero=3, schedu
 #   row-parallel sums in pp_zero3_zb_tp's tensor-parallel stages; SP's gather is H100's, and
 #   XLA:CPU's beside the estimate (test_cost.py::test_transformer_estimate_matches_compiled[hybrid]);
 # - whole weights (no param gather) and EP's token all-to-all with expert weights left in place: ep;
-# - ring attention's K/V permutes: cp on H100 (the all-gather strategy, cp_allgather, and context
-#   inside a pipeline stage, cp_pp, are checked on XLA:CPU's program in tests/test_context.py). On
-#   v5p cp moves to --extended: at the sweep's sequence of 16 every target traces the same
-#   blockwise ring, a shard_map of explicit collective-permutes that no compiler turns into
-#   another collective (XLA:GPU's cp keeps them, and XLA:CPU's in test_context.py);
+# - ring attention's K/V permutes: cp, --extended on both targets (~11 CPU s on H100): at the
+#   sweep's sizes (head_dim 8, sequence 16: no flash kernel takes them) every target traces the
+#   same blockwise ring, a shard_map of explicit collective-permutes that no compiler turns into
+#   another collective (XLA:GPU's program for cp has them: the default lane checked it until
+#   2026-11-28). The recipe's ring is held on XLA:CPU's program, its bytes equal to the formula, in
+#   tests/test_context.py::test_estimate_matches_the_compiled_recipe_step (cp_tp), and the
+#   all-gather strategy (cp_allgather) and context inside a pipeline stage (cp_pp) there too;
 # - nothing over the replica axis inside a DiLoCo interval: on XLA:CPU's program in
 #   tests/test_diloco.py (test_h3_adamw_nesterov_matches_reference_with_no_replica_traffic_between_syncs);
 # - a pipeline's microbatch permutes and the zero-bubble split backward with tensor parallelism
 #   inside the stages, under ZeRO-3: pp_zero3_zb_tp (data=2,pipe=2,tensor=2, ZB-H1; one compile
 #   where pp_zero3 and dp_pp_tp_zb / pp_zb took two).
 # Moved to --extended, with the case above that keeps what each checks: zero2 (the README MLP's
-# ZeRO-2 on H100, above), dp, zero1, zero3 (ep, cp:
+# ZeRO-2 on H100, above), dp, zero1, zero3 (ep:
 # whole weights; pp_zero3_zb_tp: ZeRO-3's gather), fsdp, fsdp_tp, tp, tp_sp (hybrid/hybrid_16),
 # pp_zero3, pp_gpipe, pp_circular, pp_1f1b, pp_interleaved, tp_pp, dp_pp_tp, dp_pp_tp_1f1b,
 # dp_pp_tp_zb, pp_zb (pp_zero3_zb_tp: ZeRO-3 in a pipeline, ZB-H1 with TP in the stages; each
 # schedule's program is checked against the sequential model on CPU in tests/test_pipeline.py),
 # ep_dp, ep_fsdp, ep_tp, ep_pp
-# (ep; EP nested in a pipeline runs on CPU in tests/test_moe.py), cp_tp, dp_cp_fsdp, cp_allgather,
-# cp_pp (cp, hybrid), diloco, diloco_tp, diloco_pp (tests/test_diloco.py), zero2_16, pp_1f1b_16,
+# (ep; EP nested in a pipeline runs on CPU in tests/test_moe.py), cp, cp_tp, dp_cp_fsdp, cp_allgather,
+# cp_pp (the ring above; hybrid), diloco, diloco_tp, diloco_pp (tests/test_diloco.py), zero2_16, pp_1f1b_16,
 # pp_zb_16, ep_dp_16 (hybrid_16 for the two hosts), cp_tp_pp, ep_tp_pp, cp_tp_pp_16 (two
-# compiler-owned axes beside an explicit schedule: pp_zero3_zb_tp for the schedule, cp and ep for
-# the axes; on CPU tests/test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes).
-KEEP_H100 = {"pp_zero3_zb_tp", "hybrid_16", "ep", "cp"}
+# compiler-owned axes beside an explicit schedule: pp_zero3_zb_tp for the schedule, ep for the
+# axes; on CPU tests/test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes).
+KEEP_H100 = {"pp_zero3_zb_tp", "hybrid_16", "ep"}
 KEEP_TPU = {"pp_zero3_zb_tp", "ep"}
 
 # Two H100 hosts: the outer axes cross InfiniBand.
