@@ -19,6 +19,7 @@ Compiled figures are cached in bench/results/cost_bands.json (``--reuse`` reads 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import pathlib
 import re
@@ -117,7 +118,10 @@ def reestimate(family, module, mesh, zero, target, rows: dict) -> dict:
     from shardkit.cost.compiled.report import Report
     from shardkit.plan import detailed_notes
 
-    step, state, batch = module.build(family, mesh, zero)
+    # Traced only: a builder that can leaves the state abstract (ResNet-18's init alone took
+    # minutes of CPU per layout on the shared machine).
+    abstract = {"abstract": True} if "abstract" in inspect.signature(module.build).parameters else {}
+    step, state, batch = module.build(family, mesh, zero, **abstract)
     tgt = targets.get(target)
     amesh = simulated.abstract_mesh(mesh, max_devices=simulated.MAX_TARGET_DEVICES, target=tgt)
     sim = step.with_plan(simulated.simulated_plan(step.plan, amesh))
@@ -189,6 +193,8 @@ def main(argv=None) -> None:
             key = f"{family}|{mesh}|{zero}|{args.target}"
             if args.reestimate and key in cache:
                 cache[key]["rows"] = reestimate(family, module, mesh, zero, args.target, cache[key]["rows"])
+                save({key: cache[key]})  # this key only: runs for other families or targets may be saving theirs
+                console.print(f"{key}: re-estimated")
                 continue
             if args.reuse and key in cache:
                 continue
@@ -199,8 +205,6 @@ def main(argv=None) -> None:
                 continue
             console.print(f"{key}: {cache[key]['seconds']:.1f} s")
             save({key: cache[key]})
-    if args.reestimate:
-        save({k: v for k, v in cache.items() if k.endswith("|" + args.target)})
     held = args.held_out
     fitted = bands(cache, args.target, lambda f: f != held and f in fams)
     held_band = bands(cache, args.target, lambda f: f == held)

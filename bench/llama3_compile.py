@@ -27,8 +27,8 @@ with ``ModelShape.activations="xla"``) counts each same layout.
    flops and collectives (H100 links) plus the analytic memory-bound kernels' time.
 
 Reduced against the published runs: the attention is ``flash_like`` (cuDNN's kernel cannot be
-traced here) at 8K; at 128K the context axis runs ``sk.context_attention``'s blockwise form
-nested in the stage (the compiler moves K/V); ``sk.pipeline``'s executor stands for the
+traced here) at 8K; at 128K the context axis runs ``sk.context_attention``'s ring nested in
+the stage (the Triton flash kernel per ring step); ``sk.pipeline``'s executor stands for the
 paper's, 128 layers for 126.
 
     python bench/llama3_compile.py              # all three parts, 18 compiles

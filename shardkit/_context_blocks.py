@@ -1,22 +1,35 @@
 """The per-device blocks of ``sk.context_attention`` (``context.py``): the ring / all-gather
-forward and backward bodies run inside its ``shard_map``, their online-softmax steps, and the
-compiler-moved blockwise variant used inside another ``shard_map``. See ``context.py``'s
-docstring for the algorithm and its sources."""
+forward and backward bodies, the ``shard_map`` they run in (``sharded``), their online-softmax steps
+(or a flash kernel's, ``kernels/flash_blocks.py``). See ``context.py``'s docstring for the
+algorithm and its sources.
+
+The same bodies run nested in an ``sk.pipeline`` stage: the ring's ``ppermute`` is
+``_branches.ppermute``, which stays inside the stage when the stage runs in a branch of the
+explicit schedules' per-tick switch, and the forward is one opaque primitive (``_opaque``)
+that the stage's partial evaluation cannot split."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from ._branches import even_switch, ppermute
+from ._opaque import opaque
 from ._vma import vary_like
+from .mesh import block_shard_map
 
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) = 1 is then masked, never NaN
-# Blocks a causal step touches (see _branch): all of it, K/V's first half (zig-zag, source
-# before me), the queries' second half (zig-zag, source after me), nothing (contiguous, after);
-# for a flash kernel, which masks by position within the pair, the diagonal (causal) apart.
+# The part of a (queries, K/V block) pair a step computes (``_Config.diagonal`` and
+# ``off_diagonal``): all of it, K/V's first half (zig-zag, source before me), the queries'
+# second half (zig-zag, source after me), nothing (contiguous, after), or the diagonal pair,
+# causal within itself (a flash kernel masks by position within the pair: in zig-zag order
+# the diagonal pair's local positions order its tokens as the global ones do, chunk d before
+# chunk 2c-1-d).
 _FULL, _KV_FIRST, _Q_SECOND, _SKIP, _DIAG = range(5)
 
 class _Config:
@@ -34,20 +47,20 @@ class _Config:
         C = Tl // 2
         return jnp.concatenate([d * C + jnp.arange(C), (2 * self.c - 1 - d) * C + jnp.arange(C)])
 
-    def all_positions(self, Tl) -> np.ndarray:
-        """Every device's ``positions`` in device order, ``(c·Tl,)``: a constant (numpy), so
-        the compiler slices it per device with no communication (built from iotas and a
-        concatenate, XLA:TPU permuted its pieces between devices)."""
-        C = Tl // 2 if self.zigzag else Tl
-        starts = ([(d, 2 * self.c - 1 - d) for d in range(self.c)] if self.zigzag else [(d,) for d in range(self.c)])
-        return np.concatenate([b * C + np.arange(C) for blocks in starts for b in blocks]).astype(np.int32)
+    @property
+    def diagonal(self):
+        """The kind of step 0's pair, a device's own queries and K/V: causal within the pair."""
+        return _DIAG if self.causal else _FULL
 
-    def branch(self, i, j):
-        """Index into ``_branches(self)`` of the part of the (my queries i, K/V block j) pair
-        that has unmasked work."""
-        if self.zigzag:  # (_FULL, _KV_FIRST, _Q_SECOND)
-            return jnp.where(i == j, 0, jnp.where(j < i, 1, 2))
-        return jnp.where(j <= i, 0, 1)  # causal, contiguous: (_FULL, _SKIP)
+    @property
+    def off_diagonal(self):
+        """The kinds of the other steps' pairs (queries i, K/V block j != i), picked by
+        ``j < i``: zig-zag's unmasked halves (K/V's first, the queries' second), contiguous
+        order's whole or skipped block; one kind without a causal mask. Either way each kind
+        is taken on half of the off-diagonal pairs over the devices (``even_switch``)."""
+        if not self.causal:
+            return (_FULL,)
+        return (_KV_FIRST, _Q_SECOND) if self.zigzag else (_FULL, _SKIP)
 
 
 def _mask(pq, pk, sq, sk, causal):
@@ -66,30 +79,47 @@ def _split_heads(q, Hkv):
     return q.reshape(B, Tl, Hkv, Hq // Hkv, Dh)
 
 
-def _fetcher(cfg: _Config, kv_local, i):
+def _ring(cfg: _Config, turn: int):
+    """The ring's pairs: each device sends to its neighbour ``turn`` (+1 or -1) along the axis.
+    The forward turns +1, the backward -1: its first send (a device's own K/V) would otherwise
+    be the forward's, same operands and pairs, which XLA merges where both sit in one
+    computation (XLA:CPU drops an optimization barrier first), keeping the received block
+    alive from forward to backward; either direction visits every block."""
+    return [(d, (d + turn) % cfg.c) for d in range(cfg.c)]
+
+
+def _source(cfg: _Config, i, s, turn: int):
+    """The device whose K/V block device ``i`` holds at step ``s`` of a ring turning ``turn``."""
+    return (i - turn * s) % cfg.c
+
+
+def _fetcher(cfg: _Config, kv_local, i, turn: int):
     """``fetch(s, carried) -> block``: the K/V block a device works on at step ``s`` (from
-    device ``(i - s) mod c``): the one the ring carried in, or read from the all-gathered copy
-    (the same order, so both strategies sum in the same order)."""
+    device ``_source``): the one the ring carried in, or read from the all-gathered copy (the
+    same order, so both strategies sum in the same order)."""
     if cfg.strategy == "ring":
         return lambda s, carried: carried
     gathered = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis), kv_local)  # (c, ...) each
     return lambda s, carried: jax.tree.map(
-        lambda a: lax.dynamic_index_in_dim(a, (i - s) % cfg.c, 0, keepdims=False), gathered)
+        lambda a: lax.dynamic_index_in_dim(a, _source(cfg, i, s, turn), 0, keepdims=False), gathered)
 
 
-def _steps(cfg, carry, kv, step):
+def _steps(cfg, carry, kv, step, turn: int):
     """Runs ``step(carry, kv_block, s)`` for s = 0..c-1 with the ring's ``c-1`` transfers:
-    each step sends the block it holds before using it (the send overlaps the compute)."""
+    each step sends the block it holds before using it (the send overlaps the compute). Step
+    0 (a device's own block, the diagonal pair) runs apart with ``s`` a Python 0, so its kind
+    is static and the loop's steps are all off-diagonal."""
     if cfg.strategy == "allgather":
-        return lax.fori_loop(0, cfg.c, lambda s, cr: step(cr, None, s), carry)
-    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+        return lax.fori_loop(1, cfg.c, lambda s, cr: step(cr, None, s), step(carry, None, 0))
+    ring = _ring(cfg, turn)
 
     def body(state, s):
         carry, block = state
-        nxt = lax.ppermute(block, cfg.axis, ring)
+        nxt = ppermute(block, cfg.axis, ring)
         return (step(carry, block, s), nxt), None
 
-    (carry, block), _ = lax.scan(body, (carry, kv), jnp.arange(cfg.c - 1))
+    nxt = ppermute(kv, cfg.axis, ring)
+    (carry, block), _ = lax.scan(body, (step(carry, kv, 0), nxt), jnp.arange(1, cfg.c - 1))
     return step(carry, block, cfg.c - 1)
 
 
@@ -98,12 +128,6 @@ def _sub(branch, C):
     whole = slice(None)
     return {_FULL: (whole, whole), _DIAG: (whole, whole), _KV_FIRST: (whole, slice(0, C)),
             _Q_SECOND: (slice(C, None), whole)}[branch]
-
-
-def _branches(cfg):
-    if not cfg.causal:
-        return (_FULL,)
-    return (_FULL, _KV_FIRST, _Q_SECOND) if cfg.zigzag else (_FULL, _SKIP)
 
 
 def _online(state, q5, kb, vb, mask, scale):
@@ -123,100 +147,30 @@ def _online(state, q5, kb, vb, mask, scale):
     return m_new, l, acc
 
 
-def _compiler_blockwise(cfg: _Config, q, k, v, seg):
-    """Inside another shard_map (an ``sk.pipeline`` stage): the same blockwise attention and
-    the same recomputing backward (a custom VJP), written on global arrays. The queries and
-    the softmax state are kept split over the axis by sharding constraints, and the compiler
-    moves the K/V blocks (it gathers K/V, and reduces each block's dK/dV over the axis), so a
-    device holds (T/c, T/c) score blocks only, under any remat policy of the stage.
-
-    Why not the manual ring here: JAX 0.10.2 cannot partially evaluate a ``shard_map`` nested
-    in another one (the residuals it splits off get specs naming the outer manual axes and
-    lowering fails): under the stage's remat the ring's forward is partially evaluated."""
-    B, T, Hq, Dh = q.shape
-    Hkv, c = k.shape[2], cfg.c
-    Tl = T // c
-    split = jax.sharding.NamedSharding(cfg.mesh, P(None, cfg.axis))
-    keep = lambda tree: jax.tree.map(lambda a: lax.with_sharding_constraint(a, split), tree)  # noqa: E731
-    blocks = lambda a: jnp.moveaxis(a.reshape((B, c, Tl) + a.shape[2:]), 1, 0)  # noqa: E731
-    unblock = lambda a: jnp.moveaxis(a, 0, 1).reshape((B, T) + a.shape[3:])  # noqa: E731
-
-    # Built inside fwd and bwd: a custom VJP's rules may not close over traced values.
-    def positions():
-        return jnp.asarray(cfg.all_positions(Tl))
-
-    def xs_of(k, v, seg, pos):
-        return (blocks(k), blocks(v), pos.reshape(c, Tl)) + ((blocks(seg),) if cfg.has_seg else ())
-
-    def mask_of(x, seg, pos):
-        return _mask(pos, x[2], seg, x[3] if cfg.has_seg else None, cfg.causal)
-
-    def forward(q, k, v, seg):
-        q5, pos = keep(_split_heads(q, Hkv)), positions()
-
-        def step(state, x):
-            return keep(_online(state, q5, x[0], x[1], mask_of(x, seg, pos), cfg.scale)), None
-
-        m0 = jnp.full(q5.shape[:-1], _NEG, F32)
-        state = vary_like((m0, jnp.zeros_like(m0), jnp.zeros(q5.shape, F32)), (q, k, v))
-        (m, l, acc), _ = lax.scan(step, state, xs_of(k, v, seg, pos))
-        l_safe = jnp.where(l > 0, l, 1.0)
-        return acc / l_safe[..., None], m + jnp.log(l_safe)  # (B, T, K, G, Dh), (B, T, K, G)
-
-    @jax.custom_vjp
-    def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0].reshape(B, T, Hq, Dh).astype(q.dtype)
-
-    def fwd(q, k, v, seg):
-        out5, lse = forward(q, k, v, seg)
-        return out5.reshape(B, T, Hq, Dh).astype(q.dtype), (q, k, v, seg, out5, lse)
-
-    def bwd(res, dout):
-        q, k, v, seg, out5, lse = res
-        q5, do5, pos = keep(_split_heads(q, Hkv)), keep(_split_heads(dout, Hkv)), positions()
-        delta = jnp.sum(do5.astype(F32) * out5, axis=-1)
-
-        def step(dq, x):
-            kb, vb = x[0], x[1]
-            s = jnp.einsum("bqkgd,bskd->bqkgs", q5, kb, preferred_element_type=F32) * cfg.scale
-            p = jnp.exp(s - lse[..., None])
-            mask = mask_of(x, seg, pos)
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
-            dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(do5.dtype), do5, preferred_element_type=F32)
-            ds = p * (jnp.einsum("bqkgd,bskd->bqkgs", do5, vb, preferred_element_type=F32)
-                      - delta[..., None]) * cfg.scale
-            dq = keep(dq + jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
-                                      preferred_element_type=F32))
-            dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(q5.dtype), q5, preferred_element_type=F32)
-            return dq, (dk, dv)
-
-        dq0 = vary_like(jnp.zeros(q5.shape, F32), (q, k, v, dout))
-        dq, (dk, dv) = lax.scan(step, dq0, xs_of(k, v, seg, pos))
-        return (dq.reshape(B, T, Hq, Dh).astype(q.dtype), unblock(dk).astype(k.dtype),
-                unblock(dv).astype(v.dtype), None)
-
-    attend.defvjp(fwd, bwd)
-    return attend(q, k, v, seg)
+def _kind_of(cfg: _Config, i, j, s, run):
+    """``run(kind)`` for the (queries ``i``, K/V block ``j``) pair of step ``s``: the diagonal
+    at step 0, else the off-diagonal kind ``j < i`` picks (an ``even_switch``)."""
+    if isinstance(s, int) and s == 0:
+        return run(cfg.diagonal)
+    kinds = cfg.off_diagonal
+    if len(kinds) == 1:
+        return run(kinds[0])
+    return even_switch(jnp.where(j < i, 0, 1), [lambda kd=kd: run(kd) for kd in kinds])
 
 
-def _ring_loop(cfg: _Config, i, kv, state, kinds, branch, update):
+def _ring_loop(cfg: _Config, i, kv, state, update):
     """Runs ``update(state, block, j, kind)`` over the ``c`` K/V blocks (block ``j`` from device
-    ``(i - s) mod c`` at step ``s``), ``kind`` the part of the block with work, picked by
-    ``branch(i, j)`` among ``kinds`` (a ``lax.switch``) when there are several."""
-    fetch = _fetcher(cfg, kv, i)
+    ``_source(cfg, i, s, 1)`` at step ``s``), ``kind`` the part of the pair with work."""
+    fetch = _fetcher(cfg, kv, i, 1)
 
     def step(state, carried, s):
-        block = fetch(s, carried)
-        j = (i - s) % cfg.c
-        if len(kinds) == 1:
-            return update(state, block, j, kinds[0])
-        return lax.switch(branch(i, j), [lambda st, kd=kd: update(st, block, j, kd) for kd in kinds], state)
+        block, j = fetch(s, carried), _source(cfg, i, s, 1)
+        return _kind_of(cfg, i, j, s, lambda kd: update(state, block, j, kd))
 
-    return _steps(cfg, state, kv, step)
+    return _steps(cfg, state, kv, step, 1)
 
 
-def _grad_loop(cfg: _Config, i, kv, dq, every, kinds, branch, update):
+def _grad_loop(cfg: _Config, i, kv, dq, every, update):
     """The backward's ring: ``update(dq, (dk, dv), block, j, kind)`` over the blocks as
     ``_ring_loop``, each block's float32 dK/dV accumulators travelling with it (``ring``) or
     kept for the whole sequence and reduce-scattered after (``allgather``). Returns dq and this
@@ -226,24 +180,20 @@ def _grad_loop(cfg: _Config, i, kv, dq, every, kinds, branch, update):
         grads = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), every)
     else:  # all-gather: accumulate the whole sequence's dK/dV here, reduce-scatter after
         grads = vary_like((jnp.zeros((cfg.c,) + k.shape, F32), jnp.zeros((cfg.c,) + v.shape, F32)), every)
-    fetch = _fetcher(cfg, kv, i)
-    ring = [(d, (d + 1) % cfg.c) for d in range(cfg.c)]
+    fetch = _fetcher(cfg, kv, i, -1)
+    ring = _ring(cfg, -1)  # the other way round (``_ring``)
 
     def step(carry, carried, s):
         dq, grads = carry
         block = fetch(s, carried)
-        j = (i - s) % cfg.c
+        j = _source(cfg, i, s, -1)
         dkv = grads if cfg.strategy == "ring" else tuple(g[j] for g in grads)
-        if len(kinds) == 1:
-            dq, dkv = update(dq, dkv, block, j, kinds[0])
-        else:
-            dq, dkv = lax.switch(branch(i, j),
-                                 [lambda a, b, kd=kd: update(a, b, block, j, kd) for kd in kinds], dq, dkv)
+        dq, dkv = _kind_of(cfg, i, j, s, lambda kd: update(dq, dkv, block, j, kd))
         if cfg.strategy == "ring":  # hand the block's gradient on with it
-            return dq, lax.ppermute(dkv, cfg.axis, ring)
+            return dq, ppermute(dkv, cfg.axis, ring)
         return dq, tuple(g.at[j].set(d) for g, d in zip(grads, dkv))
 
-    dq, grads = _steps(cfg, (dq, grads), kv, step)
+    dq, grads = _steps(cfg, (dq, grads), kv, step, -1)
     if cfg.strategy == "allgather":
         grads = tuple(lax.psum_scatter(g, cfg.axis, scatter_dimension=0, tiled=False) for g in grads)
     # After c steps the ring has carried each block's gradient back to the block's own device.
@@ -269,7 +219,7 @@ def _forward_body(cfg: _Config, q, k, v, seg=None):
         new = _online(tuple(a[:, qs] for a in state), q5[:, qs], kb, vb, mask, cfg.scale)
         return tuple(a.at[:, qs].set(b) for a, b in zip(state, new))
 
-    m, l, acc = _ring_loop(cfg, i, kv, state, _branches(cfg), cfg.branch, update)
+    m, l, acc = _ring_loop(cfg, i, kv, state, update)
     l_safe = jnp.where(l > 0, l, 1.0)
     # Both outputs come from arithmetic, last: a remat policy that recomputes reshapes and
     # casts (sk.pipeline's) then saves them instead of splitting this shard_map, which JAX
@@ -309,22 +259,11 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
         dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(qb.dtype), qb, preferred_element_type=F32)
         return dq, (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
 
-    dq, dk, dv = _grad_loop(cfg, i, kv, dq, every, _branches(cfg), cfg.branch, update)
+    dq, dk, dv = _grad_loop(cfg, i, kv, dq, every, update)
     return dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 # ---- the same ring with a flash kernel per block (GPU and TPU targets) -----------------------
-
-def _flash_kinds(cfg: _Config):
-    """(kinds, branch) of the flash ring: the kernel masks by position within the pair, so
-    only the diagonal pair is causal. In zig-zag order the diagonal pair's local positions
-    order its tokens as the global ones do (chunk ``d`` before chunk ``2c-1-d``)."""
-    if not cfg.causal:
-        return (_FULL,), None
-    if cfg.zigzag:
-        return (_DIAG, _KV_FIRST, _Q_SECOND), cfg.branch
-    return (_DIAG, _FULL, _SKIP), lambda i, j: jnp.where(i == j, 0, jnp.where(j < i, 1, 2))
-
 
 def _flash_forward_body(cfg: _Config, q, k, v):
     """The ring with ``cfg.blocks`` per step: each block's output and log-sum-exp, combined
@@ -345,7 +284,7 @@ def _flash_forward_body(cfg: _Config, q, k, v):
         o = o * jnp.exp(lse - new)[..., None] + o_b.astype(F32) * jnp.exp(lse_b - new)[..., None]
         return state[0].at[:, qs].set(o), state[1].at[:, qs].set(new)
 
-    return _ring_loop(cfg, i, (k, v), state, *_flash_kinds(cfg), update)
+    return _ring_loop(cfg, i, (k, v), state, update)
 
 
 def _flash_backward_body(cfg: _Config, q, k, v, out, lse, dout):
@@ -364,5 +303,41 @@ def _flash_backward_body(cfg: _Config, q, k, v, out, lse, dout):
                                                lse[:, qs], dout[:, qs], kind == _DIAG)
         return dq.at[:, qs].add(dq_b), (dkv[0].at[:, ks].add(dk_b), dkv[1].at[:, ks].add(dv_b))
 
-    dq, dk, dv = _grad_loop(cfg, i, (k, v), dq, every, *_flash_kinds(cfg), update)
+    dq, dk, dv = _grad_loop(cfg, i, (k, v), dq, every, update)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---- the shard_map around the bodies ---------------------------------------------------------
+
+def sharded(cfg: _Config) -> Callable:
+    """``f(q, k, v, seg) -> out`` with the ring (or all-gather) forward and backward."""
+    seq = P(None, cfg.axis)
+    smap = lambda body, n_in, n_out: block_shard_map(  # noqa: E731
+        body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
+        out_specs=(seq,) * n_out if n_out > 1 else seq)
+
+    forward_body, backward_body = ((_flash_forward_body, _flash_backward_body) if cfg.blocks
+                                   else (_forward_body, _backward_body))
+
+    def forward(q, k, v, seg):
+        args = (q, k, v) + ((seg,) if cfg.has_seg else ())
+        # One primitive to partial evaluation (see _opaque): a layer scan under a remat
+        # policy would otherwise split this shard_map and hoist its input-free part.
+        return opaque(smap(lambda *a: forward_body(cfg, *a), len(args), 2))(*args)
+
+    @jax.custom_vjp
+    def attend(q, k, v, seg):
+        return forward(q, k, v, seg)[0].astype(q.dtype)
+
+    def fwd(q, k, v, seg):
+        out, lse = forward(q, k, v, seg)
+        return out.astype(q.dtype), (q, k, v, seg, out, lse)
+
+    def bwd(res, dout):
+        q, k, v, seg, out, lse = res
+        args = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
+        dq, dk, dv = smap(lambda *a: backward_body(cfg, *a), len(args), 3)(*args)
+        return dq, dk, dv, None
+
+    attend.defvjp(fwd, bwd)
+    return attend

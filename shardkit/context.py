@@ -39,9 +39,14 @@ an ``sk.pipeline`` stage) stays with the compiler, as ``sk.pipeline`` does with 
   the axis): the two orders hold the same tokens, so a wrong guess would be silently wrong.
 
 Without the axis in the mesh (or at size 1) it is ordinary attention, so the same model code
-runs on one device. Called inside another ``shard_map`` (an ``sk.pipeline`` stage) the same
-blockwise computation runs on global arrays instead, with the compiler moving K/V
-(``_compiler_blockwise``: JAX 0.10.2 cannot partially evaluate a nested ``shard_map``).
+runs on one device. Called inside another ``shard_map`` (an ``sk.pipeline`` stage, manual
+over the pipe and data axes) the same ring runs in a ``shard_map`` nested in it: its forward
+is one opaque primitive (``_opaque``), which a stage's remat or keep policy cannot split, and
+in the explicit schedules' per-stage branches its permutes stay inside the stage
+(``_branches.ppermute``: one permute per stage, switched on the stage; on XLA:CPU the block is
+read off an all-gather over the axis, as XLA:CPU meets all of a program's permutes in one
+rendezvous). XLA:TPU cannot partition the ring in such a branch: there the compiler moves
+K/V for a blockwise form (``_context_tpu_nested``).
 
 Usage (causal, load-balanced)::
 
@@ -57,7 +62,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -65,13 +69,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._context_blocks import (F32, _NEG, _Config, _backward_body, _compiler_blockwise, _flash_backward_body,
-                              _flash_forward_body, _forward_body, _mask)
+from ._context_blocks import F32, _NEG, _Config, _mask, sharded
 from ._axes import claim_axes
-from ._opaque import opaque
+from ._branches import branching_axis
+from ._context_tpu_nested import compiler_blockwise
 from .mesh import block_shard_map
 from .plan import active_plan, note
 from .rules import ShardingError
+from .xla import target_platform
 
 STRATEGIES = ("ring", "allgather")
 ORDERS = ("natural", "zigzag")
@@ -113,8 +118,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
             kernel on GPU (``"triton"``) and TPU (``"mosaic"``), per device over the batch and
             head axes the plan names (as ``sk.attention``), the blockwise online softmax
             (``"blockwise"``) on CPU, or where the kernel cannot take the block (segment ids,
-            a block its tiles do not divide: a ``KernelFallbackWarning`` says why). Inside
-            another ``shard_map`` the blockwise form runs.
+            a block its tiles do not divide: a ``KernelFallbackWarning`` says why), nested in a
+            pipeline stage too.
 
     Returns:
         ``(B, T, Hq, Dh)`` in ``q``'s dtype; float32 softmax and accumulation inside.
@@ -152,14 +157,15 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
                               implementation=implementation)
         return shard(o, inverse=True)
     claim_axes(axis)
-    nested = bool(getattr(mesh, "manual_axes", ()))  # in another shard_map: see _compiler_blockwise
-    blocks = None if nested else _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
+    # XLA:TPU cannot partition the ring nested in a per-stage branch (_context_tpu_nested).
+    tpu_branch = branching_axis() is not None and target_platform() == "tpu"
+    blocks = None if tpu_branch else _ring_blocks(implementation, q, c, zigzag, segment_ids is not None, scale)
     note("context_attention", {"axis": axis, "size": c, "strategy": strategy, "causal": causal,
                                "load_balance": zigzag, "implementation": blocks.impl if blocks else "blockwise"})
     cfg = _Config(mesh, axis, c, causal, zigzag, scale, strategy, segment_ids is not None, blocks)
-    if nested:
-        return _compiler_blockwise(cfg, q, k, v, segment_ids)
-    return _sharded(cfg)(q, k, v, segment_ids)
+    if tpu_branch:
+        return compiler_blockwise(cfg, q, k, v, segment_ids)
+    return sharded(cfg)(q, k, v, segment_ids)
 
 
 # XLA:TPU (jax 0.10.2's libtpu) fails to compile the Mosaic ring's causal zig-zag backward over
@@ -366,37 +372,3 @@ def _exchange(x: jax.Array, axis: str, c: int, mesh: Any, inverse: bool) -> jax.
 
     seq = P(None, axis)
     return block_shard_map(body, mesh=mesh, axis_names={axis}, in_specs=(seq,), out_specs=seq)(x)
-
-
-def _sharded(cfg: _Config) -> Callable:
-    """``f(q, k, v, seg) -> out`` with the ring (or all-gather) forward and backward."""
-    seq = P(None, cfg.axis)
-    smap = lambda body, n_in, n_out: block_shard_map(  # noqa: E731
-        body, mesh=cfg.mesh, axis_names={cfg.axis}, in_specs=(seq,) * n_in,
-        out_specs=(seq,) * n_out if n_out > 1 else seq)
-
-    forward_body, backward_body = ((_flash_forward_body, _flash_backward_body) if cfg.blocks
-                                   else (_forward_body, _backward_body))
-
-    def forward(q, k, v, seg):
-        args = (q, k, v) + ((seg,) if cfg.has_seg else ())
-        # One primitive to partial evaluation (see _opaque): a layer scan under a remat
-        # policy would otherwise split this shard_map and hoist its input-free part.
-        return opaque(smap(lambda *a: forward_body(cfg, *a), len(args), 2))(*args)
-
-    @jax.custom_vjp
-    def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0].astype(q.dtype)
-
-    def fwd(q, k, v, seg):
-        out, lse = forward(q, k, v, seg)
-        return out.astype(q.dtype), (q, k, v, seg, out, lse)
-
-    def bwd(res, dout):
-        q, k, v, seg, out, lse = res
-        args = (q, k, v, out, lse, dout) + ((seg,) if cfg.has_seg else ())
-        dq, dk, dv = smap(lambda *a: backward_body(cfg, *a), len(args), 3)(*args)
-        return dq, dk, dv, None
-
-    attend.defvjp(fwd, bwd)
-    return attend

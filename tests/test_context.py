@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from shardkit.cost.analytic.from_shape import context_traffic
-from shardkit.cost.compiled.hlo import traffic_from_hlo
+from shardkit.cost.compiled.hlo import matmul_flops_from_hlo, traffic_from_hlo
 from shardkit.explain import compiled_memory
 
 B, T, HQ, HKV, DH = 2, 32, 4, 2, 8
@@ -201,11 +201,18 @@ def test_the_target_picks_the_ring_blocks_and_a_fallback_says_why():
         sk.context_attention(q, k, v, order="zigzag", mesh=mesh, implementation="flash")
 
 
-def test_inside_a_pipeline_stage():
-    """context=2,pipe=2,data=2: attention layers run by sk.pipeline (GPipe, 2 microbatches;
-    the stage's default remat and full recomputation), the batch reordered once with
-    context_shard; loss and every weight's gradient equal the un-pipelined 1-device model's
-    (1e-5; measured 6e-7)."""
+def test_inside_a_pipeline_stage(monkeypatch):
+    """context=2,pipe=2,data=2: attention layers run by sk.pipeline — GPipe (the stage's
+    default remat and full recomputation) and 1F1B (keep="input": the backward op recomputes
+    the ring; and the form an XLA:TPU program runs in 1F1B's branches, the compiler-moved
+    blockwise attention), 2 microbatches, the batch
+    reordered once with context_shard; loss and every weight's gradient equal the un-pipelined
+    1-device model's (1e-5; measured 7e-7). The ring runs in 1F1B's per-stage branches: no
+    collective there can wait for a device of another stage (``Report.hang_risks``)."""
+    import shardkit.context as context
+
+    from shardkit.cost.compiled.branches import branch_collectives
+
     E, L = 16, 4
     r = np.random.default_rng(1)
     W = {n: jnp.asarray(r.normal(size=(L,) + s) * 0.1, jnp.float32) for n, s in
@@ -227,23 +234,76 @@ def test_inside_a_pipeline_stage():
         return jnp.mean(x ** 2)
 
     mesh = sk.make_mesh("context=2,pipe=2,data=2")
+    stage = layer(lambda q, k, v: sk.context_attention(q, k, v, order="zigzag"))
+    square = lambda _, y, __: jnp.mean(y ** 2)  # noqa: E731  (the mean over equal microbatches)
+    # keep="all" (the ring's residuals kept, not recomputed): extended,
+    # test_transformer.py::test_pipe_context_tensor_matches_one_device[1f1b-all].
+    cases = [("gpipe", "none", "input"), ("gpipe", "full", "input"), ("1f1b", "none", "input"),
+             ("1f1b", "none", "input", "tpu")]
+    platform = {}  # the platform context_attention compiles for, per case (traced one by one)
+    monkeypatch.setattr(context, "target_platform", lambda: platform["now"])
 
-    def piped(W, x, remat):
-        y = sk.pipeline(layer(lambda q, k, v: sk.context_attention(q, k, v, order="zigzag")), W,
-                        sk.context_shard(x), microbatches=2, remat=remat)
-        return jnp.mean(y ** 2)
+    def piped(W, x, schedule, remat, keep, target="cpu"):
+        platform["now"] = target
+        if schedule == "gpipe":
+            return jnp.mean(sk.pipeline(stage, W, sk.context_shard(x), microbatches=2, remat=remat) ** 2)
+        return sk.pipeline(stage, W, sk.context_shard(x), microbatches=2, schedule=schedule, keep=keep,
+                           loss_fn=square, targets=x)
 
-    def both(W, x):  # the stage's default remat policy and full recomputation
-        return [jax.value_and_grad(piped)(W, x, r) for r in ("none", "full")]
+    def every(W, x):
+        return [jax.value_and_grad(piped)(W, x, *case) for case in cases]
 
     with jax.set_mesh(mesh):
-        results = jax.device_get(jax.jit(both)(W, x))
+        compiled = jax.jit(every).lower(W, x).compile()
+        results = jax.device_get(compiled(W, x))
+    inside = [c for c in branch_collectives(compiled.as_text(), dict(mesh.shape)) if c.pipeline_switch]
+    assert any("context" in c.axes for c in inside), "the ring no longer runs in 1F1B's branches"
+    assert not [c for c in inside if c.may_hang("pipe")], "\n".join(map(str, inside))
     ref_val, ref_grads = jax.device_get(jax.jit(jax.value_and_grad(reference))(W, x))
-    for remat, (val, grads) in zip(("none", "full"), results):
-        np.testing.assert_allclose(val, ref_val, rtol=1e-5, err_msg=remat)
+    for case, (val, grads) in zip(cases, results):
+        np.testing.assert_allclose(val, ref_val, rtol=1e-5, err_msg=str(case))
         for name in W:
             err = float(np.max(np.abs(grads[name] - ref_grads[name])) / np.max(np.abs(ref_grads[name])))
-            assert err <= 1e-5, f"remat={remat} d{name}: relative error {err:.2e}"
+            assert err <= 1e-5, f"{case} d{name}: relative error {err:.2e}"
+
+
+def test_a_ring_in_a_stage_branch_permutes_within_the_stage(monkeypatch):
+    """The GPU/TPU form of the ring in 1F1B's per-stage branches (lowered, not run: XLA:CPU
+    meets every collective-permute of a program in one rendezvous, so its own form reads the
+    block off an all-gather): each of the ring's collective-permutes names the devices of one
+    stage only (a permute over the whole mesh, the form outside a branch, waits for the other
+    stage's devices, which took another branch); the pipeline's own permutes cross the pipe
+    axis outside the switch."""
+    import re
+
+    import shardkit._branches as branches
+
+    monkeypatch.setattr(branches, "target_platform", lambda: "gpu")
+    mesh = sk.make_mesh("context=2,pipe=2,data=2")
+    x = jnp.zeros((8, T, HQ * DH), jnp.float32)
+    W = jnp.zeros((2, 1), jnp.float32)
+
+    def stage(w, h):
+        q = h.reshape(h.shape[0], T, HQ, DH) * w[0]
+        return sk.context_attention(q, q[:, :, :HKV], q[:, :, :HKV], order="zigzag").reshape(h.shape)
+
+    def loss(W, x):
+        return sk.pipeline(stage, W, x, microbatches=2, schedule="1f1b", loss_fn=lambda _, y, __: jnp.mean(y),
+                           targets=x)
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).lower(W, x).as_text()
+    stage_of = {int(d.id): s for (_, s, _), d in np.ndenumerate(mesh.devices)}  # mesh (context, pipe, data)
+    ring, pipe = 0, 0
+    for pairs in re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", text):
+        pairs = np.array(eval(pairs))  # noqa: S307  ([[src, dst], ...])
+        stages = {stage_of[int(d)] for d in pairs.ravel()}
+        if all(stage_of[int(a)] != stage_of[int(b)] for a, b in pairs):
+            pipe += 1
+        else:
+            assert len(stages) == 1, f"a ring permute names devices of stages {stages}: {pairs.tolist()}"
+            ring += 1
+    assert ring and pipe, (ring, pipe)
 
 
 def test_bf16_within_bound_and_plain_without_axis():
@@ -346,6 +406,13 @@ def test_memory_at_4096_and_ring_bytes_equal_the_formula():
     want = context_traffic(kv_block=kv_block, context=8, strategy="ring", bytes_per_element=4)
     got = {t.kind: t.bytes for t in traffic_from_hlo(ring.as_text(), dict(mesh.shape))}
     assert got == {"collective-permute": want["context-permute"]}
+    # Causal zig-zag: a device computes its diagonal pair whole and half of each other pair
+    # (the skipped halves are never computed, and the ring's even switch is weighted 1/2 per
+    # kind); 14 units per pair (forward QK, PV; backward QK, dP, dQ, dK, dV: 2·Tq·Tk·H·Dh
+    # each). XLA shares the diagonal's QK between forward and backward in this one program.
+    Tl, unit = 4096 // 8, 2 * 2 * 16
+    causal = 7 * unit * Tl * Tl * (1 + (8 - 1) / 2)
+    assert causal - unit * Tl * Tl <= matmul_flops_from_hlo(ring.as_text()) <= causal
     gather = _attention_grad_program(mesh, 256, "allgather")
     want = context_traffic(kv_block=256 // 8 * 16, context=8, strategy="allgather", bytes_per_element=4)
     got = {}

@@ -142,10 +142,14 @@ def test_search_keeps_residuals_where_memory_allows():
     assert ests["all"].flops == pytest.approx(0.75 * ests["input"].flops)
     assert ests["all"].step_time < ests["dots"].step_time < ests["input"].step_time
     assert ests["input"].memory["peak"] < ests["dots"].memory["peak"] < ests["all"].memory["peak"]
+    # keep="lean" (the layer's named residuals): no matmul recomputed, dots' set and the attention
+    # output kept, so all's flops and step at little more than dots' memory; it ranks first.
+    assert ests["lean"].flops == ests["all"].flops and ests["lean"].step_time == ests["all"].step_time
+    assert ests["dots"].memory["peak"] < ests["lean"].memory["peak"] < ests["all"].memory["peak"]
     opts = dict(global_batch=16, pipe=(4,), tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,), remat=("none",),
                 schedules=("1f1b",))
     roomy = sk.search("1b", 8, "h100", memory_limit=1e15, **opts)
-    assert [r["keep"] for r in roomy.rows] == ["all", "dots", "input"]
+    assert [r["keep"] for r in roomy.rows] == ["lean", "all", "dots", "input"]
     assert "keep=all" in str(roomy)  # the table's pipeline column says what is kept
     tight = sk.search("1b", 8, "h100", memory_limit=(ests["input"].memory["peak"] + ests["dots"].memory["peak"]) / 2,
                       **opts)
@@ -160,7 +164,7 @@ def test_search_candidates_take_keep_chunks_and_a_context_axis():
     kw = dict(layers=16, heads=8, global_batch=32, tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,))
     los = layouts(8, seq=2048, schedules=("1f1b", "interleaved-1f1b", "circular"), **kw)
     explicit = [lo for lo in los if lo.pipe > 1 and lo.schedule != "circular"]
-    assert {lo.keep for lo in explicit if lo.remat == "none"} == {"input", "all", "dots"}
+    assert {lo.keep for lo in explicit if lo.remat == "none"} == {"input", "all", "dots", "lean"}
     assert {lo.keep for lo in los if lo not in explicit or lo.remat != "none"} == {"input"}
     assert {lo.repeats for lo in los if lo.schedule == "interleaved-1f1b" and lo.pipe == 2} == {2, 4, 8}
     assert {lo.repeats for lo in los if lo.schedule == "circular" and lo.pipe == 8} == {2}
@@ -309,6 +313,35 @@ def test_analytic_pipeline_estimate_matches_the_step_estimate(name):
     more = cost.estimate(cfg, dataclasses.replace(layout, microbatches=8), "h100", global_batch=32,
                          precision="fp32")
     assert more.collectives["grad-reduce"] == analytic.collectives["grad-reduce"]  # once per step
+
+
+def test_sequence_parallel_pipeline_gathers_again_where_the_backward_recomputes():
+    """Under sequence parallelism inside an explicit schedule, a backward op that recomputes its
+    chunk's forward (``keep="input"``, a policy's: the gather is no matmul) gathers each region's
+    input again; ``keep="all"`` holds the gathered input (XLA:GPU at Llama 3 405B's widths, 8K:
+    6.5 / 6.4 / 4.4 all-gathers over tensor per layer and microbatch under input / dots / all).
+    The step estimate's tensor-gather bytes differ by one activation per region and pipeline
+    microbatch: 2 regions x 2 layers a stage x 4 microbatches here."""
+    from flax import nnx
+
+    from models.transformer.config import SIZES
+    from models.transformer.layouts import make_plan
+    from models.transformer.model import PipelineSpec, Transformer, loss_fn
+
+    cfg = SIZES["test"].replace(layers=4)
+    plan = make_plan(sk.make_mesh("pipe=2,tensor=4"), cfg, sequence_parallel=True)
+    tokens = jnp.zeros((8, cfg.seq), jnp.int32)
+    gathered = {}
+    for keep in ("input", "all"):
+        pipe = PipelineSpec(4, "1f1b", keep=keep)
+        step = sk.train_step(plan, optax.adam(1e-3))(lambda model, batch, pipe=pipe: loss_fn(model, batch, pipe))
+        state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        gathered[keep] = cost.estimate_for_step(step, state, {"inputs": tokens, "targets": tokens}
+                                                ).collectives["tensor-gather"]
+    # One microbatch of the pipeline: 2 rows of 16 tokens, split over tensor (SP) and gathered
+    # whole, f32 on XLA:CPU.
+    activation = 2 * cfg.seq * cfg.d_model * 4
+    assert gathered["input"] - gathered["all"] == pytest.approx(2 * 2 * 4 * activation)
 
 
 # ---- pipelines (sk.pipeline's trace note drives the estimate) --------------------------------

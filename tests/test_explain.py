@@ -87,6 +87,56 @@ def test_xla_tpus_reduce_scatter_fusion_reads_as_a_reduce_scatter():
     assert t.bytes == 256 * 2048 * 2 and t.operand_bytes == 1024 * 2048 * 2  # the shard; the bytes reduced
 
 
+# XLA:TPU's gradient reduction over every chip of a v5p 2x2x2 slice (data=4,fsdp=2): a true
+# all-reduce and a slice, no all-reduce-scatter fusion (BENCHMARKS.md, issue 36).
+TPU_WHOLE_SLICE = """HloModule m
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %a = bf16[] add(%x, %y)
+}
+
+%fused_computation (param_0: bf16[1024,1024], param_1: u32[]) -> bf16[128,1024] {
+  %param_0 = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = u32[] parameter(1)
+  %constant.10 = u32[] constant(0)
+  ROOT %dynamic-slice.3 = bf16[128,1024]{1,0:T(8,128)(2,1)} dynamic-slice(%param_0, %param_1, %constant.10), dynamic_slice_sizes={128,1024}
+}
+
+ENTRY %main (g: bf16[1024,1024], i: u32[]) -> bf16[128,1024] {
+  %g = bf16[1024,1024]{1,0} parameter(0)
+  %i = u32[] parameter(1)
+  %all-reduce.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)} all-reduce(%g), channel_id=2, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  ROOT %constant_dynamic-slice_fusion = bf16[128,1024]{1,0:T(8,128)(2,1)} fusion(%all-reduce.1, %i), kind=kLoop, calls=%fused_computation
+}
+"""
+
+
+def test_xla_tpus_whole_slice_all_reduce_is_timed_as_an_all_reduce():
+    """Where XLA:TPU all-reduces and slices a gradient the model reduce-scatters (a group
+    spanning every chip of a 3-D slice), the step time counts it as the all-reduce it is: the
+    same bytes reduced, twice the ring's bandwidth time; its reduce-scatter fusion stays one."""
+    from shardkit.cost.analytic.steptime import efficiency_for, times
+    from shardkit.cost.compiled.hlo import traffic_from_hlo
+    from shardkit.cost.compiled.report import Report
+    from shardkit.cost.terms import Layout
+
+    shape = {"data": 4, "fsdp": 2}
+    reports = {hlo: Report("", {}, [], 0.0, traffic=traffic_from_hlo(hlo, shape), data_axes=("data", "fsdp"))
+               for hlo in (TPU_WHOLE_SLICE, TPU_REDUCE_SCATTER)}
+    whole, fused = reports[TPU_WHOLE_SLICE], reports[TPU_REDUCE_SCATTER]
+    assert [(t.kind, t.axes) for t in whole.traffic] == [("all-reduce", ("data", "fsdp"))]
+    assert whole.all_reduced() == {"grad-reduce": 1.0} and fused.all_reduced() == {"grad-reduce": 0.0}
+    hw, layout = sk.cost.hardware.lookup("tpu-v5p"), Layout(data=4, fsdp=2, zero=2)
+    roles, counts = whole.roles(), whole.role_counts()
+    assert roles["grad-reduce"] == 1024 * 1024 * 2
+    rs = times(roles, counts, 0.0, hw, layout)["grad-reduce"]
+    ar = times(roles, counts, 0.0, hw, layout, all_reduced=whole.all_reduced())["grad-reduce"]
+    ops = 2 * efficiency_for(hw).latency  # the model's two stages (fsdp, then data), each an op
+    assert ar - ops == pytest.approx(2 * (rs - ops))
+
+
 def test_a_permute_is_a_gradient_reduction_only_when_it_carries_a_data_reduced_value():
     """A collective-permute whose operand is a reduction over a data axis (traced through data
     movement) is read as part of that reduction (``grad-reduce``: XLA reducing a gradient in

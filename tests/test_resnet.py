@@ -101,27 +101,30 @@ def test_layouts_match_one_device(mesh_spec, zero, model, reference):
         assert kernel.sharding.shard_shape(kernel.shape)[2] == kernel.shape[2] // 8
 
 
-def _user_compiled_env() -> dict:
-    """The environment of a recipe subprocess compiled as users' programs are: 100 training
-    steps are run-time bound, and the suite's -O0 compiles (conftest.py) would double their
-    time; at -O2 XLA:CPU's older emitters (tests/_site, for the suite's -O0 programs) compile
-    and run this model slower (measured 49 vs 30 CPU s for the run), so the subprocess gets
-    neither. The session's compilation cache stays: a second run reads the first's programs."""
-    return dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                               if f.split("=")[0] not in ("--xla_backend_optimization_level",
-                                                                          "--xla_llvm_disable_expensive_passes")),
+def _recipe_env() -> dict:
+    """The environment of a recipe subprocess: XLA:CPU's default emitters (not tests/_site's
+    older ones, which run this model slower) at LLVM -O1, not the suite's -O0 (conftest.py)
+    nor the -O2 users get. The run is compile bound: at -O2 the parameter initialiser alone
+    (threefry) compiles in 11.4 CPU s, at -O1 in 3.4; at -O0 the steps run three times slower
+    (the 100-step run of 2026-11-28: 79 CPU s at -O0, 40 at -O2; the 50 steps below: 21 at -O1,
+    30 at -O2, to the same losses and test accuracy). What the test checks is that the entry
+    point learns, not XLA's code generation. The session's compilation cache stays: the resumed
+    run reads the first's programs."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.split("=")[0] not in ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes")]
+    return dict(os.environ, XLA_FLAGS=" ".join([*flags, "--xla_backend_optimization_level=1"]),
                 PYTHONPATH=os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                            if p and p != shardkit_test_compile.SITE))
 
 
-# 100 steps of batch 64 on 8x8 digits (scikit-learn's own size), ZeRO-1 (the optimizer state
-# sharded), checkpoints at steps 90 and 100.
-DIGITS_FLAGS = ["--depth", "10", "--steps", "100", "--batch", "64", "--image-size", "8", "--shift", "0",
-                "--width", "0.25", "--eval-every", "50", "--zero", "1", "--checkpoint-every", "90"]
+# 50 steps of batch 64 on 8x8 digits (scikit-learn's own size), ZeRO-1 (the optimizer state
+# sharded), checkpoints at steps 45 and 50.
+DIGITS_FLAGS = ["--depth", "10", "--steps", "50", "--batch", "64", "--image-size", "8", "--shift", "0",
+                "--width", "0.25", "--eval-every", "25", "--zero", "1", "--checkpoint-every", "45"]
 
 
 def _recipe(argv: list[str]) -> None:
-    res = subprocess.run([sys.executable, "-m", "models.resnet", *argv], cwd=ROOT, env=_user_compiled_env(),
+    res = subprocess.run([sys.executable, "-m", "models.resnet", *argv], cwd=ROOT, env=_recipe_env(),
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -136,17 +139,19 @@ def digits_run(tmp_path_factory):
 
 
 def test_digits_accuracy_through_cli(digits_run):
-    """The entry point trains the narrow ResNet-10 to >= 97% test accuracy on 8x8 digits
-    (scikit-learn's own size; 100 steps of batch 64, no shift augmentation) and writes
-    JSON-lines metrics. Measured 0.975 at step 100 (0.961 at 50), the same as at 16x16, where
-    each step costs four times the convolution work (54 -> 43 CPU s for the whole test)."""
+    """The entry point trains the narrow ResNet-10 on 8x8 digits (scikit-learn's own size; 50
+    steps of batch 64, no shift augmentation) to >= 90% test accuracy, chance being 10%, and
+    writes JSON-lines metrics. Measured 0.956 at step 50 (0.589 at 25); with the update's sign
+    flipped (checked by hand) it ends at 0.003. (100 steps at -O2 reached 0.975 in twice the
+    CPU seconds: the test's point is that the recipe learns; BENCHMARKS.md has the default
+    run's accuracy.)"""
     _, records = digits_run
     train = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train] == list(range(1, 101))
+    assert [r["step"] for r in train] == list(range(1, 51))
     assert set(train[0]) == {"step", "loss", "accuracy", "images_per_s"}
     tests = [r for r in records if "test_accuracy" in r]
-    assert [r["step"] for r in tests] == [50, 100]
-    assert tests[-1]["test_accuracy"] >= 0.97
+    assert [r["step"] for r in tests] == [25, 50]
+    assert tests[-1]["test_accuracy"] >= 0.9
 
 
 def test_layout_rules_snapshot():
@@ -276,19 +281,19 @@ def test_cli_errors_are_one_line(argv, expect, tmp_path, capsys):
 
 
 def test_checkpoint_resume_is_bit_identical(digits_run):
-    """The accuracy run saved at steps 90 and 100; drop 100 and resume from 90 (a second
+    """The accuracy run saved at steps 45 and 50; drop 50 and resume from 45 (a second
     process, its programs read back from the compilation cache): the same losses and the same
     test accuracy, bit for bit (BatchNorm statistics, the ZeRO-1-sharded optimizer state and
     the data position all come back)."""
     run, records = digits_run
     ckpt = run / "ckpt"
-    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [90, 100]
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [45, 50]
     import shutil
-    shutil.rmtree(ckpt / "100")
+    shutil.rmtree(ckpt / "50")
     _recipe(DIGITS_FLAGS + ["--checkpoint-dir", str(ckpt), "--resume", "--metrics-out", str(run / "b.jsonl")])
     resumed = [json.loads(line) for line in (run / "b.jsonl").read_text().splitlines()]
     pick = lambda rs, key: [(r["step"], r[key]) for r in rs if key in r]  # noqa: E731
-    assert pick(resumed, "loss") == pick(records, "loss")[90:]
+    assert pick(resumed, "loss") == pick(records, "loss")[45:]
     assert pick(resumed, "test_accuracy") == pick(records, "test_accuracy")[-1:]
     assert main(["--resume"]) == 2  # --resume without a directory is a one-line error
 

@@ -229,14 +229,15 @@ def initial():
     return build(TRAIN_CFG)
 
 
-def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=STEPS, rng=False, keep_at=None):
+def train(layout: Layout, corpus, model, precision="fp32", devices=None, steps=STEPS, rng=False, keep_at=None,
+          keep="input"):
     """Losses of ``steps`` steps and the final params under ``layout``, from ``model``;
     ``rng``: the loss takes the step's key (dropout); ``keep_at``: also the params after that
-    many steps (a third element)."""
+    many steps (a third element); ``keep``: ``sk.pipeline``'s, for an explicit schedule."""
     mesh = sk.make_mesh(layout.mesh, devices=devices)
     plan = make_plan(mesh, model.cfg, zero=layout.zero, precision=precision,
                      sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel)
-    pipe = (PipelineSpec(4, layout.schedule, layout.repeats) if "pipe" in mesh.shape else None)
+    pipe = (PipelineSpec(4, layout.schedule, layout.repeats, keep=keep) if "pipe" in mesh.shape else None)
     if rng:
         def loss(model, batch, rng):
             return loss_fn(model, batch, pipe, rng=rng)
@@ -360,19 +361,23 @@ def test_context_parallel_layouts_match_one_device(name, remat, corpus, initial,
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=name)
 
 
-@pytest.mark.extended  # default lane: test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
-def test_pipe_context_tensor_matches_one_device(schedule, corpus, initial, reference):
+@pytest.mark.extended  # default lane: test_pipeline.py::test_explicit_schedule_beside_two_compiler_owned_axes,
+# test_context.py::test_inside_a_pipeline_stage (the ring in 1F1B's branches, keep input and all)
+@pytest.mark.parametrize("schedule,keep", [("1f1b", "input"), ("interleaved-1f1b", "input"), ("zb-h1", "input"),
+                                           ("zb-v", "input"), ("1f1b", "all"), ("zb-h1", "all")])
+def test_pipe_context_tensor_matches_one_device(schedule, keep, corpus, initial, reference):
     """Every explicit schedule on pipe=2,context=2,tensor=2 (two compiler-owned axes beside the
     pipe axis: refused before issue 37, XLA's partitioner aborted on the loss's gather)
-    equals one device, as the other context-parallel layouts do."""
+    equals one device, as the other context-parallel layouts do: the context ring runs in the
+    schedules' per-stage branches, its forward recomputed (``keep="input"``) or kept
+    (``"all"``)."""
     layout = dataclasses.replace(LAYOUTS["cp_tp_pp"], schedule=schedule,
                                  repeats=2 if schedule == "interleaved-1f1b" else 1)
     ref_losses, _, ref_params = reference["fp32"]
-    losses, params = train(layout, corpus, initial, steps=CP_STEPS)
-    np.testing.assert_allclose(losses, ref_losses[:CP_STEPS], rtol=1e-5, err_msg=schedule)
+    losses, params = train(layout, corpus, initial, steps=CP_STEPS, keep=keep)
+    np.testing.assert_allclose(losses, ref_losses[:CP_STEPS], rtol=1e-5, err_msg=f"{schedule} keep={keep}")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=schedule)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f"{schedule} keep={keep}")
 
 
 # ---- golden sharding snapshots --------------------------------------------------------------

@@ -23,6 +23,7 @@ Each is built small (a few layers, width 64) so that a deviceless compile takes 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import numpy as np
 
@@ -165,8 +166,11 @@ def bert(rows=32, seq=32, vocab=256):
 FAMILIES = {"resnet18": resnet18, "gpt2": gpt2, "griffin": griffin, "bert": bert}
 
 
-def build(family: str, mesh: str, zero: int, *, rows: int | None = None, strict: bool = True):
-    """``(step, state, batch)`` for one family on one layout (fp32, AdamW), as ``families.build``."""
+def build(family: str, mesh: str, zero: int, *, rows: int | None = None, strict: bool = True,
+          abstract: bool = False):
+    """``(step, state, batch)`` for one family on one layout (fp32, AdamW), as ``families.build``;
+    ``abstract``: the state as ``ShapeDtypeStruct``s (``step.abstract_state``), nothing run —
+    for a caller that only traces the step (``bench/cost_bands.py --reestimate``)."""
     import jax
     import optax
 
@@ -174,8 +178,11 @@ def build(family: str, mesh: str, zero: int, *, rows: int | None = None, strict:
     # Models written elsewhere rely on implicit rank promotion (tests/conftest.py raises on it):
     # allowed for their construction (HF Flax GPT-2 traces itself in __init__) and init.
     with jax.numpy_rank_promotion("allow"):
-        params, loss, rules, batch = FAMILIES[family](**({"rows": rows} if rows else {}))
+        kw = {"rows": rows} if rows else {}
+        if abstract and "abstract" in inspect.signature(FAMILIES[family]).parameters:
+            kw["abstract"] = True
+        params, loss, rules, batch = FAMILIES[family](**kw)
         plan = sk.Plan(m, rules=rules("tensor" in m.axis_names), zero=zero, strict=strict)
         step = sk.train_step(plan, optax.adamw(1e-3))(loss)
-        state = step.init(params)
+        state = step.abstract_state(params) if abstract else step.init(params)
     return step, state, batch

@@ -35,10 +35,11 @@ def add_estimate(report: Report, step, state, batch, *, hardware: str | None = N
     est = step_estimate(step, state, batch, flops_per_token=flops_per_token, hardware=hardware)
     report.estimate, report.caveats = est.as_dict(), dict(est.caveats)
     report.notes.extend(est.notes)
+    device = getattr(step.plan.mesh.abstract_mesh, "abstract_device", None)
+    xla_cpu = report.target in ("", "cpu") and (device is None or device.platform == "cpu")
     if hardware is None:
         # A program compiled on this process's GPUs or TPUs is timed on them too.
-        device = getattr(step.plan.mesh.abstract_mesh, "abstract_device", None)
-        if device is None or device.platform == "cpu":
+        if xla_cpu:
             return
         try:
             hardware = hw_lib.lookup(device).name
@@ -50,7 +51,10 @@ def add_estimate(report: Report, step, state, batch, *, hardware: str | None = N
         if report.fp8_matmul_flops and chip.fp8_flops else report.matmul_flops
     # Each kernel at the longer of its flops and its device-memory bytes (the roofline).
     memory = roofline_excess(report.kernels, chip) if chip.hbm_bandwidth > 0 else 0.0
-    report.step_time = times(report.roles(), report.role_counts(), flops, chip, est.layout, memory_seconds=memory)
+    # XLA:CPU all-reduces and slices where the GPU and TPU compilers reduce-scatter: its
+    # program's reductions are timed as the model's collectives, a target's as what they are.
+    report.step_time = times(report.roles(), report.role_counts(), flops, chip, est.layout, memory_seconds=memory,
+                             all_reduced=None if xla_cpu else report.all_reduced())
     report.step_time_source = (f"step-time model (sk.cost.steptime) on the compiled flops, kernels' "
                                f"memory traffic and collectives, {hardware} links")
 

@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .._branches import branching_over
 from ..mesh import block_shard_map
 from .forward import forward
 from .schedules import BW, DOWN, EXPLICIT_SCOPE, IDLE, SELF, UP, B, F, W, Schedule, switch_branches
@@ -269,7 +270,8 @@ def explicit_grads(tab: Schedule, chunk, loss_fn, params_s, loss_params, x_mb, e
                      loss_params, extras_mb, targets_mb, keep, res_at, loss_at, everywhere)
             # The scope names the switch in the compiled HLO, so explain() can weight its
             # branches by the schedule table (``cost.pipeline_note.pipeline_branch_weights``) and no other.
-            with jax.named_scope(EXPLICIT_SCOPE):
+            # The branch is the stage's: a permute traced in it stays in the stage (``_branches``).
+            with jax.named_scope(EXPLICIT_SCOPE), branching_over(axis, p):
                 send_h, send_g, delta, slots = lax.switch(br, [op.branch(o, l) for o, l in pairs], rings)
             acc = _accumulate(acc, delta, send_g, c, dx, ring)
             # The rings are only read inside the switch and written here, in place: the op's

@@ -198,6 +198,15 @@ def _collectives(s: StepFacts) -> tuple[dict, dict]:
             gathered=m * sum(u * c for u, st, c in zip(uses, stored, comp) if st < c) if lv.fsdp else 0.0,
             gather_ops=gather_ops,
             zero12_gathered=sum(f for f, z in zip(full, zshard) if z < f) if zero in (1, 2) else 0.0,
+            # Reduced into the shard, a tied table's head gradient is gathered back whole to take
+            # the lookup's scatter-add (XLA:GPU and XLA:TPU alike; ``gpu_combining``'s extra op):
+            # GPT-2, BERT, Griffin and the scanned GPT at ZeRO-1/2 on data=8 and data=4,fsdp=2,
+            # param-gather 0.85-0.95 before. Beside a tensor axis XLA splits that gradient over the
+            # tensor devices first and gathers back less (half the table on data=2,fsdp=2,tensor=2,
+            # none on data=2,tensor=4): not counted there.
+            regathered=sum(c for c, t, f, z in zip(comp, tied, full, zshard) if t and z < f)
+            if zero in (1, 2) and grads_on_shard(zero, m, bool(pipe)) and not any(
+                n > 1 for a, n in sizes.items() if a not in s.data_axes) else 0.0,
             zero12_ops=zero12_ops, bg=s.bg, wire=s.wire, bp=s.bp))
         # Reductions over the rows the rest of the pass reads back (a MoE load-balancing loss's
         # expert counts, BatchNorm's batch statistics): all-reduces of their own, before the

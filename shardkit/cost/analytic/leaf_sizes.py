@@ -238,8 +238,8 @@ def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: Pi
     column-parallel one in the backward, a vocab-parallel lookup in the forward and, tied, as
     the output head in the backward.
 
-    Returns (forward uses, backward uses, sequence-parallel regions, those of them whose forward
-    the backward recomputes (an explicit schedule's backward ops: their input gathered again),
+    Returns (forward uses, backward uses, sequence-parallel regions, those of them whose input
+    an explicit schedule's backward ops gather again (their recomputed forward),
     whole-table elements looked up under sequence parallelism, their count)."""
     fwd = bwd = regions = recomputed = tables = n_tables = 0.0
     for l, s, t, tie, staged in zip(lv.leaves, lv.stacked, lookup, tied, lv.piped):
@@ -267,6 +267,10 @@ def tensor_uses(plan, lv: Leaves, lookup: list[bool], tied: list[bool], pipe: Pi
                 fwd += stack
         if sp and s and l.shape[-1] == lv.width and not vocab_lookup:
             regions += stack  # a region closes with a row-parallel weight into the residual stream
-            if staged and is_explicit(pipe):
+            # A backward op that recomputes the forward gathers the region's input again:
+            # keep="input", and a policy's (the gather is no matmul); keep="all" holds it
+            # (XLA:GPU, Llama 3 405B's 8K rows: 6.5 / 6.4 / 4.4 all-gathers per layer and
+            # microbatch under input / dots / all).
+            if staged and is_explicit(pipe) and pipe.keep != "all":
                 recomputed += stack
     return fwd, bwd, regions, recomputed, tables, n_tables

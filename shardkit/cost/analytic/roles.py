@@ -100,8 +100,8 @@ def tensor_traffic(*, forward: float = 0.0, backward: float = 0.0, regions: floa
 
 
 def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
-                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, zero12_ops: float = 1.0, bg: int, wire: int,
-                 bp: int) -> RoleTraffic:
+                 gather_ops: float = 0.0, zero12_gathered: float = 0.0, zero12_ops: float = 1.0,
+                 regathered: float = 0.0, bg: int, wire: int, bp: int) -> RoleTraffic:
     """Data-axis collectives per device per step (ZeRO, Rajbhandari et al. 2020): the one
     formula both estimators use, fed by a ``ModelShape`` (``estimate``) or by a real step's leaf
     sums (``from_step``).
@@ -113,7 +113,8 @@ def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
       elements over ``gather_ops`` collectives, in the compute dtype on the wire);
     * ``param-gather`` under ZeRO-1/2: the updated shards are gathered once per step into the
       replicated parameters (``zero12_gathered`` elements, in the parameter dtype; ``zero12_ops``
-      collectives).
+      collectives), and ``regathered`` elements of gradient reduced into the shard and gathered
+      back whole (in the gradient dtype): a tied table's, whose lookup scatter-adds into it.
     """
     col, counts = defaultdict(float), defaultdict(float)
     col["grad-reduce"] += reduced * bg
@@ -122,7 +123,7 @@ def data_traffic(*, reduced: float, reduce_ops: float, gathered: float = 0.0,
         col["param-gather"] += gathered * wire
         counts["param-gather"] += gather_ops
     elif zero12_gathered:
-        col["param-gather"] += zero12_gathered * bp
+        col["param-gather"] += zero12_gathered * bp + regathered * bg
         counts["param-gather"] += zero12_ops
     return RoleTraffic(dict(col), dict(counts))
 
@@ -141,8 +142,8 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
     # flash kernel never writes to memory (its log-sum-exp residual, 4 bytes a head and token, is
     # below the formula's grain): sk.attention's on GPU and TPU targets.
     sc = 0 if ms.flash_attention else 5 * a * s / h
-    if ms.activations == "xla" and lo.remat in ("none", "dots"):
-        return _xla_layer_bytes(ms, lo, s) * b * bc / 2
+    if lo.remat == "lean" or (ms.activations == "xla" and lo.remat in ("none", "dots")):
+        return _xla_layer_bytes(ms, lo, s) * b * bc / 2  # "lean" is a named set: counted from the widths
     if ms.activations not in ("korthikanti", "xla"):
         raise ValueError(f"ModelShape.activations={ms.activations!r}: use 'korthikanti' or 'xla'")
     if lo.remat == "full":
@@ -160,7 +161,7 @@ def activation_bytes(ms: ModelShape, lo: Layout, b: int, s: int, bc: int) -> flo
 
 def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
     """Bytes one sequence of ``s`` tokens leaves saved in one layer, 16-bit activations
-    (``ModelShape.activations="xla"``), remat ``"none"`` or ``"dots"``: the residuals JAX's
+    (``ModelShape.activations="xla"``), remat ``"none"``, ``"dots"`` or ``"lean"``: the residuals JAX's
     autodiff saves for a pre-norm decoder layer (RMSNorm in f32, SwiGLU or GELU MLP, grouped K/V)
     counted from the model's own widths — the tensors of Korthikanti et al. 2022 (sec. 4.1), not
     their GPT constants. Per token, h = d_model, hq = heads x head_dim, kv = K/V heads x
@@ -180,6 +181,13 @@ def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
       the layer input and the attention projection's output (h each, split under sequence
       parallelism), the query, K and V (and the scores without a flash kernel), and the MLP's
       gate and up (f each; one f for a GELU MLP).
+    - remat / keep "lean" (``sk.LEAN_RESIDUALS``, the values the recipe's layer names): the
+      layer input and the residual stream between attention and MLP (h each, split under
+      sequence parallelism), the query and the attention output (hq each), K and V, the MLP's
+      gate and up: "dots"' set and the attention output, no matmul recomputed. At Llama 3
+      405B's widths, TP8 + SP, 8K tokens: 340 MiB per layer counted, 308 without the layer
+      input (a one-layer chunk's stage-input ring holds it), 306.6 compiled per kept slot
+      (``bench/llama3_compile.py``).
 
     Checked against XLA:GPU's compile of the recipe at Llama 2 7B's widths on H100s (the mixed
     difference of 2/4 layers x 1/2 sequences of 2,048, ``data=8``): 60.8 bytes per token and h
@@ -188,6 +196,9 @@ def _xla_layer_bytes(ms: ModelShape, lo: Layout, s: int) -> float:
     hq = h  # heads x head_dim: the recipe's and every config ModelShape reads have head_dim = h / heads
     kv = (ms.kv_heads or a) * (h // a)
     sp = t if lo.sequence_parallel else 1
+    if lo.remat == "lean":
+        mlp = (4 if ms.gated else 2) * ms.d_ff
+        return s * (4 * h / sp + (4 * hq + 4 * kv + mlp) / t)
     if lo.remat == "dots":
         scores = 0 if ms.flash_attention else 2 * a * s
         mlp = (4 if ms.gated else 2) * ms.d_ff

@@ -294,7 +294,8 @@ def _collective_stages(layout: Layout) -> dict[str, tuple[tuple[str, tuple[str, 
 
 def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: float,
           hw: hw_lib.Hardware, layout: Layout, efficiency: float = 1.0,
-          model: Efficiency | None = None, memory_seconds: float = 0.0) -> dict[str, float]:
+          model: Efficiency | None = None, memory_seconds: float = 0.0,
+          all_reduced: Mapping[str, float] | None = None) -> dict[str, float]:
     """Step time: compute at the achievable matmul efficiency, plus what communication and the
     pipeline bubble add on top (``Efficiency``).
 
@@ -307,7 +308,10 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
     psums show for ``exposed_pipe``; ``sk.moe``'s all-to-alls and a context axis's K/V gathers
     show whole, its ring hides behind compute like the data traffic. ``efficiency`` scales the matmul efficiency further;
     ``memory_seconds`` (``memory_bound_time``) adds the non-matmul kernels' time to compute.
-    Which collective each role is, over which axes, follows ``_collective_stages``.
+    Which collective each role is, over which axes, follows ``_collective_stages``, except
+    ``all_reduced``: per role, the share of its bytes a compiled program reduced with
+    all-reduces where the model reduce-scatters (XLA:TPU over every chip of a 3-D slice:
+    ``Report.all_reduced``, BENCHMARKS.md), timed as the all-reduces they are, over the same axes.
     Time parts: ``compute``, one per role (full collective time), ``bubble``, ``exposed``
     (communication time on the critical path), ``step``.
     """
@@ -316,6 +320,8 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
          "memory-bound": memory_seconds}
     for role, stages in _collective_stages(layout).items():
         nbytes, n = collectives.get(role, 0.0), max(counts.get(role, 1.0), 1.0)
+        # Only where every stage is a reduce-scatter is it clear which of them the all-reduces are.
+        ar = (all_reduced or {}).get(role, 0.0) if all(k == "reduce-scatter" for k, _, _ in stages) else 0.0
         t[role] = 0.0
         for kind, axes, share in stages:
             if nbytes <= 0 or math.prod(getattr(layout, a) for a in axes) <= 1:
@@ -323,7 +329,10 @@ def times(collectives: Mapping[str, float], counts: Mapping[str, float], flops: 
             bw, lat, group = _link(hw, layout, axes)
             if kind == "permute":
                 group = 2
-            t[role] += n * (collective_time(kind, nbytes * share / n, group, bw, lat) + eff.latency)
+            seconds = collective_time(kind, nbytes * share / n, group, bw, lat)
+            if ar:
+                seconds += ar * (collective_time("all-reduce", nbytes * share / n, group, bw, lat) - seconds)
+            t[role] += n * (seconds + eff.latency)
     p = layout.pipe
     # Idle over busy cells of the table sk.pipeline executes: (p-1)/(v·m) for GPipe, circular,
     # 1F1B and interleaved 1F1B, (p-1)/(3m) for ZB-H1.

@@ -18,22 +18,23 @@ from __future__ import annotations
 BANDS: dict[str, dict[str, tuple[float, float, int, int]]] = {
     'h100': {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
-        'collective/grad-reduce': (-0.314, 0.221, 84, 7),
+        'collective/grad-reduce': (-0.000, 0.221, 80, 7),
         'collective/param-gather': (-0.541, 0.053, 72, 7),
-        'collective/tensor-gather': (-1.000, -1.000, 11, 2),
-        'collective/tensor-reduce': (-0.999, 0.000, 42, 7),
-        'flops': (-0.736, 0.171, 88, 7),
+        'collective/tensor-gather': (-1.000, -1.000, 5, 1),
+        'collective/tensor-reduce': (-0.111, 0.000, 36, 6),
+        'flops': (-0.242, 0.171, 82, 7),
         'memory/peak': (-0.311, 0.090, 68, 6),
         'memory/temporaries': (-0.432, 0.143, 68, 6),
     },
     'tpu-v5p': {
         'collective/expert-all-to-all': (0.000, 0.000, 3, 1),
-        'collective/grad-reduce': (-0.009, 0.078, 51, 4),
-        'collective/param-gather': (-0.049, 2.953, 42, 4),
-        'collective/tensor-reduce': (-0.111, 0.000, 24, 4),
-        'flops': (-0.544, 0.171, 49, 4),
-        'memory/peak': (-0.848, 0.181, 45, 4),
-        'memory/temporaries': (-0.856, 0.242, 45, 4),
+        'collective/grad-reduce': (-0.086, 0.160, 69, 7),
+        'collective/param-gather': (-0.303, 2.953, 64, 7),
+        'collective/tensor-gather': (-1.000, -1.000, 5, 1),
+        'collective/tensor-reduce': (-0.111, 0.012, 34, 6),
+        'flops': (-0.036, 0.171, 68, 7),
+        'memory/peak': (-0.848, 0.181, 59, 6),
+        'memory/temporaries': (-0.856, 0.242, 59, 6),
     },
 }
 HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {
@@ -46,12 +47,12 @@ HELD_OUT: dict[str, dict[str, tuple[float, float, int, int]]] = {
         'memory/temporaries': (-0.414, -0.018, 13, 1),
     },
     'tpu-v5p': {
-        'collective/grad-reduce': (-0.018, 0.138, 10, 1),
-        'collective/param-gather': (-0.241, 0.032, 9, 1),
-        'collective/tensor-reduce': (-0.077, 0.000, 5, 1),
-        'flops': (0.002, 0.216, 10, 1),
-        'memory/peak': (-0.898, -0.726, 10, 1),
-        'memory/temporaries': (-0.904, -0.735, 10, 1),
+        'collective/grad-reduce': (-0.018, 0.138, 12, 1),
+        'collective/param-gather': (-0.241, 0.032, 11, 1),
+        'collective/tensor-reduce': (-0.077, 0.000, 6, 1),
+        'flops': (0.002, 0.216, 13, 1),
+        'memory/peak': (-0.898, -0.431, 13, 1),
+        'memory/temporaries': (-0.904, -0.433, 13, 1),
     },
 }
 HELD_OUT_FAMILY = 'bert'

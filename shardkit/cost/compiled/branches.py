@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..._branches import EVEN_SCOPE, STAGE_SCOPE
 from ...pipeline.schedules import EXPLICIT_SCOPE
 from .hlo.collectives import collective_kind, op_name, participant_axes
-from .hlo.text import callees, computations
+from .hlo.text import callees, computations, innermost_scope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,11 @@ class BranchCollective:
 
     @property
     def pipeline_switch(self) -> bool:
-        """Whether it sits in ``sk.pipeline``'s per-tick switch (branch index by stage)."""
-        return EXPLICIT_SCOPE in self.scope
+        """Whether it sits in a switch whose branch index is the device's stage: ``sk.pipeline``'s
+        per-tick switch, or a stage-local permute's (``_branches.STAGE_SCOPE``). The
+        innermost of the scopes decides: a building block's switch inside a stage's branch
+        (``_branches.EVEN_SCOPE``) branches by other coordinates."""
+        return innermost_scope(self.scope, (EXPLICIT_SCOPE, STAGE_SCOPE, EVEN_SCOPE)) in (EXPLICIT_SCOPE, STAGE_SCOPE)
 
     def may_hang(self, pipe_axis: str | None) -> bool:
         """Whether devices of one of its groups can take different branches: it crosses the

@@ -152,6 +152,21 @@ class Report:
             out[role] += t.operand_bytes if role in ("pipe-reduce", "grad-reduce", "tensor-reduce") else t.bytes
         return out
 
+    def all_reduced(self) -> dict[str, float]:
+        """The share of the gradient reduction's bytes (``roles()["grad-reduce"]``) reduced by
+        all-reduces: XLA:CPU's all-reduce + slice, ZeRO-0's all-reduce, and XLA:TPU's over a
+        group spanning every chip of a 3-D slice (v4/v5p 2x2x2 and up), where it all-reduces and
+        slices rather than reduce-scatter (its only reduce-scatter emitter for such a group is a
+        one-colour ring over one link, 1.5x slower than its all-reduce over the three
+        dimensions' links: BENCHMARKS.md). The step time (``steptime.times``) times that
+        share as the all-reduces it is."""
+        total = ar = 0.0
+        for role, t in self._with_roles():
+            if role == "grad-reduce":
+                total += t.operand_bytes
+                ar += t.operand_bytes if t.kind == "all-reduce" else 0.0
+        return {"grad-reduce": ar / total} if total else {}
+
     def role_counts(self) -> dict[str, int]:
         """Executed collectives by role (as ``roles()`` names them), through loops."""
         out = dict.fromkeys(COMPILED_ROLES, 0)

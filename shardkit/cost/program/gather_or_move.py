@@ -1,4 +1,5 @@
-"""Where XLA may move activations instead of gathering a ZeRO-3/FSDP-sharded weight.
+"""Where XLA may move activations instead of gathering a ZeRO-3/FSDP-sharded weight (or, for a
+tensor-split one, instead of reducing its partial sums: ``caveats`` reads both).
 
 The SPMD partitioner meets a matmul or convolution whose weight is sharded over the data axes
 (ZeRO-3, FSDP) and whose activation is split over the same axes on its batch. The formulas

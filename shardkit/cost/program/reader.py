@@ -316,6 +316,8 @@ def read_program(fn: Callable, params, batch, *, split_of: Callable, n_params: i
             other grounds).
         weight_axes: the mesh axes ``weight_dims`` are split over: inside a ``shard_map``
             manual over none of them the weights keep those dims (None: no shard_map does).
+            Also without ``weight_dims``: a value a ``sharding_constraint`` leaves whole over
+            them is sized whole (a sequence-parallel region's gathered input).
         feature_dims, tensor_axis: with ``weight_dims``, the dims of an activation the size rule
             reads as tensor-split (``shape -> [dims]``) and the tensor axes' size: a split
             feature reshaped into heads is then followed dim by dim (``head_splits``).

@@ -30,7 +30,7 @@ _TPU_RAGGED_DOT = re.compile(r'^\s*(?:ROOT\s+)?%ragged-dot-(?!metadata)[\w.\-]*\
 _KERNEL_CALL = re.compile(r'custom_call_target="(?:__gpu\$xla\.gpu\.triton|tpu_custom_call)"')
 _WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _LHS_DILATE = re.compile(r"window=\{[^}]*lhs_dilate=([0-9x]+)")
-_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->")
 
 
 def matmul_flops_from_hlo(hlo: str, branch_weights: dict[int, list[float]] | None = None,
@@ -161,20 +161,34 @@ def _fp8_operands(line: str, shapes: dict) -> bool:
 
 
 def _conv_flops(line: str, cv, shapes: dict) -> float:
-    """2 × result elements × window elements × the kernel's input-feature dimension (the
-    ``i`` of its dim labels: input features per group, or the batch for a weight gradient)."""
+    """2 × result elements × window taps × the kernel's input-feature dimension (the ``i`` of
+    its dim labels: input features per group, or the batch for a weight gradient).
+
+    The taps per spatial dim are the window's, less those no output can meet on the input:
+    a strided convolution's input gradient dilates its operand by the stride, and the inserted
+    zeros are not work (as ``program``'s count and cuDNN's); and a window wider than the
+    input's extent meets at most that many positions, the rest padding — XLA:TPU writes a
+    dot's free dim as such a window (``btd,dhk->bthk``: ``window={size=1x8 pad=0_0x7_7}`` over
+    an input of extent 1, each output meeting one tap), and the estimate counts a window over
+    a smaller map at the map's extent (``program.walk._swapped_window``)."""
     res = _ints(cv.group(1).split("[", 1)[1].split("]", 1)[0]) if "[" in cv.group(1) else []
     rhs = shapes.get(cv.group(3), "")
     rhs_dims = _ints(rhs.split("[", 1)[1].split("]", 1)[0]) if "[" in rhs else []
     window, labels = _WINDOW.search(line), _DIM_LABELS.search(line)
-    if not res or not rhs_dims or labels is None or "i" not in labels.group(1):
+    if not res or not rhs_dims or labels is None or "i" not in labels.group(2):
         raise HloParseError(f"cannot read this convolution's shapes: {line.strip()[:300]}")
-    size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
-    # A strided convolution's input gradient dilates its operand by the stride: the inserted
-    # zeros are not work (as ``program``'s count and cuDNN's).
+    sizes = _ints(window.group(1).replace("x", ",")) if window else []
     dilate = _LHS_DILATE.search(line)
-    size /= math.prod(_ints(dilate.group(1).replace("x", ","))) if dilate else 1
-    return 2.0 * math.prod(res) * size * rhs_dims[labels.group(1).index("i")]
+    dilation = _ints(dilate.group(1).replace("x", ",")) if dilate else [1] * len(sizes)
+    lhs = shapes.get(cv.group(2), "")
+    lhs_dims = _ints(lhs.split("[", 1)[1].split("]", 1)[0]) if "[" in lhs else []
+    lhs_labels = labels.group(1)
+    taps = 1.0
+    for d, (k, b) in enumerate(zip(sizes, dilation)):
+        at = lhs_labels.find(str(d))
+        extent = lhs_dims[at] if 0 <= at < len(lhs_dims) else math.inf  # unread: the window's
+        taps *= min(k / b, extent)
+    return 2.0 * math.prod(res) * taps * rhs_dims[labels.group(2).index("i")]
 
 
 def _cudnn_conv_flops(line: str, cd, shapes: dict) -> float:
@@ -186,7 +200,7 @@ def _cudnn_conv_flops(line: str, cd, shapes: dict) -> float:
     res, a, b, kind = cd.group(1), shapes.get(cd.group(2), ""), shapes.get(cd.group(3), ""), cd.group(4)
     y, kernel = {"BackwardInput": (a, b), "BackwardFilter": (b, res)}.get(kind, (res, b))
     window, labels = _WINDOW.search(line), _DIM_LABELS.search(line)
-    if not dims(y) or not dims(kernel) or labels is None or "i" not in labels.group(1):
+    if not dims(y) or not dims(kernel) or labels is None or "i" not in labels.group(2):
         raise HloParseError(f"cannot read this cuDNN convolution's shapes: {line.strip()[:300]}")
     size = math.prod(_ints(window.group(1).replace("x", ","))) if window else 1
-    return 2.0 * math.prod(dims(y)) * size * dims(kernel)[labels.group(1).index("i")]
+    return 2.0 * math.prod(dims(y)) * size * dims(kernel)[labels.group(2).index("i")]

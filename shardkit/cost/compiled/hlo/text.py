@@ -9,6 +9,8 @@ import math
 import re
 from collections import defaultdict
 
+from ...._branches import EVEN_SCOPE, STAGE_SCOPE
+
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
                 "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "bf16": 2, "f16": 2, "s16": 2,
                 "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8,
@@ -20,7 +22,15 @@ _CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_c
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PRED_ARMS = ("true_computation", "false_computation")  # a two-way conditional on a pred
 _NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
+
+
+def innermost_scope(line: str, markers) -> str | None:
+    """Of the named scopes ``markers``, the one that appears last in ``line`` (an op's
+    ``op_name`` lists its scopes outermost first), or None."""
+    found = [(line.rfind(m), m) for m in markers if m in line]
+    return max(found)[1] if found else None
 
 
 class HloParseError(ValueError):
@@ -96,7 +106,10 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
     A conditional runs one branch per call, which the text cannot tell; each branch counts
     once per call (an upper bound) unless ``branch_weights[marker]`` gives, for conditionals
     whose line contains ``marker`` (a named scope, which HLO keeps in the op's metadata), the
-    fraction of calls that take each branch (e.g. from a pipeline's schedule table)."""
+    fraction of calls that take each branch (e.g. from a pipeline's schedule table). A
+    building block's switch whose branches run equally often, or one branch per stage
+    (``_branches.EVEN_SCOPE``, ``STAGE_SCOPE``), weights each of its ``n`` branches ``1/n``.
+    The innermost marker of a line decides (a switch inside a pipeline's branch is its own)."""
     comps, entry = computations(hlo)
     mult: dict[str, float] = defaultdict(float)
     if entry is None:
@@ -109,12 +122,16 @@ def _walk(hlo: str, branch_weights: dict[int, list[float]] | None = None
             if n is None and (cond := _COND.search(line)) is not None:
                 n = _trip_from_condition(comps.get(cond.group(1), []))
             found = callees(line)
-            branches = [c for role, c in found if role.startswith("branch")]
-            w = next((ws for marker, ws in (branch_weights or {}).items()
-                      if marker in line and len(ws) == len(branches)), [1.0] * len(branches))
+            arms = [role for role, _ in found if role.startswith("branch") or role in _PRED_ARMS]
+            w = {}
+            if arms:
+                marker = innermost_scope(line, (EVEN_SCOPE, STAGE_SCOPE, *(branch_weights or {})))
+                if marker in (EVEN_SCOPE, STAGE_SCOPE):
+                    w = dict.fromkeys(arms, 1.0 / len(arms))
+                elif len(ws := (branch_weights or {}).get(marker, ())) == len(arms):
+                    w = {f"branch{i}": x for i, x in enumerate(ws)}
             for role, callee in found:
-                k = n if (role == "body" and n is not None) else 1
-                calls[name].append((callee, w[int(role[6:])] if role.startswith("branch") else k))
+                calls[name].append((callee, n if (role == "body" and n is not None) else w.get(role, 1)))
 
     def visit(name: str, m: int, depth: int = 0):
         if depth > 64 or name not in comps:
