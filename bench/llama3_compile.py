@@ -27,7 +27,8 @@ with ``ModelShape.activations="xla"``) counts each same layout.
    flops and collectives (H100 links) plus the analytic memory-bound kernels' time.
 
 Reduced against the published runs: the attention is ``flash_like`` (cuDNN's kernel cannot be
-traced here) at 8K; at 128K the context axis runs ``sk.context_attention``'s ring nested in
+traced here; it computes the causally masked blocks too) at 8K, or with ``--attention triton``
+the Pallas Triton flash kernel (``sk.attention``, causal blocks skipped); at 128K the context axis runs ``sk.context_attention``'s ring nested in
 the stage (the Triton flash kernel per ring step); ``sk.pipeline``'s executor stands for the
 paper's, 128 layers for 126.
 
@@ -35,6 +36,8 @@ paper's, 128 layers for 126.
     python bench/llama3_compile.py --pipeline SCHEDULE,m,v[,layers[,data,zero[,context[,keep]]]] [--seq N]
     python bench/llama3_compile.py --published all|KEY:KEEP,...   # e.g. llama3-405b-128k-16384gpu:input
     python bench/llama3_compile.py --layer-remat lean,none --json PATH  # part 1's layers under a recipe remat
+    XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=300 python bench/llama3_compile.py --attention triton \
+        --published llama3-405b-8k-16384gpu:lean   # the Triton kernel; XLA:GPU's own recompute limit raised
 
 Writes bench/results/llama3_compile.json.
 """
@@ -65,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer-remat", default="", help="compile part 1's layers only, under each of these recipe "
                                                      "remat settings (e.g. none,lean): saved bytes and matmul "
                                                      "flops per layer and sequence")
+    p.add_argument("--attention", choices=("flash_like", "triton"), default="flash_like",
+                   help="the 8K attention: the blockwise stand-in (default) or the Pallas Triton flash "
+                        "kernel (sk.attention's 'triton': causal blocks skipped)")
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
     return p.parse_args(argv)
 
@@ -107,11 +113,14 @@ PUBLISHED = {"llama3-405b-8k-8192gpu": Pipe("interleaved-1f1b", 32, 8, 128, 64, 
              "llama3-405b-128k-16384gpu": Pipe("interleaved-1f1b", 16, 8, 128, 8, 3, 16, "input", 131072)}
 
 
-def config(layers: int, seq: int, attention: str = "xla", remat: str = "none"):
+ATTENTION = ["xla"]  # the recipe's Config.attention; "xla" runs flash_like (_use_flash_like)
+
+
+def config(layers: int, seq: int, attention: str | None = None, remat: str = "none"):
     from models.transformer.config import Config
 
     return Config(vocab=128256, d_model=16384, layers=layers, heads=128, kv_heads=8, d_ff=53248, seq=seq,
-                  tie_embeddings=False, rope_theta=500000.0, remat=remat, attention=attention)
+                  tie_embeddings=False, rope_theta=500000.0, remat=remat, attention=attention or ATTENTION[0])
 
 
 def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla", block=512):
@@ -216,7 +225,8 @@ def published_row(key: str, pl: Pipe, r) -> dict:
 
     run = next(x for x in published.RUNS if x.key == key)
     row = {"key": key, "keep": pl.keep, "pipeline": list(pl[:8]), "seq": run.seq, "published": run.value,
-           **_compiled(r)}
+           "attention": "flash_like" if ATTENTION[0] == "xla" else ATTENTION[0],
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), **_compiled(r)}
     if isinstance(r, Exception):
         return row
     # The memory-bound kernels of one forward and backward: keep="input"'s recomputed forward
@@ -299,7 +309,10 @@ def layer_remat(a) -> dict:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    _use_flash_like()
+    if a.attention == "triton":
+        ATTENTION[0] = "triton"
+    else:
+        _use_flash_like()
     grid, pipes, pubs = [], [], []
     if a.layer_remat:
         return layer_remat(a)
