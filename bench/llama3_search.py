@@ -16,16 +16,13 @@ would compile the best k through the recipe).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import published  # noqa: E402
-
-import shardkit as sk  # noqa: E402
 
 GIB = 2**30
 PAPER = dict(pipe=(16,), tensor=(8,), fsdp=(1,), zero=(3,), sequence_parallel=(True,),
@@ -38,12 +35,17 @@ ROWS = ("llama3-405b-8k-8192gpu", "llama3-405b-8k-16384gpu", "llama3-405b-128k-1
 
 
 def search(key: str, top: int = 3, **options):
+    import published
+
+    import shardkit as sk
+
     run = next(r for r in published.RUNS if r.key == key)
     ms = published.model(dataclasses.replace(run, layers=run.layer_slots))
     return sk.search(ms, run.devices, "h100", global_batch=run.global_batch, target="h100", top=top, **options)
 
 
-def main() -> dict:
+def main(argv=None) -> dict:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     out = {}
     for key in ROWS:
         for name, options in SEARCHES.items():
