@@ -203,7 +203,8 @@ def measure_transformer(args, device, peak: float) -> dict:
     import jax.numpy as jnp
 
     from models.transformer.config import SIZES
-    from models.transformer.model import attention_impl, flops_per_token, param_count
+    from models.transformer.attention import attention_impl
+    from models.transformer.model import flops_per_token, param_count
 
     cfg = (SIZES["test"].replace(seq=32) if args.dry_run
            else SIZES[args.size].replace(remat=args.remat))

@@ -128,7 +128,7 @@ def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla", block=512):
     backward keeps q, k, v and the output, what a flash kernel keeps (less its f32 row
     statistics, 4 bytes per head and token), and rebuilds one block's scores at a time (16
     heads x 512 x 8192 f32 at 8K: 256 MiB). cuDNN's fused kernel cannot be traced on a host
-    without cuDNN (``models.transformer.model.attention_impl``)."""
+    without cuDNN (``models.transformer.attention.attention_impl``)."""
     import math
 
     import jax
@@ -154,9 +154,9 @@ def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla", block=512):
 
 
 def _use_flash_like() -> None:
-    from models.transformer import model as recipe
+    from models.transformer import attention
 
-    recipe.causal_attention = flash_like
+    attention.causal_attention = flash_like
 
 
 def _mesh(data: int = 1, context: int = 1, pipe: int = 1):

@@ -138,7 +138,7 @@ def test_fast_attention_matches_reference(one):
     GPU in bf16; XLA's jax.nn.dot_product_attention on CPU, where "auto" itself is the
     reference) against the jnp reference in f32: causal, grouped-query (4 heads on 2 kv
     heads), output and q gradient within 2^-6 of the largest magnitude (bf16 roundings)."""
-    from models.transformer.model import attention_impl, causal_attention
+    from models.transformer.attention import attention_impl, causal_attention
 
     impl = attention_impl("auto", jnp.bfloat16)
     impl = "xla" if impl == "reference" else impl

@@ -24,8 +24,8 @@ import shardkit as sk
 from models.transformer import data as data_lib
 from models.transformer.config import SIZES, Config
 from models.transformer.layouts import LAYOUTS, Layout, axis_rules, make_plan
-from models.transformer.model import (PipelineSpec, Transformer, abstract_model, apply_rotary,
-                                      flops_per_token, loss_fn, param_count, rotary)
+from models.transformer.attention import apply_rotary, rotary
+from models.transformer.model import PipelineSpec, Transformer, abstract_model, flops_per_token, loss_fn, param_count
 from shardkit.cost import hardware
 
 CFG = SIZES["test"]  # d_model 32, 2 layers, 4 heads / 2 kv heads, seq 16
@@ -463,7 +463,7 @@ def test_fused_attention_matches_reference():
     outputs and q/k/v gradients. fp32 within 1e-6 of the largest magnitude (measured 2e-7);
     bf16 (both paths) within 2^-6 of the fp32 reference's largest magnitude, a few bf16
     roundings of 2^-8 each on the inputs, probabilities and output (measured <= 5e-3)."""
-    from models.transformer.model import causal_attention
+    from models.transformer.attention import causal_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v = (jax.random.normal(kk, (2, 16, h, 8)) for kk, h in zip(keys, (4, 2, 2)))
@@ -492,7 +492,7 @@ def test_fused_attention_matches_reference():
 
 
 def test_attention_choice_follows_platform_and_dtype():
-    from models.transformer.model import attention_impl
+    from models.transformer.attention import attention_impl
 
     assert attention_impl("auto", jnp.bfloat16) == "reference"  # CPU
     assert attention_impl("xla", jnp.float32) == "xla"

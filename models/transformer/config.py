@@ -55,7 +55,7 @@ class Config:
             (``"cudnn"``: a GPU and a 16-bit dtype; ``"triton"``, ``"mosaic"``: Pallas on
             GPU / TPU; ``"blockwise"``: the online-softmax scan anywhere), or ``"auto"``: the
             target's kernel on GPU and TPU (cuDNN on a GPU in 16-bit, Triton in deviceless GPU
-            compiles, Mosaic on TPU; ``model.attention_impl``), the reference on CPU.
+            compiles, Mosaic on TPU; ``attention.attention_impl``), the reference on CPU.
         loss_chunk: the output projection + cross-entropy in chunks of this many positions
             per sequence (``sk.chunked_cross_entropy``: the (tokens, vocab) f32 logits and
             their gradient are never whole); 0: the plain loss; -1 (default): chunks of 512

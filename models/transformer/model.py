@@ -11,6 +11,10 @@ Every parameter names its logical axes (``vocab``, ``embed``, ``heads``, ``kv_he
 (``batch``, ``seq``, ``heads``, ``mlp``, ``vocab``); ``models.transformer.layouts`` maps the
 names to mesh axes. Outside a shardkit plan the constraints are no-ops.
 
+The attention layer lives in ``attention.py`` and the shared pieces (named matmuls, RMSNorm,
+sequence-parallel gathers) in ``layers.py``; this module builds the MLP, MoE, block, stack and
+losses on them.
+
 Shape letters: B batch, T sequence, D d_model, H heads, K kv heads, G = H/K, Q head_dim,
 F d_ff, V vocab, L layers.
 """
@@ -28,9 +32,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 import shardkit as sk
 
+from .attention import Attention, context_size, rotary
 from .config import Config
-
-F32 = jnp.float32
+from .layers import (F32, Dots, RMSNorm, _dot, _param, constrain, gather_output_gradient, gather_region_input,
+                     rms_norm)
 
 
 # Schedules whose pipeline returns activations (backward by autodiff); the others take the
@@ -59,198 +64,6 @@ class PipelineSpec:
     repeats: int = 1
     layer_order: str = "natural"
     keep: str = "input"
-
-
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Activation layout by logical names (``sk.constrain``: a no-op outside a shardkit step;
-    inside ``sk.pipeline``'s stages only the compiler-managed axes are constrained)."""
-    return sk.constrain(x, names)
-
-
-def gather_region_input(x_BxTxD: jax.Array) -> jax.Array:
-    """A tensor-parallel region's input whole over ``tensor``: under sequence parallelism the
-    residual stream arrives split over the sequence, and Megatron gathers it once per region
-    (Korthikanti et al. 2022, sec. 4.2.2: the all-gather ``g``), not once per matmul that reads
-    it — XLA's partitioner, left to itself, gathers it for each of q, k, v (gate, up) in the
-    forward and again for each weight gradient in the backward. Without sequence parallelism
-    the input is already whole over ``tensor`` and this is the layout it has. The norm's output
-    is held split first: otherwise XLA moves the gather above the norm's cast and gathers its
-    f32 value (twice the bytes, measured on XLA:GPU)."""
-    x_BxTxD = constrain(x_BxTxD, ("batch", "seq", None))
-    return constrain(x_BxTxD, ("batch", "context", None))
-
-
-@jax.custom_vjp
-def gather_output_gradient(y_BxTxD: jax.Array) -> jax.Array:
-    """The identity on a region's (row-parallel) output whose gradient, in the backward, is
-    gathered whole over ``tensor`` once: under sequence parallelism it arrives split over the
-    sequence, and both matmuls of the region's last weight read it (its input gradient and its
-    weight gradient). Megatron gathers it once (the transpose of the forward's
-    reduce-scatter); XLA's partitioner, left to itself, gathers it for each."""
-    return y_BxTxD
-
-
-def _gather_output_gradient_fwd(y_BxTxD):
-    return y_BxTxD, None
-
-
-def _gather_output_gradient_bwd(_, g_BxTxD):
-    return (constrain(g_BxTxD, ("batch", "context", None)),)
-
-
-gather_output_gradient.defvjp(_gather_output_gradient_fwd, _gather_output_gradient_bwd)
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None):
-    init = nnx.initializers.ones if std is None else nnx.initializers.normal(std)
-    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, F32))
-
-
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum in the inputs' dtype, accumulating in f32. XLA:GPU/TPU accumulate 16-bit dots
-    in f32 by default and write the 16-bit result; XLA:CPU is asked for the f32 result
-    (``preferred_element_type``: its fast bf16 path, exact f32 sums), then it is cast back.
-    Asking a GPU for it would make every matmul write f32 and add a convert pass."""
-    if sk.target_platform() == "cpu":
-        return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(a.dtype)
-    return jnp.einsum(spec, a, b)
-
-
-class Dots(nnx.Module):
-    """A layer's named weight matmuls: ``_dot`` (compute dtype), or with ``cfg.fp8`` one
-    ``sk.fp8.Fp8Dot`` each, holding that matmul's amax histories."""
-
-    def __init__(self, cfg: Config, names: tuple[str, ...]):
-        self.fp8 = cfg.fp8
-        for name in names if cfg.fp8 else ():
-            setattr(self, name, sk.fp8.Fp8Dot())
-
-    def __call__(self, name: str, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        return getattr(self, name)(spec, x, w) if self.fp8 else _dot(spec, x, w)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        self.scale = _param(rngs, (cfg.d_model,), ("embed",), None)
-        self.eps = cfg.norm_eps
-
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        return rms_norm(x_BxTxD, self.scale[...], self.eps)
-
-
-def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, result in the input's dtype."""
-    x = x_BxTxD.astype(F32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return (x * scale_D.astype(F32)[None, None, :]).astype(x_BxTxD.dtype)
-
-
-def rotary(T: int, Q: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin tables of shape (T, Q/2) for positions 0..T-1."""
-    inv_freq = theta ** (-jnp.arange(0, Q, 2, dtype=F32) / Q)
-    angle_TxQ2 = jnp.arange(T, dtype=F32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angle_TxQ2), jnp.sin(angle_TxQ2)
-
-
-def apply_rotary(x_BxTxNxQ: jax.Array, cos_TxQ2: jax.Array, sin_TxQ2: jax.Array) -> jax.Array:
-    """Rotates channel pairs (i, i + Q/2) by position-dependent angles (GPT-NeoX layout)."""
-    x1, x2 = jnp.split(x_BxTxNxQ.astype(F32), 2, axis=-1)
-    cos, sin = cos_TxQ2[None, :, None, :], sin_TxQ2[None, :, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxNxQ.dtype)
-
-
-class Attention(nnx.Module):
-    """Causal self-attention; heads split Megatron-style (q/k/v by heads, o by rows)."""
-
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        D, H, K, Q = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim
-        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-        self.q = _param(rngs, (D, H, Q), ("embed", "heads", "head_dim"), cfg.init_std)
-        self.k = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.v = _param(rngs, (D, K, Q), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.o = _param(rngs, (H, Q, D), ("heads", "head_dim", "embed"), out_std)
-        self.attention = cfg.attention
-        self.context_strategy = cfg.context_strategy
-        self.dots = Dots(cfg, ("q", "k", "v", "o"))
-
-    def __call__(self, x_BxTxD, cos_TxQ2, sin_TxQ2):
-        x_BxTxD = gather_region_input(x_BxTxD)
-        q_BxTxHxQ = self.dots("q", "btd,dhq->bthq", x_BxTxD, self.q[...])
-        k_BxTxKxQ = self.dots("k", "btd,dkq->btkq", x_BxTxD, self.k[...])
-        v_BxTxKxQ = self.dots("v", "btd,dkq->btkq", x_BxTxD, self.v[...])
-        q_BxTxHxQ = constrain(q_BxTxHxQ, ("batch", "context", "heads", None))
-        k_BxTxKxQ = constrain(k_BxTxKxQ, ("batch", "context", "kv_heads", None))
-        v_BxTxKxQ = constrain(v_BxTxKxQ, ("batch", "context", "kv_heads", None))
-        # Named for keep="lean" / remat="lean" (sk.LEAN_RESIDUALS): what only a matmul gives again.
-        q_BxTxHxQ = checkpoint_name(apply_rotary(q_BxTxHxQ, cos_TxQ2, sin_TxQ2), "attention_q")
-        k_BxTxKxQ = checkpoint_name(apply_rotary(k_BxTxKxQ, cos_TxQ2, sin_TxQ2), "attention_k")
-        v_BxTxKxQ = checkpoint_name(v_BxTxKxQ, "attention_v")
-
-        if context_size() > 1:  # the sequence stays split: attention over "context"
-            # the loss put the batch in sk.context_shard's zig-zag order (_context_order)
-            o_BxTxHxQ = sk.context_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True, order="zigzag",
-                                             strategy=self.context_strategy)
-        else:
-            o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, self.attention)
-        o_BxTxHxQ = checkpoint_name(constrain(o_BxTxHxQ, ("batch", "context", "heads", None)), "attention_out")
-        return gather_output_gradient(self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...]))
-
-
-def context_size() -> int:
-    """The size of the ``context`` axis of the mesh being traced for (1 without one)."""
-    return dict(jax.sharding.get_abstract_mesh().shape).get("context", 1)
-
-
-def attention_impl(choice: str, dtype, q_shape: tuple[int, ...] | None = None) -> str:
-    """The attention that runs for ``Config.attention`` in ``dtype`` on the platform being
-    compiled for: ``"reference"`` (``reference_attention``), ``"xla"``
-    (``jax.nn.dot_product_attention``'s), or one of ``sk.attention``'s kernels (``"cudnn"``,
-    ``"triton"``, ``"mosaic"``, ``"blockwise"``). ``"auto"`` takes the target's flash kernel
-    (``sk.kernels.attention_implementation``: cuDNN on a GPU in 16-bit, Pallas Triton in a
-    deviceless GPU compile or in f32, Pallas Mosaic on TPU; the blockwise form where the
-    kernel does not take ``q_shape``) and the reference on CPU (XLA:CPU has no fused kernel;
-    at CPU sizes the plain form is the cheaper program)."""
-    if choice != "auto":
-        return choice
-    if sk.target_platform() == "cpu":
-        return "reference"
-    if q_shape is None:  # the kernel the platform has, before any shape check (a shape every kernel takes)
-        return sk.kernels.attention_implementation((1, 128, 1, 64), dtype, causal=True).implementation
-    return sk.kernels.attention_implementation(q_shape, dtype, causal=True).implementation
-
-
-def causal_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.Array,
-                     impl: str = "reference") -> jax.Array:
-    """Causal softmax attention with grouped-query heads (H a multiple of K), scaled by
-    1/sqrt(Q); ``impl`` a ``Config.attention`` choice (``"auto"`` as ``attention_impl``
-    says). Result (B, T, H, Q) in the inputs' dtype."""
-    if impl == "auto" and sk.target_platform() == "cpu":
-        impl = "reference"
-    if impl == "reference":
-        return reference_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ)
-    if impl == "xla":  # XLA's masks the (T, T) scores like the reference
-        return jax.nn.dot_product_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, is_causal=True,
-                                            implementation="xla")
-    # The flash kernels (and "auto": sk.attention picks, and says why when it falls back).
-    return sk.attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True, implementation=impl)
-
-
-def reference_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.Array) -> jax.Array:
-    """The plain jnp path: f32 scores and softmax, matmuls accumulating in f32."""
-    B, T, H, Q = q_BxTxHxQ.shape
-    Kh = k_BxTxKxQ.shape[2]
-    # Grouped-query: head h = kv*G + g reads kv head kv, so a split of H into
-    # contiguous chunks lines up with the same split of K.
-    q_BxTxKxGxQ = q_BxTxHxQ.reshape(B, T, Kh, H // Kh, Q) * jnp.asarray(
-        1.0 / math.sqrt(Q), q_BxTxHxQ.dtype)
-    s_BxKxGxTxS = jnp.einsum("btkgq,bskq->bkgts", q_BxTxKxGxQ, k_BxTxKxQ,
-                             preferred_element_type=F32)
-    causal_TxS = jnp.tril(jnp.ones((T, k_BxTxKxQ.shape[1]), dtype=bool))
-    s_BxKxGxTxS = jnp.where(causal_TxS[None, None, None], s_BxKxGxTxS, jnp.finfo(F32).min)
-    p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxTxKxQ.dtype)
-    o_BxTxKxGxQ = _dot("bkgts,bskq->btkgq", p_BxKxGxTxS, v_BxTxKxQ)
-    return o_BxTxKxGxQ.reshape(B, T, H, Q)
 
 
 class MLP(nnx.Module):
