@@ -129,7 +129,7 @@ def backward_op_peak(s, rows: int) -> float | None:
     def split_of(aval, leaf, manual=frozenset()):
         if leaf is not None:
             return 1, t_split[leaf]  # any view of it (a layer of the stack) is split like it
-        return 1, n_tensor_of(aval.shape, rows, lv.tensor_dims, sizes)
+        return 1, n_tensor_stacked(aval.shape, rows, k, lv.tensor_dims, sizes)
 
     # The chunk's inputs saved by its layer scan, ``(k,) + h``: the residual stream, whole over
     # the tensor axes (by shape alone a stack of k == rows layers passes for a split feature).
