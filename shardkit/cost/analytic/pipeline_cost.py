@@ -153,9 +153,12 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
         # ``loss_res_ring``, allocated on every device; the slot a backward op reads stands in
         # for the recomputed residuals ``op_peak`` counts.
         throughout += tab.res_ring * kept + tab.loss_res_ring * loss_kept
+        if tab.name in sched.SPLIT:
+            # B holds the forward's saved values (the kept slot, or with ``keep="input"`` the
+            # residuals it saves itself) and one layer's share of the rest.
+            saved = kept if kept else stage_residuals
+            op_peak = saved + max(op_peak - saved, 0.0) / stage_layers
         if kept:
-            if tab.name in sched.SPLIT:
-                op_peak = kept + (op_peak - kept) / stage_layers
             op_peak += loss_out
         return throughout + operands + op_peak + rest_grads + chunk_weights
     rings = (tab.act_ring + tab.grad_ring + 2) * act_mb + tab.w_ring * w_saved
