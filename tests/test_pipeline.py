@@ -630,6 +630,30 @@ def test_the_chunked_loss_keeps_its_own_residuals_in_the_loss_ring(devices, keep
     assert [(tuple(a.shape), a.dtype) for a in carry[-len(want):]] == want, carry
 
 
+def test_the_executor_under_lean_keeps_the_loss_matmul_output(devices):
+    """Issue 37: under ``keep="lean"`` the executor's loss F keeps its matmul output (the
+    logits: ``dots_saveable``), as the trace note that sizes the estimate says, instead of
+    only its input, which made the backward op recompute the head's matmul (the recipe's 1F1B
+    lean program on H100 ran the logits' matmul again inside the loss's checkpoint and held no
+    logits in its loss ring, where the estimate counted them). Traced, not compiled."""
+    rows, V, m = 8, 64, 4
+    mesh = make_mesh("pipe=2", devices=devices[:2])
+    params, head = make_problem(4)[0], {"w": jnp.zeros((D, V))}
+    x, t = make_problem(4)[2][:rows], jnp.zeros((rows,), jnp.int32)
+
+    def ce(hp, y, t):  # its plain residuals (the softmax) store more than its logits
+        logits = y @ hp["w"]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, t[:, None], -1)[:, 0])
+
+    def loss(params, head):
+        return pipeline(lean_table_layer, params, x, microbatches=m, schedule="1f1b", keep="lean", mesh=mesh,
+                        loss_params=head, targets=t, loss_fn=ce)
+
+    carry = _tick_scan_carry(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, head))
+    slots = sched.pipeline_schedule("1f1b", 2, m).loss_res_ring
+    assert (slots, rows // m, V) in [tuple(a.shape) for a in carry], carry
+
+
 def test_kept_pullbacks_store_nothing_shared_and_lean_keeps_the_loss_matmul():
     """Issue 37: a chunk's residual that depends on no per-microbatch value — a table the
     layer closes over (the recipe's RoPE tables: 4 MiB per slot at Llama 3 405B, 8K), a value

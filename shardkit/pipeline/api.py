@@ -195,8 +195,10 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
     if schedule in SPLIT:  # B and W apart: B keeps what W needs (no recompute)
         layer = layer_runner(stage_fn, k, extras is not None, rng)
         split_ops = SplitBackward(with_remat(layer, remat, own_remat), k)  # per layer: what W keeps
-    kept = None if policy is None else (Kept(loss_fn, policy, REMAT["dots"] if keep == "lean" else None),
-                                        loss_params, targets_mb)
+    # keep="lean": a loss names no layer residuals; it keeps its matmul outputs (Kept's docstring).
+    # The executor's Kept and the note's (which sizes the estimate) must run the same loss.
+    loss_policy = REMAT["dots"] if keep == "lean" else None
+    kept = None if policy is None else (Kept(loss_fn, policy, loss_policy), loss_params, targets_mb)
     _note_for_estimates(info, chunk, split_ops, kept, params_s, x_mb, extras_mb, rng,
                         math.prod(mesh.shape[a] for a in data))
     note("pipeline", info)
@@ -204,7 +206,7 @@ def pipeline(stage_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array
         tab = pipeline_schedule(schedule, p, m, v)
         return explicit_pipeline(tab, chunk, params_s, loss_fn, loss_params, x_mb, extras_mb, targets_mb,
                                  rng, mesh=mesh, axis=axis, data=data, split=split_ops,
-                                 keep=None if policy is None else Kept(loss_fn, policy))
+                                 keep=None if policy is None else Kept(loss_fn, policy, loss_policy))
     y_mb = forward(chunk, params_s, x_mb, extras_mb, rng, mesh=mesh, axis=axis, data=data, p=p, m=m, v=v)
     if loss_fn is None:
         return merge(y_mb)
