@@ -121,10 +121,13 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
     With residuals kept (``kept``) the op reads them instead of recomputing, and ``op_peak``
     (the recomputing op's jaxpr, whose forward's saved values stand for the slot's copy the op
     reads) is corrected where the kept op differs from it. ZB's B runs each layer's VJP on its
-    own (``pipeline.split``): of the chunk's recompute under the policy, which ``op_peak``
-    counts for all ``stage_layers`` layers at once (1F1B's fused op checkpoints its layer scan
-    whole: XLA materialises every layer's recomputed values before the first layer's
-    backward), B holds one layer's. On the loss's chunk the loss's backward runs first, from
+    own (``pipeline.split``), with residuals kept or not: of what ``op_peak`` counts beyond the
+    forward's saved values (the kept slot, or ``stage_residuals`` where B runs the forward
+    itself) — the checkpoint's recompute for all ``stage_layers`` layers at once (1F1B's fused
+    op checkpoints its layer scan whole: XLA materialises every layer's recomputed values
+    before the first layer's backward) and the backward's working set — B holds one layer's
+    [issue 37, H100: ZB-H1 keep="input" 1.12-1.13x the compiled temporaries with the whole
+    op, 0.98-1.00 with one layer's share]. On the loss's chunk the loss's backward runs first, from
     its kept values, and XLA runs the loss params' weight-gradient matmul after the chunk's
     backward (off the critical path, as in GPipe's backward): its operand, the loss's matmul
     output cotangent in f32 (``loss_out`` bytes, a microbatch's logits), stays alive through
