@@ -209,9 +209,9 @@ def test_zb_b_holds_one_layer_of_what_its_forward_does_not_save():
     """Issue 37: ZB's B runs each layer's VJP on its own (``pipeline.split``), also where it
     runs the forward itself (``keep="input"``): of the recomputing op's liveness peak
     (``op_peak``, the whole chunk's forward and VJP) it holds the forward's saved values
-    (``stage_residuals``) and one of the chunk's ``k`` layers' share of the rest; 1F1B's
-    fused op holds all of it (on H100, ZB-H1 keep="input" 1.12-1.13x the compiled
-    temporaries when B was charged 1F1B's whole op)."""
+    (``stage_residuals``) and one of the chunk's ``k`` layers' share of the rest, where the op
+    checkpoints the chunk whole; 1F1B's fused op holds all of it (on H100, ZB-H1 keep="input"
+    1.12-1.13x the compiled temporaries when B was charged 1F1B's whole op)."""
     from shardkit.cost.analytic.pipeline_cost import one_f_one_b_loop
     from shardkit.cost.pipeline_note import PipelineNote
 
@@ -219,13 +219,16 @@ def test_zb_b_holds_one_layer_of_what_its_forward_does_not_save():
     args = dict(act_elems_x4=8 * mib, stage_grads=15 * mib, rest_grads=4 * mib, stage_layers=k, acc_ratio=2.0,
                 w_saved=100 * mib, w_forwarded=40 * mib, chunk_weights=7 * mib)
 
-    def held(schedule, op_peak, stage_res):
+    def held(schedule, op_peak, stage_res, whole=True):
         note = PipelineNote(stages=2, microbatches=4, schedule=schedule)
-        return one_f_one_b_loop(note, stage_residuals=stage_res, op_peak=op_peak, **args)
+        return one_f_one_b_loop(note, stage_residuals=stage_res, op_peak=op_peak, whole_recompute=whole, **args)
 
     for schedule, share in (("zb-h1", 1 / k), ("zb-v", 1 / k), ("1f1b", 1.0)):
         more_op = held(schedule, 260 * mib, 120 * mib) - held(schedule, 220 * mib, 120 * mib)
         assert more_op == pytest.approx(40 * mib * share), schedule
+    # layers that checkpoint themselves: the op's peak holds one layer's recompute already
+    more_op = held("zb-h1", 260 * mib, 120 * mib, False) - held("zb-h1", 220 * mib, 120 * mib, False)
+    assert more_op == pytest.approx(40 * mib)
     # what ZB's forward saves stays whole; only the rest is one layer's
     more_saved = held("zb-h1", 220 * mib, 130 * mib) - held("zb-h1", 220 * mib, 120 * mib)
     assert more_saved == pytest.approx(10 * mib * (1 - 1 / k))

@@ -19,7 +19,7 @@ from .. import hardware as hw_lib
 from ..terms import Estimate, Layout, RoleTraffic, tokens_in
 from .steptime import roofline_excess, times
 from .pipeline_memory import (backward_op_peak, chunk_layers, chunk_weights, gpipe_backward, kept_rings,
-                              loss_out_bytes, microbatch_rows, saved_bytes, w_forwarded_bytes)
+                              loss_out_bytes, microbatch_rows, saved_bytes, w_forwarded_bytes, whole_recompute)
 from .roles import data_traffic, grads_on_shard, step_temporaries, tensor_traffic
 from .caveats import step_caveats
 from . import gpu_combining
@@ -140,7 +140,7 @@ def _pipeline_memory(s: StepFacts, grad_bytes: float) -> dict[str, float]:
                                     w_forwarded=w_forwarded_bytes(s, rows, k),
                                     **kept_rings(s, rows, k, stage_res),
                                     loss_out=loss_out_bytes(s) / pipe.microbatches,
-                                    op_peak=op_peak, acc_ratio=4 / wire,
+                                    op_peak=op_peak, acc_ratio=4 / wire, whole_recompute=whole_recompute(s),
                                     chunk_weights=chunk_weights(s))
     elif gpipe_like and s.platform != "cpu" and pipe.stage_residuals is not None:
         # The f32 gradients are made after the pipeline's backward (its scan accumulates them in

@@ -92,7 +92,7 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
                       stage_residuals: float, stage_layers: int, w_saved: float = 0.0,
                       op_peak: float | None = None, acc_ratio: float = 1.0, chunk_weights: float = 0.0,
                       kept: float = 0.0, loss_kept: float = 0.0, w_forwarded: float = 0.0,
-                      loss_out: float = 0.0) -> float:
+                      loss_out: float = 0.0, whole_recompute: bool = False) -> float:
     """Temporaries of ``sk.pipeline``'s explicit-backward loop (1F1B, interleaved 1F1B, ZB-H1,
     ZB-V; rings sized from the table) at its peak, a backward op, per device.
 
@@ -126,8 +126,10 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
     itself) — the checkpoint's recompute for all ``stage_layers`` layers at once (1F1B's fused
     op checkpoints its layer scan whole: XLA materialises every layer's recomputed values
     before the first layer's backward) and the backward's working set — B holds one layer's
-    [issue 37, H100: ZB-H1 keep="input" 1.12-1.13x the compiled temporaries with the whole
-    op, 0.98-1.00 with one layer's share]. On the loss's chunk the loss's backward runs first, from
+    where the op checkpoints the chunk whole (``whole_recompute``: a keep policy, or
+    ``keep="input"`` on layers that do not checkpoint themselves; a layer that does recomputes
+    itself one at a time in ``op_peak`` already) [issue 37, H100: ZB-H1 keep="input"
+    1.12-1.13x the compiled temporaries with the whole op, 0.98-1.00 with one layer's share]. On the loss's chunk the loss's backward runs first, from
     its kept values, and XLA runs the loss params' weight-gradient matmul after the chunk's
     backward (off the critical path, as in GPipe's backward): its operand, the loss's matmul
     output cotangent in f32 (``loss_out`` bytes, a microbatch's logits), stays alive through
@@ -156,7 +158,7 @@ def one_f_one_b_loop(pipe: PipelineNote, act_elems_x4: float, stage_grads: float
         # ``loss_res_ring``, allocated on every device; the slot a backward op reads stands in
         # for the recomputed residuals ``op_peak`` counts.
         throughout += tab.res_ring * kept + tab.loss_res_ring * loss_kept
-        if tab.name in sched.SPLIT:
+        if tab.name in sched.SPLIT and whole_recompute:
             # B holds the forward's saved values (the kept slot, or with ``keep="input"`` the
             # residuals it saves itself) and one layer's share of the rest.
             saved = kept if kept else stage_residuals

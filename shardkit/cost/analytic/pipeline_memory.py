@@ -106,6 +106,17 @@ def n_tensor_stacked(shape, rows: int, k: int, tensor_dims, sizes) -> int:
     return n_tensor_of(shape, rows, tensor_dims, sizes)
 
 
+def whole_recompute(s) -> bool:
+    """Whether the backward op checkpoints its chunk's layer scan whole (a keep policy, or
+    ``keep="input"`` on layers without their own checkpoint): its recompute then materialises
+    every layer's values, stacked, before the first layer's backward; layers that checkpoint
+    themselves recompute one at a time inside the scan."""
+    from jax._src.ad_checkpoint import remat_p
+
+    closed = s.pipe.chunk_backward
+    return closed is not None and any(e.primitive is remat_p for e in closed.jaxpr.eqns)
+
+
 def backward_op_peak(s, rows: int) -> float | None:
     """The liveness peak of one explicit backward op (the pipeline note's ``chunk_backward``:
     the chunk's forward recomputed and its VJP for one microbatch), read with the liveness
