@@ -1,4 +1,5 @@
-"""``sk.attention``'s Pallas flash kernels inside a ``shard_map`` that checks types: a stage of
+"""``sk.attention``'s Pallas flash kernels per device: under a plain ``jit`` (a ``shard_map``
+over the batch and head axes) and inside a ``shard_map`` that checks types: a stage of
 ``sk.pipeline`` (manual over ``pipe``), a DiLoCo replica (manual over ``replica``).
 
 Such a ``shard_map`` types every value by the manual axes it varies over, and a custom VJP must
@@ -11,7 +12,9 @@ custom VJP around that region calls the kernel's own forward and backward rules 
 ``op.bwd`` of its ``jax.custom_vjp``) there, its residuals split like the queries (the
 log-sum-exp's (B, H, T) like their batch and heads), and types the output and the gradients
 as varying over the axes the inputs vary over. The kernels themselves run unchanged: the
-same forward, the same backward from the same residuals, no recomputed forward.
+same forward, the same backward from the same residuals, no recomputed forward. The custom
+VJP keeps the output it returns and the kernel's row statistics under the names
+``sk.LEAN_RESIDUALS`` saves (``kept.py``), so a names policy keeps them too.
 """
 
 from __future__ import annotations
