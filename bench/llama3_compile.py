@@ -180,9 +180,9 @@ def pipeline_job(pl: Pipe, seq: int):
 
     spec, amesh = _mesh(pl.data, pl.context, pipe=16)
     step, state, batch = abstract_step(config(pl.layers, pl.seq or seq, pl.attention), amesh,
-                                       global_batch=pl.m * pl.data, zero=pl.zero, precision="bf16", sequence_parallel=True,
-                                       schedule=pl.schedule, repeats=pl.v, pipeline_microbatches=pl.m,
-                                       target="h100", keep=pl.keep)
+                                       global_batch=pl.m * pl.data, zero=pl.zero, precision="bf16",
+                                       sequence_parallel=True, schedule=pl.schedule, repeats=pl.v,
+                                       pipeline_microbatches=pl.m, target="h100", keep=pl.keep)
     return step, state, batch, spec
 
 
