@@ -40,6 +40,7 @@ from .report import Report, shard_bytes
 from ...mesh import parse_mesh_spec
 from ... import offload
 from ...plan import Plan, detailed_notes
+from ...xla import compiler_options
 from . import targets as targets_lib
 from .child import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
 
@@ -270,6 +271,8 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
         # The branch weights need only these; the rest of the note is not JSON.
         "pipeline": {k: pipe[k] for k in ("schedule", "stages", "microbatches", "repeats", "axis")
                      if k in pipe} if pipe else None,
+        # What the step compiles with on the target's devices (``TrainStep.gpu_memory_fraction``).
+        "compiler_options": compiler_options(tgt.platform, sim.gpu_memory_fraction),
     }
     return _Job(sim, tgt, amesh, abs_state, abs_batch, exported.serialize(), request, t_export)
 
