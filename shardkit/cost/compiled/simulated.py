@@ -297,6 +297,9 @@ def _assemble(job: _Job, out: dict, *, beside: Beside | None) -> Report:
         compiled_on = (f"mesh {axes} of {amesh.size} × {tgt.name}: {compiler}, deviceless in a "
                        "subprocess, abstract inputs")
         notes = [f"compiled by {compiler} for {tgt.name} without the device: " + "; ".join(out["layout"])]
+        if job.request["compiler_options"]:
+            notes.append(f"XLA:GPU recomputes past {sim.gpu_memory_fraction:.0%} of the device (the step's "
+                         f"gpu_memory_fraction: {job.request['compiler_options']})")
         if tgt.platform == "cuda":
             notes.append("XLA:GPU compiled without the device: no autotuning of matmul tiles, no cuDNN "
                          "(fused attention needs the device); its executables have no cost analysis, "
