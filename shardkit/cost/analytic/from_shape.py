@@ -193,11 +193,15 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         else:
             # ``sk.pipeline(keep=)``: every in-flight chunk-microbatch's residuals (the policy's
             # saved set) wait in ``res_ring`` slots, the loss's in ``loss_res_ring``; a backward
-            # op reads its slot and adds one layer's cotangents at a time. A slot never stores
-            # the chunk's input (``keep.Pullbacks``: the op's own inputs are put back), which
-            # "lean" and "dots" count as the first layer's input.
+            # op reads its slot and adds one layer's cotangents at a time. A one-layer chunk's
+            # slot does not store its input (``keep.Pullbacks``: the op's own inputs are put
+            # back), which "lean" and "dots" count as the layer's input; a layer scan's stacked
+            # inputs hold the first layer's too (H100 compiles: 308 MiB a slot of Llama 3 405B's
+            # one-layer chunks, two layers' inputs in a two-layer chunk's).
             layer = activation_bytes(ms, dataclasses.replace(lo, remat=s.recompute), b, T // lo.context, bc)
-            kept = layer * s.L_dev / lo.repeats - (stage_input if s.recompute in ("lean", "dots") else 0.0)
+            chunk_layers = max(s.L_dev // lo.repeats, 1)
+            own_input = stage_input if s.recompute in ("lean", "dots") and chunk_layers == 1 else 0.0
+            kept = layer * chunk_layers - own_input
             act = (table.res_ring * kept + layer + rings
                    + table.loss_res_ring * loss_kept_bytes(ms, lo, b, bc, s.recompute, stage_input))
     elif s.keep:
