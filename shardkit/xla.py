@@ -97,13 +97,13 @@ def compiler_options(platform: str, memory_fraction: float | None = GPU_MEMORY_F
     Raises:
         ValueError: a fraction outside (0, 1].
     """
-    if memory_fraction is None or platform not in ("gpu", "cuda"):
+    if memory_fraction is None:
         return {}
-    if "xla_gpu_memory_limit_slop_factor" in os.environ.get("XLA_FLAGS", ""):
-        return {}  # the user's flag stands (a compile option would override it)
-    if isinstance(memory_fraction, bool) or not 0 < memory_fraction <= 1:
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
         raise ValueError(f"gpu_memory_fraction={memory_fraction!r}: give a fraction of the device in (0, 1] "
                          "(e.g. 0.95, with XLA_PYTHON_CLIENT_MEM_FRACTION=.95), or None for XLA's own limit")
+    if platform not in ("gpu", "cuda") or "xla_gpu_memory_limit_slop_factor" in os.environ.get("XLA_FLAGS", ""):
+        return {}  # no such limit; or the user's flag stands (a compile option would override it)
     # XLA's limit is 80% of the device times the slop factor (in percent).
     return {"xla_gpu_memory_limit_slop_factor": math.ceil(100 * memory_fraction / 0.8)}
 

@@ -73,7 +73,8 @@ def test_gpu_compile_options_raise_xlas_remat_limit_to_the_steps_memory_fraction
     assert 0.8 * options["xla_gpu_memory_limit_slop_factor"] / 100 >= xla.GPU_MEMORY_FRACTION
     assert sk.TrainStep.gpu_memory_fraction == xla.GPU_MEMORY_FRACTION
     assert xla.compiler_options("cpu") == {} == xla.compiler_options("tpu") == xla.compiler_options("gpu", None)
-    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
-        xla.compiler_options("gpu", 1.5)
+    for bad in (1.5, 0, "0.9", True):
+        with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+            xla.compiler_options("cpu", bad)  # checked on every platform
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_memory_limit_slop_factor=300")
     assert xla.compiler_options("gpu") == {}  # the user's flag stands
