@@ -225,7 +225,9 @@ def published_row(key: str, pl: Pipe, r) -> dict:
     run = next(x for x in published.RUNS if x.key == key)
     row = {"key": key, "keep": pl.keep, "pipeline": list(pl[:8]), "seq": run.seq, "published": run.value,
            "attention": "flash_like" if pl.attention == "xla" else pl.attention,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), **_compiled(r)}
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           # What the compile added (TrainStep.gpu_memory_fraction's XLA:GPU remat limit).
+           "compiler_options": sk.xla.compiler_options("gpu"), **_compiled(r)}
     if isinstance(r, Exception):
         return row
     # The memory-bound kernels of one forward and backward: keep="input"'s recomputed forward
