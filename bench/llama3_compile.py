@@ -90,8 +90,9 @@ GRID = ((2, 1), (4, 1), (2, 2), (4, 2), (8, 1))  # (layers, sequences) on tensor
 
 class Pipe(NamedTuple):
     """One pipeline compiled: ``sk.pipeline``'s schedule, microbatches per replica, chunks per
-    stage, layers, the data axis and ZeRO stage, the context axis, ``keep`` and the sequence
-    length (0: ``--seq``)."""
+    stage, layers, the data axis and ZeRO stage, the context axis, ``keep``, the sequence
+    length (0: ``--seq``) and the recipe's ``Config.attention`` (``"xla"`` runs ``flash_like``,
+    ``_use_flash_like``; ``"triton"`` the Pallas Triton kernel)."""
 
     schedule: str
     m: int
@@ -102,6 +103,7 @@ class Pipe(NamedTuple):
     context: int = 1
     keep: str = "input"
     seq: int = 0
+    attention: str = "xla"
 
 
 PIPELINES = (Pipe("interleaved-1f1b", 32, 8), Pipe("interleaved-1f1b", 32, 4), Pipe("interleaved-1f1b", 32, 4, 64),
@@ -113,14 +115,11 @@ PUBLISHED = {"llama3-405b-8k-8192gpu": Pipe("interleaved-1f1b", 32, 8, 128, 64, 
              "llama3-405b-128k-16384gpu": Pipe("interleaved-1f1b", 16, 8, 128, 8, 3, 16, "input", 131072)}
 
 
-ATTENTION = ["xla"]  # the recipe's Config.attention; "xla" runs flash_like (_use_flash_like)
-
-
-def config(layers: int, seq: int, attention: str | None = None, remat: str = "none"):
+def config(layers: int, seq: int, attention: str = "xla", remat: str = "none"):
     from models.transformer.config import Config
 
     return Config(vocab=128256, d_model=16384, layers=layers, heads=128, kv_heads=8, d_ff=53248, seq=seq,
-                  tie_embeddings=False, rope_theta=500000.0, remat=remat, attention=attention or ATTENTION[0])
+                  tie_embeddings=False, rope_theta=500000.0, remat=remat, attention=attention)
 
 
 def flash_like(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, impl="xla", block=512):
@@ -165,11 +164,11 @@ def _mesh(data: int = 1, context: int = 1, pipe: int = 1):
     return spec, sk.cost.abstract_mesh(spec, target="h100", max_devices=65536)
 
 
-def layer_job(layers: int, seqs: int, seq: int, remat: str = "none"):
+def layer_job(layers: int, seqs: int, seq: int, remat: str = "none", attention: str = "xla"):
     from models.transformer.plan import abstract_step
 
     spec, amesh = _mesh()
-    step, state, batch = abstract_step(config(layers, seq, remat=remat), amesh, global_batch=seqs, zero=0, precision="bf16",
+    step, state, batch = abstract_step(config(layers, seq, attention, remat), amesh, global_batch=seqs, zero=0, precision="bf16",
                                        sequence_parallel=True, target="h100")
     return step, state, batch, spec
 
@@ -180,10 +179,10 @@ def pipeline_job(pl: Pipe, seq: int):
     from models.transformer.plan import abstract_step
 
     spec, amesh = _mesh(pl.data, pl.context, pipe=16)
-    step, state, batch = abstract_step(config(pl.layers, pl.seq or seq), amesh, global_batch=pl.m * pl.data,
-                                       zero=pl.zero, precision="bf16", sequence_parallel=True,
-                                       schedule=pl.schedule, repeats=pl.v, pipeline_microbatches=pl.m,
-                                       target="h100", keep=pl.keep)
+    step, state, batch = abstract_step(config(pl.layers, pl.seq or seq, pl.attention), amesh,
+                                       global_batch=pl.m * pl.data, zero=pl.zero, precision="bf16",
+                                       sequence_parallel=True, schedule=pl.schedule, repeats=pl.v,
+                                       pipeline_microbatches=pl.m, target="h100", keep=pl.keep)
     return step, state, batch, spec
 
 
@@ -225,8 +224,10 @@ def published_row(key: str, pl: Pipe, r) -> dict:
 
     run = next(x for x in published.RUNS if x.key == key)
     row = {"key": key, "keep": pl.keep, "pipeline": list(pl[:8]), "seq": run.seq, "published": run.value,
-           "attention": "flash_like" if ATTENTION[0] == "xla" else ATTENTION[0],
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), **_compiled(r)}
+           "attention": "flash_like" if pl.attention == "xla" else pl.attention,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           # What the compile added (TrainStep.gpu_memory_fraction's XLA:GPU remat limit).
+           "compiler_options": sk.xla.compiler_options("gpu"), **_compiled(r)}
     if isinstance(r, Exception):
         return row
     # The memory-bound kernels of one forward and backward: keep="input"'s recomputed forward
@@ -259,17 +260,18 @@ def _published_line(row: dict) -> str:
             f"{row['seconds'].get('compile', 0):.0f} s")
 
 
-def _published_jobs(spec: str) -> list[tuple[str, Pipe]]:
-    """``--published``: ``all`` (every row x every keep) or ``KEY:KEEP,...``."""
+def _published_jobs(spec: str, attention: str = "xla") -> list[tuple[str, Pipe]]:
+    """``--published``: ``all`` (every row x every keep) or ``KEY:KEEP,...``, each with the
+    recipe's ``attention``."""
     if spec == "all":
-        return [(k, pl._replace(keep=keep)) for k, pl in PUBLISHED.items() for keep in KEEPS]
+        return [(k, pl._replace(keep=keep, attention=attention)) for k, pl in PUBLISHED.items() for keep in KEEPS]
     out = []
     for item in spec.split(","):
         key, _, keep = item.partition(":")
         if key not in PUBLISHED or keep not in KEEPS:
             raise SystemExit(f"--published {item!r}: want KEY:KEEP, KEY one of {sorted(PUBLISHED)}, "
                              f"KEEP one of {KEEPS}")
-        out.append((key, PUBLISHED[key]._replace(keep=keep)))
+        out.append((key, PUBLISHED[key]._replace(keep=keep, attention=attention)))
     return out
 
 
@@ -279,7 +281,8 @@ def layer_remat(a) -> dict:
     flops run per layer and sequence (what a pipeline's in-flight chunk-microbatch of one layer
     keeps under the ``keep`` of the same policy, and what its backward recomputes)."""
     remats, grid = a.layer_remat.split(","), GRID[:4]
-    jobs = [layer_job(L, n, a.seq, r) for r in remats for L, n in grid]
+    attention = _attention(a)
+    jobs = [layer_job(L, n, a.seq, r, attention) for r in remats for L, n in grid]
     reports = iter(sk.cost.simulate_many(jobs, target="h100", timeout=a.timeout))
     model = cost.model_shape(config(1, a.seq))  # one layer's weights (norms' scales: 2 x d of 0.9 G)
     out = json.load(open(a.json)) if os.path.exists(a.json) else {}
@@ -307,25 +310,31 @@ def layer_remat(a) -> dict:
     return out
 
 
+def _attention(a) -> str:
+    """The recipe's ``Config.attention`` for ``--attention`` (``flash_like`` patched in for "xla")."""
+    if a.attention == "triton":
+        return "triton"
+    _use_flash_like()
+    return "xla"
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    if a.attention == "triton":
-        ATTENTION[0] = "triton"
-    else:
-        _use_flash_like()
     grid, pipes, pubs = [], [], []
     if a.layer_remat:
         return layer_remat(a)
+    attention = _attention(a)
     if a.pipeline:
         schedule, *rest = a.pipeline.split(",")
         nums, keep = (rest[:-1], rest[-1]) if len(rest) == 7 else (rest, "input")
         pipes = [Pipe(schedule, *map(int, nums), keep=keep)]
     elif a.published:
-        pubs = _published_jobs(a.published)
+        pubs = _published_jobs(a.published, attention)
     else:
-        grid, pipes, pubs = list(GRID), list(PIPELINES), _published_jobs("all")
+        grid, pipes, pubs = list(GRID), list(PIPELINES), _published_jobs("all", attention)
+    pipes = [pl._replace(attention=attention) for pl in pipes]
     t0 = time.perf_counter()
-    jobs = [layer_job(L, n, a.seq) for L, n in grid]
+    jobs = [layer_job(L, n, a.seq, attention=attention) for L, n in grid]
     jobs += [pipeline_job(pl, a.seq) for pl in pipes] + [pipeline_job(pl, a.seq) for _, pl in pubs]
     reports = sk.cost.simulate_many(jobs, target="h100", timeout=a.timeout)
     # A partial run (--pipeline, --published) replaces its own rows of the JSON and keeps the rest.

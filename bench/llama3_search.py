@@ -4,8 +4,11 @@ in-flight pipeline microbatch keeps (``Layout.keep``) for the paper's rows (8K o
 
 The model is ``published.model`` of the paper's rows at 128 layers, the recipe's depth
 (``bench/llama3_compile.py``: the paper's 126 layers sit in 128 pipeline slots, and the search
-takes pipeline sizes that divide the layers); global batch 16M tokens; H100 80 GB at the
-search's default limit (90% of it). Three searches per row: the paper's family (pipe 16 ×
+takes pipeline sizes that divide the layers), its loss in chunks of 512 positions as the recipe
+runs it (``models.transformer.model.loss_chunk``); global batch 16M tokens; the memory limit is
+the H100's 79.1 GiB as XLA:GPU's deviceless target reports it (``device_memory_size``: what
+``bench/llama3_compile.py`` calls "fits"), not the search's default 90% of the hardware table's
+80 GB (67.1 GiB), so that a search and a compile judge fitting alike. Three searches per row: the paper's family (pipe 16 ×
 tensor 8 with sequence parallelism, ZeRO-3 over data, 1F1B or interleaved 1F1B: the search picks
 the data/context split, microbatches, chunks, remat and ``keep``), the same without a memory
 limit, and the whole space. Nothing is compiled (``bench/llama3_compile.py --published`` compiles the paper's
@@ -39,8 +42,12 @@ def search(key: str, top: int = 3, **options):
 
     import shardkit as sk
 
+    from shardkit.cost.compiled.targets import get
+
     run = next(r for r in published.RUNS if r.key == key)
-    ms = published.model(dataclasses.replace(run, layers=run.layer_slots))
+    # The recipe's loss at Llama 3's vocabulary: chunks of 512 (a sequence's f32 logits pass 64 MiB).
+    ms = dataclasses.replace(published.model(dataclasses.replace(run, layers=run.layer_slots)), loss_chunk=512)
+    options.setdefault("memory_limit", get("h100").memory_bytes())
     return sk.search(ms, run.devices, "h100", global_batch=run.global_batch, target="h100", top=top, **options)
 
 

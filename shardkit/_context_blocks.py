@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from ._branches import even_switch, ppermute
 from ._opaque import opaque
 from ._vma import vary_like
+from .kernels.kept import kept_output, kept_stats
 from .mesh import block_shard_map
 
 F32 = jnp.float32
@@ -327,11 +328,16 @@ def sharded(cfg: _Config) -> Callable:
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0].astype(q.dtype)
+        return kept_output(forward(q, k, v, seg)[0].astype(q.dtype))
 
+    # The residuals are the combined output returned (q's dtype, not the ring's float32
+    # accumulator) and the row's log-sum-exp, named: a names policy keeps them (one buffer
+    # for this backward and the caller's next matmul) and the backward never reruns the ring's
+    # forward (kernels/kept.py).
     def fwd(q, k, v, seg):
         out, lse = forward(q, k, v, seg)
-        return out.astype(q.dtype), (q, k, v, seg, out, lse)
+        out = kept_output(out.astype(q.dtype))
+        return out, (q, k, v, seg, out, kept_stats(lse))
 
     def bwd(res, dout):
         q, k, v, seg, out, lse = res

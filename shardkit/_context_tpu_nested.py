@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._context_blocks import F32, _NEG, _Config, _mask, _online, _split_heads
 from ._vma import vary_like
+from .kernels.kept import kept_output, kept_stats
 
 
 def all_positions(cfg: _Config, Tl: int) -> np.ndarray:
@@ -69,16 +70,17 @@ def compiler_blockwise(cfg: _Config, q, k, v, seg):
 
     @jax.custom_vjp
     def attend(q, k, v, seg):
-        return forward(q, k, v, seg)[0].reshape(B, T, Hq, Dh).astype(q.dtype)
+        return kept_output(forward(q, k, v, seg)[0].reshape(B, T, Hq, Dh).astype(q.dtype))
 
-    def fwd(q, k, v, seg):
+    def fwd(q, k, v, seg):  # the output returned and the log-sum-exp kept, named (kernels/kept.py)
         out5, lse = forward(q, k, v, seg)
-        return out5.reshape(B, T, Hq, Dh).astype(q.dtype), (q, k, v, seg, out5, lse)
+        out = kept_output(out5.reshape(B, T, Hq, Dh).astype(q.dtype))
+        return out, (q, k, v, seg, out, kept_stats(lse))
 
     def bwd(res, dout):
-        q, k, v, seg, out5, lse = res
+        q, k, v, seg, out, lse = res
         q5, do5, pos = keep(_split_heads(q, Hkv)), keep(_split_heads(dout, Hkv)), positions()
-        delta = jnp.sum(do5.astype(F32) * out5, axis=-1)
+        delta = jnp.sum(do5.astype(F32) * keep(_split_heads(out, Hkv)).astype(F32), axis=-1)
 
         def step(dq, x):
             kb, vb = x[0], x[1]

@@ -28,6 +28,7 @@ from .diloco import DiLoCo, DiLoCoStep
 from .plan import ParamLayout, Plan, collecting_notes
 from .precision import LossScale, cast_floats, cast_input
 from .rules import ShardingError, spec_axes
+from .xla import GPU_MEMORY_FRACTION, compiler_options, target_platform
 
 
 @struct.dataclass
@@ -86,7 +87,15 @@ class NonFiniteError(FloatingPointError):
 
 
 class TrainStep:
-    """The object ``@sk.train_step`` returns: ``init``, ``__call__``, ``lower``, ``explain``."""
+    """The object ``@sk.train_step`` returns: ``init``, ``__call__``, ``lower``, ``explain``.
+
+    ``gpu_memory_fraction`` (default ``sk.xla.GPU_MEMORY_FRACTION``, 0.95): the share of a GPU
+    XLA:GPU may plan the step for before it recomputes values (``xla.compiler_options``; its
+    own limit is ~76% of the device), on the GPU and in GPU-target compiles (``explain``,
+    ``sk.cost.simulate``, ``sk.search(verify=)``); set it on the step before it compiles,
+    ``None`` for XLA's limit. Run with ``XLA_PYTHON_CLIENT_MEM_FRACTION`` at least as large."""
+
+    gpu_memory_fraction: float | None = GPU_MEMORY_FRACTION
 
     def __init__(self, fn: Callable, plan: Plan, optimizer: optax.GradientTransformation, *,
                  microbatches: int = 1, clip_norm: float | None = None,
@@ -337,7 +346,8 @@ class TrainStep:
             self._jitted[key] = jax.jit(
                 self._step, in_shardings=(state_sh, batch_shardings),
                 out_shardings=(state_sh, self.plan.sharding(P())),
-                donate_argnums=(0,) if self.donate else ())
+                donate_argnums=(0,) if self.donate else (),
+                compiler_options=compiler_options(target_platform(), self.gpu_memory_fraction) or None)
         return self._jitted[key]
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:

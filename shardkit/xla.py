@@ -3,6 +3,7 @@ the program being traced compiles for (what platform-gated code paths ask)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -74,6 +75,37 @@ def xla_flags(platform: str = "gpu", *, apply: bool = True) -> list[str]:
     added = [f for f in flags if f.lstrip("-").split("=", 1)[0] not in present]
     os.environ["XLA_FLAGS"] = " ".join(current + added)
     return flags
+
+
+# XLA:GPU recomputes values, matmuls included, wherever a program's peak passes its scheduler
+# memory limit: (80% of the device less the program's arguments and outputs) x a slop factor of
+# 95% (``GetSchedulerMemoryLimit``, xla/service/gpu/gpu_hlo_schedule.cc) — about 60 GiB of an
+# H100's 79.1, so a program that fits is still recomputed: Llama 3 405B with keep="lean" on 16,384
+# H100s compiles to 1.17x the model's matmul flops at 67.5 GiB, 1.07x with the limit raised
+# (BENCHMARKS.md). The fraction of the device shardkit lets it plan for instead; JAX's allocator
+# needs the same share (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 by default).
+GPU_MEMORY_FRACTION = 0.95
+
+
+def compiler_options(platform: str, memory_fraction: float | None = GPU_MEMORY_FRACTION) -> dict:
+    """The XLA compile options shardkit's steps compile with on ``platform`` (``"gpu"`` or
+    ``"cuda"``; none elsewhere): XLA:GPU's scheduling and rematerialization limit raised from
+    76% of the device to ``memory_fraction`` of it (less the program's arguments and outputs),
+    so XLA recomputes only what does not fit that share. ``None`` keeps XLA's own limit, and so
+    does ``--xla_gpu_memory_limit_slop_factor`` in ``XLA_FLAGS`` (the user's choice wins).
+
+    Raises:
+        ValueError: a fraction outside (0, 1].
+    """
+    if memory_fraction is None:
+        return {}
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
+        raise ValueError(f"gpu_memory_fraction={memory_fraction!r}: give a fraction of the device in (0, 1] "
+                         "(e.g. 0.95, with XLA_PYTHON_CLIENT_MEM_FRACTION=.95), or None for XLA's own limit")
+    if platform not in ("gpu", "cuda") or "xla_gpu_memory_limit_slop_factor" in os.environ.get("XLA_FLAGS", ""):
+        return {}  # no such limit; or the user's flag stands (a compile option would override it)
+    # XLA's limit is 80% of the device times the slop factor (in percent).
+    return {"xla_gpu_memory_limit_slop_factor": math.ceil(100 * memory_fraction / 0.8)}
 
 
 def target_platform() -> str:

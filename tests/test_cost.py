@@ -137,7 +137,9 @@ def test_search_keeps_residuals_where_memory_allows():
     under a memory limit that only the stage inputs fit."""
     from shardkit.pipeline.keep import KEEP
 
-    ests = {k: cost.estimate("1b", cost.Layout(data=2, pipe=4, microbatches=8, schedule="1f1b", keep=k), "h100",
+    # The loss in chunks, as the recipe runs it at this vocabulary: every keep stores its input.
+    chunked = dataclasses.replace(cost.model_shape("1b"), loss_chunk=512)
+    ests = {k: cost.estimate(chunked, cost.Layout(data=2, pipe=4, microbatches=8, schedule="1f1b", keep=k), "h100",
                              global_batch=16) for k in KEEP}
     assert ests["all"].flops == pytest.approx(0.75 * ests["input"].flops)
     assert ests["all"].step_time < ests["dots"].step_time < ests["input"].step_time
@@ -146,12 +148,17 @@ def test_search_keeps_residuals_where_memory_allows():
     # output kept, so all's flops and step at little more than dots' memory; it ranks first.
     assert ests["lean"].flops == ests["all"].flops and ests["lean"].step_time == ests["all"].step_time
     assert ests["dots"].memory["peak"] < ests["lean"].memory["peak"] < ests["all"].memory["peak"]
+    # A plain loss's slot: "lean" names nothing in the loss and stores its input; "dots" stores the
+    # f32 logits (keep.Kept.loss_shapes: the policy's set or the loss's own, the smaller).
+    plain = {k: cost.estimate("1b", cost.Layout(data=2, pipe=4, microbatches=8, schedule="1f1b", keep=k), "h100",
+                              global_batch=16).memory["activations"] for k in ("dots", "lean")}
+    assert plain["lean"] < plain["dots"]
     opts = dict(global_batch=16, pipe=(4,), tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(8,), remat=("none",),
                 schedules=("1f1b",))
-    roomy = sk.search("1b", 8, "h100", memory_limit=1e15, **opts)
+    roomy = sk.search(chunked, 8, "h100", memory_limit=1e15, **opts)
     assert [r["keep"] for r in roomy.rows] == ["lean", "all", "dots", "input"]
     assert "keep=all" in str(roomy)  # the table's pipeline column says what is kept
-    tight = sk.search("1b", 8, "h100", memory_limit=(ests["input"].memory["peak"] + ests["dots"].memory["peak"]) / 2,
+    tight = sk.search(chunked, 8, "h100", memory_limit=(ests["input"].memory["peak"] + ests["dots"].memory["peak"]) / 2,
                       **opts)
     assert tight.best.layout.keep == "input" and tight.best.fits and not any(r["fits"] for r in tight.rows[1:])
 

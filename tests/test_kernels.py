@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,24 +72,20 @@ def test_attention_in_batch_and_head_split_layouts(mesh, spec):
 def test_the_pallas_kernels_run_per_device_in_a_plan(monkeypatch):
     """The Triton kernel's shard_map (interpreted on CPU): each device attends its batch and
     head shard; kv heads repeated for GQA; the plan's logical axes pick the split."""
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
     q, k, v, dout = _qkv(B=4, T=128, H=4, K=2, Q=16)
     want = _jitted_value_and_grads(reference_attention, q, k, v, dout, causal=True)
-    monkeypatch.setattr(attention_mod, "_triton", lambda q, k, v, causal, scale: gpu_attention.mha(
-        q, k, v, None, sm_scale=scale, causal=causal, interpret=True,
-        block_sizes=gpu_attention.BlockSizes(64, 64, 32, 32, 32, 32)))
+    monkeypatch.setattr(attention_mod, "_INTERPRET", True)
     mesh = sk.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
     plan = sk.Plan(mesh, rules=sk.PathRules([(r".*", ())]),
                    axis_rules=sk.AxisRules({"batch": "data", "heads": "tensor"}))
     seen = []
-    real = attention_mod._per_device
+    real = attention_mod._spec
 
-    def spy(kernel, q, k, v, spec):
-        seen.append(attention_mod._spec(q, jax.sharding.get_abstract_mesh(), ("data", "tensor")))
-        return real(kernel, q, k, v, spec)
+    def spy(q, mesh, free):
+        seen.append(real(q, mesh, free))
+        return seen[-1]
 
-    monkeypatch.setattr(attention_mod, "_per_device", spy)
+    monkeypatch.setattr(attention_mod, "_spec", spy)
 
     def run(q, k, v, dout):
         with plan.active():
@@ -194,6 +191,77 @@ def test_a_flash_kernel_in_a_zero_bubble_stage_with_kept_residuals(monkeypatch):
         layer("triton"), p, x, microbatches=2, schedule="zb-h1", keep="dots", mesh=mesh,
         loss_fn=lambda _, y, t: loss(y), loss_params={}, targets=jnp.zeros((4,)))))(params)
     _close(got, want, tol=1e-4)
+
+
+def _dots(jaxpr) -> int:
+    """dot_generals in ``jaxpr`` and every jaxpr nested in it (each equation once)."""
+    return sum((e.primitive.name == "dot_general") + sum(_dots(j) for j in jax.extend.core.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)
+
+
+_LEAN_PATHS = {  # mesh, how the layer's attention runs on it
+    "triton": ("data=2", lambda q, k, v: sk.attention(q, k, v, causal=True, implementation="triton")),
+    "triton-in-a-stage": ("pipe=2", lambda q, k, v: sk.attention(q, k, v, causal=True, implementation="triton")),
+    "blockwise": ("data=2", functools.partial(sk.attention, causal=True, implementation="blockwise", block=8)),
+    "ring": ("data=2,context=2", lambda q, k, v: sk.context_attention(
+        q, k, v, causal=True, order="zigzag", implementation="triton")),
+}
+
+
+@pytest.mark.parametrize("path", list(_LEAN_PATHS))
+def test_lean_keeps_the_flash_kernels_output_and_log_sum_exp(monkeypatch, path):
+    """remat / keep "lean" (``sk.lean_policy``): a layer's backward reads the flash kernel's
+    output and log-sum-exp as kept, and never runs the kernel's forward again (its custom
+    VJP's residuals are named ``attention_out``, ``attention_lse``; unnamed, the policy
+    recomputed them, and the kernel's forward with them, in the backward): the grad program
+    holds as many matmuls as the one that recomputes nothing, the layer keeps q, k, v, one
+    output (the kernel's residual and the next matmul's input are one buffer) and the
+    log-sum-exp, and gradients equal full recompute's (keep "input"). The single-device
+    kernel (the Triton stand-in of the tests above), the same in a pipeline stage's manual
+    region, the blockwise form, and the context ring with a kernel per step."""
+    from jax.ad_checkpoint import checkpoint_name
+    from jax._src.ad_checkpoint import saved_residuals
+
+    monkeypatch.setattr(attention_mod, "_rules",
+                        lambda impl, q, causal, scale, kv_len=None: _kernel_like(causal, scale))
+    spec, attend = _LEAN_PATHS[path]
+    mesh = sk.make_mesh(spec, devices=jax.devices()[:2 * spec.count(",") + 2])
+    B, T, H, Q = 2, 16, 2, 8
+    ks = jax.random.split(jax.random.key(3), 4)
+    w = {n: jax.random.normal(k, (H * Q, H * Q)) / np.sqrt(H * Q) for n, k in zip("qkvo", ks)}
+    x = jax.random.normal(jax.random.key(4), (B, T, H * Q))
+
+    def layer(w, x):
+        q, k, v = (checkpoint_name((x @ w[n]).reshape(B, T, H, Q), f"attention_{n}") for n in "qkv")
+        return jnp.sum(attend(q, k, v).reshape(B, T, H * Q) @ w["o"])  # linear: keeps no product
+
+    saved = []
+    if path == "triton-in-a-stage":  # a stage's region: manual over pipe, types checked
+        inner = layer
+
+        def stage(w, x):
+            saved.append(saved_residuals(jax.checkpoint(inner, policy=sk.lean_policy()), w, x))
+            return inner(w, x)[None]
+
+        layer = lambda w, x: jax.shard_map(  # noqa: E731
+            stage, in_specs=(P(), P("pipe")), out_specs=P("pipe"), axis_names={"pipe"},
+            check_vma=True)(w, jnp.concatenate([x, x]))[0]
+    plan = sk.Plan(mesh, rules=[(r".*", ())], axis_rules=sk.AxisRules(
+        {"batch": "data" if "data" in spec else None, "heads": None}))
+
+    def grads(policy):
+        fn = layer if policy == "none" else jax.checkpoint(layer, policy=policy)
+        return jax.grad(fn, argnums=(0, 1))
+
+    with jax.set_mesh(mesh), plan.active():
+        lean = sk.lean_policy()
+        dots = {p: _dots(jax.make_jaxpr(grads(p))(w, x).jaxpr) for p in ("none", lean)}
+        assert dots[lean] == dots["none"], dots  # before: the kernel's forward matmuls again
+        saved = saved[0] if saved else saved_residuals(jax.checkpoint(layer, policy=lean), w, x)
+        named = sorted(s.split("'")[1] for _, s in saved if s.startswith("named"))
+        assert named == sorted(["attention_q", "attention_k", "attention_v", "attention_out", "attention_lse"]), saved
+        got, want = jax.jit(lambda w, x: (grads(lean)(w, x), grads(None)(w, x)))(w, x)
+    _close(got, want, tol=1e-6)
 
 
 def test_each_platform_gets_its_kernel_and_a_fallback_says_why():

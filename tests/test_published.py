@@ -224,24 +224,32 @@ def test_xla_activation_count_follows_the_recipes_residuals():
 
 
 # XLA:GPU's H100 peaks (GiB per device) of Llama 3 405B's widths through sk.pipeline, 128
-# layers, TP8 + SP, one 8K sequence per microbatch (bench/llama3_compile.py, its JSON):
-# (schedule, microbatches, chunks, layers, data, zero) -> compiled peak.
+# layers, TP8 + SP, one 8K sequence per microbatch (131,072 tokens over context 16 at 128K),
+# recompiled 2026-11-28 on the executor that holds its f32 accumulators once
+# (bench/llama3_compile.py --pipeline / --published; lean with XLA's remat limit raised):
+# (schedule, microbatches, chunks, layers, data, zero, context, keep) -> compiled peak.
 LLAMA3_PIPELINE_COMPILES = {
-    ("interleaved-1f1b", 32, 8, 128, 1, 0): 84.41, ("interleaved-1f1b", 32, 4, 128, 1, 0): 83.72,
-    ("interleaved-1f1b", 32, 4, 64, 1, 0): 50.49, ("1f1b", 32, 1, 128, 1, 0): 82.35,
-    ("interleaved-1f1b", 32, 8, 128, 64, 3): 44.13, ("interleaved-1f1b", 16, 8, 128, 128, 3): 40.65,
+    ("interleaved-1f1b", 32, 8, 128, 1, 0, 1, "input"): 72.31, ("interleaved-1f1b", 32, 4, 128, 1, 0, 1, "input"): 75.09,
+    ("interleaved-1f1b", 32, 4, 64, 1, 0, 1, "input"): 44.06, ("1f1b", 32, 1, 128, 1, 0, 1, "input"): 84.45,
+    ("interleaved-1f1b", 32, 8, 128, 64, 3, 1, "input"): 32.06, ("interleaved-1f1b", 16, 8, 128, 128, 3, 1, "input"): 29.57,
+    ("interleaved-1f1b", 16, 8, 128, 8, 3, 16, "input"): 34.21,
+    ("interleaved-1f1b", 32, 8, 128, 64, 3, 1, "lean"): 74.95, ("interleaved-1f1b", 16, 8, 128, 128, 3, 1, "lean"): 68.27,
+    ("interleaved-1f1b", 16, 8, 128, 8, 3, 16, "lean"): 73.19,
 }
 
 
 @pytest.mark.parametrize("key", list(LLAMA3_PIPELINE_COMPILES))
-def test_explicit_pipeline_peak_within_10pct_of_the_h100_compile(key):
+def test_explicit_pipeline_peak_within_5pct_of_the_h100_compile(key):
     """The analytic peak of sk.pipeline's explicit schedules on the Llama 3 405B layouts, up to
     16,384 GPUs, against the compiles (before the fixes they led to: 1.63x at pipe=16 x tensor=8;
-    then 0.69x at x data=64 ZeRO-3)."""
-    schedule, m, v, layers, data, zero = key
-    cfg = dict(vocab=128256, d_model=16384, layers=layers, heads=128, kv_heads=8, d_ff=53248, seq=8192, tie=False)
+    then 0.69x at x data=64 ZeRO-3; [issue 37] once the executor held its accumulators once,
+    1.13-1.47x: the accumulators and the stage weights counted twice, every loss slot the loss's
+    working bytes)."""
+    schedule, m, v, layers, data, zero, context, keep = key
+    cfg = dict(vocab=128256, d_model=16384, layers=layers, heads=128, kv_heads=8, d_ff=53248, seq=8192 * context,
+               tie=False, loss_chunk=-1)  # the recipe's loss: chunks of 512
     ms = dataclasses.replace(cost.model_shape(cfg), activations="xla")
     lo = cost.Layout(pipe=16, data=data, tensor=8, zero=zero, microbatches=m, schedule=schedule, repeats=v,
-                     sequence_parallel=True)
+                     sequence_parallel=True, context=context, keep=keep)
     peak = cost.estimate(ms, lo, "h100", global_batch=m * data, precision="bf16").memory["peak"] / 2**30
-    assert peak == pytest.approx(LLAMA3_PIPELINE_COMPILES[key], rel=0.10)
+    assert peak == pytest.approx(LLAMA3_PIPELINE_COMPILES[key], rel=0.05)

@@ -171,12 +171,16 @@ def test_search_verify_compiles_each_keep_through_the_recipe_builder():
     from models.transformer.plan import builder
 
     cfg = SIZES["test"].replace(layers=4)
-    res = sk.search(cfg, 8, "h100", global_batch=16, verify=2, build=builder(cfg, global_batch=16),
+    res = sk.search(cfg, 8, "h100", global_batch=16, verify=3, build=builder(cfg, global_batch=16), target="h100",
                     memory_limit=1e12, pipe=(2,), tensor=(1,), fsdp=(1,), zero=(0,), microbatches=(4,),
-                    remat=("none",), schedules=("1f1b",), keep=("input", "all"), sequence_parallel=(False,))
-    peaks = {e.layout.keep: v.peak for e, v in zip(res.estimates, res.verified) if v is not None and not v.error}
-    assert set(peaks) == {"input", "all"} and peaks["all"] > peaks["input"], (peaks, res.verified)
-    assert {r["keep"] for r in res.rows} == {"input", "all"}
+                    remat=("none",), schedules=("1f1b",), keep=("input", "all", "lean"), sequence_parallel=(False,))
+    checked = {e.layout.keep: v for e, v in zip(res.estimates, res.verified) if v is not None and not v.error}
+    peaks = {k: v.peak for k, v in checked.items()}
+    assert set(peaks) == {"input", "all", "lean"} and peaks["input"] < peaks["lean"] < peaks["all"], (
+        peaks, res.verified)
+    assert {r["keep"] for r in res.rows} == {"input", "all", "lean"}
+    # Compiled as the step runs on an H100: XLA:GPU's recompute limit at the step's share of it.
+    assert all("recomputes past 95% of the device" in " ".join(v.report.notes) for v in checked.values())
 
 
 @pytest.mark.slow

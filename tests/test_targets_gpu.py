@@ -135,3 +135,45 @@ def test_kept_residuals_hold_their_memory_formula_on_h100():
     schedules = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 1))
     ratios = schedule_memory_ratios("h100", schedules, keeps=("input", "dots", "all", "lean"), remat="none")
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+# The program of test_xla_gpu_honours_the_remat_limit_option: five MLP layers' backward (8,192 x
+# 1,024 bf16, 4,096 wide) on one H100 shrunk to 1.6 GiB; it needs 1,040 MiB of temporaries
+# unrecomputed, past XLA:GPU's own limit (~76% of the device less the arguments and outputs),
+# within shardkit's 95%.
+_REMAT_LIMIT = """
+import re, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from shardkit import xla
+from shardkit.cost.compiled.targets import get
+spec = re.sub(r"device_memory_size:\\s*\\d+", "device_memory_size: 1717986918", get("h100").gpu_config())
+topo = topologies.get_topology_desc(platform="cuda", target_config=spec, topology="1x1x1")
+sh = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), P())
+def loss(ws, x):
+    for w1, w2 in ws:
+        x = x + jnp.dot(jax.nn.gelu(jnp.dot(x, w1)), w2)
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+arg = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh)
+low = jax.jit(jax.grad(loss)).lower([(arg(1024, 4096), arg(4096, 1024)) for _ in range(5)], arg(8192, 1024))
+for options in (None, xla.compiler_options("gpu")):
+    c = low.compile(options)
+    print(c.memory_analysis().temp_size_in_bytes, c.as_text().count(".remat"))
+"""
+
+
+@pytest.mark.extended  # the default lane checks the options themselves (tests/test_xla.py)
+def test_xla_gpu_honours_the_remat_limit_option():
+    """Issue 37: ``compile(compiler_options=xla.compiler_options("gpu"))`` reaches XLA:GPU's
+    scheduler in a deviceless compile: where its own limit recomputes, shardkit's keeps every
+    value (no ``.remat`` instruction) and the program still fits the device."""
+    import subprocess
+    import sys
+
+    require("h100")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = subprocess.run([sys.executable, "-c", _REMAT_LIMIT], env=env, capture_output=True, text=True, check=True)
+    (default, default_remat), (raised, raised_remat) = [map(int, line.split()) for line in out.stdout.split("\n")[:2]]
+    assert default_remat > 0 and raised_remat == 0
+    assert default < 1040 * 2**20 <= raised < 1717986918  # recomputed; whole, within the device

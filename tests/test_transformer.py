@@ -140,7 +140,8 @@ def test_scan_matches_python_loop_and_remat():
     layer, params = lean.layer_fn(CFG.seq), jax.tree.map(lambda a: a[0], nnx.state(lean.blocks))
     saved = saved_residuals(layer, params, lean.embed_tokens(x))
     named = sorted(w.split("'")[1] for _, w in saved if w.startswith("named"))
-    assert named == sorted(set(sk.LEAN_RESIDUALS) - {"layer_input"}), saved  # that one sk.pipeline names
+    # "layer_input" sk.pipeline names; "attention_lse" a flash kernel (CPU runs the reference)
+    assert named == sorted(set(sk.LEAN_RESIDUALS) - {"layer_input", "attention_lse"}), saved
     assert not [w for _, w in saved if not w.startswith(("named", "from the argument", "from a constant"))], saved
 
 

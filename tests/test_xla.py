@@ -59,3 +59,22 @@ def test_every_gpu_flag_is_known_to_the_installed_xla():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2.0", str(len(xla.GPU_FLAGS))]
+
+
+def test_gpu_compile_options_raise_xlas_remat_limit_to_the_steps_memory_fraction(monkeypatch):
+    """Issue 37: XLA:GPU recomputes past ~76% of the device (80% x its 95% slop factor), so the
+    Llama 3 405B keep="lean" programs that fit an H100 ran 1.17x the model's matmuls; a step
+    compiles for a GPU with the limit at ``gpu_memory_fraction`` of the device (the deviceless
+    compile honours it: ``tests/test_targets_gpu.py::test_xla_gpu_honours_the_remat_limit_option``),
+    unless the user set the flag."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    options = xla.compiler_options("gpu")
+    assert options == {"xla_gpu_memory_limit_slop_factor": 119} == xla.compiler_options("cuda", 0.95)
+    assert 0.8 * options["xla_gpu_memory_limit_slop_factor"] / 100 >= xla.GPU_MEMORY_FRACTION
+    assert sk.TrainStep.gpu_memory_fraction == xla.GPU_MEMORY_FRACTION
+    assert xla.compiler_options("cpu") == {} == xla.compiler_options("tpu") == xla.compiler_options("gpu", None)
+    for bad in (1.5, 0, "0.9", True):
+        with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+            xla.compiler_options("cpu", bad)  # checked on every platform
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_memory_limit_slop_factor=300")
+    assert xla.compiler_options("gpu") == {}  # the user's flag stands

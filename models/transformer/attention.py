@@ -68,7 +68,9 @@ class Attention(nnx.Module):
                                              strategy=self.context_strategy)
         else:
             o_BxTxHxQ = causal_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, self.attention)
-        o_BxTxHxQ = checkpoint_name(constrain(o_BxTxHxQ, ("batch", "context", "heads", None)), "attention_out")
+        # Named "attention_out" by the attention that computed it (sk.attention's and
+        # sk.context_attention's kernels keep that same value for their backward): not again.
+        o_BxTxHxQ = constrain(o_BxTxHxQ, ("batch", "context", "heads", None))
         return gather_output_gradient(self.dots("o", "bthq,hqd->btd", o_BxTxHxQ, self.o[...]))
 
 
@@ -99,14 +101,15 @@ def causal_attention(q_BxTxHxQ: jax.Array, k_BxTxKxQ: jax.Array, v_BxTxKxQ: jax.
                      impl: str = "reference") -> jax.Array:
     """Causal softmax attention with grouped-query heads (H a multiple of K), scaled by
     1/sqrt(Q); ``impl`` a ``Config.attention`` choice (``"auto"`` as ``attention_impl``
-    says). Result (B, T, H, Q) in the inputs' dtype."""
+    says). Result (B, T, H, Q) in the inputs' dtype, named ``"attention_out"``."""
     if impl == "auto" and sk.target_platform() == "cpu":
         impl = "reference"
+    # Result named "attention_out" (sk.LEAN_RESIDUALS), as sk.attention names its kernels'.
     if impl == "reference":
-        return reference_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ)
+        return checkpoint_name(reference_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ), "attention_out")
     if impl == "xla":  # XLA's masks the (T, T) scores like the reference
-        return jax.nn.dot_product_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, is_causal=True,
-                                            implementation="xla")
+        return checkpoint_name(jax.nn.dot_product_attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, is_causal=True,
+                                                            implementation="xla"), "attention_out")
     # The flash kernels (and "auto": sk.attention picks, and says why when it falls back).
     return sk.attention(q_BxTxHxQ, k_BxTxKxQ, v_BxTxKxQ, causal=True, implementation=impl)
 

@@ -30,6 +30,7 @@ from ..plan import active_plan, note
 from ..rules import ShardingError
 from ..xla import target_platform
 from .blockwise import blockwise_attention, reference_attention
+from .kept import kept_output
 
 IMPLEMENTATIONS = ("auto", "cudnn", "triton", "mosaic", "blockwise", "reference")
 _BLOCK = 128  # the Pallas kernels' sequence block (both default to 128)
@@ -122,7 +123,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window:
         block: the blockwise form's key/value block.
 
     Returns:
-        (B, T, H, Q) in q's dtype.
+        (B, T, H, Q) in q's dtype, named ``"attention_out"`` (``kept.py``; a flash kernel's
+        log-sum-exp ``"attention_lse"``): ``sk.LEAN_RESIDUALS`` keeps it, and the kernel's
+        backward reads that same value, never running its forward again. Name it no further.
 
     Raises:
         ValueError: mismatched shapes, an unknown implementation, a window < 1.
@@ -138,39 +141,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, window:
     note("attention", {"implementation": choice.implementation, "fallback": choice.reason})
     impl = choice.implementation
     if impl == "reference":
-        return reference_attention(q, k, v, causal=causal, window=window, scale=scale)
-    if impl == "blockwise":
+        return kept_output(reference_attention(q, k, v, causal=causal, window=window, scale=scale))
+    if impl == "blockwise":  # names its output and log-sum-exp itself
         return blockwise_attention(q, k, v, causal=causal, window=window, scale=scale, block=block)
     if impl == "cudnn":
+        # jax's own custom VJP: its residuals carry no name, so under a names policy its
+        # forward runs again in the backward (on a real GPU only; deviceless compiles take Triton).
         local = None if window is None else (window - 1, 0 if causal else window - 1)
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
-                                            local_window_size=local, implementation="cudnn")
+        return kept_output(jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                                        local_window_size=local, implementation="cudnn"))
     if window is not None:
         raise ValueError(f"sk.attention: implementation={impl!r} has no sliding window; use "
                          "'auto' (falls back to the blockwise form) or 'blockwise'")
-    if _manual_axes():
-        # Inside sk.pipeline's or DiLoCo's shard_map: the kernel's own rules, typed for it.
-        from .manual_flash import flash_in_manual_region
+    # Per device (a shard_map over the batch and head axes, inside sk.pipeline's or DiLoCo's
+    # manual region too), with the residuals a names policy keeps (manual_flash.py).
+    from .manual_flash import flash_call
 
-        return flash_in_manual_region(impl, q, k, v, causal, scale, spec)
-    kernel = _triton if impl == "triton" else _mosaic
-
-    def marked(q, k, v):
-        with jax.named_scope(flash_scope(impl, causal)):
-            return kernel(q, k, v, causal, scale)
-
-    return _per_device(marked, q, k, v, spec)
-
-
-def _triton(q, k, v, causal, scale):
-    op, fixed, nones = _rules("triton", q, causal, scale)
-    return op(q, k, v, *nones, *fixed)
-
-
-def _mosaic(q, k, v, causal, scale):
-    heads_first = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731 — (B, H, T, Q), its layout
-    op, fixed, nones = _rules("mosaic", heads_first(q), causal, scale)
-    return heads_first(op(heads_first(q), heads_first(k), heads_first(v), *nones, *fixed))
+    return flash_call(impl, q, k, v, causal, scale, spec)
 
 
 _INTERPRET = False  # tests: run the Triton kernel in Pallas's interpreter (on CPU)
@@ -203,20 +190,6 @@ def _rules(impl: str, q, causal: bool, scale: float, kv_len: int | None = None):
     # flash_attention's own default blocks; save_residuals, causal, sm_scale, block_sizes, debug
     sizes = tpu_attention.BlockSizes.get_default(B, H, T, T, Q)
     return tpu_attention._flash_attention, (False, causal, scale, sizes, False), (None, None)
-
-
-def _per_device(kernel, q, k, v, spec):
-    """``kernel`` on each device's batch and head shard (a ``shard_map`` manual over every
-    mesh axis not already manual). K/V heads are repeated to H first: neither Pallas kernel
-    takes grouped-query heads, and a head split then cuts q, k and v alike."""
-    k, v = _repeat_kv_heads(q, k, v)
-    mesh = jax.sharding.get_abstract_mesh()
-    free = _free_axes(mesh)
-    if not free:  # one device, or every axis already manual: this is a per-device program
-        return kernel(q, k, v)
-    spec = _spec(q, mesh, free) if spec is None else spec
-    return jax.shard_map(kernel, mesh=mesh, axis_names=set(free), in_specs=(spec,) * 3,
-                         out_specs=spec, check_vma=False)(q, k, v)
 
 
 def _repeat_kv_heads(q, k, v):

@@ -5,7 +5,8 @@ The blockwise form scans over key/value blocks with an online softmax in float32
 Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022,
 "FlashAttention"): a running max, sum and numerator per query, rescaled as each block comes
 in. Its backward pass (a custom VJP) recomputes each block's probabilities from the saved
-log-sum-exp, as FlashAttention's does, so forward and backward hold (T, block) scores per head,
+log-sum-exp, as FlashAttention's does (the output and log-sum-exp named for a names policy to
+keep, ``kept.py``), so forward and backward hold (T, block) scores per head,
 never (T, T). Shapes: q (B, T, H, Q); k, v (B, S, K, Q) with H a multiple of K (grouped-query:
 query head h reads kv head h // (H/K)).
 """
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._vma import vary_like  # scan carries typed like the inputs inside a shard_map
+from .kept import kept_output, kept_stats
 
 F32 = jnp.float32
 _NEG = -1e30  # a finite "minus infinity": masked scores never make exp(-inf + inf) = NaN
@@ -108,16 +110,19 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
 
     @jax.custom_vjp
     def attend(q, k, v):
-        return forward(q, k, v)[0].reshape(B, T, H, Q).astype(q.dtype)
+        return kept_output(forward(q, k, v)[0].reshape(B, T, H, Q).astype(q.dtype))
 
+    # The residual is the output returned (q's dtype), named, not a float32 copy: a names
+    # policy keeps one buffer for this backward and the caller's next matmul (kept.py).
     def fwd(q, k, v):
         out5, lse = forward(q, k, v)
-        return out5.reshape(B, T, H, Q).astype(q.dtype), (q, k, v, out5, lse)
+        out = kept_output(out5.reshape(B, T, H, Q).astype(q.dtype))
+        return out, (q, k, v, out, kept_stats(lse))
 
     def bwd(res, dout):
-        q, k, v, out5, lse = res
+        q, k, v, out, lse = res
         q5, do5 = q.reshape(B, T, K, H // K, Q), dout.reshape(B, T, K, H // K, Q)
-        delta = jnp.sum(do5.astype(F32) * out5, axis=-1)
+        delta = jnp.sum(do5.astype(F32) * out.reshape(B, T, K, H // K, Q).astype(F32), axis=-1)
 
         def step(dq, x):
             kb, vb, kp = x

@@ -1,4 +1,5 @@
-"""``sk.attention``'s Pallas flash kernels inside a ``shard_map`` that checks types: a stage of
+"""``sk.attention``'s Pallas flash kernels per device: under a plain ``jit`` (a ``shard_map``
+over the batch and head axes) and inside a ``shard_map`` that checks types: a stage of
 ``sk.pipeline`` (manual over ``pipe``), a DiLoCo replica (manual over ``replica``).
 
 Such a ``shard_map`` types every value by the manual axes it varies over, and a custom VJP must
@@ -11,7 +12,9 @@ custom VJP around that region calls the kernel's own forward and backward rules 
 ``op.bwd`` of its ``jax.custom_vjp``) there, its residuals split like the queries (the
 log-sum-exp's (B, H, T) like their batch and heads), and types the output and the gradients
 as varying over the axes the inputs vary over. The kernels themselves run unchanged: the
-same forward, the same backward from the same residuals, no recomputed forward.
+same forward, the same backward from the same residuals, no recomputed forward. The custom
+VJP keeps the output it returns and the kernel's row statistics under the names
+``sk.LEAN_RESIDUALS`` saves (``kept.py``), so a names policy keeps them too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._vma import varying
+from .kept import kept_output, kept_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,8 @@ class KernelRegion:
         return a.transpose(0, 2, 1, 3) if self.heads_first else a
 
     def __call__(self, fn, in_specs, out_specs):
+        if self.mesh.empty:  # no mesh: a one-device program
+            return fn
         return jax.shard_map(fn, mesh=self.mesh, axis_names=set(self.free), in_specs=in_specs,
                              out_specs=out_specs, check_vma=False)
 
@@ -82,39 +88,59 @@ def varying_axes(*arrays) -> tuple[str, ...]:
     return tuple(sorted(frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))))
 
 
-def flash_in_manual_region(impl: str, q, k, v, causal: bool, scale: float, spec: P | None):
-    """``sk.attention``'s ``impl`` kernel (``"triton"`` or ``"mosaic"``) on (B, T, H, Q) inputs
-    inside a manual region (module docstring); ``spec`` as ``sk.attention``'s."""
+# Where a kernel's residual tuple holds its output; q, k, v come first, the rest are its row
+# statistics (Triton's base-2 log-sum-exp; Mosaic's l and m) or optional inputs left out (None).
+_OUTPUT_AT = {"triton": 4, "mosaic": 5}
+
+
+def flash_call(impl: str, q, k, v, causal: bool, scale: float, spec: P | None):
+    """``sk.attention``'s ``impl`` kernel (``"triton"`` or ``"mosaic"``) on (B, T, H, Q) inputs,
+    per device (module docstring; outside a manual region too, typed as varying over no
+    axis); ``spec`` as ``sk.attention``'s. Its custom VJP keeps q, k and v as given (the
+    caller's, so a policy that saves them saves those), the output it returns, named
+    ``attention_out``, and the kernel's row statistics, named ``attention_lse``
+    (``kept.py``): a names policy saves what the kernel's backward reads, so the backward
+    never runs the kernel's forward again."""
     from .attention import _repeat_kv_heads, flash_scope
 
     k, v = _repeat_kv_heads(q, k, v)
     axes = varying_axes(q, k, v)
     r = kernel_region(impl, q, causal, scale, spec)
     op, fixed, nones, kspec = r.op, r.fixed, r.nones, r.kspec
-    scope = flash_scope(impl, causal)
+    scope, at = flash_scope(impl, causal), _OUTPUT_AT[impl]
     qk, kk, vk = r.to_kernel(q), r.to_kernel(k), r.to_kernel(v)
-    # The residuals' structure: each leaf's rank, traced inside the region (a pallas_call
+
+    def stats_of(res):  # the residuals that are neither the inputs nor the output
+        return tuple(res[3:at]) + tuple(res[at + 1:])
+
+    # The statistics' structure: each leaf's rank, traced inside the region (a pallas_call
     # cannot be traced where types are checked).
     ranks = jax.eval_shape(r(lambda a, b, c: jax.tree.map(
-        lambda x: jnp.zeros((x.ndim,)), op.fwd(a, b, c, *nones, *fixed)[1]), (kspec,) * 3, P()), qk, kk, vk)
-    res_specs = jax.tree.map(lambda x: kspec if x.shape == (4,) else r.stats, ranks)
+        lambda x: jnp.zeros((x.ndim,)), stats_of(op.fwd(a, b, c, *nones, *fixed)[1])), (kspec,) * 3, P()), qk, kk, vk)
+    stats_specs = jax.tree.map(lambda x: kspec if x.shape == (4,) else r.stats, ranks)
 
     @jax.custom_vjp
     def call(a, b, c):
         with jax.named_scope(scope):
             out = r(lambda a, b, c: op(a, b, c, *nones, *fixed), (kspec,) * 3, kspec)(a, b, c)
-        return varying(out, axes)
+        return kept_output(varying(out, axes))
 
     def fwd(a, b, c):
         with jax.named_scope(scope):
-            out, res = r(lambda a, b, c: op.fwd(a, b, c, *nones, *fixed), (kspec,) * 3,
-                         (kspec, res_specs))(a, b, c)
-        return varying(out, axes), res
+            out, stats = r(lambda a, b, c: (lambda o, res: (o, stats_of(res)))(*op.fwd(a, b, c, *nones, *fixed)),
+                           (kspec,) * 3, (kspec, stats_specs))(a, b, c)
+        out = kept_output(varying(out, axes))
+        return out, (a, b, c, out, kept_stats(stats))
 
     def bwd(res, g):
+        a, b, c, out, stats = res
+        n = at - 3
+
+        def grads(a, b, c, out, stats, g):  # the kernel's residual tuple again, in its order
+            return tuple(op.bwd(*fixed, (a, b, c) + stats[:n] + (out,) + stats[n:], g)[:3])
+
         with jax.named_scope(scope):
-            grads = r(lambda res, g: tuple(op.bwd(*fixed, res, g)[:3]), (res_specs, kspec),
-                      (kspec,) * 3)(res, g)
+            grads = r(grads, (kspec,) * 4 + (stats_specs, kspec), (kspec,) * 3)(a, b, c, out, stats, g)
         return tuple(varying(d, axes) for d in grads)
 
     call.defvjp(fwd, bwd)

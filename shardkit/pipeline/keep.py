@@ -9,7 +9,9 @@ that policy's saved set (selective recompute: Korthikanti et al. 2022 keep the m
 outputs and recompute the rest). ``keep="lean"`` keeps the values a layer names with
 ``jax.ad_checkpoint.checkpoint_name`` as one of ``LEAN_RESIDUALS``: what the backward needs
 that only a matmul could give again (the residual stream between the attention and the MLP,
-q, k, v, the attention's output, the MLP's gate and up projections); the norms, the
+q, k, v, the attention's output and its log-sum-exp, which ``sk.attention``'s and
+``sk.context_attention``'s flash kernels name so that their backward never reruns their
+forward, the MLP's gate and up projections); the norms, the
 activation function and the sequence-parallel gathers of a normed input are recomputed from
 them and the layer's input (the stage input, kept anyway, or in a chunk of several
 layers each layer's input, which the pipeline's layer scan names ``"layer_input"``) — Korthikanti et al. 2022's
@@ -34,6 +36,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ..kernels.kept import OUTPUT, STATS
 from .stage import REMAT
 
 KEEP = ("input", "all", "dots", "lean")
@@ -43,8 +46,10 @@ KEEP = ("input", "all", "dots", "lean")
 # MLP (the layer input is the stage input, or a layer scan's saved carry). A layer names them
 # with jax.ad_checkpoint.checkpoint_name(x, name); the same policy works as a plain remat
 # (jax.checkpoint(layer, policy=lean_policy())).
-# "layer_input" is named by sk.pipeline's own layer scan (a chunk of several layers).
-LEAN_RESIDUALS = ("layer_input", "residual", "attention_q", "attention_k", "attention_v", "attention_out",
+# "layer_input" is named by sk.pipeline's own layer scan (a chunk of several layers); the
+# attention's output and log-sum-exp by sk.attention's and sk.context_attention's kernels
+# (kernels/kept.py: the values their custom VJPs keep, so no kernel forward runs again).
+LEAN_RESIDUALS = ("layer_input", "residual", "attention_q", "attention_k", "attention_v", OUTPUT, STATS,
                   "mlp_gate", "mlp_up")
 
 

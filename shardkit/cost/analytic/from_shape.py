@@ -176,24 +176,34 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
     T, b, bc, bg = ms.seq, s.b, s.bc, s.bg
     act = activation_bytes(ms, lo, b, T // lo.context, bc) * s.L_dev  # context: T/c tokens per device
     if s.one_f_one_b:
-        # sk.pipeline's explicit schedules keep rings of stage inputs (and ZB-H1's output
-        # cotangents waiting for their W), sized by the executed table, beside the pipeline's
-        # m input rows and their cotangent's m + 1, and rebuild one chunk's residuals
-        # (L/(p·v) layers, one microbatch) at a time in a backward op. A stage input is split
-        # over ``context``, and over ``tensor`` under sequence parallelism, as on the wire.
+        # sk.pipeline's explicit schedules keep rings of stage inputs and cotangents (and ZB-H1's
+        # output cotangents waiting for their W), one spare slot each, sized by the executed
+        # table, beside the pipeline's m input rows and their cotangent's m + 1, accumulated in
+        # f32; and rebuild one chunk's residuals (L/(p·v) layers, one microbatch) at a time in a
+        # backward op. A stage input is split over ``context``, and over ``tensor`` under
+        # sequence parallelism, as on the wire. [issue 37: the cotangent rows counted in the
+        # compute dtype and no spare slots: 0.5 / 1.0 GiB under the Llama 3 405B compiles at
+        # m = 16 / 32.]
         table = schedule_table(s.pipe_note)
         stage_input = b * T / lo.context * ms.d_model * bc / (lo.tensor if lo.sequence_parallel else 1)
-        rings = (table.act_ring + table.grad_ring + 2 * lo.microbatches + 1) * stage_input
+        m = lo.microbatches
+        rings = (table.act_ring + table.grad_ring + 2 + m + (m + 1) * 4 / bc) * stage_input
         if lo.keep == "input":
             act = act / lo.repeats + rings
         else:
             # ``sk.pipeline(keep=)``: every in-flight chunk-microbatch's residuals (the policy's
             # saved set) wait in ``res_ring`` slots, the loss's in ``loss_res_ring``; a backward
-            # op reads its slot and adds one layer's cotangents at a time.
-            kept = activation_bytes(ms, dataclasses.replace(lo, remat=s.recompute), b, T // lo.context, bc) * s.L_dev
-            kept /= lo.repeats
-            layer = kept * lo.repeats / s.L_dev
-            act = table.res_ring * kept + layer + rings + table.loss_res_ring * loss_bytes(ms, lo, b, bc)
+            # op reads its slot and adds one layer's cotangents at a time. A one-layer chunk's
+            # slot does not store its input (``keep.Pullbacks``: the op's own inputs are put
+            # back), which "lean" and "dots" count as the layer's input; a layer scan's stacked
+            # inputs hold the first layer's too (H100 compiles: 308 MiB a slot of Llama 3 405B's
+            # one-layer chunks, two layers' inputs in a two-layer chunk's).
+            layer = activation_bytes(ms, dataclasses.replace(lo, remat=s.recompute), b, T // lo.context, bc)
+            chunk_layers = max(s.L_dev // lo.repeats, 1)
+            own_input = stage_input if s.recompute in ("lean", "dots") and chunk_layers == 1 else 0.0
+            kept = layer * chunk_layers - own_input
+            act = (table.res_ring * kept + layer + rings
+                   + table.loss_res_ring * loss_kept_bytes(ms, lo, b, bc, s.recompute, stage_input))
     elif s.keep:
         # The busiest stage holds ceil(L/p) layers, in v chunks, and the residuals of every
         # chunk-microbatch between its forward and its backward (``in_flight``).
@@ -212,17 +222,23 @@ def _memory(s: _Sizes, ms: ModelShape, lo: Layout, global_batch: int) -> dict[st
         s.layer_dev * bg
         if lo.fsdp * (lo.data if grads_on_shard(lo.zero, lo.microbatches, lo.pipe > 1) else 1) > 1 else 0.0)
     if s.one_f_one_b:
-        # The loop accumulates the stage's gradients in f32, whole, and reduces them once after
-        # it: that buffer is the step's gradient (``grads``) unless ZeRO-2/3 or fsdp shard those.
-        # A backward op's fresh vjp adds one stage gradient beside it; sharded weights are
-        # gathered whole at the pipeline's entry, in the compute dtype; with v > 1 chunks the
-        # loop reads them from their stage-major copy (pipe-relayout's result). Against XLA:GPU's
-        # compiles of Llama 3 405B at pipe=16 x tensor=8 (x data=64, ZeRO-3), interleaved 1F1B
-        # (bench/llama3_compile.py): 3 more stage gradients and one layer gathered at a time had
-        # the peak at 1.63x and 0.69x of the compile.
-        stage_grads = s.p_layers * 4
-        gathered = stage_grads + (stage_grads if s.state["grads"] < s.p_dev else 0.0)
-        gathered += (s.p_layers * bc if s.sharded else 0.0) + (s.p_layers * bc if lo.repeats > 1 else 0.0)
+        # The loop accumulates the stage's gradients in f32, whole, once (the switch's branch
+        # hands back its op's gradients in the compute dtype, one chunk's, added in place after
+        # it), and reduces them once after it: that buffer is the step's gradient (``grads``)
+        # unless ZeRO-2/3 or fsdp shard those, and so is the loss params' (an output head's).
+        # The layer scan's loop carries the chunk's weights once more. Sharded weights are
+        # gathered whole at the pipeline's entry in the compute dtype; with v > 1 chunks the
+        # loop reads them from their stage-major copy (pipe-relayout's result, written over the
+        # gathered one: one copy). Against XLA:GPU's compiles of Llama 3 405B at pipe=16 x
+        # tensor=8 (x data=64, ZeRO-3), interleaved 1F1B (bench/llama3_compile.py): 3 more
+        # stage gradients and one layer gathered at a time had the peak at 1.63x and 0.69x of
+        # the compile; [issue 37] the accumulators counted twice (as the executor held them
+        # before ``explicit._accumulate``) and two weight copies, 1.24-1.47x.
+        chunk = s.p_layers / lo.repeats * bc
+        gathered = 2 * chunk + (s.p_layers * bc if s.sharded or lo.repeats > 1 else 0.0)
+        if s.state["grads"] < s.p_dev:
+            loss_params = (ms.matmul_params - ms.layer_params) / lo.tensor
+            gathered += (s.p_layers + loss_params) * 4
     if s.keep:
         # The stage's gradients accumulate over the microbatches in one f32 buffer (Megatron's
         # main_grad), the step's gradient unless ZeRO-2/3 or fsdp shard those, and are reduced
@@ -341,6 +357,21 @@ def loss_bytes(ms: ModelShape, lo: Layout, b: int, bc: int) -> float:
         return 2 * b * ms.seq * ms.vocab * 4 / lo.tensor / lo.context
     chunk = min(ms.loss_chunk, ms.seq) / lo.context  # strided chunks: a context split splits each
     return (b * chunk * bc + ms.d_model * 4) * ms.vocab / lo.tensor
+
+
+def loss_kept_bytes(ms: ModelShape, lo: Layout, b: int, bc: int, recompute: str, stage_input: float) -> float:
+    """What an explicit schedule's loss F keeps for its backward (one slot of
+    ``Schedule.loss_res_ring``): the policy's saved set or the loss's own residuals, whichever
+    is smaller (``keep.Kept.loss_shapes``). "lean" names nothing in the loss: its input, the
+    stage output (``stage_input`` bytes), alone; ``sk.chunked_cross_entropy``'s own VJP keeps
+    its input and each position's f32 log-sum-exp; the plain loss under "all" / "dots" keeps
+    its f32 logits (``loss_bytes``). [issue 37: every slot counted the loss's working bytes,
+    1 GiB at Llama 3 405B's vocabulary, x16 slots at m = 16.]"""
+    if recompute == "lean":
+        return stage_input
+    if ms.loss_chunk:
+        return stage_input + b * ms.seq / lo.context * 4
+    return loss_bytes(ms, lo, b, bc)
 
 
 def in_flight(layout: Layout) -> int:

@@ -184,7 +184,7 @@ def _compile_one(path: str, req: dict, target: targets_lib.Target, kernels: str 
     t1 = time.perf_counter()
     compiled = jax.jit(exported.call, in_shardings=args_sh, out_shardings=out_sh,
                        donate_argnums=(0,) if req["donate"] else ()).lower(*args).compile(
-        {"xla_gpu_kernel_cache_file": kernels} if kernels else None)
+        {**({"xla_gpu_kernel_cache_file": kernels} if kernels else {}), **req.get("compiler_options", {})} or None)
     t_compile = time.perf_counter() - t1
     (state_sh, batch_sh), _ = compiled.input_shardings
     placed = lambda avals, shs: [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731

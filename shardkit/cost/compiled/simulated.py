@@ -40,6 +40,7 @@ from .report import Report, shard_bytes
 from ...mesh import parse_mesh_spec
 from ... import offload
 from ...plan import Plan, detailed_notes
+from ...xla import compiler_options
 from . import targets as targets_lib
 from .child import DoesNotFit as DoesNotFit, SimulationError as SimulationError, compile_error, run_child
 
@@ -270,6 +271,8 @@ def _prepare(step, state, batch, mesh, tgt: targets_lib.Target, *, zero: int | N
         # The branch weights need only these; the rest of the note is not JSON.
         "pipeline": {k: pipe[k] for k in ("schedule", "stages", "microbatches", "repeats", "axis")
                      if k in pipe} if pipe else None,
+        # What the step compiles with on the target's devices (``TrainStep.gpu_memory_fraction``).
+        "compiler_options": compiler_options(tgt.platform, sim.gpu_memory_fraction),
     }
     return _Job(sim, tgt, amesh, abs_state, abs_batch, exported.serialize(), request, t_export)
 
@@ -294,6 +297,9 @@ def _assemble(job: _Job, out: dict, *, beside: Beside | None) -> Report:
         compiled_on = (f"mesh {axes} of {amesh.size} × {tgt.name}: {compiler}, deviceless in a "
                        "subprocess, abstract inputs")
         notes = [f"compiled by {compiler} for {tgt.name} without the device: " + "; ".join(out["layout"])]
+        if job.request["compiler_options"]:
+            notes.append(f"XLA:GPU recomputes past {sim.gpu_memory_fraction:.0%} of the device (the step's "
+                         f"gpu_memory_fraction: {job.request['compiler_options']})")
         if tgt.platform == "cuda":
             notes.append("XLA:GPU compiled without the device: no autotuning of matmul tiles, no cuDNN "
                          "(fused attention needs the device); its executables have no cost analysis, "
