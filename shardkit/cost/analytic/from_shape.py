@@ -362,13 +362,12 @@ def loss_bytes(ms: ModelShape, lo: Layout, b: int, bc: int) -> float:
 def loss_kept_bytes(ms: ModelShape, lo: Layout, b: int, bc: int, recompute: str, stage_input: float) -> float:
     """What an explicit schedule's loss F keeps for its backward (one slot of
     ``Schedule.loss_res_ring``): the policy's saved set or the loss's own residuals, whichever
-    is smaller (``keep.Kept.loss_shapes``). "lean" names nothing in the loss: its input, the
-    stage output (``stage_input`` bytes), alone; ``sk.chunked_cross_entropy``'s own VJP keeps
-    its input and each position's f32 log-sum-exp; the plain loss under "all" / "dots" keeps
-    its f32 logits (``loss_bytes``). [issue 37: every slot counted the loss's working bytes,
-    1 GiB at Llama 3 405B's vocabulary, x16 slots at m = 16.]"""
-    if recompute == "lean":
-        return stage_input
+    is smaller (``keep.Kept.loss_shapes``; "lean" runs the loss under ``dots``: a loss names no
+    ``LEAN_RESIDUALS``): ``sk.chunked_cross_entropy``'s own VJP keeps its input (the stage
+    output, ``stage_input`` bytes) and each position's f32 log-sum-exp; the plain loss keeps its
+    f32 logits (``loss_bytes``). [issue 37: every slot counted the loss's working bytes, 1 GiB
+    at Llama 3 405B's vocabulary, x16 slots at m = 16; "lean" counted the input alone, as the
+    executor ran it until its loss took ``dots`` too, recomputing the head in the backward.]"""
     if ms.loss_chunk:
         return stage_input + b * ms.seq / lo.context * 4
     return loss_bytes(ms, lo, b, bc)
