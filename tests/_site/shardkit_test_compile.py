@@ -31,6 +31,12 @@ import os
 
 _EMITTERS = "xla_cpu_use_fusion_emitters"
 SITE = os.path.dirname(os.path.abspath(__file__))  # the folder conftest puts on PYTHONPATH
+# ``Lowered.compile(AS_RUN)``: an XLA:CPU program compiled ahead of time with the emitters the
+# tests run with, for a test that reads only what partitioning decides (the collectives and
+# their bytes, the arrays' shard bytes: the same under both emitters) and would otherwise pay
+# the fusion emitters' longer compile. Figures users read from XLA itself (memory_analysis,
+# cost_analysis) keep the default.
+AS_RUN = {_EMITTERS: False}
 
 
 def install() -> None:
