@@ -23,6 +23,7 @@ start, once that process imports JAX.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -37,6 +38,21 @@ SITE = os.path.dirname(os.path.abspath(__file__))  # the folder conftest puts on
 # the fusion emitters' longer compile. Figures users read from XLA itself (memory_analysis,
 # cost_analysis) keep the default.
 AS_RUN = {_EMITTERS: False}
+_as_run = False  # set by ahead_of_time_as_run()
+
+
+@contextlib.contextmanager
+def ahead_of_time_as_run():
+    """Within it, every XLA:CPU program compiled ahead of time in this process gets AS_RUN:
+    for tests whose AOT programs are run or read for their collectives only (DiLoCo's programs,
+    a recipe's step compiled for its memory line and then trained with, ``explain`` printed but
+    not compared), not for figures held against an estimate."""
+    global _as_run
+    before, _as_run = _as_run, True
+    try:
+        yield
+    finally:
+        _as_run = before
 
 
 def install() -> None:
@@ -56,7 +72,7 @@ def install() -> None:
 
     def as_users_get_ahead_of_time(self, compiler_options=None, **kwargs):
         if getattr(self._lowering, "_platforms", None) in (None, ("cpu",)):
-            compiler_options = {_EMITTERS: True, **(compiler_options or {})}
+            compiler_options = {_EMITTERS: not _as_run, **(compiler_options or {})}
         return lowered_compile(self, compiler_options, **kwargs)
 
     compiler.get_compile_options = older_emitters_when_run
