@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 import shardkit as sk
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 from models.transformer import data as data_lib
 from models.transformer.config import SIZES, Config
 from models.transformer.layouts import LAYOUTS, Layout, axis_rules, make_plan
@@ -639,7 +640,10 @@ def test_short_run_learns_the_corpus(tmp_path):
 
     out = tmp_path / "metrics.jsonl"
     argv = RUN_FLAGS + ["--steps", str(SHORT_RUN), "--eval-every", str(SHORT_RUN // 2), "--metrics-out", str(out)]
-    assert main(argv) == 0
+    # the recipe compiles its step ahead of time for its memory line (not read here) and trains
+    # with it: compiled as the tests run programs, in fewer CPU seconds (tests/_site)
+    with shardkit_test_compile.ahead_of_time_as_run():
+        assert main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     train_recs = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_recs] == list(range(SHORT_RUN))
@@ -692,8 +696,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sk.checkpoint.PreemptionGuard, "should_stop", signalled_at_step_3)
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    assert main([*RUN_FLAGS, "--steps", "8", "--eval-every", "0", "--checkpoint-dir", str(ckpt),
-                 "--checkpoint-every", "100000", "--metrics-out", str(metrics)]) == 0
+    with shardkit_test_compile.ahead_of_time_as_run():  # the short run's programs, from the cache
+        assert main([*RUN_FLAGS, "--steps", "8", "--eval-every", "0", "--checkpoint-dir", str(ckpt),
+                     "--checkpoint-every", "100000", "--metrics-out", str(metrics)]) == 0
     assert sent == [3] and signal.getsignal(signal.SIGTERM) is before  # the handler restored
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"loss"' in l]
     assert steps == [0, 1, 2]  # stopped at the boundary where SIGTERM was seen, not at --steps (8)
