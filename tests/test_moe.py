@@ -107,7 +107,7 @@ def both_modes(x, router, params, r):
 def run_layout(mesh_spec):
     x, router, params, r = inputs()
     if mesh_spec is None:
-        compiled = jax.jit(both_modes).lower(x, router, params, r).compile()
+        compiled = jax.jit(both_modes).lower(x, router, params, r).compile(shardkit_test_compile.AS_RUN)
         return compiled(x, router, params, r), compiled.as_text()
     mesh = sk.make_mesh(mesh_spec)
     tok = P(tuple(a for a in mesh.axis_names if a != "tensor"))
@@ -117,8 +117,10 @@ def run_layout(mesh_spec):
     args = (jax.device_put(x, NamedSharding(mesh, tok)), router,
             {k: jax.device_put(v, NamedSharding(mesh, wspec[k])) for k, v in params.items()},
             jax.device_put(r, NamedSharding(mesh, tok)))
-    with plan.active():  # one compile: the program that runs is the one whose HLO is read
-        compiled = jax.jit(both_modes).lower(*args).compile()
+    # one compile: the program that runs is the one whose HLO (its collectives) is read;
+    # compiled with the emitters the tests run with (AS_RUN: tests/_site)
+    with plan.active():
+        compiled = jax.jit(both_modes).lower(*args).compile(shardkit_test_compile.AS_RUN)
         return compiled(*args), compiled.as_text()
 
 
