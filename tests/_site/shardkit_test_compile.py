@@ -38,7 +38,11 @@ SITE = os.path.dirname(os.path.abspath(__file__))  # the folder conftest puts on
 # the fusion emitters' longer compile. Figures users read from XLA itself (memory_analysis,
 # cost_analysis) keep the default.
 AS_RUN = {_EMITTERS: False}
-_as_run = False  # set by ahead_of_time_as_run()
+# A process started with this variable set to 1 compiles every AOT program with AS_RUN (as
+# within ahead_of_time_as_run()), and so do the processes it starts: for a child whose checks
+# read partitioning's figures only (tests/test_notebooks.py's kernels).
+AS_RUN_ENV = "SHARDKIT_TESTS_AOT_AS_RUN"
+_as_run = os.environ.get(AS_RUN_ENV) == "1"  # and set by ahead_of_time_as_run()
 
 
 @contextlib.contextmanager
