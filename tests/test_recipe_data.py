@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 
 from models.resnet import data as resnet_data
 from models.transformer import data as tf_data
@@ -101,6 +102,10 @@ def test_interrupted_on_one_process_resumes_on_two(recipe, tmp_path, monkeypatch
     # `shardkit launch` run here: its two processes are the job; a launcher process of its own
     # would only import JAX again (~3 CPU s). --timeout ends a hung job (124), as `timeout` did.
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The two processes compile the recipe's step ahead of time (its memory line, not read
+    # here) and train with it: with the emitters the tests run with (tests/_site), in fewer CPU
+    # seconds; the one-process run above keeps the programs test_checkpoint.py's resume shares.
+    monkeypatch.setenv(shardkit_test_compile.AS_RUN_ENV, "1")
     monkeypatch.chdir(ROOT)
     code = launch_main(["--processes", "2", "--devices-per-process", "4", "--timeout", "240", "--",
                         sys.executable, "-m", module, *flags, "--resume", "--metrics-out", str(tmp_path / "two.jsonl")])
