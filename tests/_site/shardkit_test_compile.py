@@ -17,6 +17,10 @@ GPU and TPU compiles are left as they are by this patch (tests/conftest.py's
 the figures the tests read come from HLO and buffer assignment, before LLVM). jaxlib 0.10 only (the flag is XLA:CPU's, and the
 hooks are JAX internals; the test extras pin jax 0.10.2): elsewhere nothing changes.
 
+A test whose ahead-of-time programs are only run, or read for what partitioning decides
+(collectives, shard bytes), may compile them as run instead: ``AS_RUN``,
+``ahead_of_time_as_run()`` or, for the processes it starts, ``AS_RUN_ENV``.
+
 tests/conftest.py installs it in the pytest workers; ``sitecustomize.py`` beside this file
 (on the ``PYTHONPATH`` the workers hand down) installs it in every Python process the tests
 start, once that process imports JAX.
