@@ -119,10 +119,18 @@ EXTENDED_CASES: dict[str, set[str]] = {
                                                       "1-data=4,fsdp=2"},
     # Context parallelism with TP or with DP + FSDP against one device: ring attention's exchange is
     # cp's, and test_context.py checks attention on context=4,tensor=2 and data=2,context=4.
-    "test_transformer.py::test_context_parallel_layouts_match_one_device": {"cp_tp-none", "dp_cp_fsdp-none"},
+    # Inside GPipe's pipeline stages (cp_pp): the recipe's ring with its zig-zag batch and RoPE
+    # positions against one device in cp-dots, the ring in GPipe's and 1F1B's stages against the
+    # unpipelined model (values and gradients) in test_context.py::test_inside_a_pipeline_stage.
+    "test_transformer.py::test_context_parallel_layouts_match_one_device": {"cp_tp-none", "dp_cp_fsdp-none",
+                                                                            "cp_pp-none"},
     # EP with a data axis / with FSDP: the same dispatch as ep; with TP inside the experts (ep_tp)
     # against one device in test_expert_parallel_equals_one_device[expert=4,tensor=2].
-    "test_moe.py::test_recipe_ep_layouts_match_one_device": {"ep_dp", "ep_fsdp", "ep_tp"},
+    # EP in the recipe's GPipe stages (ep_pp): the recipe's dispatch in ep, sk.moe in a pipeline's
+    # stages beside expert and tensor against the unpipelined stack in
+    # test_nested_in_a_pipeline_beside_expert_and_tensor, the recipe's GPipe in
+    # test_transformer.py::test_dropout_layouts_match_one_device[pp_gpipe].
+    "test_moe.py::test_recipe_ep_layouts_match_one_device": {"ep_dp", "ep_fsdp", "ep_tp", "ep_pp"},
     # Ring attention over all 8 devices: the same ring as data=2,context=4, which stays.
     "test_context.py::test_matches_one_device_attention": {"context=8"},
     # Accumulation, ZeRO-3 and TP against the oracle are each in another case.

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 from shardkit.cost.analytic.from_shape import context_traffic
 from shardkit.cost.compiled.hlo import matmul_flops_from_hlo, traffic_from_hlo
 from shardkit.explain import compiled_memory
@@ -254,7 +255,8 @@ def test_inside_a_pipeline_stage(monkeypatch):
         return [jax.value_and_grad(piped)(W, x, *case) for case in cases]
 
     with jax.set_mesh(mesh):
-        compiled = jax.jit(every).lower(W, x).compile()
+        # read for its collectives only: compiled with the emitters the tests run with (AS_RUN)
+        compiled = jax.jit(every).lower(W, x).compile(shardkit_test_compile.AS_RUN)
         results = jax.device_get(compiled(W, x))
     inside = [c for c in branch_collectives(compiled.as_text(), dict(mesh.shape)) if c.pipeline_switch]
     assert any("context" in c.axes for c in inside), "the ring no longer runs in 1F1B's branches"
@@ -439,7 +441,9 @@ def test_estimate_matches_the_compiled_recipe_step():
     step = sk.train_step(make_plan(mesh, cfg), optax.sgd(1e-3))(lambda m, b: loss_fn(m, b))
     state = jax.eval_shape(lambda: step.init(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     batch = {k: np.zeros((16, cfg.seq), np.int32) for k in ("inputs", "targets")}
-    traffic = traffic_from_hlo(step.lower(state, batch).compile().as_text(), dict(mesh.shape))
+    # collectives only (partitioning's): the emitters the tests run with compile it faster (AS_RUN)
+    traffic = traffic_from_hlo(step.lower(state, batch).compile(shardkit_test_compile.AS_RUN).as_text(),
+                               dict(mesh.shape))
     ring = sum(t.bytes for t in traffic if t.kind == "collective-permute" and t.axes == ("context",))
     grads = sum(t.operand_bytes for t in traffic if t.kind == "all-reduce" and t.axes == ("context",))
     est = sk.cost.estimate(cfg, Layout(context=4, tensor=2), global_batch=16, precision="fp32")

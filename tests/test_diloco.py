@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import shardkit as sk
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 from shardkit.diloco import replica_mean
 from shardkit.checkpoint import Checkpointer
 from shardkit.cost.compiled.hlo import traffic_from_hlo
@@ -28,6 +29,18 @@ import mp_diloco  # noqa: E402
 import tiny  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _diloco_programs_as_run():
+    """DiLoCo compiles its programs ahead of time and runs them; this file runs them and reads
+    their collectives (replica-axis bytes), never XLA's memory or cost figures: they compile
+    with the emitters the tests run with (tests/_site/shardkit_test_compile.py), in a third
+    fewer CPU seconds."""
+    with shardkit_test_compile.ahead_of_time_as_run():
+        yield
+
+
 _TP = [(r"w1", (None, "tensor")), (r"w2", ("tensor", None)), (r".*", ())]
 
 

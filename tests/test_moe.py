@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import shardkit as sk
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 from shardkit.cost.compiled.hlo import traffic_from_hlo
 
 E, D, F, B, T, K = 8, 16, 32, 8, 8, 2
@@ -106,7 +107,7 @@ def both_modes(x, router, params, r):
 def run_layout(mesh_spec):
     x, router, params, r = inputs()
     if mesh_spec is None:
-        compiled = jax.jit(both_modes).lower(x, router, params, r).compile()
+        compiled = jax.jit(both_modes).lower(x, router, params, r).compile(shardkit_test_compile.AS_RUN)
         return compiled(x, router, params, r), compiled.as_text()
     mesh = sk.make_mesh(mesh_spec)
     tok = P(tuple(a for a in mesh.axis_names if a != "tensor"))
@@ -116,8 +117,10 @@ def run_layout(mesh_spec):
     args = (jax.device_put(x, NamedSharding(mesh, tok)), router,
             {k: jax.device_put(v, NamedSharding(mesh, wspec[k])) for k, v in params.items()},
             jax.device_put(r, NamedSharding(mesh, tok)))
-    with plan.active():  # one compile: the program that runs is the one whose HLO is read
-        compiled = jax.jit(both_modes).lower(*args).compile()
+    # one compile: the program that runs is the one whose HLO (its collectives) is read;
+    # compiled with the emitters the tests run with (AS_RUN: tests/_site)
+    with plan.active():
+        compiled = jax.jit(both_modes).lower(*args).compile(shardkit_test_compile.AS_RUN)
         return compiled(*args), compiled.as_text()
 
 
@@ -311,8 +314,10 @@ def recipe_train(layout, model, devices=None, compiled=True):
     batches = data_lib.Batches(data_lib.stdlib_corpus(max_bytes=1 << 20)[0], 16, model.cfg.seq, seed=0)
     batch = next(batches)
     # The step's own program, lowered once: it runs the steps and its HLO is the one read (a
-    # second lowering of the recipe's MoE step costs as much as the first).
-    program = step.lower(state, batch).compile() if compiled else None
+    # second lowering of the recipe's MoE step costs as much as the first). The test reads its
+    # collectives and shard bytes (partitioning's), so it compiles with the emitters the tests
+    # run with (AS_RUN): the same figures in fewer CPU seconds.
+    program = step.lower(state, batch).compile(shardkit_test_compile.AS_RUN) if compiled else None
     losses, aux = [], None
     for _ in range(RECIPE_STEPS):
         if program is None:

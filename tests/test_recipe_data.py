@@ -5,14 +5,15 @@ resumed on two that continues with the same batches and losses."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 
 from models.resnet import data as resnet_data
 from models.transformer import data as tf_data
+from shardkit.distributed import launch_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +86,7 @@ RECIPES = {
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_interrupted_on_one_process_resumes_on_two(recipe, tmp_path):
+def test_interrupted_on_one_process_resumes_on_two(recipe, tmp_path, monkeypatch, capsys):
     """A run on one process saving every k steps; drop the last checkpoint (the interruption)
     and resume from the one before as a 2-process job (4 CPU devices each, the same 8-device
     mesh): the resumed steps see the same batches, so their losses match the uninterrupted run
@@ -98,12 +99,18 @@ def test_interrupted_on_one_process_resumes_on_two(recipe, tmp_path):
     flags = flags + ["--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
     assert main(flags + ["--metrics-out", str(tmp_path / "one.jsonl")]) == 0
     shutil.rmtree(ckpt / str(steps))
-    cmd = ["timeout", "-s", "KILL", "240", sys.executable, "-m", "shardkit.cli", "launch", "--processes", "2",
-           "--devices-per-process", "4", "--", sys.executable, "-m", module, *flags,
-           "--resume", "--metrics-out", str(tmp_path / "two.jsonl")]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    # `shardkit launch` run here: its two processes are the job; a launcher process of its own
+    # would only import JAX again (~3 CPU s). --timeout ends a hung job (124), as `timeout` did.
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The two processes compile the recipe's step ahead of time (its memory line, not read
+    # here) and train with it: with the emitters the tests run with (tests/_site), in fewer CPU
+    # seconds; the one-process run above keeps the programs test_checkpoint.py's resume shares.
+    monkeypatch.setenv(shardkit_test_compile.AS_RUN_ENV, "1")
+    monkeypatch.chdir(ROOT)
+    code = launch_main(["--processes", "2", "--devices-per-process", "4", "--timeout", "240", "--",
+                        sys.executable, "-m", module, *flags, "--resume", "--metrics-out", str(tmp_path / "two.jsonl")])
+    out = capsys.readouterr()
+    assert code == 0, out.out[-2000:] + out.err[-3000:]
     resumed = _losses(tmp_path / "two.jsonl")
     assert len(resumed) == steps - every
     np.testing.assert_allclose(resumed, _losses(tmp_path / "one.jsonl")[every:], rtol=rtol)

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 import shardkit as sk
+import shardkit_test_compile  # tests/_site, on sys.path through conftest.py
 from models.transformer import data as data_lib
 from models.transformer.config import SIZES, Config
 from models.transformer.layouts import LAYOUTS, Layout, axis_rules, make_plan
@@ -433,7 +434,8 @@ def test_sequence_parallel_gathers_each_region_input_once():
     step = sk.train_step(plan, optax.sgd(0.1))(lambda model, batch: loss_fn(model, batch))
     state = step.abstract_state(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
     batch = {k: np.zeros((8, CFG.seq), np.int32) for k in ("inputs", "targets")}
-    gathers = next(c for c in collectives_from_hlo(step.compile(state, batch).as_text()) if c.kind == "all-gather")
+    with shardkit_test_compile.ahead_of_time_as_run():  # its collectives only: compiled as the tests run programs
+        gathers = next(c for c in collectives_from_hlo(step.compile(state, batch).as_text()) if c.kind == "all-gather")
     # The layer scan's body holds one layer's ops: what executes beyond the program text is
     # (layers - 1) x one layer's.
     assert (gathers.count - gathers.static_count) / (CFG.layers - 1) == 4
@@ -625,9 +627,9 @@ def test_bad_flags_fail_with_one_line(argv, flag, capsys):
 
 
 # The short run and the SIGTERM run share one model, layout and learning-rate schedule: with
-# `--decay constant` the step program does not depend on --steps, so the SIGTERM child (a
-# separate process: --steps it never reaches) reads the short run's initialiser and step
-# programs back from the session's compilation cache instead of compiling them again.
+# `--decay constant` the step program does not depend on --steps, so the SIGTERM run (--steps
+# it never reaches) reads the short run's initialiser and step programs back from the
+# session's compilation cache instead of compiling them again.
 RUN_FLAGS = ["--layers", "2", "--d-model", "64", "--seq", "64", "--batch", "16", "--lr", "1e-2",
              "--decay", "constant", "--warmup-steps", "6", "--mesh", "data=4,tensor=2", "--quiet"]
 SHORT_RUN = 40
@@ -640,7 +642,10 @@ def test_short_run_learns_the_corpus(tmp_path):
 
     out = tmp_path / "metrics.jsonl"
     argv = RUN_FLAGS + ["--steps", str(SHORT_RUN), "--eval-every", str(SHORT_RUN // 2), "--metrics-out", str(out)]
-    assert main(argv) == 0
+    # the recipe compiles its step ahead of time for its memory line (not read here) and trains
+    # with it: compiled as the tests run programs, in fewer CPU seconds (tests/_site)
+    with shardkit_test_compile.ahead_of_time_as_run():
+        assert main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     train_recs = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_recs] == list(range(SHORT_RUN))
@@ -669,23 +674,35 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
     assert losses("b.jsonl") == losses("a.jsonl")[3:]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path, monkeypatch):
+    """A real SIGTERM during training: the recipe saves at that step boundary (with its data
+    position) and its entry point returns 0. Sent in this process, from the guard's check at
+    step 3, while the recipe's handler is installed: the same delivery as from outside (Python
+    runs the handler in the main thread), at a step chosen, not raced. The child process that
+    ran this before cost ~17 CPU s; a SIGTERM from outside a whole script is
+    test_distributed.py::test_sigterm_on_two_processes_saves_the_same_step_and_exits_0's."""
     import signal
-    import subprocess
-    import sys
-    import time
 
+    from models.transformer.__main__ import main
+
+    before, sent = signal.getsignal(signal.SIGTERM), []
+    should_stop = sk.checkpoint.PreemptionGuard.should_stop
+
+    def signalled_at_step_3(guard, step):
+        if step == 3:
+            # without the recipe's handler SIGTERM would end the test process: refuse instead
+            assert signal.getsignal(signal.SIGTERM) == guard._handle, "the recipe installed no SIGTERM handler"
+            os.kill(os.getpid(), signal.SIGTERM)
+            sent.append(step)
+        return should_stop(guard, step)
+
+    monkeypatch.setattr(sk.checkpoint.PreemptionGuard, "should_stop", signalled_at_step_3)
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "models.transformer", *RUN_FLAGS, "--steps", "100000", "--eval-every", "0",
-           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "100000", "--metrics-out", str(metrics)]
-    proc = subprocess.Popen(cmd, cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-2000:]
+    with shardkit_test_compile.ahead_of_time_as_run():  # the short run's programs, from the cache
+        assert main([*RUN_FLAGS, "--steps", "8", "--eval-every", "0", "--checkpoint-dir", str(ckpt),
+                     "--checkpoint-every", "100000", "--metrics-out", str(metrics)]) == 0
+    assert sent == [3] and signal.getsignal(signal.SIGTERM) is before  # the handler restored
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"loss"' in l]
+    assert steps == [0, 1, 2]  # stopped at the boundary where SIGTERM was seen, not at --steps (8)
     saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-    assert saved == [steps[-1] + 1]  # the step boundary where SIGTERM was seen
+    assert saved == [3]

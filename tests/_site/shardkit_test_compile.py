@@ -17,12 +17,17 @@ GPU and TPU compiles are left as they are by this patch (tests/conftest.py's
 the figures the tests read come from HLO and buffer assignment, before LLVM). jaxlib 0.10 only (the flag is XLA:CPU's, and the
 hooks are JAX internals; the test extras pin jax 0.10.2): elsewhere nothing changes.
 
+A test whose ahead-of-time programs are only run, or read for what partitioning decides
+(collectives, shard bytes), may compile them as run instead: ``AS_RUN``,
+``ahead_of_time_as_run()`` or, for the processes it starts, ``AS_RUN_ENV``.
+
 tests/conftest.py installs it in the pytest workers; ``sitecustomize.py`` beside this file
 (on the ``PYTHONPATH`` the workers hand down) installs it in every Python process the tests
 start, once that process imports JAX.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -31,6 +36,31 @@ import os
 
 _EMITTERS = "xla_cpu_use_fusion_emitters"
 SITE = os.path.dirname(os.path.abspath(__file__))  # the folder conftest puts on PYTHONPATH
+# ``Lowered.compile(AS_RUN)``: an XLA:CPU program compiled ahead of time with the emitters the
+# tests run with, for a test that reads only what partitioning decides (the collectives and
+# their bytes, the arrays' shard bytes: the same under both emitters) and would otherwise pay
+# the fusion emitters' longer compile. Figures users read from XLA itself (memory_analysis,
+# cost_analysis) keep the default.
+AS_RUN = {_EMITTERS: False}
+# A process started with this variable set to 1 compiles every AOT program with AS_RUN (as
+# within ahead_of_time_as_run()), and so do the processes it starts: for a child whose checks
+# read partitioning's figures only (tests/test_notebooks.py's kernels).
+AS_RUN_ENV = "SHARDKIT_TESTS_AOT_AS_RUN"
+_as_run = os.environ.get(AS_RUN_ENV) == "1"  # and set by ahead_of_time_as_run()
+
+
+@contextlib.contextmanager
+def ahead_of_time_as_run():
+    """Within it, every XLA:CPU program compiled ahead of time in this process gets AS_RUN:
+    for tests whose AOT programs are run or read for their collectives only (DiLoCo's programs,
+    a recipe's step compiled for its memory line and then trained with, ``explain`` printed but
+    not compared), not for figures held against an estimate."""
+    global _as_run
+    before, _as_run = _as_run, True
+    try:
+        yield
+    finally:
+        _as_run = before
 
 
 def install() -> None:
@@ -50,7 +80,7 @@ def install() -> None:
 
     def as_users_get_ahead_of_time(self, compiler_options=None, **kwargs):
         if getattr(self._lowering, "_platforms", None) in (None, ("cpu",)):
-            compiler_options = {_EMITTERS: True, **(compiler_options or {})}
+            compiler_options = {_EMITTERS: not _as_run, **(compiler_options or {})}
         return lowered_compile(self, compiler_options, **kwargs)
 
     compiler.get_compile_options = older_emitters_when_run
