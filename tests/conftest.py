@@ -354,6 +354,14 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(kept, key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+@pytest.fixture
+def older_emitters_ahead_of_time(monkeypatch):
+    """This test's ahead-of-time XLA:CPU compiles (``explain``, ``sk.cost``, ``simulate``'s child)
+    with the older emitters the tests' run programs use: for a test that reads only collectives,
+    flops or which layouts compile, never XLA:CPU's temporaries (``shardkit_test_compile``)."""
+    monkeypatch.setenv(shardkit_test_compile.OLDER_AHEAD_OF_TIME, "1")
+
+
 @pytest.fixture(scope="session")
 def devices():
     devs = jax.devices()

@@ -180,7 +180,7 @@ def test_search_verify_compiles_each_keep_through_the_recipe_builder():
 
 
 @pytest.mark.slow
-def test_search_verify_recompiles_and_reranks_the_top_layouts():
+def test_search_verify_recompiles_and_reranks_the_top_layouts(older_emitters_ahead_of_time):
     from models.transformer.config import SIZES
     from models.transformer.layouts import make_plan
     from models.transformer.model import Transformer, loss_fn
