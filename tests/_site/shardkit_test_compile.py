@@ -11,9 +11,11 @@ called - use the older emitters, and every program compiled ahead of time
 (``Lowered.compile()``: where ``step.explain``, ``sk.cost``, the recipes' memory line and the
 tests read ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``) is compiled with XLA's
 default emitters, as a user's program is: estimates are held to the compiler users get
-(bench/cost_fingerprint.py's 136 CPU cases are identical with and without this). Deviceless
+(bench/cost_fingerprint.py's 136 CPU cases are identical with and without this); a test that
+reads no temporaries may opt its ahead-of-time compiles into the older emitters too
+(``OLDER_AHEAD_OF_TIME``: the collectives, their bytes and the flops are the same). Deviceless
 GPU and TPU compiles are left as they are by this patch (tests/conftest.py's
-``XLA_FLAGS``, which every child inherits, do reach them: LLVM -O0 for the kernels' machine code;
+``XLA_FLAGS``, which every child inherits, do reach them: LLVM -O0 and ptxas -O0 for the kernels' machine code;
 the figures the tests read come from HLO and buffer assignment, before LLVM). jaxlib 0.10 only (the flag is XLA:CPU's, and the
 hooks are JAX internals; the test extras pin jax 0.10.2): elsewhere nothing changes.
 
