@@ -26,6 +26,9 @@ import re
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# libtpu's machine-wide lock (/tmp/libtpu_lockfile) is for processes that drive TPU chips; this
+# one only compiles for compile-only devices, beside whatever else compiles (as in cost.compiled.child).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

@@ -24,6 +24,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # code is, so they compile at LLVM -O0: about a third less compile time, same programs. Set
 # here, before JAX starts, and inherited by every worker and subprocess of the session.
 _FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+# The same for the deviceless XLA:GPU compiles (the target sweeps, `shardkit plan --verify`, the
+# flash kernels): ptxas at -O0. Only the kernels' machine code changes; the report the tests read
+# (memory, collectives, flops, kernels) is identical on the H100 sweep's six default programs,
+# in about a tenth fewer CPU seconds (2026-11-28).
+_FAST_COMPILE += ["--xla_gpu_disable_gpuasm_optimizations=true"]
 # One LLVM module per program: XLA:CPU splits each program into parallel codegen units by
 # default, which on 2 cores shared by two workers costs more than it saves. The same program
 # (collectives, bytes, flops and buffer assignment identical on the recipe's layouts) in about
@@ -355,6 +360,14 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # a stable sort: the same order in every worker (xdist checks), tests within a file unmoved
     items[:] = sorted(kept, key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture
+def older_emitters_ahead_of_time(monkeypatch):
+    """This test's ahead-of-time XLA:CPU compiles (``explain``, ``sk.cost``, ``simulate``'s child)
+    with the older emitters the tests' run programs use: for a test that reads only collectives,
+    flops or which layouts compile, never XLA:CPU's temporaries (``shardkit_test_compile``)."""
+    monkeypatch.setenv(shardkit_test_compile.AS_RUN_ENV, "1")
 
 
 @pytest.fixture(scope="session")

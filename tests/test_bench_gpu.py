@@ -11,7 +11,9 @@ import repo_files
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_dry_run_writes_the_json_and_the_table(tmp_path, caplog):
+def test_dry_run_writes_the_json_and_the_table(tmp_path, caplog, older_emitters_ahead_of_time):
+    # explain()'s figures are read for being there (> 0), not for XLA:CPU's temporaries: the
+    # older emitters ahead of time too (conftest.py), here and in the bench's pytest child
     # The script's main in this process (its __main__ only parses the flags first and calls it;
     # a subprocess would start JAX again for the same code); its dry run takes the first of the
     # 8 CPU devices. `pytest -m gpu` still runs as the bench runs it, in a subprocess: one of the

@@ -663,7 +663,8 @@ def _verify_and_damage(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_resume_skips_a_corrupt_step_and_continues_bit_identically(tmp_path, caplog):
+def test_recipe_resume_skips_a_corrupt_step_and_continues_bit_identically(tmp_path, caplog,
+                                                                           older_emitters_ahead_of_time):
     """The user's report: 64 bytes flipped in the middle of step 6's largest data file. --resume
     restores step 3 instead, says so, and the resumed losses equal the uninterrupted run's.
     The flips go at a quarter, half and three quarters of the file: in one fresh-clone suite

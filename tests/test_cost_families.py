@@ -71,7 +71,7 @@ def _footnoted(text: str, quantity: str, caveat: str) -> bool:
                for line in text.splitlines() if f": {caveat}" in line)
 
 
-def test_a_gradient_reduced_split_over_tensor_then_permuted_counts_as_the_reduction():
+def test_a_gradient_reduced_split_over_tensor_then_permuted_counts_as_the_reduction(older_emitters_ahead_of_time):
     # Issue 36: on data=2,tensor=4 the embedding's scatter-add gradient and the head's weight
     # gradient are computed split over tensor, all-reduced over data, then carried to their ZeRO
     # shard by a collective-permute (pairs crossing data and tensor). The permute is part of the
@@ -103,7 +103,7 @@ def test_report_marks_bounded_rows():
     assert "memory/temporaries, memory/peak: approximate" in text and "modelled?" in text
 
 
-def test_flops_come_from_the_program_not_6psi():
+def test_flops_come_from_the_program_not_6psi(older_emitters_ahead_of_time):
     # The MLP's embedding table is 256x128 of its 0.6M parameters: a lookup, no matmul. 6Ψ
     # would count it; the traced program does not.
     step, state, batch = F.build("mlp", "data=8", 0)

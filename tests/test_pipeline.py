@@ -487,7 +487,7 @@ def data_pipe_step(devices, zero, schedule, v, m):
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES + [_lane(False, *sv) for sv in NEW_SCHEDULES])
-def test_stage_grads_reduced_over_data_once_per_step(devices, schedule, v):
+def test_stage_grads_reduced_over_data_once_per_step(devices, schedule, v, older_emitters_ahead_of_time):
     """On data=2,pipe=4 the compiled step all-reduces the gradients over `data` once, after the
     pipeline loop: about (stage params + head) bytes per device, not ticks x the stage (which
     is what a compiler-managed data axis gives: a reduction on every tick / backward op)."""
@@ -510,7 +510,7 @@ def test_stage_grads_reduced_over_data_once_per_step(devices, schedule, v):
 
 @pytest.mark.parametrize("schedule,v", [("zb-h1", 1), _lane(False, "gpipe", 1), _lane(False, "1f1b", 1),
                                         _lane(False, "interleaved-1f1b", 2)])
-def test_zero3_stage_weights_gathered_once_per_step(devices, schedule, v):
+def test_zero3_stage_weights_gathered_once_per_step(devices, schedule, v, older_emitters_ahead_of_time):
     """ZeRO-3 stage weights (sharded over `data`) are all-gathered at the pipeline's shard_map
     boundary: one stage's weights (+ the head) per step in the compiled program, never per
     microbatch or tick (m = 8 here: a per-microbatch gather would be 8x)."""
@@ -704,7 +704,8 @@ def test_a_pending_w_says_which_of_its_values_the_forward_made():
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
-def test_the_switch_never_carries_the_f32_weight_gradient_accumulator(devices, schedule, v):
+def test_the_switch_never_carries_the_f32_weight_gradient_accumulator(devices, schedule, v,
+                                                                       older_emitters_ahead_of_time):
     """Handed through the per-tick ``lax.switch`` whole, the f32 accumulator of the stage's
     weight gradients was held twice (the conditional's operand and its result: XLA:GPU, Llama 3
     405B at 8K, ~12 GiB of 87). The branches now return the op's gradient in the compute dtype

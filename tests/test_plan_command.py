@@ -23,7 +23,9 @@ def _readme_plan(verify: bool) -> list[str]:
 
 def _shardkit(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)  # the command's own devices, not the test process's 8
+    # the command's own devices, not the test process's 8; the suite's compile flags stay
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     proc = subprocess.run([sys.executable, "-m", "shardkit.cli", "plan", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ from flax import nnx
 
 import shardkit as sk
 from shardkit.cost.compiled.simulated import SimulationError, abstract_mesh
+from shardkit_test_compile import AS_RUN_ENV  # tests/_site, on the path conftest.py sets
 
 pytestmark = pytest.mark.subprocess
 
@@ -42,7 +43,15 @@ def simulated():
     tensor) and ``pipelined_step`` on data=16,pipe=4, compiled with the estimate in ONE
     subprocess (``sk.cost.simulate_many``: each start of JAX costs seconds), as
     ``step.explain(mesh=)`` compiles one (``sk.cost.simulate``, which it calls, runs alone in
-    test_a_plan_on_an_abstract_mesh_builds_without_devices): ``{key: (step, state, batch, report)}``."""
+    test_a_plan_on_an_abstract_mesh_builds_without_devices): ``{key: (step, state, batch, report)}``.
+    The tests read state bytes, collectives and estimates, and compare with ``explain`` in this
+    process under the same emitters: XLA:CPU's older ones (conftest's ``older_emitters_ahead_of_time``)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(AS_RUN_ENV, "1")
+        return _simulate_the_meshes()
+
+
+def _simulate_the_meshes():
     jobs = {}
     for mesh, zero, microbatches in THIS_MESH:
         step, state = mlp_step(mesh, zero, microbatches)
@@ -60,7 +69,8 @@ def simulated():
 
 
 @pytest.mark.parametrize("mesh,zero,microbatches", THIS_MESH)
-def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches, simulated):
+def test_simulating_this_mesh_equals_explain_in_process(mesh, zero, microbatches, simulated,
+                                                       older_emitters_ahead_of_time):
     step, state, batch, there = simulated[mesh]
     here = step.explain(state, batch)
     assert there.memory == here.memory
@@ -135,7 +145,7 @@ def test_a_pipelined_step_compiles_on_a_simulated_mesh(simulated):
     assert there.estimate is not None and there.estimate["memory/params"] == there.memory["params"]
 
 
-def test_a_plan_on_an_abstract_mesh_builds_without_devices():
+def test_a_plan_on_an_abstract_mesh_builds_without_devices(older_emitters_ahead_of_time):
     mesh = abstract_mesh("data=32,tensor=8")
     plan = sk.Plan(mesh, rules=[(r"w1", (None, "tensor")), (r"w2", ("tensor", None))],
                    axis_rules={"batch": "data", "mlp": "tensor"}, zero=3)
@@ -146,7 +156,7 @@ def test_a_plan_on_an_abstract_mesh_builds_without_devices():
     assert report.memory["params"] == 4 * PSI // 256 and report.estimate is None
 
 
-def test_search_verify_replans_a_given_step_on_each_layout():
+def test_search_verify_replans_a_given_step_on_each_layout(older_emitters_ahead_of_time):
     plan = sk.Plan(sk.make_mesh("data=8"), rules=[(r".*", ())],  # one table for every layout searched
                    axis_rules=sk.AxisRules({"batch": ("data", "fsdp"), "mlp": "tensor"}, drop_missing=True))
     step = sk.train_step(plan, optax.adam(1e-3))(mlp_loss)
@@ -184,7 +194,7 @@ def test_search_verify_compiles_each_keep_through_the_recipe_builder():
 
 
 @pytest.mark.slow
-def test_search_verify_recompiles_and_reranks_the_top_layouts():
+def test_search_verify_recompiles_and_reranks_the_top_layouts(older_emitters_ahead_of_time):
     from models.transformer.config import SIZES
     from models.transformer.layouts import make_plan
     from models.transformer.model import Transformer, loss_fn

@@ -110,7 +110,7 @@ def test_clipping_uses_the_global_norm_across_shards(reference):
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_zero_state_bytes_follow_the_formulas(zero):
+def test_zero_state_bytes_follow_the_formulas(zero, older_emitters_ahead_of_time):
     """Per-device persistent bytes with Adam in f32 (ZeRO paper, shardkit's f32 form):
     DP 4Ψ + 8Ψ, ZeRO-1/2 4Ψ + 8Ψ/N, ZeRO-3 (4Ψ + 8Ψ)/N."""
     n = 8
@@ -310,7 +310,9 @@ def test_bad_inputs_raise_named_errors():
     ("data=2,fsdp=2,tensor=2", 3, "fp32", 4),
     ("data=4,tensor=2", 1, "bf16", 2),
 ])
-def test_hybrid_layouts_have_no_involuntary_rematerialization(capfd, mesh_spec, zero, precision, microbatches):
+def test_hybrid_layouts_have_no_involuntary_rematerialization(capfd, mesh_spec, zero, precision, microbatches,
+                                                              older_emitters_ahead_of_time):
+    # the SPMD partitioner's warning, before XLA:CPU's emitters
     mesh = sk.make_mesh(mesh_spec)
     plan = sk.Plan(mesh, rules=rules_for(mesh), axis_rules=AXIS_RULES, zero=zero, precision=precision)
     step = sk.train_step(plan, optax.adamw(1e-2), microbatches=microbatches)(mlp_loss)

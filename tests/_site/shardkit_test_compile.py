@@ -13,13 +13,14 @@ tests read ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``) is comp
 default emitters, as a user's program is: estimates are held to the compiler users get
 (bench/cost_fingerprint.py's 136 CPU cases are identical with and without this). Deviceless
 GPU and TPU compiles are left as they are by this patch (tests/conftest.py's
-``XLA_FLAGS``, which every child inherits, do reach them: LLVM -O0 for the kernels' machine code;
+``XLA_FLAGS``, which every child inherits, do reach them: LLVM -O0 and ptxas -O0 for the kernels' machine code;
 the figures the tests read come from HLO and buffer assignment, before LLVM). jaxlib 0.10 only (the flag is XLA:CPU's, and the
 hooks are JAX internals; the test extras pin jax 0.10.2): elsewhere nothing changes.
 
 A test whose ahead-of-time programs are only run, or read for what partitioning decides
-(collectives, shard bytes), may compile them as run instead: ``AS_RUN``,
-``ahead_of_time_as_run()`` or, for the processes it starts, ``AS_RUN_ENV``.
+(collectives, their bytes, the flops, shard bytes), may compile them as run instead: ``AS_RUN``,
+``ahead_of_time_as_run()``, or ``AS_RUN_ENV`` for the processes it starts and for itself
+(conftest.py's ``older_emitters_ahead_of_time`` fixture sets it).
 
 tests/conftest.py installs it in the pytest workers; ``sitecustomize.py`` beside this file
 (on the ``PYTHONPATH`` the workers hand down) installs it in every Python process the tests
@@ -42,9 +43,11 @@ SITE = os.path.dirname(os.path.abspath(__file__))  # the folder conftest puts on
 # the fusion emitters' longer compile. Figures users read from XLA itself (memory_analysis,
 # cost_analysis) keep the default.
 AS_RUN = {_EMITTERS: False}
-# A process started with this variable set to 1 compiles every AOT program with AS_RUN (as
-# within ahead_of_time_as_run()), and so do the processes it starts: for a child whose checks
-# read partitioning's figures only (tests/test_notebooks.py's kernels).
+# A process with this variable set to 1 compiles every AOT program with AS_RUN (as within
+# ahead_of_time_as_run()), and so do the processes it starts: for a child whose checks read
+# partitioning's figures only (tests/test_notebooks.py's kernels), or a test that sets it with
+# conftest.py's ``older_emitters_ahead_of_time`` fixture (collectives, flops, which layouts
+# compile, a peak's order of layouts; never an estimate held to XLA:CPU's temporaries).
 AS_RUN_ENV = "SHARDKIT_TESTS_AOT_AS_RUN"
 _as_run = os.environ.get(AS_RUN_ENV) == "1"  # and set by ahead_of_time_as_run()
 
@@ -80,7 +83,8 @@ def install() -> None:
 
     def as_users_get_ahead_of_time(self, compiler_options=None, **kwargs):
         if getattr(self._lowering, "_platforms", None) in (None, ("cpu",)):
-            compiler_options = {_EMITTERS: not _as_run, **(compiler_options or {})}
+            as_run = _as_run or os.environ.get(AS_RUN_ENV) == "1"  # the env var: conftest's fixture
+            compiler_options = {_EMITTERS: not as_run, **(compiler_options or {})}
         return lowered_compile(self, compiler_options, **kwargs)
 
     compiler.get_compile_options = older_emitters_when_run

@@ -34,8 +34,15 @@ import tiny  # noqa: E402
 MOMENTS = ("created", "writing", "committing")
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: the forked processes share the test's pipe, and print()
+    under PYTHONUNBUFFERED writes the text and its newline apart, so two processes' lines could
+    interleave ("at writing 17398at committing ...", seen in a suite run)."""
+    os.write(1, (line + "\n").encode())
+
+
 def pause(moment, parent):
-    print(f"at {moment} {os.getpid()}", flush=True)
+    say(f"at {moment} {os.getpid()}")
     deadline = time.monotonic() + 600
     while os.getppid() == parent and time.monotonic() < deadline:  # ends with the test's watchdog
         time.sleep(0.2)
@@ -49,7 +56,7 @@ def save_and_stop(directory: str, moment: str, parent: int) -> int:
     state, _ = step(state, tiny.batch(0))
     ckpt.save(state, extra={"data_position": 1})
     ckpt.wait()
-    print(f"committed 1 {moment}", flush=True)
+    say(f"committed 1 {moment}")
     state, _ = step(state, tiny.batch(1))
 
     cls = atomicity.AtomicRenameTemporaryPath
@@ -74,7 +81,7 @@ def save_and_stop(directory: str, moment: str, parent: int) -> int:
     cls.create, cls.finalize, JsonCheckpointHandler._save_fn = patched_create, patched_finalize, patched_json
     ckpt.save(state, extra={"data_position": 2})
     ckpt.wait()
-    print(f"committed 2 {moment} (the test should have killed this process)", flush=True)
+    say(f"committed 2 {moment} (the test should have killed this process)")
     return 1
 
 
@@ -102,7 +109,7 @@ def main() -> int:
         pid, status = os.wait()
         children.discard(pid)
         how = signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
-        print(f"reaped {pid} {how}", flush=True)
+        say(f"reaped {pid} {how}")
     return 0
 
 
