@@ -84,7 +84,8 @@ def test_gpipe_and_1f1b_hold_their_memory_formula_on_tpu_v5p():
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
 
 
-@pytest.mark.extended  # ~15 CPU s; the compiler-moved form that replaces it: cp_tp_pp (extended) here
+@pytest.mark.extended  # ~12 CPU s (one v5p compile); the moved form it keeps is compiled by cp_tp_pp /
+# cp_tp_pp_16 here (extended too): no default-lane case compiles context in a TPU pipeline branch
 def test_xla_tpu_still_refuses_the_context_ring_nested_in_a_pipeline_branch(monkeypatch):
     """Issue 37: the context ring nested in an explicit schedule's per-stage branch, forced on
     XLA:TPU (``context.py`` picks ``_context_tpu_nested``'s compiler-moved form there), is still
