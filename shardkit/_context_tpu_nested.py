@@ -1,10 +1,13 @@
 """``sk.context_attention`` in an ``sk.pipeline`` stage's per-stage branch on XLA:TPU: the
 blockwise attention on global arrays, the compiler moving K/V (``compiler_blockwise``).
 
-Why: jax 0.10.2's libtpu aborts partitioning the ring's ``shard_map`` nested in a branch of
-the explicit schedules' per-tick switch ("spmd_partitioner.cc:560 Check failed:
-target.IsManualSubgroup() == sharding().IsManualSubgroup()"; 1F1B on ``pipe=2,context=2,
-data=2``, with or without the per-stage permutes; GPipe's stages, outside a switch, compile).
+Why: jax 0.10.2's libtpu (0.0.42.1) cannot partition the ring's ``shard_map`` nested in a
+branch of the explicit schedules' per-tick switch: it refuses the ring's ``lax.axis_index``
+("UNIMPLEMENTED: PartitionId instruction is not supported for SPMD partitioning"; 1F1B on
+``pipe=2,context=2,data=2`` and ``pipe=2,context=2,tensor=2``, 2026-11-28; earlier forms of the
+ring aborted in "spmd_partitioner.cc:560 Check failed: target.IsManualSubgroup() ==
+sharding().IsManualSubgroup()"; GPipe's stages, outside a switch, compile). Held by
+``tests/test_targets_tpu.py::test_xla_tpu_still_refuses_the_context_ring_nested_in_a_pipeline_branch``.
 XLA:GPU and XLA:CPU run the ring there (``context.py``). This form computes every (query
 block, K/V block) pair masked and lets the compiler all-gather K/V per block and reduce each
 block's dK/dV over the axis, so it costs the flops and traffic the ring saves.
