@@ -58,6 +58,8 @@ def test_chip_counts_no_slice_has_and_unknown_targets_are_clear_errors():
     with pytest.raises(sk.cost.TargetError, match="unknown target 'h800'.*h100"):
         targets.get("h800")
     assert targets.tpu_topology(targets.get("tpu-v5p"), 64) == ("v5p:4x4x4", 1)
+    assert targets.tpu_topology(targets.get("tpu-v5p"), 16) == ("v5p:2x2x4", 1)
+    assert targets.tpu_topology(targets.get("tpu-v5p"), 4) == ("v5p:2x2x1", 1)  # libtpu refuses 1x2x2
     assert targets.tpu_topology(targets.get("tpu-v5e"), 512) == ("v5e:16x16", 2)
 
 

@@ -131,7 +131,9 @@ def tpu_topology(target: Target, devices: int) -> tuple[str, int]:
     while math.prod(dims) < per_slice:
         i = min(range(len(dims)), key=lambda j: (dims[j], -j))
         dims[i] *= 2
-    return f"{target.tpu}:{'x'.join(map(str, sorted(dims)))}", devices // per_slice
+    # libtpu names a one-host slice 2x2x1 (it refuses 1x2x2), larger ones smallest dimension first.
+    name = "x".join(str(d) for d in sorted(dims, key=lambda d: (d == 1, d)))
+    return f"{target.tpu}:{name}", devices // per_slice
 
 
 def gpu_hosts(target: Target, devices: int) -> int:
