@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", choices=("flash_like", "triton"), default="flash_like",
                    help="the 8K attention: the blockwise stand-in (default) or the Pallas Triton flash "
                         "kernel (sk.attention's 'triton': causal blocks skipped)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.95,
+                   help="the step's gpu_memory_fraction: XLA:GPU recomputes values past this share of the "
+                        "H100 (default 0.95, shardkit's; an XLA_FLAGS slop factor overrides it)")
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "llama3_compile.json"))
     return p.parse_args(argv)
 
@@ -91,8 +94,9 @@ GRID = ((2, 1), (4, 1), (2, 2), (4, 2), (8, 1))  # (layers, sequences) on tensor
 class Pipe(NamedTuple):
     """One pipeline compiled: ``sk.pipeline``'s schedule, microbatches per replica, chunks per
     stage, layers, the data axis and ZeRO stage, the context axis, ``keep``, the sequence
-    length (0: ``--seq``) and the recipe's ``Config.attention`` (``"xla"`` runs ``flash_like``,
-    ``_use_flash_like``; ``"triton"`` the Pallas Triton kernel)."""
+    length (0: ``--seq``), the recipe's ``Config.attention`` (``"xla"`` runs ``flash_like``,
+    ``_use_flash_like``; ``"triton"`` the Pallas Triton kernel) and the step's
+    ``gpu_memory_fraction`` (XLA:GPU recomputes past that share of the device)."""
 
     schedule: str
     m: int
@@ -104,6 +108,7 @@ class Pipe(NamedTuple):
     keep: str = "input"
     seq: int = 0
     attention: str = "xla"
+    fraction: float = 0.95  # sk.xla.GPU_MEMORY_FRACTION, the step's default
 
 
 PIPELINES = (Pipe("interleaved-1f1b", 32, 8), Pipe("interleaved-1f1b", 32, 4), Pipe("interleaved-1f1b", 32, 4, 64),
@@ -182,7 +187,8 @@ def pipeline_job(pl: Pipe, seq: int):
     step, state, batch = abstract_step(config(pl.layers, pl.seq or seq, pl.attention), amesh,
                                        global_batch=pl.m * pl.data, zero=pl.zero, precision="bf16",
                                        sequence_parallel=True, schedule=pl.schedule, repeats=pl.v,
-                                       pipeline_microbatches=pl.m, target="h100", keep=pl.keep)
+                                       pipeline_microbatches=pl.m, target="h100", keep=pl.keep,
+                                       gpu_memory_fraction=pl.fraction)
     return step, state, batch, spec
 
 
@@ -227,7 +233,8 @@ def published_row(key: str, pl: Pipe, r) -> dict:
            "attention": "flash_like" if pl.attention == "xla" else pl.attention,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            # What the compile added (TrainStep.gpu_memory_fraction's XLA:GPU remat limit).
-           "compiler_options": sk.xla.compiler_options("gpu"), **_compiled(r)}
+           "gpu_memory_fraction": pl.fraction, "compiler_options": sk.xla.compiler_options("gpu", pl.fraction),
+           **_compiled(r)}
     if isinstance(r, Exception):
         return row
     # The memory-bound kernels of one forward and backward: keep="input"'s recomputed forward
@@ -333,6 +340,8 @@ def main(argv=None) -> dict:
     else:
         grid, pipes, pubs = list(GRID), list(PIPELINES), _published_jobs("all", attention)
     pipes = [pl._replace(attention=attention) for pl in pipes]
+    pipes, pubs = ([pl._replace(fraction=a.gpu_memory_fraction) for pl in pipes],
+                   [(k, pl._replace(fraction=a.gpu_memory_fraction)) for k, pl in pubs])
     t0 = time.perf_counter()
     jobs = [layer_job(L, n, a.seq, attention=attention) for L, n in grid]
     jobs += [pipeline_job(pl, a.seq) for pl in pipes] + [pipeline_job(pl, a.seq) for _, pl in pubs]

@@ -100,8 +100,10 @@ class TrainStep:
     def __init__(self, fn: Callable, plan: Plan, optimizer: optax.GradientTransformation, *,
                  microbatches: int = 1, clip_norm: float | None = None,
                  skip_nonfinite: bool = False, max_nonfinite: int | None = None, donate: bool = True,
-                 outer=None):
+                 outer=None, gpu_memory_fraction: float | None = GPU_MEMORY_FRACTION):
         _update.check_options(plan, optimizer, microbatches, clip_norm, max_nonfinite)
+        compiler_options("gpu", gpu_memory_fraction)  # a bad fraction fails here, not at the first compile
+        self.gpu_memory_fraction = gpu_memory_fraction
         if outer is not None and plan.offload:
             raise ValueError(f"offload={plan.offload} with outer=sk.DiLoCo(...) is not supported: DiLoCo keeps "
                              "per-replica state on the device; drop one of the two")
@@ -455,7 +457,8 @@ class TrainStep:
 def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatches: int = 1,
                clip_norm: float | None = None, skip_nonfinite: bool = False,
                max_nonfinite: int | None = None, donate: bool = True,
-               outer: DiLoCo | None = None) -> Callable[[Callable], TrainStep]:
+               outer: DiLoCo | None = None,
+               gpu_memory_fraction: float | None = GPU_MEMORY_FRACTION) -> Callable[[Callable], TrainStep]:
     """Decorates ``loss_fn(model, batch[, rng]) -> loss | (loss, aux)`` into a sharded train step.
 
     Args:
@@ -479,6 +482,8 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
             (``step.diloco`` has its programs and their traffic; metrics add the replicas'
             ``replica_loss`` and ``diloco/replica_bytes``, ``diloco/steps_to_sync``,
             ``diloco/synced_fragment``).
+        gpu_memory_fraction: the share of a GPU's memory XLA:GPU may plan the step for before
+            it recomputes values (``TrainStep.gpu_memory_fraction``; ``None``: XLA's own ~76%).
 
     Returns:
         A decorator producing a ``TrainStep``: ``init``, ``__call__``, ``lower``, ``explain``.
@@ -493,7 +498,7 @@ def train_step(plan: Plan, optimizer: optax.GradientTransformation, *, microbatc
     def wrap(fn: Callable) -> TrainStep:
         return TrainStep(fn, plan, optimizer, microbatches=microbatches, clip_norm=clip_norm,
                          skip_nonfinite=skip_nonfinite, max_nonfinite=max_nonfinite, donate=donate,
-                         outer=outer)
+                         outer=outer, gpu_memory_fraction=gpu_memory_fraction)
     return wrap
 
 

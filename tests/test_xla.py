@@ -78,3 +78,22 @@ def test_gpu_compile_options_raise_xlas_remat_limit_to_the_steps_memory_fraction
             xla.compiler_options("cpu", bad)  # checked on every platform
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_memory_limit_slop_factor=300")
     assert xla.compiler_options("gpu") == {}  # the user's flag stands
+
+
+def test_the_steps_gpu_memory_fraction_is_an_argument_checked_when_the_step_is_made():
+    """``sk.train_step(gpu_memory_fraction=)`` (and the recipe's ``--gpu-memory-fraction``,
+    through ``plan.abstract_step``) sets the step's XLA:GPU recompute limit: the Llama 3 405B
+    8K row on 8,192 H100s (75.4 GiB with the flash kernel) recomputes 1.11x the model's
+    matmuls at the default 0.95 and none at 0.975 (BENCHMARKS.md); a bad share fails when the
+    step is made, naming the value, not at its first compile."""
+    import optax
+
+    from models.transformer.config import SIZES
+    from models.transformer.plan import abstract_step
+
+    step, _, _ = abstract_step(SIZES["test"], "data=2", global_batch=2, gpu_memory_fraction=0.975)
+    assert step.gpu_memory_fraction == 0.975
+    assert xla.compiler_options("gpu", step.gpu_memory_fraction) == {"xla_gpu_memory_limit_slop_factor": 122}
+    plan = sk.Plan(sk.make_mesh("data=2", devices=jax.devices()[:2]), [])
+    with pytest.raises(ValueError, match=r"gpu_memory_fraction=1\.5.*in \(0, 1\]"):
+        sk.train_step(plan, optax.sgd(0.1), gpu_memory_fraction=1.5)(lambda params, batch: 0.0)

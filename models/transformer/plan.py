@@ -27,7 +27,8 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
                   sequence_parallel: bool = False, schedule: str = "gpipe", repeats: int = 1,
                   pipeline_microbatches: int | None = None, microbatches: int = 1, target: str = "cpu",
                   outer: sk.DiLoCo | None = None, offload: tuple[str, ...] = (),
-                  layer_order: str = "natural", keep: str = "input"):
+                  layer_order: str = "natural", keep: str = "input",
+                  gpu_memory_fraction: float | None = sk.xla.GPU_MEMORY_FRACTION):
     """``(step, abstract state, abstract batch)`` of the recipe (AdamW, clip 1.0) on ``mesh``.
 
     Args:
@@ -45,6 +46,7 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
         layer_order: ``PipelineSpec.layer_order`` (``"stage-major"``: the layers stored as the
             schedule reads them; the abstract state's shapes are the same).
         keep: ``PipelineSpec.keep`` (what an explicit schedule keeps for its backward ops).
+        gpu_memory_fraction: ``sk.train_step``'s (XLA:GPU's recompute limit, a share of the GPU).
     """
     amesh = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else sk.cost.abstract_mesh(mesh, target=target)
     cfg = cfg.replace(fp8=precision == "fp8")
@@ -52,7 +54,8 @@ def abstract_step(cfg: Config, mesh, *, global_batch: int, zero: int = 0, precis
     stages = amesh.shape.get("pipe", 1)
     pipe = PipelineSpec(pipeline_microbatches or 2 * stages, schedule, repeats, layer_order, keep) if stages > 1 else None
     objective = moe_loss_fn if cfg.moe_experts else loss_fn
-    step = sk.train_step(plan, optax.adamw(3e-4), microbatches=microbatches, clip_norm=1.0, outer=outer)(
+    step = sk.train_step(plan, optax.adamw(3e-4), microbatches=microbatches, clip_norm=1.0, outer=outer,
+                         gpu_memory_fraction=gpu_memory_fraction)(
         lambda model, batch: objective(model, batch, pipe))
     state = step.abstract_state(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     batch = {k: jax.ShapeDtypeStruct((global_batch, cfg.seq), np.int32) for k in ("inputs", "targets")}
