@@ -10,7 +10,8 @@ import math
 import numpy as np
 from jax._src import core as jcore
 
-from .op_kinds import EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, REDUCE as _REDUCE, VIEW as _VIEW, whole_slice
+from .op_kinds import (EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, REDUCE as _REDUCE, VIEW as _VIEW,
+                       whole_slice)
 from .walk import elementwise_output as _elementwise_output, nbytes as _bytes
 
 
