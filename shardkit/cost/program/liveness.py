@@ -10,7 +10,8 @@ import math
 import numpy as np
 from jax._src import core as jcore
 
-from .op_kinds import EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, REDUCE as _REDUCE, VIEW as _VIEW
+from .op_kinds import (EXPENSIVE as _EXPENSIVE, FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, REDUCE as _REDUCE, VIEW as _VIEW,
+                       whole_slice)
 from .walk import elementwise_output as _elementwise_output, nbytes as _bytes
 
 
@@ -111,7 +112,7 @@ class Liveness:
     def _result_bytes(self, p: Pass, e, v, origin: dict) -> float:
         """Per-device bytes of the materialised result ``v`` of ``e``."""
         name = e.primitive.name
-        view = name in _VIEW and self.whole(origin, v) is not None
+        view = (name in _VIEW or whole_slice(e)) and self.whole(origin, v) is not None
         # A nested jaxpr's outputs are written into its caller's buffers (a scan's
         # stacked outputs, a call's results): counted there, not here.
         inner_out = not p.outputs_live and v in p.jaxpr_out

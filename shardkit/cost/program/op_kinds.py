@@ -31,6 +31,15 @@ MATMUL = {"dot_general", "conv_general_dilated"}
 # Ops that take part of a value (a stacked weight's one slice: ``w[:, i]``): a use of the
 # parameter for the readings, a value of its own for sizes.
 SLICE = {"slice", "dynamic_slice", "index_in_dim", "rev"}
+
+
+def whole_slice(e) -> bool:
+    """Whether ``e`` is a slice that takes all of its operand (``w[rep]`` of a stack of one
+    chunk): a view of it, not a value of its own. (``rev`` reorders its operand: a value.)"""
+    return (e.primitive.name in SLICE and e.primitive.name != "rev"
+            and math.prod(e.outvars[0].aval.shape) == math.prod(e.invars[0].aval.shape))
+
+
 # Primitives whose body the reader cannot see (a kernel written for one backend): their flops
 # and buffers are not counted (``ProgramReading.unseen``).
 OPAQUE = {"pallas_call", "ffi_call", "custom_call", "triton_kernel_call", "mosaic_gpu_call", "tpu_custom_call"}

@@ -59,7 +59,7 @@ from .kernel_traffic import KernelTraffic
 from .tensor_splits import TensorSplits
 from .trace import trace_pass
 from .op_kinds import (FUSIBLE as _FUSIBLE, MATMUL as _MATMUL, OPAQUE as _OPAQUE, REDUCE as _REDUCE, SLICE as _SLICE,
-                       VIEW as _VIEW, view_dims)
+                       VIEW as _VIEW, view_dims, whole_slice)
 
 
 class _Token:
@@ -163,7 +163,8 @@ class _Reader(TensorSplits, Liveness, KernelTraffic, Visitor):
         src = frame.source(e)
         if (name in _VIEW or name in _SLICE) and src and src[0] is not None:
             for v in e.outvars:  # the walker made them views of the parameter
-                if name in _SLICE or e.invars[0] in self.sliced:
+                # a slice of all of it (``w[rep]`` of a one-chunk stack) stays a view of the leaf
+                if (name in _SLICE and not whole_slice(e)) or e.invars[0] in self.sliced:
                     self.sliced.add(v)
             if e.invars[0] in self.weight_dims:
                 dims = view_dims(e, self.weight_dims[e.invars[0]])
