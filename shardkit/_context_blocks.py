@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from ._branches import even_switch, ppermute
 from ._opaque import opaque
 from ._vma import vary_like
+from .kernels.blockwise import block_grads
 from .kernels.kept import kept_output, kept_stats
 from .mesh import block_shard_map
 
@@ -252,13 +253,8 @@ def _backward_body(cfg: _Config, q, k, v, out, lse, dout, seg=None):
         p = jnp.exp(s - lse[:, qs][..., None])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(dob.dtype), dob, preferred_element_type=F32)
-        dp = jnp.einsum("bqkgd,bskd->bqkgs", dob, vb, preferred_element_type=F32)
-        ds = p * (dp - delta[:, qs][..., None]) * cfg.scale
-        dq = dq.at[:, qs].add(jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
-                                         preferred_element_type=F32))
-        dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(qb.dtype), qb, preferred_element_type=F32)
-        return dq, (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
+        dq_b, dk, dv = block_grads(p, qb, dob, kb, vb, delta[:, qs], cfg.scale)
+        return dq.at[:, qs].add(dq_b), (dkv[0].at[:, ks].add(dk), dkv[1].at[:, ks].add(dv))
 
     dq, dk, dv = _grad_loop(cfg, i, kv, dq, every, update)
     return dq.reshape(B, Tl, Hq, Dh).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

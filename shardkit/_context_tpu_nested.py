@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._context_blocks import F32, _NEG, _Config, _mask, _online, _split_heads
 from ._vma import vary_like
+from .kernels.blockwise import block_grads
 from .kernels.kept import kept_output, kept_stats
 
 
@@ -92,13 +93,8 @@ def compiler_blockwise(cfg: _Config, q, k, v, seg):
             mask = mask_of(x, seg, pos)
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
-            dv = jnp.einsum("bqkgs,bqkgd->bskd", p.astype(do5.dtype), do5, preferred_element_type=F32)
-            ds = p * (jnp.einsum("bqkgd,bskd->bqkgs", do5, vb, preferred_element_type=F32)
-                      - delta[..., None]) * cfg.scale
-            dq = keep(dq + jnp.einsum("bqkgs,bskd->bqkgd", ds.astype(kb.dtype), kb,
-                                      preferred_element_type=F32))
-            dk = jnp.einsum("bqkgs,bqkgd->bskd", ds.astype(q5.dtype), q5, preferred_element_type=F32)
-            return dq, (dk, dv)
+            dq_b, dk, dv = block_grads(p, q5, do5, kb, vb, delta, cfg.scale)
+            return keep(dq + dq_b), (dk, dv)
 
         dq0 = vary_like(jnp.zeros(q5.shape, F32), (q, k, v, dout))
         dq, (dk, dv) = lax.scan(step, dq0, xs_of(k, v, seg, pos))

@@ -54,6 +54,20 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
     return o.reshape(B, T, H, Q).astype(q.dtype)
 
 
+def block_grads(p, q5, do5, kb, vb, delta, scale: float):
+    """One (query block, key/value block) pair's share of FlashAttention's backward (Dao et
+    al. 2022, alg. 4) from its probabilities ``p`` (B, Tq, K, G, Tk) float32, rebuilt from the
+    saved log-sum-exp and masked: ``(dq, dk, dv)`` float32, dq (B, Tq, K, G, Q) to add to the
+    queries' gradient, dk and dv (B, Tk, K, Q) the block's. ``delta`` (B, Tq, K, G) is
+    rowsum(dO * O). Shared by this backward, the context ring's and its XLA:TPU nested form."""
+    dv = jnp.einsum("btkgs,btkgq->bskq", p.astype(do5.dtype), do5, preferred_element_type=F32)
+    dp = jnp.einsum("btkgq,bskq->btkgs", do5, vb, preferred_element_type=F32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("btkgs,bskq->btkgq", ds.astype(kb.dtype), kb, preferred_element_type=F32)
+    dk = jnp.einsum("btkgs,btkgq->bskq", ds.astype(q5.dtype), q5, preferred_element_type=F32)
+    return dq, dk, dv
+
+
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                         window: int | None = None, scale: float | None = None,
                         block: int = 512) -> jax.Array:
@@ -128,12 +142,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
             kb, vb, kp = x
             s, mask = scores(q5, kb, kp)
             p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
-            dv = jnp.einsum("btkgs,btkgq->bskq", p.astype(do5.dtype), do5, preferred_element_type=F32)
-            dp = jnp.einsum("btkgq,bskq->btkgs", do5, vb, preferred_element_type=F32)
-            ds = p * (dp - delta[..., None]) * scale
-            dq = dq + jnp.einsum("btkgs,bskq->btkgq", ds.astype(kb.dtype), kb, preferred_element_type=F32)
-            dk = jnp.einsum("btkgs,btkgq->bskq", ds.astype(q5.dtype), q5, preferred_element_type=F32)
-            return dq, (dk, dv)
+            dq_b, dk, dv = block_grads(p, q5, do5, kb, vb, delta, scale)
+            return dq + dq_b, (dk, dv)
 
         dq0 = vary_like(jnp.zeros(q5.shape, F32), (q, k, v, dout))
         dq, (dk, dv) = lax.scan(step, dq0, xs(k, v))
