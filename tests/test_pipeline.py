@@ -348,12 +348,12 @@ def test_a_self_checkpointing_layer_is_not_wrapped_again(devices):
     whose chunk then recomputes (the per-tick slice of its groups is not saved)."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    from shardkit.pipeline.stage import chunk_runner, has_own_remat
+    from shardkit.pipeline.stage import chunk_runner, layer_facts
 
     own = jax.checkpoint(layer)
     params, head, x, t = make_problem(4)
     one = jax.tree.map(lambda a: a[0], params)
-    assert has_own_remat(own, one, x) and not has_own_remat(layer, one, x)
+    assert layer_facts(own, one, x)[0] and not layer_facts(layer, one, x)[0]
     stack = jax.tree.map(lambda a: a[None, :2], params)  # (v=1, k=2, ...)
     chunk = chunk_runner(own, 2, False, None, "none", own_remat=True)
     res = saved_residuals(lambda P_, h: chunk(P_, 0, h, 0, 0, None), stack, x)

@@ -56,7 +56,7 @@ def layer_runner(stage_fn, k, has_extras, rng):
 def chunk_runner(stage_fn, k, has_extras, rng, remat, own_remat=False):
     """chunk(params_l (v, k, ...), rep, h, group, mb, extras_mb) runs chunk ``rep``'s k layers
     (``group`` is its global layer-group index, for the rng fold). ``own_remat``: ``stage_fn``
-    already checkpoints itself (``has_own_remat``); see ``with_remat``."""
+    already checkpoints itself (``layer_facts``); see ``with_remat``."""
 
     one = layer_runner(stage_fn, k, has_extras, rng)
 
@@ -80,15 +80,10 @@ def chunk_runner(stage_fn, k, has_extras, rng, remat, own_remat=False):
     return with_remat(chunk, remat, own_remat)
 
 
-def has_own_remat(stage_fn, *args) -> bool:
-    """Whether ``stage_fn(*args)`` runs under its own ``jax.checkpoint`` (a recipe's
-    ``remat="full"`` layer): then the stage must not be wrapped again (``with_remat``)."""
-    return layer_facts(stage_fn, *args)[0]
-
-
 def layer_facts(stage_fn, *args) -> tuple[bool, frozenset[str]]:
-    """``(has_own_remat, checkpoint names)`` of ``stage_fn(*args)``, one trace: whether it runs
-    under its own ``jax.checkpoint``, and the names it gives values with
+    """``(own remat, checkpoint names)`` of ``stage_fn(*args)``, one trace: whether it runs
+    under its own ``jax.checkpoint`` (a recipe's ``remat="full"`` layer: then the stage must
+    not be wrapped again, ``with_remat``), and the names it gives values with
     ``jax.ad_checkpoint.checkpoint_name`` (what a names policy such as ``keep="lean"`` saves)."""
     from jax._src.ad_checkpoint import name_p, remat_p
     from jax.extend.core import jaxprs_in_params
