@@ -6,8 +6,8 @@ recipe (``models.transformer.plan.builder``) pipelined, each ``keep``, compiled 
 XLA:GPU for H100s, beside the analytic peak of the same layout. Nothing here was fitted.
 The attention is ``bench/llama3_compile.py``'s ``flash_like`` (what the Llama 3 compiles ran:
 q, k, v and the output kept, the scores rebuilt a block at a time), or with ``--attention
-triton`` the Pallas Triton kernel the recipe runs on an H100 target, whose backward keeps more
-than the four tensors the count names.
+triton`` the Pallas Triton kernel the recipe runs on an H100 target (its custom VJP keeps the
+same four and the row log-sum-exp, named: ``shardkit/kernels/kept.py``).
 
     python bench/keep_out_of_sample.py [--attention triton]   # 3 compiles in one subprocess (~1-4 min)
 
