@@ -33,8 +33,9 @@ def layouts(devices: int, *, layers: int, heads: int, global_batch: int, node_si
     take each ``repeats`` (chunks per stage; default every divisor > 1 of the layers per
     stage). The explicit schedules (``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``) with
     ``remat="none"`` take each ``keep`` (``sk.pipeline(keep=)``: ``"input"`` recomputes each
-    chunk's forward in its backward op, ``"all"`` / ``"dots"`` keep every in-flight
-    chunk-microbatch's residuals or the policy's saved set). ``schedules`` may also name
+    chunk's forward in its backward op, ``"all"`` / ``"dots"`` / ``"lean"`` keep every in-flight
+    chunk-microbatch's residuals, the policy's saved set, or the values a layer names
+    ``sk.LEAN_RESIDUALS``). ``schedules`` may also name
     ``"interleaved-1f1b"`` and ``"zb-h1"``; they are not searched by default.
     ``replicas`` > 1 adds DiLoCo layouts (``sk.DiLoCo``): that many copies of each layout of
     ``devices / replicas``, outermost, syncing every ``diloco_every`` steps (asked for, never
