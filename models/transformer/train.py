@@ -93,8 +93,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     a("--diloco-outer-momentum", type=float, default=0.9, help="its Nesterov momentum (default 0.9; 0 = "
       "plain SGD, and with --diloco-outer-lr 1 plain parameter averaging)")
     a("--steps", type=int, default=200, help="training steps (default 200)")
-    a("--gpu-memory-fraction", type=float, default=0.95, help="on a GPU, XLA recomputes values only past this "
-      "share of the device (default 0.95; run with XLA_PYTHON_CLIENT_MEM_FRACTION at least as large)")
+    a("--gpu-memory-fraction", type=float, default=sk.xla.GPU_MEMORY_FRACTION, help="on a GPU, XLA recomputes "
+      f"values only past this share of the device (default {sk.xla.GPU_MEMORY_FRACTION}; run with "
+      "XLA_PYTHON_CLIENT_MEM_FRACTION at least as large)")
     schedules.add_flags(p, lr=3e-3, warmup="steps/10, at most 100", weight_decay=0.1,
                         no_decay="norm|embed", grad_clip=1.0)
     a("--seed", type=int, default=0, help="seed of the initial parameters and of the data order (default 0)")
